@@ -85,7 +85,7 @@ def kda_chunked(
         rows = [F.pad(r, (0, 0) * (r.dim() - 1) + (0, padded_len - r.shape[0])) for r in rows]
         return torch.stack(rows).to(acc).movedim(2, 1)
 
-    qs, ks, vs, gs = gather(q * scale if q.dtype == acc else q.to(acc) * scale), gather(k), gather(v), gather(g)
+    qs, ks, vs, gs = gather(q.to(acc) * scale), gather(k), gather(v), gather(g)
     betas = gather(beta.unsqueeze(-1)).squeeze(-1)
     o_padded, final = _kda_chunked_padded(qs, ks, vs, gs, betas, initial_state, chunk_size)
     o_padded = o_padded.movedim(1, 2)  # [N,padded_len,H,V]
