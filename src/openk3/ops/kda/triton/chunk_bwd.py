@@ -1,0 +1,179 @@
+"""Chunked KDA backward: a reverse state pass per (sequence, head, V block), then a token-parallel kernel.
+
+Forward per chunk (chunk_fwd.py): pv = U - W S, O = Qd S + Aqk pv, S' = Diag(gc) S + kg^T pv. Walking the
+chunks backwards with dS' (the gradient of the state after the chunk):
+
+    dpv = Aqk^T dO + kg dS'          dU = dpv
+    dQd = dO S^T,  dAqk = dO pv^T,  dkg = pv dS'^T,  dW = -dpv S^T,  dgc = rowsum(S ⊙ dS')
+    dS  = Qd^T dO + Diag(gc) dS' - W^T dpv
+
+dQd, dAqk, dkg, dW and dgc sum over V: each V block writes its partial sums and the token-parallel kernel
+adds them up while it back-propagates through the chunk's own terms (T = (I + A)^-1, W = T Diag(beta) Kd,
+U = T Diag(beta) V, A = StrictTril(Diag(beta) Kd Ki^T), Aqk = Tril(Qd Ki^T), kg = Ki e^G_C, gc = e^G_C):
+
+    dT = dW (beta Kd)^T + dU (beta V)^T,   dA = -T^T dT T^T (strictly lower)
+    each product x_i y_j e^(G_i - G_j) gives dG_i += x_i dx_i and dG_j -= y_j dy_j; dg = reverse cumsum of dG
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from openk3.ops.kda.triton.chunk_fwd import _load_rows, _pow2, _store_rows, chunk_terms, precision, prepare
+from openk3.ops.kda.triton.layout import CHUNK, ChunkLayout
+
+
+@triton.jit
+def _state_bwd_kernel(W, U, QG, KG, AQK, GCX, hs, do, dht, dh0, dU, pQG, pAQK, pKG, pW, pGC, cu, chunk_off,
+                      T_total, n_chunks_total,
+                      H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                      BK: tl.constexpr, BV: tl.constexpr, HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr,
+                      PREC: tl.constexpr):
+    n = tl.program_id(0)
+    h = tl.program_id(1)
+    iv = tl.program_id(2)
+    bos = tl.load(cu + n)
+    eos = tl.load(cu + n + 1)
+    c0 = tl.load(chunk_off + n)
+    n_chunks = tl.cdiv(eos - bos, BT)
+    dt = W.dtype.element_ty
+    ck = tl.arange(0, BK)
+    cv = iv * BV + tl.arange(0, BV)
+    tt = tl.arange(0, BT)
+    smask = (ck[:, None] < K) & (cv[None, :] < V)
+    s_offs = ck[:, None] * V + cv[None, :]
+    if HAS_DHT:
+        dS = tl.load(dht + (n * H + h) * K * V + s_offs, mask=smask, other=0.0).to(tl.float32)
+    else:
+        dS = tl.zeros([BK, BV], dtype=tl.float32)
+    # partial sums of this V block: [NV, T, H, *] planes
+    pk = iv * T_total * H * K
+    pa = iv * T_total * H * BT
+    for i in range(n_chunks):
+        c = n_chunks - 1 - i
+        rows = bos + c * BT + tt
+        rmask = rows < eos
+        S = tl.load(hs + ((c0 + c) * H + h) * K * V + s_offs, mask=smask, other=0.0)
+        xk = (rows[:, None] * H + h) * K + ck[None, :]
+        mk = rmask[:, None] & (ck[None, :] < K)
+        w = tl.load(W + xk, mask=mk, other=0.0)
+        qg = tl.load(QG + xk, mask=mk, other=0.0)
+        kg = tl.load(KG + xk, mask=mk, other=0.0)
+        xv = (rows[:, None] * H + h) * V + cv[None, :]
+        mv = rmask[:, None] & (cv[None, :] < V)
+        u = tl.load(U + xv, mask=mv, other=0.0).to(tl.float32)
+        dout = tl.load(do + xv, mask=mv, other=0.0).to(dt)
+        xa = (rows[:, None] * H + h) * BT + tt[None, :]
+        aqk = tl.load(AQK + xa, mask=rmask[:, None], other=0.0)
+        gc = tl.load(GCX + ((c0 + c) * H + h) * K + ck, mask=ck < K, other=0.0).to(tl.float32)
+        pv = (u - tl.dot(w, S, input_precision=PREC)).to(dt)
+        dSd = dS.to(dt)
+        dpv = tl.dot(tl.trans(aqk), dout, input_precision=PREC) + tl.dot(kg, dSd, input_precision=PREC)
+        tl.store(dU + xv, dpv, mask=mv)
+        St = tl.trans(S)
+        tl.store(pQG + pk + xk, tl.dot(dout, St, input_precision=PREC), mask=mk)
+        tl.store(pKG + pk + xk, tl.dot(pv, tl.trans(dSd), input_precision=PREC), mask=mk)
+        tl.store(pW + pk + xk, -tl.dot(dpv.to(dt), St, input_precision=PREC), mask=mk)
+        tl.store(pAQK + pa + xa, tl.dot(dout, tl.trans(pv), input_precision=PREC), mask=rmask[:, None])
+        dgc = tl.sum(S.to(tl.float32) * dS, axis=1)
+        tl.store(pGC + ((iv * n_chunks_total + c0 + c) * H + h) * K + ck, dgc, mask=ck < K)
+        dS = dS * gc[:, None] + tl.dot(tl.trans(qg), dout, input_precision=PREC) \
+            - tl.dot(tl.trans(w), dpv.to(dt), input_precision=PREC)
+    if HAS_H0:
+        tl.store(dh0 + (n * H + h) * K * V + s_offs, dS, mask=smask)
+
+
+@triton.jit
+def _sum_planes(ptr, offs, mask, plane, NV: tl.constexpr):
+    acc = tl.load(ptr + offs, mask=mask, other=0.0)
+    for iv in tl.static_range(1, NV):
+        acc += tl.load(ptr + iv * plane + offs, mask=mask, other=0.0)
+    return acc
+
+
+@triton.jit
+def _intra_bwd_kernel(q, k, v, g, beta, bounds, dU, pQG, pAQK, pKG, pW, pGC, dq, dk, dv, dg, dbeta,
+                      scale, T_total, n_chunks_total,
+                      H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                      BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, PREC: tl.constexpr):
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    t0 = tl.load(bounds + 2 * c)
+    t1 = tl.load(bounds + 2 * c + 1)
+    rows = t0 + tl.arange(0, BT)
+    rmask = rows < t1
+    G, kk, b, vv, eG, Kd, Ki, Qd, P, Aqk, Tm, GC = chunk_terms(
+        q, k, v, g, beta, rows, rmask, h, scale, H, K, V, BT, BK, BV, PREC)
+    i = tl.arange(0, BT)[:, None]
+    j = tl.arange(0, BT)[None, :]
+    ck = tl.arange(0, BK)
+    xk = (rows[:, None] * H + h) * K + ck[None, :]
+    mk = rmask[:, None] & (ck[None, :] < K)
+    plane_k = T_total * H * K
+    dQd = _sum_planes(pQG, xk, mk, plane_k, NV)
+    dkg = _sum_planes(pKG, xk, mk, plane_k, NV)
+    dW = _sum_planes(pW, xk, mk, plane_k, NV)
+    xa = (rows[:, None] * H + h) * BT + j
+    dAqk = tl.where(i >= j, _sum_planes(pAQK, xa, rmask[:, None], T_total * H * BT, NV), 0.0)
+    dgc = _sum_planes(pGC, (c * H + h) * K + ck, ck < K, n_chunks_total * H * K, NV)
+    dUc = _load_rows(dU, rows, rmask, H, h, V, BV)
+    # W = T (beta Kd), U = T (beta V)
+    Wb = Kd * b[:, None]
+    Vb = vv * b[:, None]
+    dT = tl.dot(dW, tl.trans(Wb), input_precision=PREC) + tl.dot(dUc, tl.trans(Vb), input_precision=PREC)
+    Tt = tl.trans(Tm)
+    dWb = tl.dot(Tt, dW, input_precision=PREC)
+    dVb = tl.dot(Tt, dUc, input_precision=PREC)
+    dbeta_acc = tl.sum(dVb * vv, axis=1) + tl.sum(dWb * Kd, axis=1)
+    dKd = dWb * b[:, None]
+    # T = (I + A)^-1  =>  dA = -T^T dT T^T, kept where A lives (strictly lower)
+    dA = -tl.dot(tl.dot(Tt, dT, input_precision=PREC), Tt, input_precision=PREC)
+    dA = tl.where(i > j, dA, 0.0)
+    dbeta_acc += tl.sum(dA * P, axis=1)
+    dP = dA * b[:, None]
+    dKd += tl.dot(dP, Ki, input_precision=PREC)
+    dKi = tl.dot(tl.trans(dP), Kd, input_precision=PREC) + tl.dot(tl.trans(dAqk), Qd, input_precision=PREC)
+    dQd += tl.dot(dAqk, Ki, input_precision=PREC)
+    kg = Ki * tl.exp(GC)[None, :]
+    e_end = tl.exp(GC[None, :] - G)
+    dkk = dKd * eG + dKi * tl.exp(-G) + dkg * e_end
+    dG = dQd * Qd + dKd * Kd - dKi * Ki - dkg * kg
+    dGC = tl.sum(dkg * kg, axis=0) + dgc * tl.exp(GC)
+    # G_t = sum_{s<=t} g_s and G_C = G at the chunk's end: dg_t = sum_{s>=t} dG_s + dG_C
+    dgg = tl.sum(dG, axis=0)[None, :] - tl.cumsum(dG, axis=0) + dG + dGC[None, :]
+    _store_rows(dq, dQd * eG * scale, rows, rmask, H, h, K, BK)
+    _store_rows(dk, dkk, rows, rmask, H, h, K, BK)
+    _store_rows(dg, dgg, rows, rmask, H, h, K, BK)
+    _store_rows(dv, dVb * b[:, None], rows, rmask, H, h, V, BV)
+    tl.store(dbeta + rows * H + h, dbeta_acc.to(dbeta.dtype.element_ty), mask=rmask)
+
+
+def chunk_kda_bwd(q, k, v, g, beta, scale, hs, do, dht, has_h0, lay: ChunkLayout, BV: int):
+    """Flat [T,H,*] backward from the saved per-chunk states hs. Returns dq, dk, dv, dg, dbeta, dh0."""
+    T, H, K = q.shape
+    V = v.shape[-1]
+    N = lay.n_seqs
+    W, U, QG, KG, AQK, GC = prepare(q, k, v, g, beta, scale, lay)
+    NV = triton.cdiv(V, BV)
+    nc = max(lay.n_chunks, 1)
+    f32 = dict(dtype=torch.float32, device=q.device)
+    dU = torch.empty(T, H, V, **f32)
+    pQG, pKG, pW = (torch.empty(NV, T, H, K, **f32) for _ in range(3))
+    pAQK = torch.empty(NV, T, H, CHUNK, **f32)
+    pGC = torch.empty(NV, nc, H, K, **f32)
+    dh0 = torch.empty(N, H, K, V, **f32) if has_h0 else None
+    prec = precision(q.dtype)
+    _state_bwd_kernel[(N, H, NV)](
+        W, U, QG, KG, AQK, GC, hs, do, dht, dh0, dU, pQG, pAQK, pKG, pW, pGC, lay.cu_seqlens, lay.chunk_offsets,
+        T, nc, H=H, K=K, V=V, BT=CHUNK, BK=_pow2(K), BV=BV, HAS_DHT=dht is not None, HAS_H0=has_h0,
+        PREC=prec, num_warps=4)
+    dq, dk, dg = (torch.empty_like(x) for x in (q, k, g))
+    dv = torch.empty_like(v)
+    dbeta = torch.empty_like(beta)
+    if lay.n_chunks:
+        _intra_bwd_kernel[(lay.n_chunks, H)](
+            q, k, v, g, beta, lay.chunk_bounds, dU, pQG, pAQK, pKG, pW, pGC, dq, dk, dv, dg, dbeta,
+            scale, T, nc, H=H, K=K, V=V, BT=CHUNK, BK=_pow2(K), BV=_pow2(V), NV=NV, PREC=prec, num_warps=4)
+    return dq, dk, dv, dg, dbeta, dh0

@@ -1,0 +1,177 @@
+"""Chunked KDA forward: a token-parallel prepare kernel and a per-(sequence, head) state pass (SPEC-K3 §2).
+
+Per chunk of BT = 16 tokens, G = within-chunk cumsum of g (per channel, anchored at the chunk start), and
+Kd = K e^G, Ki = K e^-G, Qd = scale Q e^G (Gamma ⊙ K, K / Gamma, Gamma ⊙ Q in the SPEC's notation):
+
+    prepare (one program per chunk and head, independent of the state):
+        A   = StrictTril(Diag(beta) Kd Ki^T),  T = (I + A)^-1       (forward substitution, fp32)
+        W   = T Diag(beta) Kd,  U = T Diag(beta) V,  Aqk = Tril(Qd Ki^T),  kg = K e^(G_C - G),  gc = e^G_C
+    state pass (one program per sequence, head and block of V columns; columns of S evolve independently):
+        pv = U - W S,   O = Qd S + Aqk pv,   S <- Diag(gc) S + kg^T pv
+
+Every exponent but -G is <= 0; e^-G spans at most 15 gates (e^75 for K3's bound g >= -5), within fp32
+range. The anchor is the chunk's first token, never a later one, so outputs are causal to the bit.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from openk3.ops.kda.triton.layout import CHUNK, ChunkLayout
+
+
+@triton.jit
+def _load_rows(ptr, rows, row_mask, H: tl.constexpr, h, D: tl.constexpr, BD: tl.constexpr):
+    """x[rows, h, :D] of a [T,H,D] tensor as fp32 [BT, BD], zero outside."""
+    cols = tl.arange(0, BD)
+    offs = (rows[:, None] * H + h) * D + cols[None, :]
+    return tl.load(ptr + offs, mask=row_mask[:, None] & (cols[None, :] < D), other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _store_rows(ptr, x, rows, row_mask, H: tl.constexpr, h, D: tl.constexpr, BD: tl.constexpr):
+    cols = tl.arange(0, BD)
+    offs = (rows[:, None] * H + h) * D + cols[None, :]
+    tl.store(ptr + offs, x.to(ptr.dtype.element_ty), mask=row_mask[:, None] & (cols[None, :] < D))
+
+
+@triton.jit
+def chunk_terms(q, k, v, g, beta, rows, rmask, h, scale, H: tl.constexpr, K: tl.constexpr,
+                V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+    """The state-independent terms of one chunk (shared by the prepare kernel and the backward)."""
+    G = tl.cumsum(_load_rows(g, rows, rmask, H, h, K, BK), axis=0)  # padded rows: g = 0, G stays put
+    kk = _load_rows(k, rows, rmask, H, h, K, BK)
+    b = tl.load(beta + rows * H + h, mask=rmask, other=0.0).to(tl.float32)
+    eG = tl.exp(G)
+    Kd = kk * eG
+    Ki = kk * tl.exp(-G)
+    Qd = _load_rows(q, rows, rmask, H, h, K, BK) * eG * scale
+    vv = _load_rows(v, rows, rmask, H, h, V, BV)
+    i = tl.arange(0, BT)[:, None]
+    j = tl.arange(0, BT)[None, :]
+    P = tl.dot(Kd, tl.trans(Ki), input_precision=PREC)
+    A = tl.where(i > j, P * b[:, None], 0.0)
+    Aqk = tl.where(i >= j, tl.dot(Qd, tl.trans(Ki), input_precision=PREC), 0.0)
+    # T = (I + A)^-1 by forward substitution: row r of T is e_r - sum_{j<r} A[r,j] T[j,:]
+    Tm = tl.where(i == j, 1.0, 0.0)
+    for r in tl.static_range(1, BT):
+        a_r = tl.sum(tl.where(i == r, A, 0.0), axis=0)
+        Tm = tl.where(i == r, Tm - tl.sum(a_r[:, None] * Tm, axis=0)[None, :], Tm)
+    GC = tl.sum(tl.where(i == BT - 1, G, 0.0), axis=0)  # G at the chunk's end (padding keeps it)
+    return G, kk, b, vv, eG, Kd, Ki, Qd, P, Aqk, Tm, GC
+
+
+@triton.jit
+def _prepare_kernel(q, k, v, g, beta, bounds, W, U, QG, KG, AQK, GCX, scale,
+                    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                    BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    t0 = tl.load(bounds + 2 * c)
+    t1 = tl.load(bounds + 2 * c + 1)
+    rows = t0 + tl.arange(0, BT)
+    rmask = rows < t1
+    G, kk, b, vv, eG, Kd, Ki, Qd, P, Aqk, Tm, GC = chunk_terms(
+        q, k, v, g, beta, rows, rmask, h, scale, H, K, V, BT, BK, BV, PREC)
+    _store_rows(W, tl.dot(Tm, Kd * b[:, None], input_precision=PREC), rows, rmask, H, h, K, BK)
+    _store_rows(U, tl.dot(Tm, vv * b[:, None], input_precision=PREC), rows, rmask, H, h, V, BV)
+    _store_rows(QG, Qd, rows, rmask, H, h, K, BK)
+    _store_rows(KG, kk * tl.exp(GC[None, :] - G), rows, rmask, H, h, K, BK)
+    _store_rows(AQK, Aqk, rows, rmask, H, h, BT, BT)
+    cols = tl.arange(0, BK)
+    tl.store(GCX + (c * H + h) * K + cols, tl.exp(GC), mask=cols < K)
+
+
+@triton.jit
+def _state_fwd_kernel(W, U, QG, KG, AQK, GCX, h0, ht, hs, o, cu, chunk_off,
+                      H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                      BK: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr,
+                      SAVE_STATES: tl.constexpr, PREC: tl.constexpr):
+    n = tl.program_id(0)
+    h = tl.program_id(1)
+    iv = tl.program_id(2)
+    bos = tl.load(cu + n)
+    eos = tl.load(cu + n + 1)
+    c0 = tl.load(chunk_off + n)
+    n_chunks = tl.cdiv(eos - bos, BT)
+    dt = W.dtype.element_ty
+    ck = tl.arange(0, BK)
+    cv = iv * BV + tl.arange(0, BV)
+    smask = (ck[:, None] < K) & (cv[None, :] < V)
+    s_offs = ck[:, None] * V + cv[None, :]
+    if HAS_H0:
+        S = tl.load(h0 + (n * H + h) * K * V + s_offs, mask=smask, other=0.0).to(tl.float32)
+    else:
+        S = tl.zeros([BK, BV], dtype=tl.float32)
+    tt = tl.arange(0, BT)
+    for c in range(n_chunks):
+        rows = bos + c * BT + tt
+        rmask = rows < eos
+        if SAVE_STATES:
+            tl.store(hs + ((c0 + c) * H + h) * K * V + s_offs, S.to(hs.dtype.element_ty), mask=smask)
+        xk = (rows[:, None] * H + h) * K + ck[None, :]
+        mk = rmask[:, None] & (ck[None, :] < K)
+        w = tl.load(W + xk, mask=mk, other=0.0)
+        qg = tl.load(QG + xk, mask=mk, other=0.0)
+        kg = tl.load(KG + xk, mask=mk, other=0.0)
+        xv = (rows[:, None] * H + h) * V + cv[None, :]
+        mv = rmask[:, None] & (cv[None, :] < V)
+        u = tl.load(U + xv, mask=mv, other=0.0).to(tl.float32)
+        aqk = tl.load(AQK + (rows[:, None] * H + h) * BT + tt[None, :], mask=rmask[:, None], other=0.0)
+        gc = tl.load(GCX + ((c0 + c) * H + h) * K + ck, mask=ck < K, other=0.0).to(tl.float32)
+        Sd = S.to(dt)
+        pv = (u - tl.dot(w, Sd, input_precision=PREC)).to(dt)
+        out = tl.dot(qg, Sd, input_precision=PREC) + tl.dot(aqk, pv, input_precision=PREC)
+        tl.store(o + xv, out.to(o.dtype.element_ty), mask=mv)
+        S = S * gc[:, None] + tl.dot(tl.trans(kg), pv, input_precision=PREC)
+    if STORE_FINAL:
+        tl.store(ht + (n * H + h) * K * V + s_offs, S, mask=smask)
+
+
+def _pow2(x: int) -> int:
+    return max(16, triton.next_power_of_2(x))
+
+
+def precision(dtype: torch.dtype) -> str:
+    """fp32 inputs get fp32 products; 16-bit inputs get tf32 for the fp32 intra-chunk products."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def state_block(n_seqs: int, H: int, V: int) -> int:
+    """Columns of V per state-pass program: narrow blocks when there are few (sequence, head) chains."""
+    return min(_pow2(V), 32 if n_seqs * H * 2 < 264 else 64)
+
+
+def prepare(q, k, v, g, beta, scale: float, lay: ChunkLayout):
+    """Run the prepare kernel on flat [T,H,*] inputs; returns (W, U, QG, KG, AQK, GC)."""
+    T, H, K = q.shape
+    V = v.shape[-1]
+    dt = q.dtype if q.dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
+    W, QG, KG = (torch.empty(T, H, K, dtype=dt, device=q.device) for _ in range(3))
+    U = torch.empty(T, H, V, dtype=dt, device=q.device)
+    AQK = torch.empty(T, H, CHUNK, dtype=dt, device=q.device)
+    GC = torch.empty(max(lay.n_chunks, 1), H, K, dtype=torch.float32, device=q.device)
+    if lay.n_chunks:
+        _prepare_kernel[(lay.n_chunks, H)](
+            q, k, v, g, beta, lay.chunk_bounds, W, U, QG, KG, AQK, GC, scale,
+            H=H, K=K, V=V, BT=CHUNK, BK=_pow2(K), BV=_pow2(V), PREC=precision(q.dtype), num_warps=4)
+    return W, U, QG, KG, AQK, GC
+
+
+def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, lay: ChunkLayout, save_states):
+    """Flat [T,H,*] forward. Returns o (v's dtype), final state (fp32 or None), per-chunk states (or None)."""
+    T, H, K = q.shape
+    V = v.shape[-1]
+    W, U, QG, KG, AQK, GC = prepare(q, k, v, g, beta, scale, lay)
+    o = torch.empty(T, H, V, dtype=v.dtype, device=q.device)
+    N = lay.n_seqs
+    ht = torch.empty(N, H, K, V, dtype=torch.float32, device=q.device) if output_final_state else None
+    hs = torch.empty(max(lay.n_chunks, 1), H, K, V, dtype=W.dtype, device=q.device) if save_states else None
+    BV = state_block(N, H, V)
+    _state_fwd_kernel[(N, H, triton.cdiv(V, BV))](
+        W, U, QG, KG, AQK, GC, initial_state, ht, hs, o, lay.cu_seqlens, lay.chunk_offsets,
+        H=H, K=K, V=V, BT=CHUNK, BK=_pow2(K), BV=BV, HAS_H0=initial_state is not None,
+        STORE_FINAL=output_final_state, SAVE_STATES=save_states, PREC=precision(q.dtype), num_warps=4)
+    return o, ht, hs

@@ -1,0 +1,43 @@
+"""Token layout shared by the KDA kernels: every batch is handled as one flat variable-length batch.
+
+[B,T,H,*] without cu_seqlens is viewed as [B*T,H,*] with sequences [0,T), [T,2T), ...; chunks of BT tokens
+start at each sequence's first token, so a chunk never straddles two sequences (the last one may be short).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+CHUNK = 16  # tokens per chunk: a 16-token span keeps exp(+-G) inside fp32 range for g >= -5 (SPEC §2)
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    cu_seqlens: torch.Tensor  # [N+1] int32, token offsets of the sequences in the flat batch
+    chunk_offsets: torch.Tensor  # [N+1] int32, index of each sequence's first chunk
+    chunk_bounds: torch.Tensor  # [n_chunks, 2] int32, first token and end token of every chunk
+    n_seqs: int
+    n_chunks: int
+
+
+def chunk_layout(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None, device) -> ChunkLayout:
+    """Sequence and chunk tables for the flat token layout (reads cu_seqlens on the host when given)."""
+    if cu_seqlens is None:
+        offsets = [b * seq_len for b in range(batch + 1)]
+    else:
+        offsets = [int(x) for x in cu_seqlens.tolist()]
+    chunk_offsets, bounds = [0], []
+    for start, end in zip(offsets, offsets[1:]):
+        for c in range(start, end, CHUNK):
+            bounds.append((c, min(c + CHUNK, end)))
+        chunk_offsets.append(len(bounds))
+    as_i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=device)
+    return ChunkLayout(
+        cu_seqlens=as_i32(offsets),
+        chunk_offsets=as_i32(chunk_offsets),
+        chunk_bounds=as_i32(bounds if bounds else [(0, 0)]).reshape(-1, 2),
+        n_seqs=len(offsets) - 1,
+        n_chunks=len(bounds),
+    )
