@@ -259,8 +259,8 @@ def test_random_operation_sequences_keep_the_invariants(ops, seed, tiers):
                 writing[lease] = (seq, lease.hit_tokens // h)
             elif op == "append" and writing:
                 lease = list(writing)[which % len(writing)]
-                seq, block = writing[lease]
-                for block in range(block, min(block + 1 + amount % 8, len(seq) // h)):  # flag: every block
+                seq, first = writing[lease]
+                for block in range(first, min(first + 1 + amount % 8, len(seq) // h)):  # flag: every block
                     prefix = seq[: (block + 1) * h]
                     checkpoint = oracle.checkpoint(prefix) if flag or block % 3 == 2 else None
                     ok = cache.append(lease, seq[block * h:(block + 1) * h], oracle.kv(prefix), checkpoint)
