@@ -1,0 +1,307 @@
+"""The serving engine: continuous batching over the hybrid model with the K3 prefix cache (SPEC §7).
+
+One `step()`: apply cancellations, admit requests (a prefix hit resumes prefill at the hit boundary with the
+restored KDA states and MLA pages), run one batched decode forward for every decoding sequence, then batched
+prefill chunks within the step's token budget. Prefill chunks end at hash-block boundaries whether or not the
+cache is on, so a KDA checkpoint exists at every boundary and greedy output does not depend on the cache.
+Every time a sequence crosses a boundary (in prefill or decode) its block is registered: the MLA latents of its
+h tokens and the KDA states at its end. `EngineLoop` runs steps on a background thread; `add_request` and
+`cancel` are thread-safe.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from openk3.cache import HybridCache, KDAState, MLAState, SequenceState
+from openk3.serve.prefix_cache import PrefixCache, PrefixCacheConfig
+from openk3.serve.sampling import SamplingParams, sample_token
+from openk3.serve.scheduler import Request, RequestEvent, Scheduler, SchedulerConfig
+
+log = logging.getLogger(__name__)
+
+
+def default_block_sizes(max_seq_len: int) -> tuple[int, int]:
+    """(h, P) keeping K3's ratio P = 12 h: (512, 6144) at K3's 1M context, (16, 192) for toy contexts."""
+    h = 512 if max_seq_len >= 1 << 20 else 64 if max_seq_len >= 1 << 16 else 16
+    return h, 12 * h
+
+
+@dataclass
+class EngineConfig:
+    prefix_cache: bool = True
+    hash_block: int | None = None  # None: default_block_sizes
+    page_size: int | None = None
+    cache_bytes: int = 256 << 20  # device tier of the prefix cache
+    host_cache_bytes: int = 0
+    disk_cache_dir: str | None = None
+    disk_cache_bytes: int = 0
+    seed: int = 0
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+
+@dataclass
+class EngineMetrics:
+    requests_received: int = 0
+    requests_finished: dict[str, int] = field(default_factory=dict)
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    steps: int = 0
+    ttft_seconds_sum: float = 0.0
+    ttft_count: int = 0
+
+
+class Engine:
+    def __init__(self, model: torch.nn.Module, tokenizer, config: EngineConfig | None = None):
+        self.model = model.eval()
+        self.model_config = mc = model.config
+        self.tokenizer = tokenizer
+        self.config = config = config or EngineConfig()
+        default_h, default_p = default_block_sizes(mc.max_seq_len)
+        self.hash_block = config.hash_block or default_h
+        page_size = config.page_size or (config.hash_block * 12 if config.hash_block else default_p)
+        self.mla_layers = [i for i in range(mc.num_layers) if mc.layer_kind(i) == "mla"]
+        self.kda_layers = [i for i in range(mc.num_layers) if mc.layer_kind(i) == "kda"]
+        empty = model.new_cache(1)
+        self.empty_state = empty.extract(0)
+        weight = next(model.parameters())
+        latent = mc.mla.kv_lora_rank + mc.mla.qk_rope_head_dim
+        self.prefix_cache = PrefixCache(PrefixCacheConfig(
+            hash_block=self.hash_block, page_size=page_size,
+            page_bytes=max(1, len(self.mla_layers) * page_size * latent * weight.element_size()),
+            device_bytes=config.cache_bytes, host_bytes=config.host_cache_bytes,
+            disk_dir=config.disk_cache_dir, disk_bytes=config.disk_cache_bytes, device=str(weight.device),
+        )) if config.prefix_cache else None
+        self.scheduler = Scheduler(config.scheduler)
+        self.metrics = EngineMetrics()
+        self.stop_ids = set(tokenizer.stop_ids)
+        self.vocab_limit = min(tokenizer.vocab_size, mc.vocab_size)
+        self._decode_batch: tuple[list[Request], HybridCache] | None = None
+        self._lock = threading.Lock()
+        self._cancels: set[str] = set()
+        self._ids = itertools.count()
+        self.wake = threading.Event()
+
+    # ---- the client side (thread-safe) --------------------------------------------------------------------
+    def add_request(self, prompt: list[int], params: SamplingParams, rid: str | None = None,
+                    on_event=None) -> Request:
+        """Queue a request; raises ValueError for an unusable prompt and QueueFull when throttled."""
+        limit = self.model_config.max_seq_len
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        if len(prompt) >= limit:
+            raise ValueError(f"the prompt has {len(prompt)} tokens; the context holds {limit}")
+        if max(prompt) >= self.model_config.vocab_size or min(prompt) < 0:
+            raise ValueError(f"token ids must be in [0, {self.model_config.vocab_size})")
+        number = next(self._ids)
+        seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + number
+        request = Request(rid=rid or f"req-{number}", prompt=list(prompt), params=params, on_event=on_event,
+                          generator=torch.Generator().manual_seed(seed))
+        with self._lock:
+            self.scheduler.submit(request)
+            self.metrics.requests_received += 1
+        self.wake.set()
+        return request
+
+    def cancel(self, rid: str) -> None:
+        """Stop a request at the next step boundary and free its sequence, locks and state."""
+        with self._lock:
+            self._cancels.add(rid)
+        self.wake.set()
+
+    def has_work(self) -> bool:
+        return bool(self.scheduler.waiting or self.scheduler.running or self._cancels)
+
+    # ---- one step -----------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self) -> None:
+        with self._lock:
+            cancels, self._cancels = self._cancels, set()
+            for r in [r for r in (*self.scheduler.waiting, *self.scheduler.running) if r.rid in cancels]:
+                self._finish(r, "cancelled")
+            admitted = self.scheduler.admit(self._locked_fraction())
+        for r in admitted:
+            self._start(r)
+        decoding = [r for r in self.scheduler.running if not r.prefilling]
+        if decoding:
+            self._decode(decoding)
+        for round_ in self.scheduler.prefill_rounds(self._chunk_end):
+            by_length: dict[int, list[Request]] = {}
+            for r in round_:
+                by_length.setdefault(self._chunk_end(r, r.fed) - r.fed, []).append(r)
+            for group in by_length.values():
+                self._prefill(group)
+        self.metrics.steps += 1
+
+    def _locked_fraction(self) -> float:
+        cache = self.prefix_cache
+        if cache is None:
+            return 0.0
+        locked = sum(cache.config.page_bytes for p in cache.pages if p.locks)
+        return locked / cache.config.device_bytes
+
+    def _chunk_end(self, r: Request, pos: int) -> int:
+        return min((pos // self.hash_block + 1) * self.hash_block, len(r.prompt))
+
+    def _start(self, r: Request) -> None:
+        """Admission: look the prompt up and restore the hit (KDA checkpoint + MLA pages) as the sequence's state."""
+        self.metrics.prompt_tokens += len(r.prompt)
+        r.state = self.empty_state.clone()
+        if self.prefix_cache is None:
+            return
+        r.lease = self.prefix_cache.acquire(r.prompt, max_hit=len(r.prompt) - 1)
+        hit = r.lease.hit_tokens
+        if hit:
+            kv = torch.cat(r.lease.hit_kv, dim=1)  # [n_mla, hit, latent]
+            ckpt = r.lease.hit_checkpoint
+            kda = {layer: KDAState(ckpt["conv"][j].clone(), ckpt["recurrent"][j].clone())
+                   for j, layer in enumerate(self.kda_layers)}
+            mla = {layer: MLAState(kv[j].clone()) for j, layer in enumerate(self.mla_layers)}
+            r.state = SequenceState.assemble(hit, kda, mla)
+            r.fed = r.cached_tokens = hit
+
+    # ---- forwards -----------------------------------------------------------------------------------------
+    def _decode(self, requests: list[Request]) -> None:
+        """One token for every decoding sequence; their states stay in one batch cache between steps."""
+        if self._decode_batch is None or self._decode_batch[0] != requests:
+            self._release_decode_batch()
+            cache = HybridCache.from_sequences([r.state for r in requests])
+            for r in requests:
+                r.state = None
+            self._decode_batch = (list(requests), cache)
+        cache = self._decode_batch[1]
+        ids = torch.tensor([[r.output[-1]] for r in requests], device=cache.lengths.device)
+        logits = self.model(ids, cache=cache).logits[:, -1]
+        for row, r in enumerate(requests):
+            r.fed += 1
+            self._register_block(r, cache, row)
+            self._accept(r, logits[row])
+
+    def _release_decode_batch(self) -> None:
+        """Give the sequences of the current decode batch their own states back (finished ones need none)."""
+        if self._decode_batch is not None:
+            members, cache = self._decode_batch
+            for row, r in enumerate(members):
+                if r.finish_reason is None:
+                    r.state = cache.extract(row)
+            self._decode_batch = None
+
+    def _prefill(self, requests: list[Request]) -> None:
+        """The next chunk (same length for all) of each request's prompt."""
+        cache = HybridCache.from_sequences([r.state for r in requests])
+        ends = [self._chunk_end(r, r.fed) for r in requests]
+        ids = torch.tensor([r.prompt[r.fed:end] for r, end in zip(requests, ends)], device=cache.lengths.device)
+        logits = self.model(ids, cache=cache, logits_to_keep=1).logits[:, -1]
+        for row, (r, end) in enumerate(zip(requests, ends)):
+            r.fed = end
+            self._register_block(r, cache, row)
+            r.state = cache.extract(row)
+            if not r.prefilling:
+                r.first_token_at = time.perf_counter()
+                self.metrics.ttft_seconds_sum += r.first_token_at - r.arrival
+                self.metrics.ttft_count += 1
+                self._accept(r, logits[row])
+
+    def _register_block(self, r: Request, cache: HybridCache, row: int) -> None:
+        """At a hash-block boundary, hand the block's MLA latents and the KDA states to the prefix cache."""
+        h, end = self.hash_block, r.fed
+        if self.prefix_cache is None or end % h or r.lease.detached:
+            return
+        kv = torch.stack([cache.layers[i].buffer[row, end - h:end] for i in self.mla_layers])
+        ckpt = {"conv": torch.stack([cache.layers[i].conv_state[row] for i in self.kda_layers]),
+                "recurrent": torch.stack([cache.layers[i].recurrent_state[row] for i in self.kda_layers])}
+        turn_end = end <= len(r.prompt) < end + h  # the last boundary of the prompt ends the user's turn
+        self.prefix_cache.append(r.lease, r.tokens[end - h:end], kv, ckpt, turn_boundary=turn_end)
+
+    # ---- tokens, stops, events ----------------------------------------------------------------------------
+    def _accept(self, r: Request, logits: torch.Tensor) -> None:
+        if self.vocab_limit < logits.numel():
+            logits = logits[: self.vocab_limit]
+        token = sample_token(logits.float(), r.params, r.generator)
+        r.output.append(token)
+        self.metrics.generation_tokens += 1
+        reason = None
+        if token in self.stop_ids and not r.params.ignore_eos:
+            reason = "stop"
+        elif len(r.output) >= r.params.max_tokens or r.length >= self.model_config.max_seq_len:
+            reason = "length"
+        text = self.tokenizer.decode([t for t in r.output if t not in self.stop_ids])
+        cut = min((i for i in (text.find(s) for s in r.params.stop if s) if i >= 0), default=-1)
+        if cut >= 0:
+            text, reason = text[:cut], "stop"
+        r.text = text
+        if reason is not None:
+            self._finish(r, reason)
+        else:
+            self._emit(r, self._sendable(r))
+
+    def _sendable(self, r: Request) -> int:
+        """How much of the text is final: hold back a partial UTF-8 character and a possible stop-string start."""
+        n = len(r.text.rstrip("\ufffd"))
+        for s in r.params.stop:
+            for k in range(min(len(s) - 1, n), 0, -1):
+                if r.text[:n].endswith(s[:k]):
+                    n = min(n, len(r.text[:n]) - k)
+                    break
+        return max(n, r.sent)
+
+    def _emit(self, r: Request, upto: int, finished: bool = False) -> None:
+        delta, r.sent = r.text[r.sent:upto], upto
+        if r.on_event is not None:
+            r.on_event(RequestEvent(r.rid, delta, list(r.output), finished, r.finish_reason, len(r.prompt),
+                                    len(r.output), r.cached_tokens))
+
+    def _finish(self, r: Request, reason: str) -> None:
+        r.finish_reason = reason
+        if r.lease is not None:
+            if reason != "cancelled":
+                self.prefix_cache.mark_turn_boundary(r.lease)
+            self.prefix_cache.release(r.lease)
+        r.state = None
+        self.scheduler.remove(r)
+        self.metrics.requests_finished[reason] = self.metrics.requests_finished.get(reason, 0) + 1
+        self._emit(r, len(r.text), finished=True)
+
+    def fail_all(self, reason: str = "error") -> None:
+        """After an unexpected exception in a step: end every request so that clients get an answer."""
+        self._decode_batch = None
+        with self._lock:
+            for r in [*self.scheduler.waiting, *self.scheduler.running]:
+                self._finish(r, reason)
+
+
+class EngineLoop:
+    """Runs `engine.step()` on a daemon thread whenever there is work."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="openk3-engine", daemon=True)
+
+    def start(self) -> EngineLoop:
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.engine.wake.set()
+        self.thread.join(timeout=10)
+
+    def _run(self) -> None:
+        engine = self.engine
+        while not self._stop.is_set():
+            if not engine.has_work():
+                engine.wake.wait(0.05)
+                engine.wake.clear()
+                continue
+            try:
+                engine.step()
+            except Exception:
+                log.exception("engine step failed; ending the running requests")
+                engine.fail_all()

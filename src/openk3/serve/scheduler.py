@@ -1,0 +1,142 @@
+"""Requests and the continuous-batching scheduler: queueing, admission control and per-step work selection.
+
+Admission auto-throttles (SPEC §6, the rollout engine's rule, applied to serving) from three signals:
+- queue length: `submit` refuses new requests once `max_queue` wait (the API answers 429);
+- running requests: at most `max_running` sequences are live, and their tokens stay under `max_live_tokens`;
+- cache utilisation: while more than `max_locked_fraction` of the prefix cache's device tier is locked by
+  running sequences, new ones wait (they could neither hit nor write without thrashing).
+Each step then runs every decoding sequence (one token each) and spends up to `prefill_tokens_per_step` on
+prefill chunks, oldest requests first; requests join and leave only between steps.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from openk3.cache import SequenceState
+from openk3.serve.prefix_cache import Lease
+from openk3.serve.sampling import SamplingParams
+
+
+class QueueFull(RuntimeError):
+    pass
+
+
+@dataclass
+class RequestEvent:
+    """What a client sees after a step: new text (stop strings and partial UTF-8 held back) and the outcome."""
+
+    rid: str
+    text: str
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass(eq=False)
+class Request:
+    rid: str
+    prompt: list[int]
+    params: SamplingParams
+    on_event: Callable[[RequestEvent], None] | None = None
+    output: list[int] = field(default_factory=list)
+    fed: int = 0  # tokens the model has consumed: the sequence's cache length
+    state: SequenceState | None = None  # the sequence's decode state between forwards
+    lease: Lease | None = None
+    generator: torch.Generator | None = None
+    cached_tokens: int = 0
+    text: str = ""  # decoded output so far (cut at a stop string when one appears)
+    sent: int = 0  # characters of `text` already delivered
+    finish_reason: str | None = None
+    cancelled: bool = False
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+
+    @property
+    def prefilling(self) -> bool:
+        return self.fed < len(self.prompt)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+
+@dataclass
+class SchedulerConfig:
+    max_running: int = 32
+    max_queue: int = 1024
+    max_live_tokens: int = 1 << 17
+    prefill_tokens_per_step: int = 256
+    max_locked_fraction: float = 0.9
+
+    def __post_init__(self) -> None:
+        for name in ("max_running", "max_queue", "max_live_tokens", "prefill_tokens_per_step"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"scheduler field {name!r} must be >= 1, got {getattr(self, name)}")
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def submit(self, request: Request) -> None:
+        if len(self.waiting) >= self.config.max_queue:
+            raise QueueFull(f"the queue holds {len(self.waiting)} requests (max_queue={self.config.max_queue})")
+        self.waiting.append(request)
+
+    def live_tokens(self) -> int:
+        return sum(r.length + r.params.max_tokens for r in self.running)
+
+    def admit(self, locked_fraction: float) -> list[Request]:
+        """Move waiting requests to running while the three throttles allow; FIFO, no overtaking."""
+        cfg, admitted = self.config, []
+        live = self.live_tokens()
+        while self.waiting and len(self.running) < cfg.max_running and locked_fraction <= cfg.max_locked_fraction:
+            need = len(self.waiting[0].prompt) + self.waiting[0].params.max_tokens
+            if self.running and live + need > cfg.max_live_tokens:
+                break
+            request = self.waiting.popleft()
+            live += need
+            self.running.append(request)
+            admitted.append(request)
+        return admitted
+
+    def prefill_rounds(self, chunk_end: Callable[[Request, int], int]) -> list[list[Request]]:
+        """Prefill work of one step: rounds of (request, one chunk each), oldest first, within the token budget.
+        A request may get several chunks (one per round) when few are prefilling."""
+        budget, fed = self.config.prefill_tokens_per_step, {}
+        rounds: list[list[Request]] = []
+        while budget > 0:
+            this_round = []
+            for r in self.running:
+                pos = fed.get(r, r.fed)
+                if pos >= len(r.prompt) or budget <= 0:
+                    continue
+                n = chunk_end(r, pos) - pos
+                fed[r] = pos + n
+                budget -= n
+                this_round.append(r)
+            if not this_round:
+                break
+            rounds.append(this_round)
+        return rounds
+
+    def remove(self, request: Request) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
