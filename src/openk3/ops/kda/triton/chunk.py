@@ -19,14 +19,13 @@ _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 class _KDAChunkFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, initial_state, scale, cu_seqlens, output_final_state):
+    def forward(ctx, q, k, v, g, beta, initial_state, scale, cu_seqlens, output_final_state, save):
         B, T, H, K = q.shape
         V = v.shape[-1]
         lay = chunk_layout(B, T, cu_seqlens, q.device)
         flat = [x.reshape(B * T, H, -1).contiguous() for x in (q, k, v, g)]
         beta_flat = beta.reshape(B * T, H).contiguous()
         h0 = None if initial_state is None else initial_state.float().contiguous()
-        save = any(ctx.needs_input_grad)
         o, ht, hs = chunk_kda_fwd(*flat, beta_flat, scale, h0, output_final_state, lay, save_states=save)
         if save:
             ctx.save_for_backward(*flat, beta_flat, hs)
@@ -44,7 +43,7 @@ class _KDAChunkFunction(torch.autograd.Function):
         dq, dk, dv, dg, dbeta, dh0 = chunk_kda_bwd(q, k, v, g, beta, ctx.scale, hs, do, dht, ctx.has_h0, ctx.lay, BV)
         grads = [x.reshape(B, T, H, -1) for x in (dq, dk, dv, dg)]
         dh0 = None if dh0 is None else dh0.to(ctx.h0_dtype)
-        return (*grads, dbeta.reshape(B, T, H), dh0, None, None, None)
+        return (*grads, dbeta.reshape(B, T, H), dh0, None, None, None, None)
 
 
 def kda_triton(
@@ -69,5 +68,7 @@ def kda_triton(
     out_dtype = v.dtype
     if q.dtype not in _KERNEL_DTYPES:
         q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
-    o, ht = _KDAChunkFunction.apply(q, k, v, g, beta, initial_state, scale, cu_seqlens, output_final_state)
+    leaves = (q, k, v, g, beta) if initial_state is None else (q, k, v, g, beta, initial_state)
+    save = torch.is_grad_enabled() and any(x.requires_grad for x in leaves)  # keep per-chunk states for backward
+    o, ht = _KDAChunkFunction.apply(q, k, v, g, beta, initial_state, scale, cu_seqlens, output_final_state, save)
     return o.to(out_dtype), ht

@@ -21,24 +21,32 @@ import torch
 import triton
 import triton.language as tl
 
-from openk3.ops.kda.triton.chunk_fwd import _load_rows, _pow2, _store_rows, chunk_terms, precision, prepare
+from openk3.ops.kda.triton.chunk_fwd import (
+    _load_rows,
+    _pow2,
+    _store_rows,
+    chunk_terms,
+    dot_dtype,
+    precision,
+    prepare,
+)
 from openk3.ops.kda.triton.layout import CHUNK, ChunkLayout
 
 
 @triton.jit
 def _state_bwd_kernel(W, U, QG, KG, AQK, GCX, hs, do, dht, dh0, dU, pQG, pAQK, pKG, pW, pGC, cu, chunk_off,
                       T_total, n_chunks_total,
-                      H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                      H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                       BK: tl.constexpr, BV: tl.constexpr, HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr,
-                      PREC: tl.constexpr):
+                      PREC: tl.constexpr, DT: tl.constexpr):
     n = tl.program_id(0)
     h = tl.program_id(1)
     iv = tl.program_id(2)
-    bos = tl.load(cu + n)
+    bos = tl.load(cu + n).to(tl.int64)
     eos = tl.load(cu + n + 1)
-    c0 = tl.load(chunk_off + n)
+    c0 = tl.load(chunk_off + n).to(tl.int64)
     n_chunks = tl.cdiv(eos - bos, BT)
-    dt = W.dtype.element_ty
+    dt = DT
     ck = tl.arange(0, BK)
     cv = iv * BV + tl.arange(0, BV)
     tt = tl.arange(0, BT)
@@ -55,18 +63,18 @@ def _state_bwd_kernel(W, U, QG, KG, AQK, GCX, hs, do, dht, dh0, dU, pQG, pAQK, p
         c = n_chunks - 1 - i
         rows = bos + c * BT + tt
         rmask = rows < eos
-        S = tl.load(hs + ((c0 + c) * H + h) * K * V + s_offs, mask=smask, other=0.0)
+        S = tl.load(hs + ((c0 + c) * H + h) * K * V + s_offs, mask=smask, other=0.0).to(dt)
         xk = (rows[:, None] * H + h) * K + ck[None, :]
         mk = rmask[:, None] & (ck[None, :] < K)
-        w = tl.load(W + xk, mask=mk, other=0.0)
-        qg = tl.load(QG + xk, mask=mk, other=0.0)
-        kg = tl.load(KG + xk, mask=mk, other=0.0)
+        w = tl.load(W + xk, mask=mk, other=0.0).to(dt)
+        qg = tl.load(QG + xk, mask=mk, other=0.0).to(dt)
+        kg = tl.load(KG + xk, mask=mk, other=0.0).to(dt)
         xv = (rows[:, None] * H + h) * V + cv[None, :]
         mv = rmask[:, None] & (cv[None, :] < V)
         u = tl.load(U + xv, mask=mv, other=0.0).to(tl.float32)
         dout = tl.load(do + xv, mask=mv, other=0.0).to(dt)
         xa = (rows[:, None] * H + h) * BT + tt[None, :]
-        aqk = tl.load(AQK + xa, mask=rmask[:, None], other=0.0)
+        aqk = tl.load(AQK + xa, mask=rmask[:, None], other=0.0).to(dt)
         gc = tl.load(GCX + ((c0 + c) * H + h) * K + ck, mask=ck < K, other=0.0).to(tl.float32)
         pv = (u - tl.dot(w, S, input_precision=PREC)).to(dt)
         dSd = dS.to(dt)
@@ -96,11 +104,11 @@ def _sum_planes(ptr, offs, mask, plane, NV: tl.constexpr):
 @triton.jit
 def _intra_bwd_kernel(q, k, v, g, beta, bounds, dU, pQG, pAQK, pKG, pW, pGC, dq, dk, dv, dg, dbeta,
                       scale, T_total, n_chunks_total,
-                      H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                      H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                       BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, PREC: tl.constexpr):
     c = tl.program_id(0)
     h = tl.program_id(1)
-    t0 = tl.load(bounds + 2 * c)
+    t0 = tl.load(bounds + 2 * c).to(tl.int64)
     t1 = tl.load(bounds + 2 * c + 1)
     rows = t0 + tl.arange(0, BT)
     rmask = rows < t1
@@ -168,7 +176,7 @@ def chunk_kda_bwd(q, k, v, g, beta, scale, hs, do, dht, has_h0, lay: ChunkLayout
     _state_bwd_kernel[(N, H, NV)](
         W, U, QG, KG, AQK, GC, hs, do, dht, dh0, dU, pQG, pAQK, pKG, pW, pGC, lay.cu_seqlens, lay.chunk_offsets,
         T, nc, H=H, K=K, V=V, BT=CHUNK, BK=_pow2(K), BV=BV, HAS_DHT=dht is not None, HAS_H0=has_h0,
-        PREC=prec, num_warps=4)
+        PREC=prec, DT=dot_dtype(q.dtype), num_warps=4)
     dq, dk, dg = (torch.empty_like(x) for x in (q, k, g))
     dv = torch.empty_like(v)
     dbeta = torch.empty_like(beta)

@@ -15,6 +15,8 @@ range. The anchor is the chunk's first token, never a later one, so outputs are 
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -23,7 +25,7 @@ from openk3.ops.kda.triton.layout import CHUNK, ChunkLayout
 
 
 @triton.jit
-def _load_rows(ptr, rows, row_mask, H: tl.constexpr, h, D: tl.constexpr, BD: tl.constexpr):
+def _load_rows(ptr, rows, row_mask, H, h, D: tl.constexpr, BD: tl.constexpr):
     """x[rows, h, :D] of a [T,H,D] tensor as fp32 [BT, BD], zero outside."""
     cols = tl.arange(0, BD)
     offs = (rows[:, None] * H + h) * D + cols[None, :]
@@ -31,14 +33,14 @@ def _load_rows(ptr, rows, row_mask, H: tl.constexpr, h, D: tl.constexpr, BD: tl.
 
 
 @triton.jit
-def _store_rows(ptr, x, rows, row_mask, H: tl.constexpr, h, D: tl.constexpr, BD: tl.constexpr):
+def _store_rows(ptr, x, rows, row_mask, H, h, D: tl.constexpr, BD: tl.constexpr):
     cols = tl.arange(0, BD)
     offs = (rows[:, None] * H + h) * D + cols[None, :]
     tl.store(ptr + offs, x.to(ptr.dtype.element_ty), mask=row_mask[:, None] & (cols[None, :] < D))
 
 
 @triton.jit
-def chunk_terms(q, k, v, g, beta, rows, rmask, h, scale, H: tl.constexpr, K: tl.constexpr,
+def chunk_terms(q, k, v, g, beta, rows, rmask, h, scale, H, K: tl.constexpr,
                 V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
     """The state-independent terms of one chunk (shared by the prepare kernel and the backward)."""
     G = tl.cumsum(_load_rows(g, rows, rmask, H, h, K, BK), axis=0)  # padded rows: g = 0, G stays put
@@ -65,11 +67,11 @@ def chunk_terms(q, k, v, g, beta, rows, rmask, h, scale, H: tl.constexpr, K: tl.
 
 @triton.jit
 def _prepare_kernel(q, k, v, g, beta, bounds, W, U, QG, KG, AQK, GCX, scale,
-                    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                    H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                     BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
     c = tl.program_id(0)
     h = tl.program_id(1)
-    t0 = tl.load(bounds + 2 * c)
+    t0 = tl.load(bounds + 2 * c).to(tl.int64)
     t1 = tl.load(bounds + 2 * c + 1)
     rows = t0 + tl.arange(0, BT)
     rmask = rows < t1
@@ -86,17 +88,17 @@ def _prepare_kernel(q, k, v, g, beta, bounds, W, U, QG, KG, AQK, GCX, scale,
 
 @triton.jit
 def _state_fwd_kernel(W, U, QG, KG, AQK, GCX, h0, ht, hs, o, cu, chunk_off,
-                      H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                      H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                       BK: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr,
-                      SAVE_STATES: tl.constexpr, PREC: tl.constexpr):
+                      SAVE_STATES: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
     n = tl.program_id(0)
     h = tl.program_id(1)
     iv = tl.program_id(2)
-    bos = tl.load(cu + n)
+    bos = tl.load(cu + n).to(tl.int64)
     eos = tl.load(cu + n + 1)
-    c0 = tl.load(chunk_off + n)
+    c0 = tl.load(chunk_off + n).to(tl.int64)
     n_chunks = tl.cdiv(eos - bos, BT)
-    dt = W.dtype.element_ty
+    dt = DT
     ck = tl.arange(0, BK)
     cv = iv * BV + tl.arange(0, BV)
     smask = (ck[:, None] < K) & (cv[None, :] < V)
@@ -113,13 +115,13 @@ def _state_fwd_kernel(W, U, QG, KG, AQK, GCX, h0, ht, hs, o, cu, chunk_off,
             tl.store(hs + ((c0 + c) * H + h) * K * V + s_offs, S.to(hs.dtype.element_ty), mask=smask)
         xk = (rows[:, None] * H + h) * K + ck[None, :]
         mk = rmask[:, None] & (ck[None, :] < K)
-        w = tl.load(W + xk, mask=mk, other=0.0)
-        qg = tl.load(QG + xk, mask=mk, other=0.0)
-        kg = tl.load(KG + xk, mask=mk, other=0.0)
+        w = tl.load(W + xk, mask=mk, other=0.0).to(dt)
+        qg = tl.load(QG + xk, mask=mk, other=0.0).to(dt)
+        kg = tl.load(KG + xk, mask=mk, other=0.0).to(dt)
         xv = (rows[:, None] * H + h) * V + cv[None, :]
         mv = rmask[:, None] & (cv[None, :] < V)
         u = tl.load(U + xv, mask=mv, other=0.0).to(tl.float32)
-        aqk = tl.load(AQK + (rows[:, None] * H + h) * BT + tt[None, :], mask=rmask[:, None], other=0.0)
+        aqk = tl.load(AQK + (rows[:, None] * H + h) * BT + tt[None, :], mask=rmask[:, None], other=0.0).to(dt)
         gc = tl.load(GCX + ((c0 + c) * H + h) * K + ck, mask=ck < K, other=0.0).to(tl.float32)
         Sd = S.to(dt)
         pv = (u - tl.dot(w, Sd, input_precision=PREC)).to(dt)
@@ -132,6 +134,14 @@ def _state_fwd_kernel(W, U, QG, KG, AQK, GCX, h0, ht, hs, o, cu, chunk_off,
 
 def _pow2(x: int) -> int:
     return max(16, triton.next_power_of_2(x))
+
+
+def dot_dtype(dtype: torch.dtype):
+    """Dtype of the stored chunk terms and state-pass operands: the inputs' 16-bit type; fp32 for fp32 inputs
+    and under the CPU interpreter (whose 16-bit dot products are broken and whose casts truncate)."""
+    if os.environ.get("TRITON_INTERPRET") == "1" or dtype == torch.float32:
+        return tl.float32
+    return tl.bfloat16 if dtype == torch.bfloat16 else tl.float16
 
 
 def precision(dtype: torch.dtype) -> str:
@@ -148,7 +158,7 @@ def prepare(q, k, v, g, beta, scale: float, lay: ChunkLayout):
     """Run the prepare kernel on flat [T,H,*] inputs; returns (W, U, QG, KG, AQK, GC)."""
     T, H, K = q.shape
     V = v.shape[-1]
-    dt = q.dtype if q.dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
+    dt = {tl.float32: torch.float32, tl.bfloat16: torch.bfloat16, tl.float16: torch.float16}[dot_dtype(q.dtype)]
     W, QG, KG = (torch.empty(T, H, K, dtype=dt, device=q.device) for _ in range(3))
     U = torch.empty(T, H, V, dtype=dt, device=q.device)
     AQK = torch.empty(T, H, CHUNK, dtype=dt, device=q.device)
@@ -173,5 +183,6 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, la
     _state_fwd_kernel[(N, H, triton.cdiv(V, BV))](
         W, U, QG, KG, AQK, GC, initial_state, ht, hs, o, lay.cu_seqlens, lay.chunk_offsets,
         H=H, K=K, V=V, BT=CHUNK, BK=_pow2(K), BV=BV, HAS_H0=initial_state is not None,
-        STORE_FINAL=output_final_state, SAVE_STATES=save_states, PREC=precision(q.dtype), num_warps=4)
+        STORE_FINAL=output_final_state, SAVE_STATES=save_states, PREC=precision(q.dtype), DT=dot_dtype(q.dtype),
+        num_warps=4)
     return o, ht, hs

@@ -4,7 +4,8 @@ KDA step per sequence n and head h (SPEC-K3 §2), on the state S = pool[slots[n]
     S <- Diag(e^g) S;   S <- S + beta k (v - S^T k)^T;   o = S^T (scale q)
 Depthwise causal conv step per channel d with kernel width W, on state c = conv_state[slots[n], d] ([W-1]):
     y = act(sum_{w<W-1} c[w] weight[d,w] + x weight[d,W-1] + bias[d]);   c <- (c[1:], x)
-Plain-PyTorch references sit beside each kernel. A slot < 0 marks padding: its state is left alone.
+Plain-PyTorch references sit beside each kernel. A slot < 0 marks padding: its state is left alone and its
+output is zero.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import triton.language as tl
 
 @triton.jit
 def _kda_decode_kernel(q, k, v, g, beta, pool, slots, o, scale,
-                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+                       H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
     n = tl.program_id(0)
     h = tl.program_id(1)
     iv = tl.program_id(2)
@@ -40,6 +41,9 @@ def _kda_decode_kernel(q, k, v, g, beta, pool, slots, o, scale,
         S += (b * kk)[:, None] * err[None, :]
         tl.store(s_ptr, S, mask=smask)
         tl.store(o + x * V + cv, tl.sum(S * qq[:, None], axis=0).to(o.dtype.element_ty), mask=mv)
+    else:
+        cv = iv * BV + tl.arange(0, BV)
+        tl.store(o + (n * H + h) * V + cv, tl.zeros([BV], dtype=tl.float32).to(o.dtype.element_ty), mask=cv < V)
 
 
 def kda_decode(q, k, v, g, beta, state_pool, slots, scale: float | None = None) -> torch.Tensor:
@@ -103,6 +107,8 @@ def _conv_step_kernel(x, conv_state, slots, weight, bias, y, D, W: tl.constexpr,
         nxt = tl.where(cw[None, :] == W - 2, xn[:, None], nxt)
         tl.debug_barrier()  # every thread has read the old taps before any is overwritten
         tl.store(c_ptr, nxt.to(conv_state.dtype.element_ty), mask=cmask)
+    else:
+        tl.store(y + n * D + cd, tl.zeros([BD], dtype=tl.float32).to(y.dtype.element_ty), mask=md)
 
 
 def causal_conv_step(x, conv_state, weight, bias=None, slots=None, activation: str | None = "silu"):

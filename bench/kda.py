@@ -1,0 +1,212 @@
+"""KDA kernel benchmark on one GPU: openk3's Triton kernels beside fla 0.6.0 and torch SDPA, one process.
+
+    python bench/kda.py [--json PATH] [--quick]
+
+Shapes (bf16, K = V = 128) from issue 5; modes fwd and fwd+bwd; decode of 64 and 256 sequences x 32 heads with
+an fp32 state pool; device-copy bandwidth and a bf16 GEMM rate as the two ceilings. fla runs its Triton path
+(FLA_DISABLE_BACKEND_DISPATCH=1) with the K3 safe gate, L2 norm and beta sigmoid in its kernel; ours is timed
+twice: on pre-activated inputs (the `kda` contract) and with the same activations done in PyTorch first.
+Cold start: wall time to the first finished fwd+bwd per shape with an empty Triton cache (fresh cache dir).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+
+os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp(prefix="kda-bench-cache-"))
+os.environ["FLA_DISABLE_BACKEND_DISPATCH"] = "1"
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+from openk3.ops.kda.triton import kda_decode, kda_triton  # noqa: E402
+
+SHAPES = [  # name, B, T, H, cu_seqlens
+    ("B1 T8192 H32", 1, 8192, 32, None),
+    ("B1 T32768 H32", 1, 32768, 32, None),
+    ("B8 T4096 H32", 8, 4096, 32, None),
+    ("B1 T8192 H96", 1, 8192, 96, None),
+    ("varlen 8x1024 H64", 1, 8192, 64, [i * 1024 for i in range(9)]),
+]
+K = V = 128
+G_MIN = -5.0
+FLOP_PER_TOKEN_HEAD = 11.5e6 / 64  # forward, chunk 64 WY form (KERNELS.md); fwd+bwd counted as 3x
+
+
+def ms(fn):
+    return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def ceilings():
+    src = torch.randint(0, 255, (2 << 30,), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    t = ms(lambda: dst.copy_(src))
+    bw = 2 * src.numel() / t / 1e9  # TB/s, bytes read + written
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    t = ms(lambda: a @ b)
+    return bw, 2 * 8192**3 / t / 1e9
+
+
+def raw_inputs(B, T, H, dev="cuda"):
+    """What the model really produces before activation: projections, gate logits, beta logits."""
+    bf = torch.bfloat16
+    return dict(
+        q=torch.randn(B, T, H, K, device=dev, dtype=bf), k=torch.randn(B, T, H, K, device=dev, dtype=bf),
+        v=torch.randn(B, T, H, V, device=dev, dtype=bf), f=torch.randn(B, T, H, K, device=dev, dtype=bf),
+        b=torch.randn(B, T, H, device=dev, dtype=bf),
+        A_log=torch.log(torch.empty(H, device=dev).uniform_(1, 16)), dt_bias=0.1 * torch.randn(H * K, device=dev))
+
+
+def activate(r):
+    """K3's activations in PyTorch (SPEC §2): l2norm q,k; g = g_min sigmoid(exp(A_log)(f + dt_bias)); sigmoid b."""
+    H = r["q"].shape[2]
+    a = r["A_log"].exp().view(H, 1)
+    g = G_MIN * torch.sigmoid(a * (r["f"].float() + r["dt_bias"].view(H, K)))
+    return (F.normalize(r["q"].float(), dim=-1, eps=1e-6).to(torch.bfloat16),
+            F.normalize(r["k"].float(), dim=-1, eps=1e-6).to(torch.bfloat16), r["v"], g.to(torch.bfloat16),
+            torch.sigmoid(r["b"].float()).to(torch.bfloat16))
+
+
+def runners(r, cu):
+    from fla.ops.kda import chunk_kda
+
+    pre = [x.detach().requires_grad_() for x in activate(r)]
+    raw = {n: r[n].detach().requires_grad_() for n in ("q", "k", "v", "f", "b")}
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device="cuda")
+    cu_l = None if cu is None else cu_t.long()
+
+    def ours():
+        return kda_triton(*pre, cu_seqlens=cu_t)[0]
+
+    def ours_act():
+        rr = dict(r, **raw)
+        return kda_triton(*activate(rr), cu_seqlens=cu_t)[0]
+
+    def fla():
+        return chunk_kda(raw["q"], raw["k"], raw["v"], raw["f"], raw["b"], A_log=r["A_log"], dt_bias=r["dt_bias"],
+                         use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                         safe_gate=True, lower_bound=G_MIN, cu_seqlens=cu_l)[0]
+
+    return {"ours": (ours, pre), "ours+act": (ours_act, list(raw.values())), "fla": (fla, list(raw.values()))}
+
+
+def fwd_bwd(fn, leaves, do):
+    def step():
+        for x in leaves:
+            x.grad = None
+        fn().backward(do)
+    return step
+
+
+def bench_shape(name, B, T, H, cu, results):
+    r = raw_inputs(B, T, H)
+    row = {"shape": name}
+    do = torch.randn(B, T, H, V, device="cuda", dtype=torch.bfloat16)
+    for who, (fn, leaves) in runners(r, cu).items():
+        step = fwd_bwd(fn, leaves, do)
+        if who != "ours+act":
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            step()
+            torch.cuda.synchronize()
+            row[f"{who} cold s"] = time.perf_counter() - t0
+        with torch.no_grad():
+            row[f"{who} fwd"] = ms(fn)
+        row[f"{who} fwdbwd"] = ms(step)
+        if who != "ours+act":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            step()
+            torch.cuda.synchronize()
+            row[f"{who} peak GB"] = (torch.cuda.max_memory_allocated() - base) / 1e9
+    if cu is None:
+        qs, ks, vs = (r[n].transpose(1, 2) for n in ("q", "k", "v"))
+        with torch.no_grad():
+            row["sdpa fwd"] = ms(lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True))
+    th = B * T * H
+    row["ours TB/s"] = th * (2 * (3 * K + V + V) + 4 * K + 2) / row["ours fwd"] / 1e9  # q,k,v,o bf16; g as given
+    row["ours TFLOP/s"] = th * FLOP_PER_TOKEN_HEAD / row["ours fwd"] / 1e9
+    row["ours fwdbwd TFLOP/s"] = 3 * th * FLOP_PER_TOKEN_HEAD / row["ours fwdbwd"] / 1e9
+    results.append(row)
+    return row
+
+
+def bench_decode(N, H, results, copy_bw):
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+
+    dev = "cuda"
+    q = F.normalize(torch.randn(N, H, K, device=dev), dim=-1).to(torch.bfloat16)
+    k = F.normalize(torch.randn(N, H, K, device=dev), dim=-1).to(torch.bfloat16)
+    v = torch.randn(N, H, V, device=dev, dtype=torch.bfloat16)
+    g = (G_MIN * torch.rand(N, H, K, device=dev)).to(torch.bfloat16)
+    beta = torch.rand(N, H, device=dev).to(torch.bfloat16)
+    P = 2 * N
+    pool = torch.randn(P, H, K, V, device=dev)
+    slots = torch.randperm(P, device=dev)[:N].to(torch.int32)
+    pool_fla = pool.clone()
+
+    def fla():
+        fused_recurrent_kda_fwd(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), g.unsqueeze(1), beta.unsqueeze(1),
+                                initial_state=pool_fla, output_final_state=True, inplace_final_state=True,
+                                ssm_state_indices=slots.long())
+
+    state_bytes = 2 * N * H * K * V * 4
+    row = {"decode": f"{N} seqs x {H} heads"}
+    for who, fn in (("ours", lambda: kda_decode(q, k, v, g, beta, pool, slots)), ("fla", fla)):
+        t = ms(fn)
+        row[f"{who} ms"] = t
+        row[f"{who} TB/s"] = state_bytes / t / 1e9
+        row[f"{who} % copy"] = 100 * state_bytes / t / 1e9 / copy_bw
+    results.append(row)
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "kda_bench.json"))
+    ap.add_argument("--quick", action="store_true", help="first shape only")
+    args = ap.parse_args()
+    dev = torch.cuda.get_device_properties(0)
+    info = {"gpu": dev.name, "torch": torch.__version__, "triton": triton.__version__,
+            "date": time.strftime("%Y-%m-%d")}
+    try:
+        import fla
+
+        info["fla"] = getattr(fla, "__version__", "?")
+    except ImportError:
+        info["fla"] = None
+    bw, tflops = ceilings()
+    info.update(copy_TBps=bw, gemm_TFLOPs=tflops)
+    print(info, flush=True)
+    shapes, decodes = [], []
+    for name, B, T, H, cu in SHAPES[:1] if args.quick else SHAPES:
+        row = bench_shape(name, B, T, H, cu, shapes)
+        print({a: (round(b, 4) if isinstance(b, float) else b) for a, b in row.items()}, flush=True)
+    for N in (64, 256):
+        print(bench_decode(N, 32, decodes, bw), flush=True)
+    with open(args.json, "w") as fh:
+        json.dump({"info": info, "shapes": shapes, "decode": decodes}, fh, indent=1)
+    print(f"\n{'shape':<20}{'ours':>8}{'fla':>8}{'x fla':>7}{'o+act':>8}{'sdpa':>8}   |{'ours fb':>9}{'fla fb':>8}"
+          f"{'x fla':>7}{'o+a fb':>8} | {'cold s o/f':>11} | {'peak GB o/f':>11} | {'TB/s':>5}{'TF/s':>6}")
+    for r in shapes:
+        print(f"{r['shape']:<20}{r['ours fwd']:8.3f}{r['fla fwd']:8.3f}{r['fla fwd'] / r['ours fwd']:7.2f}"
+              f"{r['ours+act fwd']:8.3f}{r.get('sdpa fwd', float('nan')):8.3f}   |{r['ours fwdbwd']:9.3f}"
+              f"{r['fla fwdbwd']:8.3f}{r['fla fwdbwd'] / r['ours fwdbwd']:7.2f}{r['ours+act fwdbwd']:8.3f} |"
+              f" {r['ours cold s']:5.1f}/{r['fla cold s']:5.1f} | {r['ours peak GB']:5.2f}/{r['fla peak GB']:5.2f} |"
+              f" {r['ours TB/s']:5.2f}{r['ours TFLOP/s']:6.0f}")
+    for r in decodes:
+        print(f"decode {r['decode']:<16} ours {r['ours ms']:.4f} ms {r['ours TB/s']:.2f} TB/s "
+              f"({r['ours % copy']:.0f}% copy)  fla {r['fla ms']:.4f} ms ({r['fla % copy']:.0f}% copy)")
+    print(f"copy {bw:.2f} TB/s, bf16 GEMM {tflops:.0f} TFLOP/s; json: {args.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""GPU correctness sweep of the KDA Triton kernels against the fp64 recurrence (CUDA only).
+
+T in {1,15,63,64,65,1000,4096}, K,V in {64,128} (and 96), heads 1..32, batch 1..4, ragged cu_seqlens, extreme
+gates and betas, with and without initial state; outputs, final states and all gradients, bf16 and fp32
+inputs; tolerances from shared/DESIGN.md (relative RMS). Prints one line per case and a summary.
+    python bench/kda_sweep.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from openk3.ops.kda import kda_recurrent
+from openk3.ops.kda.triton import kda_triton
+
+TOL = {torch.bfloat16: dict(o=5e-3, ht=5e-3, grad=8e-3, gate=2e-2), torch.float32: dict(o=1e-3, ht=1e-3,
+                                                                                          grad=2e-3, gate=4e-3)}
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    if not torch.isfinite(a).all():
+        return float("inf")
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def make(B, T, H, K, V, dtype, gate, beta_mode, dev):
+    q = F.normalize(torch.randn(B, T, H, K, device=dev), dim=-1)
+    k = F.normalize(torch.randn(B, T, H, K, device=dev), dim=-1)
+    v = torch.randn(B, T, H, V, device=dev)
+    g = {"bound": torch.full((B, T, H, K), -5.0, device=dev), "zero": -1e-4 * torch.rand(B, T, H, K, device=dev),
+         "mix": -5 * torch.rand(B, T, H, K, device=dev)}[gate]
+    beta = {"low": 1e-3 * torch.rand(B, T, H, device=dev), "high": 1 - 1e-3 * torch.rand(B, T, H, device=dev),
+            "mix": torch.rand(B, T, H, device=dev)}[beta_mode]
+    return [x.to(dtype) for x in (q, k, v, g, beta)]
+
+
+def check(B, T, H, K, V, dtype, gate="mix", beta_mode="mix", h0=True, ragged=None, dev="cuda"):
+    q, k, v, g, beta = make(1 if ragged else B, T, H, K, V, dtype, gate, beta_mode, dev)
+    cu = None if ragged is None else torch.tensor(ragged, dtype=torch.int32, device=dev)
+    N = (len(ragged) - 1) if ragged else B
+    s0 = torch.randn(N, H, K, V, device=dev) if h0 else None
+    xs = [x.clone().requires_grad_() for x in (q, k, v, g, beta)] + ([s0.clone().requires_grad_()] if h0 else [])
+    o, ht = kda_triton(*xs[:5], initial_state=xs[5] if h0 else None, output_final_state=True, cu_seqlens=cu)
+    ys = [x.detach().double().requires_grad_() for x in xs]
+    ro, rht = kda_recurrent(*ys[:5], initial_state=ys[5] if h0 else None, output_final_state=True, cu_seqlens=cu)
+    do, dht = torch.randn_like(ro), torch.randn_like(rht)
+    torch.autograd.backward([o, ht], [do.to(o.dtype), dht.float()])
+    torch.autograd.backward([ro, rht], [do, dht])
+    tol = TOL[dtype]
+    errs = {"o": (rel(o, ro), tol["o"]), "ht": (rel(ht, rht), tol["ht"])}
+    for name, a, b in zip(["dq", "dk", "dv", "dg", "dbeta", "dh0"], xs, ys):
+        errs[name] = (rel(a.grad, b.grad), tol["gate"] if name in ("dg", "dbeta") else tol["grad"])
+    ok = all(e <= t for e, t in errs.values())
+    return ok, {n: e for n, (e, _) in errs.items()}
+
+
+def cases(quick):
+    Ts = [1, 15, 63, 64, 65, 1000] + ([] if quick else [4096])
+    for T in Ts:
+        for K, V in [(64, 64), (128, 128), (64, 128), (96, 96)]:
+            for B, H in [(1, 1), (2, 4)] + ([(4, 32)] if T <= 1000 and K == 128 else []):
+                for dtype in (torch.bfloat16, torch.float32):
+                    yield dict(B=B, T=T, H=H, K=K, V=V, dtype=dtype)
+    for gate in ("bound", "zero"):
+        for beta_mode in ("low", "high"):
+            yield dict(B=2, T=200, H=2, K=128, V=128, dtype=torch.bfloat16, gate=gate, beta_mode=beta_mode)
+    yield dict(B=1, T=4096, H=32, K=128, V=128, dtype=torch.bfloat16, h0=False)
+    yield dict(B=1, T=2000, H=4, K=128, V=128, dtype=torch.bfloat16, ragged=[0, 7, 40, 41, 1000, 1063, 2000])
+    yield dict(B=1, T=300, H=2, K=64, V=64, dtype=torch.float32, ragged=[0, 1, 17, 150, 300], h0=False)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    n_ok = n = 0
+    worst = {}
+    t0 = time.time()
+    for case in cases(args.quick):
+        ok, errs = check(**case)
+        n += 1
+        n_ok += ok
+        for name, e in errs.items():
+            worst[name] = max(worst.get(name, 0.0), e) if case["dtype"] == torch.bfloat16 else worst.get(name, 0)
+        desc = " ".join(f"{a}={b}" for a, b in case.items() if a != "dtype") + f" {str(case['dtype'])[6:]}"
+        print(("ok  " if ok else "FAIL"), desc, " ".join(f"{a}={e:.1e}" for a, e in errs.items()), flush=True)
+    print(f"sweep: {n_ok}/{n} cases within tolerance in {time.time() - t0:.0f}s; worst bf16 rel RMS:",
+          " ".join(f"{a}={e:.1e}" for a, e in worst.items()))
+    sys.exit(0 if n_ok == n else 1)
+
+
+if __name__ == "__main__":
+    main()

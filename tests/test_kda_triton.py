@@ -1,0 +1,199 @@
+"""KDA Triton kernels vs the fp64 recurrence (SPEC-K3 §2); on CPU they run under TRITON_INTERPRET=1.
+
+Small shapes only (the interpreter is slow); bench/kda_sweep.py is the full GPU sweep. Every buffer the
+kernels allocate is NaN-poisoned, so an element a kernel forgets to write fails the comparison.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+# The interpreter must be chosen before triton is first imported. If something imported triton earlier in
+# this process without it, the tests run in a subprocess instead (test_in_subprocess).
+_ENV_SET = os.environ.get("TRITON_INTERPRET") == "1"
+_PREIMPORTED = "triton" in sys.modules
+if not torch.cuda.is_available() and not _PREIMPORTED:
+    os.environ["TRITON_INTERPRET"] = "1"
+IN_PROCESS = torch.cuda.is_available() or _ENV_SET or not _PREIMPORTED
+triton = pytest.importorskip("triton")
+
+from openk3.ops.kda import kda, kda_recurrent  # noqa: E402
+from openk3.ops.kda.triton import (  # noqa: E402
+    causal_conv_step,
+    causal_conv_step_reference,
+    chunk,
+    chunk_bwd,
+    chunk_fwd,
+    decode,
+    kda_decode,
+    kda_decode_reference,
+    kda_triton,
+)
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: dict(o=1e-4, grad=1e-4, gate=1e-4), torch.bfloat16: dict(o=5e-3, grad=8e-3, gate=2e-2)}
+
+
+class _Poisoned:
+    """`torch` as the kernel modules see it, with empty/empty_like returning NaN-filled (or -1) tensors."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def _fill(x):
+        return x.fill_(float("nan")) if x.is_floating_point() else x.fill_(-1)
+
+    def empty(self, *a, **kw):
+        return self._fill(torch.empty(*a, **kw))
+
+    def empty_like(self, *a, **kw):
+        return self._fill(torch.empty_like(*a, **kw))
+
+
+@pytest.fixture(autouse=True)
+def poison(monkeypatch, request):
+    if not IN_PROCESS and request.node.name != "test_in_subprocess":
+        pytest.skip("triton was imported without TRITON_INTERPRET=1; covered by test_in_subprocess")
+    for mod in (chunk, chunk_fwd, chunk_bwd, decode):
+        monkeypatch.setattr(mod, "torch", _Poisoned())
+
+
+def rel(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    assert torch.isfinite(a).all(), "non-finite values (unwritten or overflowed elements)"
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def make(B, T, H, K, V, dtype, gate="mix", beta_mode="mix", seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen)
+    u = lambda *s: torch.rand(*s, generator=gen)
+    q, k = F.normalize(r(B, T, H, K), dim=-1), F.normalize(r(B, T, H, K), dim=-1)
+    g = {"mix": -5 * u(B, T, H, K), "bound": torch.full((B, T, H, K), -5.0), "zero": -1e-4 * u(B, T, H, K)}[gate]
+    beta = {"mix": u(B, T, H), "low": 1e-3 * u(B, T, H), "high": 1 - 1e-3 * u(B, T, H)}[beta_mode]
+    return [x.to(dtype).to(DEV) for x in (q, k, r(B, T, H, V), g, beta)]
+
+
+def compare(inputs, dtype, h0=None, cu=None):
+    """Forward, final state and all gradients of kda_triton vs fp64 kda_recurrent."""
+    xs = [x.clone().requires_grad_() for x in inputs] + ([h0.clone().requires_grad_()] if h0 is not None else [])
+    kw = dict(output_final_state=True, cu_seqlens=cu)
+    o, ht = kda_triton(*xs[:5], initial_state=xs[5] if h0 is not None else None, **kw)
+    ys = [x.detach().double().requires_grad_() for x in xs]
+    ro, rht = kda_recurrent(*ys[:5], initial_state=ys[5] if h0 is not None else None, **kw)
+    assert o.dtype == inputs[2].dtype and ht.dtype == torch.float32
+    gen = torch.Generator().manual_seed(1)
+    do = torch.randn(ro.shape, generator=gen, dtype=torch.float64).to(DEV)
+    dht = torch.randn(rht.shape, generator=gen, dtype=torch.float64).to(DEV)
+    torch.autograd.backward([o, ht], [do.to(o.dtype), dht.float()])
+    torch.autograd.backward([ro, rht], [do, dht])
+    tol = TOL[dtype]
+    assert rel(o, ro) < tol["o"]
+    assert rel(ht, rht) < tol["o"]
+    for name, a, b in zip(["q", "k", "v", "g", "beta", "h0"], xs, ys):
+        assert a.grad.dtype == a.dtype
+        assert rel(a.grad, b.grad) < (tol["gate"] if name in ("g", "beta") else tol["grad"]), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [1, 15, 17, 33])
+def test_chunked_matches_recurrence(T, dtype):
+    B, H, K, V = 2, 2, 16, 32
+    inputs = make(B, T, H, K, V, dtype, seed=T)
+    h0 = torch.randn(B, H, K, V).to(DEV) if T % 2 else None
+    compare(inputs, dtype, h0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ragged_varlen(dtype):
+    """Boundaries mid-chunk, a 1-token sequence, one shorter and one longer than a chunk."""
+    cu = torch.tensor([0, 5, 6, 30, 100], dtype=torch.int32, device=DEV)
+    inputs = make(1, 100, 2, 16, 16, dtype, seed=3)
+    compare(inputs, dtype, torch.randn(4, 2, 16, 16).to(DEV), cu)
+
+
+@pytest.mark.parametrize("gate,beta_mode", [("bound", "high"), ("zero", "low"), ("bound", "low"), ("zero", "high")])
+def test_extreme_gates_and_betas(gate, beta_mode):
+    compare(make(1, 40, 1, 32, 16, torch.float32, gate, beta_mode, seed=5), torch.float32, torch.randn(1, 1, 32, 16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_causal_to_the_bit(dtype):
+    """Changing every input after position t leaves outputs at <= t bit-identical (also across sequences)."""
+    T, t = 80, 37
+    a = make(1, T, 2, 16, 16, dtype, gate="bound", seed=7)
+    b = make(1, T, 2, 16, 16, dtype, gate="zero", seed=8)
+    mixed = [torch.cat([x[:, : t + 1], y[:, t + 1 :]], dim=1) for x, y in zip(a, b)]
+    for cu in (None, torch.tensor([0, 20, 55, T], dtype=torch.int32, device=DEV)):
+        o1, _ = kda_triton(*a, cu_seqlens=cu)
+        o2, _ = kda_triton(*mixed, cu_seqlens=cu)
+        assert torch.equal(o1[:, : t + 1], o2[:, : t + 1])
+        assert not torch.equal(o1[:, t + 1 :], o2[:, t + 1 :])
+
+
+def test_dispatch_and_no_grad():
+    inputs = make(1, 17, 2, 16, 16, torch.float32, seed=9)
+    with torch.no_grad():
+        o, ht = kda(*inputs, backend="triton", output_final_state=True)
+    ro, rht = kda_recurrent(*(x.double() for x in inputs), output_final_state=True)
+    assert rel(o, ro) < 1e-4 and rel(ht, rht) < 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_matches_reference_and_recurrence(dtype):
+    N, H, K, V, P = 3, 2, 16, 32, 6
+    slots = torch.tensor([4, -1, 1], dtype=torch.int32, device=DEV)
+    pool = torch.randn(P, H, K, V, device=DEV)
+    pool_ref = pool.clone()
+    steps = make(N, 3, H, K, V, dtype, seed=11)
+    for t in range(3):
+        q, k, v, g, beta = (x[:, t] for x in steps)
+        o = kda_decode(q, k, v, g, beta, pool, slots)
+        o_ref = kda_decode_reference(q, k, v, g, beta, pool_ref, slots)
+        assert rel(o, o_ref) < (1e-5 if dtype == torch.float32 else 8e-3)  # bf16 o: one rounding apart
+        assert rel(pool, pool_ref) < 1e-5
+        assert torch.equal(o[1], torch.zeros_like(o[1]))
+    # three decode steps = the recurrence over three tokens from the pooled states
+    live = [0, 2]
+    h0 = torch.randn(P, H, K, V, device=DEV)
+    pool = h0.clone()
+    for t in range(3):
+        kda_decode(*(x[:, t] for x in steps), pool, slots)
+    ref_in = [x[live].double() for x in steps]
+    _, rht = kda_recurrent(*ref_in, initial_state=h0[slots[live].long()].double(), output_final_state=True)
+    assert rel(pool[slots[live].long()], rht) < 1e-5
+    assert torch.equal(pool[[0, 2, 3, 5]], h0[[0, 2, 3, 5]])  # untouched slots
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_conv_step_matches_reference(bias):
+    N, D, W, P = 3, 40, 4, 5
+    slots = torch.tensor([2, -1, 0], dtype=torch.int32, device=DEV)
+    x = torch.randn(N, D, device=DEV)
+    state = torch.randn(P, D, W - 1, device=DEV)
+    weight, b = torch.randn(D, W, device=DEV), (torch.randn(D, device=DEV) if bias else None)
+    s1, s2 = state.clone(), state.clone()
+    y1 = causal_conv_step(x, s1, weight, b, slots)
+    y2 = causal_conv_step_reference(x, s2, weight, b, slots)
+    assert rel(y1, y2) < 1e-6 and torch.equal(s1, s2)
+    y3 = causal_conv_step(x[[0]], state[[2]].clone(), weight, b, activation=None)
+    window = torch.cat([state[2], x[0, :, None]], dim=-1)
+    ref = (window * weight).sum(-1) + (b if bias else 0)
+    assert rel(y3[0], ref) < 1e-6
+
+
+def test_in_subprocess():
+    """Runs this module under the interpreter in a fresh process when it cannot run in this one."""
+    if IN_PROCESS:
+        pytest.skip("ran in process")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
