@@ -1,0 +1,78 @@
+"""load_pretrained / save_pretrained: checkpoint directories (config.json + safetensors) <-> K3ForCausalLM.
+
+A directory's layout is read from its config.json: a `text_config` means the K3 layout, model_type "kimi_linear"
+(without `text_config`) the Kimi Linear hub layout. openk3's own checkpoints are K3-layout directories: the K3
+layout expresses every openk3 config, and save -> load gives back the same config and bit-identical tensors.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from openk3.config import ModelConfig
+from openk3.interop.configs import config_from_hub, config_from_k3, config_to_hub, config_to_k3
+from openk3.interop.files import check_tensor_set, read_config, read_tensors, tensor_shapes, write_config, write_tensors
+from openk3.interop.layouts import LAYOUTS, canonical_names, external_plan, from_external, to_external
+from openk3.model import K3ForCausalLM
+
+
+def detect_layout(config: dict[str, Any]) -> str:
+    if "text_config" in config:
+        return "k3"
+    if config.get("model_type") == "kimi_linear":
+        return "hub"
+    raise ValueError("config.json is neither the K3 layout (a 'text_config' section) nor Kimi Linear "
+                     f"(model_type 'kimi_linear'); got model_type {config.get('model_type')!r}")
+
+
+def config_from_json(config: dict[str, Any]) -> tuple[ModelConfig, str]:
+    """A checkpoint's config.json -> (ModelConfig, layout)."""
+    layout = detect_layout(config)
+    return (config_from_k3(config) if layout == "k3" else config_from_hub(config)), layout
+
+
+def load_pretrained(path: str | Path, dtype: torch.dtype | None = None) -> K3ForCausalLM:
+    """Build the model a checkpoint directory describes and load its weights; returned in eval mode.
+
+    dtype None keeps each tensor's stored dtype; otherwise the model is cast to dtype afterwards (the parameters
+    openk3 keeps in fp32, such as A_log and the router, stay fp32 under a 16-bit dtype). A missing, unexpected or
+    wrongly shaped tensor raises one ValueError that lists all of them."""
+    cfg, layout = config_from_json(read_config(path))
+    with torch.device("meta"):
+        model = K3ForCausalLM(cfg)
+    meta_state = model.state_dict()
+    plan = external_plan(meta_state, cfg, layout)
+    expected = {k: tuple(t.shape) for k, t in to_external(meta_state, plan).items()}
+    stored = tensor_shapes(path)
+    names, _ = canonical_names(list(stored), cfg, layout)
+    check_tensor_set(expected, {canon: stored[name] for canon, name in names.items()}, where=str(path))
+    raw = read_tensors(path)
+    state = from_external({canon: raw[name] for canon, name in names.items()}, plan)
+    if cfg.tie_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    model.load_state_dict(state, strict=True, assign=True)
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    if dtype is not None:
+        model.to(dtype)
+    return model.eval()
+
+
+def save_pretrained(model: K3ForCausalLM, path: str | Path, layout: str = "k3",
+                    max_shard_bytes: int | None = None) -> None:
+    """Write config.json and the weights. layout "k3" (default; openk3's own format, any config) or "hub"
+    (Kimi Linear, readable by transformers' KimiLinearForCausalLM; ValueError for K3-only configs).
+    max_shard_bytes splits the weights into shards with an index, as HF does for large models."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    cfg = model.config
+    config = config_to_k3(cfg) if layout == "k3" else config_to_hub(cfg)
+    state = model.state_dict()
+    tensors = to_external(state, external_plan(state, cfg, layout))
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    write_config(path, config)
+    write_tensors(path, tensors, max_shard_bytes=max_shard_bytes)

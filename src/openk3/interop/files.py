@@ -1,0 +1,115 @@
+"""Checkpoint directories on disk: config.json plus safetensors, single-file or sharded with an index.
+
+The file conventions are HF's: `model.safetensors`, or `model-0000i-of-0000n.safetensors` shards with
+`model.safetensors.index.json` ({"metadata": {"total_size": bytes}, "weight_map": {key: file}}).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+CONFIG_NAME = "config.json"
+SINGLE_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+
+
+def read_config(path: str | Path) -> dict[str, Any]:
+    file = Path(path) / CONFIG_NAME
+    if not file.is_file():
+        raise ValueError(f"no {CONFIG_NAME} in checkpoint directory {str(path)!r}")
+    return json.loads(file.read_text())
+
+
+def write_config(path: str | Path, config: dict[str, Any]) -> None:
+    (Path(path) / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def _weight_map(path: Path) -> dict[str, Path]:
+    """Tensor name -> the file that holds it."""
+    index = path / INDEX_NAME
+    if index.is_file():
+        return {key: path / name for key, name in json.loads(index.read_text())["weight_map"].items()}
+    files = [path / SINGLE_NAME] if (path / SINGLE_NAME).is_file() else sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors in checkpoint directory {str(path)!r}")
+    out: dict[str, Path] = {}
+    for file in files:
+        with safe_open(file, "pt") as f:
+            out.update(dict.fromkeys(f.keys(), file))
+    return out
+
+
+def _keys_by_file(path: Path) -> dict[Path, list[str]]:
+    by_file: dict[Path, list[str]] = {}
+    for key, file in _weight_map(path).items():
+        by_file.setdefault(file, []).append(key)
+    return by_file
+
+
+def tensor_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
+    """Every stored tensor's shape, read from the headers only (no tensor data is loaded)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file, keys in _keys_by_file(Path(path)).items():
+        with safe_open(file, "pt") as f:
+            for key in keys:
+                shapes[key] = tuple(f.get_slice(key).get_shape())
+    return shapes
+
+
+def read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for file, keys in _keys_by_file(Path(path)).items():
+        with safe_open(file, "pt") as f:
+            for key in keys:
+                tensors[key] = f.get_tensor(key)
+    return tensors
+
+
+def write_tensors(path: str | Path, tensors: dict[str, torch.Tensor], max_shard_bytes: int | None = None) -> None:
+    """One `model.safetensors`, or shards of at most max_shard_bytes (a larger tensor gets a shard of its own)."""
+    path = Path(path)
+    tensors = {k: v.detach().contiguous() for k, v in tensors.items()}
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key in sorted(tensors):
+        nbytes = tensors[key].numel() * tensors[key].element_size()
+        if max_shard_bytes is not None and shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = tensors[key]
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], path / SINGLE_NAME, metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, path / name, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, name))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (path / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def check_tensor_set(expected: dict[str, tuple[int, ...]], found: dict[str, tuple[int, ...]], where: str) -> None:
+    """One ValueError listing every missing, unexpected and wrongly shaped tensor (expected vs found)."""
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(set(found) - set(expected))
+    wrong = sorted(k for k in set(expected) & set(found) if tuple(expected[k]) != tuple(found[k]))
+    if not (missing or unexpected or wrong):
+        return
+    lines = [f"checkpoint {where} does not match the model its config describes:"]
+    if missing:
+        lines.append(f"  missing ({len(missing)}): " + ", ".join(missing))
+    if unexpected:
+        lines.append(f"  unexpected ({len(unexpected)}): " + ", ".join(unexpected))
+    if wrong:
+        lines.append(f"  wrong shape ({len(wrong)}): " + ", ".join(
+            f"{k} expected {list(expected[k])} found {list(found[k])}" for k in wrong))
+    raise ValueError("\n".join(lines))

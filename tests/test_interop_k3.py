@@ -1,0 +1,234 @@
+"""The released K3 key layout and openk3's own checkpoints (K3 layout): names, bit-exact round trips, and the
+errors for checkpoints that do not match their config."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from openk3.config import get_preset
+from openk3.interop import load_pretrained, save_pretrained
+from openk3.model import K3ForCausalLM
+
+
+def tiny_k3(**overrides):
+    """k3-tiny, smaller: 5 layers with MLA at 2 and 4 (the last), dense layer 0, LatentMoE, AttnRes blocks of 2,
+    one MTP layer."""
+    return get_preset("k3-tiny").with_overrides({
+        "vocab_size": 256, "hidden_size": 64, "num_layers": 5, "mla_layers": [2, 4], "dense_hidden": 96,
+        "kda": {"num_heads": 2, "head_dim": 32},
+        "mla": {"num_heads": 2, "q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 16,
+                "qk_rope_head_dim": 8, "v_head_dim": 16},
+        "moe": {"num_experts": 4, "top_k": 2, "expert_hidden": 32, "latent_dim": 32},
+        **overrides})
+
+
+def random_model(cfg, seed: int) -> K3ForCausalLM:
+    """Every parameter and buffer random (the AttnRes pseudo-queries and routing bias start at 0 otherwise)."""
+    torch.manual_seed(seed)
+    model = K3ForCausalLM(cfg).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+            noise = torch.randn(t.shape, generator=gen)
+            if name.endswith("A_log"):
+                t.copy_(torch.empty(t.shape).uniform_(1.0, 16.0, generator=gen).log())
+            elif "norm" in name:
+                t.copy_(1.0 + 0.2 * noise)
+            else:
+                t.copy_(noise / math.sqrt(t.shape[-1]))
+    return model
+
+
+def assert_identical(a: K3ForCausalLM, b: K3ForCausalLM) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sorted(sa) == sorted(sb)
+    for key in sa:
+        assert sa[key].dtype == sb[key].dtype, key
+        assert torch.equal(sa[key], sb[key]), key
+
+
+def logits(model, vocab: int, seed: int = 0):
+    ids = torch.randint(0, vocab, (2, 11), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        out = model(ids)
+    return out.logits, out.mtp_logits
+
+
+def test_k3_round_trip_is_bit_exact(tmp_path):
+    cfg = tiny_k3()
+    model = random_model(cfg, seed=0)
+    save_pretrained(model, tmp_path)
+    back = load_pretrained(tmp_path)
+    assert back.config == cfg
+    assert_identical(model, back)
+    (want, want_mtp), (got, got_mtp) = logits(model, cfg.vocab_size), logits(back, cfg.vocab_size)
+    assert torch.equal(want, got) and torch.equal(want_mtp, got_mtp)
+
+    save_pretrained(back, tmp_path / "again")  # and the files themselves reproduce
+    first, second = load_file(tmp_path / "model.safetensors"), load_file(tmp_path / "again" / "model.safetensors")
+    assert sorted(first) == sorted(second) and all(torch.equal(first[k], second[k]) for k in first)
+    assert (tmp_path / "config.json").read_text() == (tmp_path / "again" / "config.json").read_text()
+
+
+def test_k3_layout_names_and_config_keys(tmp_path):
+    cfg = tiny_k3()
+    save_pretrained(random_model(cfg, seed=1), tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    text = config["text_config"]
+    assert text["hidden_act"] == "situ" and text["activation_situ_beta"] == 4.0
+    assert text["activation_situ_linear_beta"] == 25.0 and text["mla_use_output_gate"] is True
+    assert text["routed_expert_hidden_size"] == cfg.moe.latent_dim and text["latent_moe_use_norm"] is True
+    assert text["attn_res_block_size"] == 2 and text["num_nextn_predict_layers"] == 1
+    lac = text["linear_attn_config"]
+    assert lac["full_attn_layers"] == [3, 5] and lac["kda_layers"] == [1, 2, 4]
+    assert lac["gate_lower_bound"] == -5.0 and lac["use_full_rank_gate"] is True
+
+    D, L, E = cfg.hidden_size, cfg.num_layers, cfg.moe.num_experts
+    latent, inter, H, K = cfg.moe.latent_dim, cfg.moe.expert_hidden, cfg.kda.num_heads, cfg.kda_head_dim
+    p = "language_model.model."
+    want = {
+        "language_model.lm_head.weight": (cfg.vocab_size, D),
+        p + "embed_tokens.weight": (cfg.vocab_size, D),
+        p + "output_attn_res_proj.weight": (1, D),
+        p + "output_attn_res_norm.weight": (D,),
+        p + "layers.0.mlp.gate_proj.weight": (cfg.dense_hidden, D),
+        p + "layers.0.mlp_res_proj.weight": (1, D),
+        p + "layers.1.self_attention_res_proj.weight": (1, D),
+        p + "layers.1.self_attention_res_norm.weight": (D,),
+        p + "layers.1.self_attn.q_conv1d.weight": (H * K, 1, cfg.kda.conv_kernel),
+        p + "layers.1.self_attn.A_log": (1, 1, H, 1),
+        p + "layers.1.self_attn.dt_bias": (H * K,),
+        p + "layers.1.self_attn.g_proj.weight": (H * K, D),
+        p + "layers.1.block_sparse_moe.routed_expert_down_proj.weight": (latent, D),
+        p + "layers.1.block_sparse_moe.routed_expert_norm.weight": (latent,),
+        p + "layers.1.block_sparse_moe.routed_expert_up_proj.weight": (D, latent),
+        p + f"layers.1.block_sparse_moe.experts.{E - 1}.w1.weight": (inter, latent),
+        p + f"layers.1.block_sparse_moe.experts.{E - 1}.w2.weight": (latent, inter),
+        p + "layers.1.block_sparse_moe.gate.e_score_correction_bias": (E,),
+        p + "layers.2.self_attn.g_proj.weight": (cfg.mla.num_heads * cfg.mla.v_head_dim, D),
+        p + f"layers.{L}.eh_proj.weight": (D, 2 * D),
+        p + f"layers.{L}.enorm.weight": (D,),
+        p + f"layers.{L}.shared_head.norm.weight": (D,),
+        p + f"layers.{L}.self_attn.kv_b_proj.weight": (cfg.mla.num_heads * 32, cfg.mla.kv_lora_rank),
+    }
+    stored = load_file(tmp_path / "model.safetensors")
+    for key, shape in want.items():
+        assert tuple(stored[key].shape) == shape, key
+    assert not any(k.startswith(p + "layers.0.self_attention_res") for k in stored)
+    assert not any(".mlp." in k for k in stored if ".layers.0." not in k)
+
+
+def test_k3_directory_with_alternative_spellings_loads(tmp_path):
+    """Layer 0's (inert) self_attention_res tensors and `block_sparse_moe.` for the dense FFN are accepted."""
+    cfg = tiny_k3(mtp_layers=0)
+    model = random_model(cfg, seed=2)
+    save_pretrained(model, tmp_path)
+    stored = load_file(tmp_path / "model.safetensors")
+    stored = {k.replace("layers.0.mlp.", "layers.0.block_sparse_moe."): v for k, v in stored.items()}
+    p = "language_model.model.layers.0."
+    stored[p + "self_attention_res_proj.weight"] = torch.randn(1, cfg.hidden_size)
+    stored[p + "self_attention_res_norm.weight"] = torch.randn(cfg.hidden_size)
+    save_file(stored, tmp_path / "model.safetensors")
+    back = load_pretrained(tmp_path)
+    assert_identical(model, back)
+    assert torch.equal(logits(model, cfg.vocab_size)[0], logits(back, cfg.vocab_size)[0])
+
+
+OPENK3_CONFIGS = {
+    # Kimi Linear's components written in the K3 layout: fused conv, softplus gate, low-rank gates, SwiGLU
+    "kimi-components": dict(
+        kda={"gate": "kimi", "output_gate": "lowrank", "fused_conv": True, "gate_lower_bound": -3.0},
+        mla={"q_lora_rank": None, "output_gate": False, "norm_eps": 1e-5}, activation="swiglu",
+        attn_res_block_size=None, mtp_layers=0, moe={"latent_dim": None, "latent_norm": False}),
+    # tied embeddings, no MoE at all, the MLA output norm, MLA on the first layer, two MTP depths
+    "tied-dense-norm": dict(tie_embeddings=True, moe=None, mla={"output_norm": True}, mla_layers=[0, 4],
+                            mtp_layers=2, attn_res_block_size=3, situ_beta_gate=3.0, first_k_dense=3),
+    # no latent norm, no shared experts, unnormalised scaled routing, every layer MoE
+    "moe-variants": dict(moe={"latent_norm": False, "num_shared_experts": 0, "renormalize": False,
+                              "routed_scaling_factor": 2.5}, first_k_dense=0, kda={"conv_kernel": 2}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPENK3_CONFIGS))
+def test_openk3_checkpoint_round_trip(tmp_path, name):
+    cfg = tiny_k3(**OPENK3_CONFIGS[name])
+    model = random_model(cfg, seed=3)
+    save_pretrained(model, tmp_path, max_shard_bytes=200_000)  # sharded, with an index
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    back = load_pretrained(tmp_path)
+    assert back.config == cfg
+    assert_identical(model, back)
+    if cfg.tie_embeddings:
+        assert back.lm_head.weight is back.model.embed_tokens.weight
+    assert torch.equal(logits(model, cfg.vocab_size)[0], logits(back, cfg.vocab_size)[0])
+
+
+def test_dtypes_are_kept_or_cast(tmp_path):
+    model = random_model(tiny_k3(mtp_layers=0), seed=4).to(torch.bfloat16)
+    save_pretrained(model, tmp_path)
+    back = load_pretrained(tmp_path)
+    assert_identical(model, back)  # bf16 weights, fp32 A_log / dt_bias / router as stored
+    assert back.model.layers[1].self_attn.A_log.dtype == torch.float32
+    assert back.model.embed_tokens.weight.dtype == torch.bfloat16
+    as_fp32 = load_pretrained(tmp_path, dtype=torch.float32)
+    assert all(p.dtype == torch.float32 for p in as_fp32.parameters())
+
+
+def test_head_dim_none_resolves_to_the_same_model(tmp_path):
+    cfg = tiny_k3(kda={"head_dim": None}, mtp_layers=0)
+    model = random_model(cfg, seed=5)
+    save_pretrained(model, tmp_path)
+    back = load_pretrained(tmp_path)
+    assert back.config == cfg.with_overrides({"kda": {"head_dim": cfg.kda_head_dim}})
+    assert_identical(model, back)
+
+
+def test_mismatched_tensors_are_all_listed(tmp_path):
+    cfg = tiny_k3(mtp_layers=0)
+    save_pretrained(random_model(cfg, seed=6), tmp_path)
+    stored = load_file(tmp_path / "model.safetensors")
+    p = "language_model.model.layers."
+    gone = [p + "1.self_attn.q_conv1d.weight", p + "3.block_sparse_moe.experts.3.w2.weight"]
+    for key in gone:
+        del stored[key]
+    extra = p + "1.self_attn.bogus.weight"
+    stored[extra] = torch.zeros(3)
+    reshaped = p + "2.self_attn.kv_b_proj.weight"
+    stored[reshaped] = stored[reshaped][:-1]
+    save_file(stored, tmp_path / "model.safetensors")
+
+    with pytest.raises(ValueError) as err:
+        load_pretrained(tmp_path)
+    message = str(err.value)
+    assert f"missing (2): {gone[0]}, {gone[1]}" in message
+    assert f"unexpected (1): {extra}" in message
+    rows, cols = cfg.mla.num_heads * (cfg.mla.qk_nope_head_dim + cfg.mla.v_head_dim), cfg.mla.kv_lora_rank
+    assert f"wrong shape (1): {reshaped} expected [{rows}, {cols}] found [{rows - 1}, {cols}]" in message
+
+
+def test_hub_checkpoint_errors_list_keys(tmp_path):
+    cfg = get_preset("kimi-linear-48b").with_overrides(dict(
+        vocab_size=128, hidden_size=32, num_layers=2, mla_layers=[1], dense_hidden=48,
+        kda={"num_heads": 2, "head_dim": 16}, moe={"num_experts": 4, "top_k": 2, "expert_hidden": 16},
+        mla={"num_heads": 2, "kv_lora_rank": 8, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8}))
+    save_pretrained(random_model(cfg, seed=7), tmp_path, layout="hub")
+    stored = load_file(tmp_path / "model.safetensors")
+    del stored["lm_head.weight"]
+    save_file(stored, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"missing \(1\): lm_head.weight$"):
+        load_pretrained(tmp_path)
+
+
+def test_bad_directories(tmp_path):
+    with pytest.raises(ValueError, match="config.json"):
+        load_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ValueError, match="model_type 'llama'"):
+        load_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="layout"):
+        save_pretrained(random_model(tiny_k3(), seed=8), tmp_path / "x", layout="gguf")
