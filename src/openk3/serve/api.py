@@ -1,0 +1,292 @@
+"""The OpenAI-compatible HTTP API over the engine (FastAPI).
+
+POST /v1/completions, POST /v1/chat/completions (the chat template of `openk3.serve.tokenizer`), both with
+`stream: true` as server-sent events ending in `data: [DONE]`; GET /v1/models; GET /health (200 once the engine
+runs); GET /metrics (Prometheus text). `usage.prompt_tokens_details.cached_tokens` is the prefix-cache hit.
+Errors use OpenAI's shape {"error": {"message", "type", "param", "code"}}: 400 for malformed JSON, wrong types,
+missing fields and out-of-range values, 404 for an unknown model, 413 for a prompt longer than the context (or
+an oversized body), 429 when the queue is full. A client that disconnects has its request cancelled, which frees
+its sequence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from contextlib import asynccontextmanager
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from openk3.serve.engine import Engine, EngineLoop
+from openk3.serve.sampling import SamplingParams
+from openk3.serve.scheduler import QueueFull, RequestEvent
+from openk3.serve.tokenizer import render_chat
+
+MAX_BODY_BYTES = 8 << 20
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": {"message": self.message, "type": self.kind, "param": self.param,
+                                       "code": self.code}}, status_code=self.status)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    model: str
+    max_tokens: int | None = None
+    temperature: float = Field(1.0, ge=0, le=100)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1, le=1)
+    ignore_eos: bool = False
+
+
+class CompletionBody(SamplingFields):
+    prompt: str | list[int] | list[str]
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatBody(SamplingFields):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+
+
+def create_app(engine: Engine, model_name: str) -> FastAPI:
+    state = {"ready": False, "created": int(time.time())}
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        loop = EngineLoop(engine).start()
+        state["ready"] = True
+        yield
+        state["ready"] = False
+        loop.stop()
+
+    app = FastAPI(title="openk3", lifespan=lifespan)
+
+    @app.exception_handler(APIError)
+    async def api_error(_request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(Exception)
+    async def internal_error(_request: Request, exc: Exception) -> JSONResponse:
+        return APIError(500, f"internal error: {type(exc).__name__}", kind="server_error").response()
+
+    @app.get("/health")
+    async def health():
+        if not state["ready"]:
+            return JSONResponse({"status": "starting"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": state["created"],
+                                            "owned_by": "openk3"}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(prometheus_text(engine), media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await parse(request, CompletionBody, model_name)
+        if isinstance(body.prompt, str):
+            prompt = engine.tokenizer.encode(body.prompt)
+        elif body.prompt and all(isinstance(p, str) for p in body.prompt):
+            if len(body.prompt) != 1:
+                raise APIError(400, "only one prompt per request is supported", "prompt")
+            prompt = engine.tokenizer.encode(body.prompt[0])
+        else:
+            prompt = list(body.prompt)
+        return await generate(request, body, prompt, body.max_tokens, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = await parse(request, ChatBody, model_name)
+        text = render_chat([{"role": m.role, "content": m.text()} for m in body.messages])
+        return await generate(request, body, engine.tokenizer.encode(text),
+                              body.max_completion_tokens or body.max_tokens, chat=True)
+
+    async def generate(request: Request, body: SamplingFields, prompt: list[int], max_tokens: int | None,
+                       chat: bool):
+        params = sampling_params(body, max_tokens, engine.model_config.max_seq_len)
+        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        submit = lambda event: loop.call_soon_threadsafe(events.put_nowait, event)
+        try:
+            engine.add_request(prompt, params, rid=rid, on_event=submit)
+        except QueueFull as exc:
+            raise APIError(429, str(exc), code="queue_full", kind="rate_limit_error") from exc
+        except ValueError as exc:
+            too_long = len(prompt) >= engine.model_config.max_seq_len
+            raise APIError(413 if too_long else 400, str(exc), "messages" if chat else "prompt",
+                           "context_length_exceeded" if too_long else None) from exc
+        reply = Reply(rid, model_name, chat, body.stream_options is not None and body.stream_options.include_usage)
+        if body.stream:
+            return StreamingResponse(stream(events, reply, rid), media_type="text/event-stream")
+        return await collect(request, events, reply, rid)
+
+    async def stream(events: asyncio.Queue, reply: Reply, rid: str):
+        finished = False
+        try:
+            while not finished:
+                event: RequestEvent = await events.get()
+                finished = event.finished
+                for chunk in reply.chunks(event):
+                    yield f"data: {json.dumps(chunk)}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            if not finished:  # the client went away mid-stream
+                engine.cancel(rid)
+
+    async def collect(request: Request, events: asyncio.Queue, reply: Reply, rid: str):
+        text = []
+        while True:
+            try:
+                event: RequestEvent = await asyncio.wait_for(events.get(), timeout=0.5)
+            except TimeoutError:
+                if await request.is_disconnected():
+                    engine.cancel(rid)
+                    raise APIError(499, "the client closed the connection") from None
+                continue
+            text.append(event.text)
+            if event.finished:
+                break
+        if event.finish_reason == "error":
+            raise APIError(500, "the engine failed while running this request", kind="server_error")
+        return reply.full("".join(text), event)
+
+    return app
+
+
+async def parse(request: Request, model: type[BaseModel], model_name: str) -> Any:
+    raw = await request.body()
+    if len(raw) > MAX_BODY_BYTES:
+        raise APIError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes", code="request_too_large")
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from exc
+    if not isinstance(data, dict):
+        raise APIError(400, "the body must be a JSON object", code="invalid_json")
+    try:
+        body = model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = ".".join(str(p) for p in first["loc"]) or None
+        raise APIError(400, f"{param}: {first['msg']}", param, "invalid_value") from exc
+    if body.model != model_name:
+        raise APIError(404, f"the model {body.model!r} does not exist; this server serves {model_name!r}", "model",
+                       "model_not_found")
+    return body
+
+
+def sampling_params(body: SamplingFields, max_tokens: int | None, context: int) -> SamplingParams:
+    max_tokens = 16 if max_tokens is None else max_tokens
+    if not 1 <= max_tokens <= context:
+        raise APIError(400, f"max_tokens must be in [1, {context}], got {max_tokens}", "max_tokens",
+                       "invalid_value")
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                          seed=body.seed, stop=[s for s in stop if s], ignore_eos=body.ignore_eos)
+
+
+class Reply:
+    """OpenAI response objects for one request."""
+
+    def __init__(self, rid: str, model: str, chat: bool, include_usage: bool):
+        self.rid, self.model, self.chat, self.include_usage = rid, model, chat, include_usage
+        self.created = int(time.time())
+        self.sent_role = False
+
+    def usage(self, event: RequestEvent) -> dict:
+        return {"prompt_tokens": event.prompt_tokens, "completion_tokens": event.completion_tokens,
+                "total_tokens": event.prompt_tokens + event.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": event.cached_tokens}}
+
+    def _envelope(self, choices: list[dict], chunk: bool) -> dict:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
+        return {"id": self.rid, "object": kind, "created": self.created, "model": self.model, "choices": choices}
+
+    def chunks(self, event: RequestEvent) -> list[dict]:
+        reason = event.finish_reason if event.finished else None
+        if self.chat:
+            delta = {"content": event.text}
+            if not self.sent_role:
+                delta, self.sent_role = {"role": "assistant", **delta}, True
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": event.text, "logprobs": None, "finish_reason": reason}
+        out = [self._envelope([choice], chunk=True)]
+        if event.finished and self.include_usage:
+            out.append({**self._envelope([], chunk=True), "usage": self.usage(event)})
+        return out
+
+    def full(self, text: str, event: RequestEvent) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": event.finish_reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": event.finish_reason}
+        return {**self._envelope([choice], chunk=False), "usage": self.usage(event)}
+
+
+def prometheus_text(engine: Engine) -> str:
+    """The engine's counters and gauges in the Prometheus text format (version 0.0.4)."""
+    m, lines = engine.metrics, []
+
+    def metric(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]) -> None:
+        lines.extend([f"# HELP openk3_{name} {help_text}", f"# TYPE openk3_{name} {kind}"])
+        lines.extend(f"openk3_{name}{labels} {value}" for labels, value in samples)
+
+    metric("requests_received_total", "counter", "Requests accepted.", [("", m.requests_received)])
+    metric("requests_finished_total", "counter", "Requests finished, by reason.",
+           [(f'{{reason="{r}"}}', n) for r, n in sorted(m.requests_finished.items())] or [('{reason="stop"}', 0)])
+    metric("prompt_tokens_total", "counter", "Prompt tokens of admitted requests.", [("", m.prompt_tokens)])
+    metric("generation_tokens_total", "counter", "Generated tokens.", [("", m.generation_tokens)])
+    metric("queue_requests", "gauge", "Requests waiting for admission.", [("", len(engine.scheduler.waiting))])
+    metric("running_requests", "gauge", "Requests being prefilled or decoded.", [("", len(engine.scheduler.running))])
+    metric("engine_steps_total", "counter", "Engine steps.", [("", m.steps)])
+    metric("time_to_first_token_seconds_sum", "counter", "Sum of times to first token.", [("", m.ttft_seconds_sum)])
+    metric("time_to_first_token_seconds_count", "counter", "Requests with a first token.", [("", m.ttft_count)])
+    cache = engine.prefix_cache
+    stats = cache.stats if cache is not None else None
+    metric("prefix_cache_queried_tokens_total", "counter", "Prompt tokens looked up in the prefix cache.",
+           [("", stats.queried_tokens if stats else 0)])
+    metric("prefix_cache_hit_tokens_total", "counter", "Prompt tokens served from the prefix cache.",
+           [("", stats.hit_tokens if stats else 0)])
+    metric("prefix_cache_utilisation", "gauge", "Used fraction of the prefix cache's device tier.",
+           [("", cache.utilisation if cache is not None else 0.0)])
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,87 @@
+"""`openk3 serve`: the OpenAI-compatible server (FastAPI under uvicorn) over the continuous-batching engine.
+
+    openk3 serve --preset k3-tiny --port 8000            # random-init weights (seeded): a demo / test server
+    openk3 serve --ckpt runs/tiny/step-000100 --port 8000
+
+The tokenizer is the checkpoint's tokenizer.json when it has one, else the byte-level fallback
+(`openk3.serve.tokenizer`). The prefix cache's hash block / page default to K3's ratio scaled to the context
+(h=16, P=192 for toy contexts; h=512, P=6144 at 1M).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+
+def build_engine(args: argparse.Namespace):
+    """The model, tokenizer and engine the arguments describe; returns (engine, model name)."""
+    import torch
+
+    from openk3.config import get_preset
+    from openk3.model import K3ForCausalLM
+    from openk3.serve.engine import Engine, EngineConfig
+    from openk3.serve.scheduler import SchedulerConfig
+    from openk3.serve.tokenizer import load_tokenizer
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.ckpt:
+        from openk3.generate import resolve_checkpoint
+        from openk3.interop import load_pretrained
+
+        ckpt = resolve_checkpoint(args.ckpt)
+        model = load_pretrained(ckpt).to(device)
+        name, ckpt_dir = args.model_name or Path(args.ckpt).name, str(ckpt)
+    else:
+        model = K3ForCausalLM(get_preset(args.preset)).to(device)
+        name, ckpt_dir = args.model_name or args.preset, None
+    tokenizer = load_tokenizer(ckpt_dir, model.config.vocab_size)
+    config = EngineConfig(
+        prefix_cache=not args.no_prefix_cache, hash_block=args.hash_block, page_size=args.page_size,
+        cache_bytes=int(args.cache_mb * (1 << 20)), host_cache_bytes=int(args.host_cache_mb * (1 << 20)),
+        disk_cache_dir=args.disk_cache_dir, disk_cache_bytes=int(args.disk_cache_mb * (1 << 20)), seed=args.seed,
+        scheduler=SchedulerConfig(max_running=args.max_running, max_queue=args.max_queue,
+                                  prefill_tokens_per_step=args.prefill_tokens),
+    )
+    return Engine(model, tokenizer, config), name
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from openk3.serve.api import create_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine, name = build_engine(args)
+    uvicorn.run(create_app(engine, name), host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def add_serve_parser(subparsers) -> None:
+    p = subparsers.add_parser("serve", help="OpenAI-compatible server with the K3 hybrid prefix cache",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--preset", default="k3-tiny", help="random-init model of this preset (default k3-tiny)")
+    source.add_argument("--ckpt", help="checkpoint directory (or a training run directory: its latest)")
+    p.add_argument("--model-name", help="the name clients pass as `model` (default: preset or checkpoint dir)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--seed", type=int, default=0, help="random-init weights and default sampling seeds")
+    p.add_argument("--device", default=None, help="cpu / cuda (default: cuda when available)")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--no-prefix-cache", action="store_true", help="disable the hybrid prefix cache")
+    p.add_argument("--hash-block", type=int, default=None, help="tokens per hash block h (default: by context)")
+    p.add_argument("--page-size", type=int, default=None, help="tokens per physical page P (default 12 h)")
+    p.add_argument("--cache-mb", type=float, default=256, help="prefix cache device tier (MiB)")
+    p.add_argument("--host-cache-mb", type=float, default=0, help="prefix cache host tier (MiB, 0: off)")
+    p.add_argument("--disk-cache-dir", default=None, help="prefix cache disk tier directory (needs a host tier)")
+    p.add_argument("--disk-cache-mb", type=float, default=1024, help="prefix cache disk tier (MiB)")
+    p.add_argument("--max-running", type=int, default=32, help="sequences decoded together at most")
+    p.add_argument("--max-queue", type=int, default=1024, help="waiting requests before 429s")
+    p.add_argument("--prefill-tokens", type=int, default=256, help="prefill token budget per engine step")
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=run_serve)

@@ -1,0 +1,177 @@
+"""`openk3 serve` end to end: a real uvicorn server process on 127.0.0.1, driven by the official openai client."""
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+MODEL = "k3-tiny"
+H = 16  # the default hash block for k3-tiny's context
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "openk3", "serve", "--preset", MODEL, "--host", "127.0.0.1",
+                             "--port", str(port), "--threads", "1", "--seed", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while True:
+        assert proc.poll() is None, proc.stdout.read().decode()
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "the server did not become healthy"
+        time.sleep(0.3)
+    yield url
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def metric(server, name):
+    text = httpx.get(f"{server}/metrics").text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(f"openk3_{name}"))
+
+
+def test_models_health_and_metrics(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(f"{server}/health").json() == {"status": "ok"}
+    text = httpx.get(f"{server}/metrics").text
+    for name in ("requests_received_total", "generation_tokens_total", "queue_requests",
+                 "prefix_cache_queried_tokens_total", "prefix_cache_hit_tokens_total"):
+        assert f"# TYPE openk3_{name}" in text
+
+
+def test_completion_is_deterministic_and_reports_the_prefix_hit(client):
+    prompt = "The hybrid prefix cache keeps KDA checkpoints at every hash block boundary."
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert first.choices[0].text == again.choices[0].text and first.choices[0].finish_reason == "length"
+    assert first.usage.prompt_tokens == len(prompt.encode()) and first.usage.completion_tokens == 4
+    assert again.usage.prompt_tokens_details.cached_tokens == H * ((len(prompt.encode()) - 1) // H)
+
+
+def test_multi_turn_chat_hits_the_previous_turn(client):
+    messages = [{"role": "system", "content": "You are a terse agent that calls tools."},
+                {"role": "user", "content": "List the files in the repository, please."}]
+    reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
+    assert reply.choices[0].message.role == "assistant"
+    messages += [{"role": "assistant", "content": reply.choices[0].message.content},
+                 {"role": "tool", "content": "README.md src tests bench"}]
+    second = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
+    assert second.usage.prompt_tokens_details.cached_tokens >= H * ((reply.usage.prompt_tokens - 1) // H) > 0
+
+
+def test_streaming_matches_the_full_reply(client):
+    prompt = "Stream this reply token by token"
+    full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, stream=True,
+                                            extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks) == full.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+    messages = [{"role": "user", "content": prompt}]
+    chat_full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
+                                               extra_body={"ignore_eos": True})
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
+        chat_full.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == 6
+
+
+def test_sse_wire_format_ends_with_done(server):
+    body = {"model": MODEL, "prompt": "wire", "max_tokens": 2, "stream": True}
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=60) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.iter_lines() if line]
+    assert events[-1] == "data: [DONE]" and all(e.startswith("data: ") for e in events)
+    assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+@pytest.mark.parametrize("body, status, param", [
+    (b'{"model": "k3-tiny", "prompt": ', 400, None),
+    (b'[1, 2]', 400, None),
+    ({"prompt": "no model"}, 400, "model"),
+    ({"model": MODEL}, 400, "prompt"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": "5"}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": 10**9}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ({"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p"),
+    ({"model": MODEL, "prompt": "x", "n": 3}, 400, "n"),
+    ({"model": MODEL, "prompt": "x" * 5000}, 413, "prompt"),
+    ({"model": "gpt-4o", "prompt": "x"}, 404, "model"),
+])
+def test_bad_completion_requests_get_openai_errors(server, body, status, param):
+    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(f"{server}/v1/completions", headers={"content-type": "application/json"}, timeout=30, **kw)
+    assert r.status_code == status
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["param"] == param
+
+
+def test_bad_chat_requests_and_the_server_keeps_serving(server, client):
+    for body in ({"model": MODEL, "messages": []}, {"model": MODEL, "messages": [{"role": "user"}]},
+                 {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]},
+                 {"model": MODEL, "messages": "hi"}):
+        r = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    ok = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "still up?"}],
+                                        max_tokens=2)
+    assert ok.choices[0].finish_reason in ("length", "stop")
+
+
+def test_disconnect_mid_stream_frees_the_sequence(server):
+    cancelled = metric(server, 'requests_finished_total{reason="cancelled"}')
+    body = {"model": MODEL, "prompt": "a long story", "max_tokens": 3000, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+    deadline = time.monotonic() + 60
+    while metric(server, 'requests_finished_total{reason="cancelled"}') == cancelled:
+        assert time.monotonic() < deadline, "the abandoned stream kept running"
+        time.sleep(0.2)
+    assert metric(server, "running_requests") == 0
+
+
+def test_bounded_concurrent_load(server, client):
+    prompts = [f"Session {i}: the agent reads a tool result and answers." for i in range(4)]
+
+    def ask(prompt):
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        return r.choices[0].text, r.usage.completion_tokens
+
+    expected = {p: ask(p) for p in prompts}
+    jobs = [prompts[(c + k) % len(prompts)] for c in range(32) for k in range(4)]  # 32 clients x 4 requests
+    with ThreadPoolExecutor(max_workers=32) as pool:
+        results = list(pool.map(ask, jobs))
+    assert results == [expected[p] for p in jobs]
+    assert metric(server, "queue_requests") == 0
