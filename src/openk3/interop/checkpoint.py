@@ -56,6 +56,9 @@ def load_pretrained(path: str | Path, dtype: torch.dtype | None = None) -> K3For
     model.load_state_dict(state, strict=True, assign=True)
     if cfg.tie_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+    unset = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if unset:  # a tensor the model creates but does not save (a non-persistent buffer) has no data to load
+        raise RuntimeError(f"tensors not restored from the checkpoint (not in the model's state_dict): {unset}")
     if dtype is not None:
         model.to(dtype)
     return model.eval()
