@@ -14,7 +14,7 @@ import torch
 
 from openk3.config import ModelConfig
 from openk3.interop.configs import config_from_hub, config_from_k3, config_to_hub, config_to_k3
-from openk3.interop.files import check_tensor_set, read_config, read_tensors, tensor_shapes, write_config, write_tensors
+from openk3.interop.files import TensorReader, check_tensor_set, read_config, write_config, write_tensors
 from openk3.interop.layouts import LAYOUTS, canonical_names, external_plan, from_external, to_external
 from openk3.model import K3ForCausalLM
 
@@ -46,11 +46,11 @@ def load_pretrained(path: str | Path, dtype: torch.dtype | None = None) -> K3For
     meta_state = model.state_dict()
     plan = external_plan(meta_state, cfg, layout)
     expected = {k: tuple(t.shape) for k, t in to_external(meta_state, plan).items()}
-    stored = tensor_shapes(path)
-    names, _ = canonical_names(list(stored), cfg, layout)
-    check_tensor_set(expected, {canon: stored[name] for canon, name in names.items()}, where=str(path))
-    raw = read_tensors(path)
-    state = from_external({canon: raw[name] for canon, name in names.items()}, plan)
+    with TensorReader(path) as reader:
+        stored = reader.shapes()
+        names = canonical_names(list(stored), layout)
+        check_tensor_set(expected, {canon: stored[name] for canon, name in names.items()}, where=str(path))
+        state = from_external(lambda canon: reader.get(names[canon]), plan)
     if cfg.tie_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict(state, strict=True, assign=True)

@@ -7,6 +7,7 @@ The file conventions are HF's: `model.safetensors`, or `model-0000i-of-0000n.saf
 from __future__ import annotations
 
 import json
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -45,30 +46,26 @@ def _weight_map(path: Path) -> dict[str, Path]:
     return out
 
 
-def _keys_by_file(path: Path) -> dict[Path, list[str]]:
-    by_file: dict[Path, list[str]] = {}
-    for key, file in _weight_map(path).items():
-        by_file.setdefault(file, []).append(key)
-    return by_file
+class TensorReader:
+    """Open shards of a checkpoint directory: shapes from the headers, tensors one at a time on request (so a
+    load holds at most the model plus the tensors being converted, never a second copy of the checkpoint)."""
 
+    def __init__(self, path: str | Path):
+        self._where = _weight_map(Path(path))
+        self._stack = ExitStack()
+        self._files = {file: self._stack.enter_context(safe_open(file, "pt")) for file in set(self._where.values())}
 
-def tensor_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
-    """Every stored tensor's shape, read from the headers only (no tensor data is loaded)."""
-    shapes: dict[str, tuple[int, ...]] = {}
-    for file, keys in _keys_by_file(Path(path)).items():
-        with safe_open(file, "pt") as f:
-            for key in keys:
-                shapes[key] = tuple(f.get_slice(key).get_shape())
-    return shapes
+    def __enter__(self) -> TensorReader:
+        return self
 
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
 
-def read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
-    tensors: dict[str, torch.Tensor] = {}
-    for file, keys in _keys_by_file(Path(path)).items():
-        with safe_open(file, "pt") as f:
-            for key in keys:
-                tensors[key] = f.get_tensor(key)
-    return tensors
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {key: tuple(self._files[file].get_slice(key).get_shape()) for key, file in self._where.items()}
+
+    def get(self, key: str) -> torch.Tensor:
+        return self._files[self._where[key]].get_tensor(key)
 
 
 def write_tensors(path: str | Path, tensors: dict[str, torch.Tensor], max_shard_bytes: int | None = None) -> None:

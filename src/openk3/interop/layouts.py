@@ -118,25 +118,24 @@ def to_external(state: dict[str, torch.Tensor], plan: dict[str, Entry]) -> dict[
     return out
 
 
-def from_external(tensors: dict[str, torch.Tensor], plan: dict[str, Entry]) -> dict[str, torch.Tensor]:
-    return {key: entry.join([tensors[k] for k in entry.keys]) for key, entry in plan.items()}
+def from_external(get: Callable[[str], torch.Tensor], plan: dict[str, Entry]) -> dict[str, torch.Tensor]:
+    """openk3 state dict from file tensors, fetched one by one with get(file name)."""
+    return {key: entry.join([get(k) for k in entry.keys]) for key, entry in plan.items()}
 
 
-def canonical_names(found: list[str], cfg: ModelConfig, layout: str) -> tuple[dict[str, str], list[str]]:
-    """Accepted alternative spellings -> the names `external_plan` uses. Returns ({canonical: stored name},
-    [stored names dropped as inert]); a name that would collide with another stays as it is (then unexpected)."""
+def canonical_names(found: list[str], layout: str) -> dict[str, str]:
+    """Accepted alternative spellings -> {the name `external_plan` uses: the stored name}. Inert tensors (layer 0's
+    K3 self_attention_res) are left out; a name whose canonical form is also stored stays as it is (unexpected)."""
     mapping: dict[str, str] = {}
-    dropped: list[str] = []
+    stored = set(found)
     for name in found:
-        canon = name
         if layout == "hub":
             canon = re.sub(r"\.mlp\.", ".block_sparse_moe.", name)
         else:
             canon = re.sub(r"\.block_sparse_moe" + _DENSE_PART, r".mlp.\1.", name)
             if re.match(r"^language_model\.model\.layers\.0\.self_attention_res_(proj|norm)\.weight$", canon):
-                dropped.append(name)
                 continue
-        if canon in mapping or (canon != name and canon in found):
+        if canon in mapping or (canon != name and canon in stored):
             canon = name
         mapping[canon] = name
-    return mapping, dropped
+    return mapping
