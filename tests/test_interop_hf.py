@@ -129,11 +129,12 @@ def test_sharded_checkpoint_and_original_spellings(tmp_path):
     assert_same_logits(hf, load_pretrained(original), 256, seed=7)
 
 
-def test_openk3_hub_save_loads_in_transformers(tmp_path):
+@pytest.mark.parametrize("moe", [{"num_experts": 6, "top_k": 2, "expert_hidden": 32}, None], ids=["moe", "dense"])
+def test_openk3_hub_save_loads_in_transformers(tmp_path, moe):
     """openk3 -> hub layout -> transformers: the same logits, and the same tensor names transformers writes."""
     cfg = get_preset("kimi-linear-48b").with_overrides(dict(
         vocab_size=256, hidden_size=64, num_layers=4, mla_layers=[0, 3], dense_hidden=80, max_seq_len=512,
-        kda={"num_heads": 4, "head_dim": 16}, moe={"num_experts": 6, "top_k": 2, "expert_hidden": 32},
+        kda={"num_heads": 4, "head_dim": 16}, moe=moe,
         mla={"num_heads": 4, "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16},
     ))
     torch.manual_seed(3)
@@ -147,7 +148,9 @@ def test_openk3_hub_save_loads_in_transformers(tmp_path):
     assert set(load_file(tmp_path / "ours" / "model.safetensors")) == set(
         load_file(tmp_path / "theirs" / "model.safetensors"))
     back = load_pretrained(tmp_path / "ours")
-    assert back.config.to_dict() == {**cfg.to_dict(), "name": "kimi_linear"}
+    # the name is the hub's model_type; without MoE, "every layer dense" is written as first_k_dense = num_layers
+    same = cfg.with_overrides({"name": "kimi_linear", "first_k_dense": cfg.first_k_dense if moe else 4})
+    assert back.config == same
 
 
 @pytest.mark.parametrize("overrides, field", [

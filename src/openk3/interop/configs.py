@@ -249,6 +249,8 @@ def config_to_hub(cfg: ModelConfig) -> dict[str, Any]:
         raise ValueError(f"the Kimi Linear hub layout cannot express these config fields: {', '.join(bad)}; "
                          "save with layout='k3' instead")
     d = {"architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear", **_write_common(cfg)}
+    if cfg.moe is None:  # transformers builds MoE layers from first_k_dense_replace alone
+        d["first_k_dense_replace"] = cfg.num_layers
     # transformers' stored names for these two; pad/bos/eos default to Kimi's 163k-vocab ids unless given.
     d["model_max_length"] = cfg.max_seq_len
     d.update(pad_token_id=None, bos_token_id=None, eos_token_id=None)
