@@ -115,6 +115,20 @@ def test_hit_is_the_shared_full_hash_blocks_only(model):
     assert rf.output == rb.output
 
 
+def test_sparser_checkpoints_keep_the_turn_boundary(model):
+    engine = make_engine(model, checkpoint_every=4)
+    tok = ByteTokenizer()
+    a = tok.encode("z" * (6 * H + 3))  # checkpoints after blocks 4 (a chunk end) and 6 (the prompt's last full block)
+    engine.add_request(a, SamplingParams(max_tokens=1, temperature=0))
+    drain(engine)
+    hits = {}
+    for shared_blocks in (3, 5, 6):
+        r = engine.add_request(a[: shared_blocks * H + 2] + tok.encode("!" * 20), SamplingParams(max_tokens=1))
+        drain(engine)
+        hits[shared_blocks] = r.cached_tokens
+    assert hits == {3: 0, 5: 4 * H, 6: 6 * H}
+
+
 def test_cancellation_frees_the_sequence_and_its_locks(model):
     engine = make_engine(model)
     events = []

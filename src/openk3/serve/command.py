@@ -43,7 +43,8 @@ def build_engine(args: argparse.Namespace):
     config = EngineConfig(
         prefix_cache=not args.no_prefix_cache, hash_block=args.hash_block, page_size=args.page_size,
         cache_bytes=int(args.cache_mb * (1 << 20)), host_cache_bytes=int(args.host_cache_mb * (1 << 20)),
-        disk_cache_dir=args.disk_cache_dir, disk_cache_bytes=int(args.disk_cache_mb * (1 << 20)), seed=args.seed,
+        disk_cache_dir=args.disk_cache_dir, disk_cache_bytes=int(args.disk_cache_mb * (1 << 20)),
+        checkpoint_every=args.checkpoint_every, seed=args.seed,
         scheduler=SchedulerConfig(max_running=args.max_running, max_queue=args.max_queue,
                                   prefill_tokens_per_step=args.prefill_tokens),
     )
@@ -76,6 +77,8 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--no-prefix-cache", action="store_true", help="disable the hybrid prefix cache")
     p.add_argument("--hash-block", type=int, default=None, help="tokens per hash block h (default: by context)")
     p.add_argument("--page-size", type=int, default=None, help="tokens per physical page P (default 12 h)")
+    p.add_argument("--checkpoint-every", type=int, default=1,
+                   help="hash blocks per prefill chunk, i.e. between KDA checkpoints (1: every boundary)")
     p.add_argument("--cache-mb", type=float, default=256, help="prefix cache device tier (MiB)")
     p.add_argument("--host-cache-mb", type=float, default=0, help="prefix cache host tier (MiB, 0: off)")
     p.add_argument("--disk-cache-dir", default=None, help="prefix cache disk tier directory (needs a host tier)")

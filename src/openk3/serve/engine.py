@@ -2,11 +2,13 @@
 
 One `step()`: apply cancellations, admit requests (a prefix hit resumes prefill at the hit boundary with the
 restored KDA states and MLA pages), run one batched decode forward for every decoding sequence, then batched
-prefill chunks within the step's token budget. Prefill chunks end at hash-block boundaries whether or not the
-cache is on, so a KDA checkpoint exists at every boundary and greedy output does not depend on the cache.
-Every time a sequence crosses a boundary (in prefill or decode) its block is registered: the MLA latents of its
-h tokens and the KDA states at its end. `EngineLoop` runs steps on a background thread; `add_request` and
-`cancel` are thread-safe.
+prefill chunks within the step's token budget. Every full hash block a sequence completes (in prefill or decode)
+is registered with the MLA latents of its h tokens. KDA states can only be read between forwards, so prefill
+chunks end where checkpoints are wanted: every `checkpoint_every` hash blocks (1, the default, is SPEC §7's
+ideal: a checkpoint at every boundary) and at the prompt's last full hash block (the turn boundary); decode
+passes every boundary one token at a time. Chunking is the same whether or not the cache is on, so greedy
+output does not depend on it. `EngineLoop` runs steps on a background thread; `add_request` and `cancel` are
+thread-safe.
 """
 
 from __future__ import annotations
@@ -42,8 +44,13 @@ class EngineConfig:
     host_cache_bytes: int = 0
     disk_cache_dir: str | None = None
     disk_cache_bytes: int = 0
+    checkpoint_every: int = 1  # hash blocks per prefill chunk, i.e. between KDA checkpoints during prefill
     seed: int = 0
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.checkpoint_every < 1:
+            raise ValueError(f"checkpoint_every must be >= 1 hash block, got {self.checkpoint_every}")
 
 
 @dataclass
@@ -147,7 +154,9 @@ class Engine:
         return locked / cache.config.device_bytes
 
     def _chunk_end(self, r: Request, pos: int) -> int:
-        return min((pos // self.hash_block + 1) * self.hash_block, len(r.prompt))
+        h, span = self.hash_block, self.hash_block * self.config.checkpoint_every
+        turn_boundary = (len(r.prompt) // h) * h
+        return min((pos // span + 1) * span, turn_boundary if turn_boundary > pos else len(r.prompt))
 
     def _start(self, r: Request) -> None:
         """Admission: look the prompt up and restore the hit (KDA checkpoint + MLA pages) as the sequence's state."""
@@ -180,7 +189,7 @@ class Engine:
         logits = self.model(ids, cache=cache).logits[:, -1]
         for row, r in enumerate(requests):
             r.fed += 1
-            self._register_block(r, cache, row)
+            self._register_blocks(r, r.fed - 1, cache, row)
             self._accept(r, logits[row])
 
     def _release_decode_batch(self) -> None:
@@ -199,8 +208,8 @@ class Engine:
         ids = torch.tensor([r.prompt[r.fed:end] for r, end in zip(requests, ends)], device=cache.lengths.device)
         logits = self.model(ids, cache=cache, logits_to_keep=1).logits[:, -1]
         for row, (r, end) in enumerate(zip(requests, ends)):
-            r.fed = end
-            self._register_block(r, cache, row)
+            start, r.fed = r.fed, end
+            self._register_blocks(r, start, cache, row)
             r.state = cache.extract(row)
             if not r.prefilling:
                 r.first_token_at = time.perf_counter()
@@ -208,22 +217,24 @@ class Engine:
                 self.metrics.ttft_count += 1
                 self._accept(r, logits[row])
 
-    def _register_block(self, r: Request, cache: HybridCache, row: int) -> None:
-        """At a hash-block boundary, hand the block's MLA latents and the KDA states to the prefix cache."""
-        h, end = self.hash_block, r.fed
-        if self.prefix_cache is None or end % h or r.lease.detached:
+    def _register_blocks(self, r: Request, start: int, cache: HybridCache, row: int) -> None:
+        """Hand the hash blocks completed between `start` and `r.fed` to the prefix cache: their MLA latents, and
+        the KDA states for the block that ends exactly at `r.fed` (the state the forward just left)."""
+        h = self.hash_block
+        if self.prefix_cache is None or r.lease.detached:
             return
-        kv = torch.stack([cache.layers[i].buffer[row, end - h:end] for i in self.mla_layers])
-        ckpt = {"conv": torch.stack([cache.layers[i].conv_state[row] for i in self.kda_layers]),
-                "recurrent": torch.stack([cache.layers[i].recurrent_state[row] for i in self.kda_layers])}
-        turn_end = end <= len(r.prompt) < end + h  # the last boundary of the prompt ends the user's turn
-        self.prefix_cache.append(r.lease, r.tokens[end - h:end], kv, ckpt, turn_boundary=turn_end)
+        for end in range((start // h + 1) * h, r.fed + 1, h):
+            kv = torch.stack([cache.layers[i].buffer[row, end - h:end] for i in self.mla_layers])
+            ckpt = None
+            if end == r.fed:
+                ckpt = {"conv": torch.stack([cache.layers[i].conv_state[row] for i in self.kda_layers]),
+                        "recurrent": torch.stack([cache.layers[i].recurrent_state[row] for i in self.kda_layers])}
+            turn_end = end <= len(r.prompt) < end + h  # the last boundary of the prompt ends the user's turn
+            self.prefix_cache.append(r.lease, r.tokens[end - h:end], kv, ckpt, turn_boundary=turn_end)
 
     # ---- tokens, stops, events ----------------------------------------------------------------------------
     def _accept(self, r: Request, logits: torch.Tensor) -> None:
-        if self.vocab_limit < logits.numel():
-            logits = logits[: self.vocab_limit]
-        token = sample_token(logits.float(), r.params, r.generator)
+        token = sample_token(logits[: self.vocab_limit].float().cpu(), r.params, r.generator)
         r.output.append(token)
         self.metrics.generation_tokens += 1
         reason = None
