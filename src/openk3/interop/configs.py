@@ -70,8 +70,8 @@ def _first_k_dense(d: dict[str, Any], num_layers: int) -> int:
 
 
 def _moe(d: dict[str, Any], k3: bool) -> MoEConfig | None:
-    num_experts = int(_pick(d, "num_experts", "num_local_experts", default=0) or 0)
-    if num_experts == 0:
+    num_experts = int(_pick(d, "num_experts", "num_local_experts") or 0)
+    if num_experts == 0:  # openk3 writes 0 for a model without MoE layers
         return None
     n_group = int(_pick(d, "num_expert_group", "n_group", default=1) or 1)
     topk_group = int(_pick(d, "topk_group", default=1) or 1)
@@ -251,7 +251,8 @@ def config_to_hub(cfg: ModelConfig) -> dict[str, Any]:
     d = {"architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear", **_write_common(cfg)}
     if cfg.moe is None:  # transformers builds MoE layers from first_k_dense_replace alone
         d["first_k_dense_replace"] = cfg.num_layers
-    # transformers' stored names for these two; pad/bos/eos default to Kimi's 163k-vocab ids unless given.
+    # transformers stores max_position_embeddings as model_max_length; absent pad/bos/eos would default to Kimi's
+    # 163k-vocab token ids (out of range for a smaller vocab), so they are written as null.
     d["model_max_length"] = cfg.max_seq_len
     d.update(pad_token_id=None, bos_token_id=None, eos_token_id=None)
     return d
