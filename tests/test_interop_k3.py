@@ -77,7 +77,8 @@ def test_k3_round_trip_is_bit_exact(tmp_path):
 
 def test_k3_layout_names_and_config_keys(tmp_path):
     cfg = tiny_k3()
-    save_pretrained(random_model(cfg, seed=1), tmp_path)
+    model = random_model(cfg, seed=1)
+    save_pretrained(model, tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     text = config["text_config"]
     assert text["hidden_act"] == "situ" and text["activation_situ_beta"] == 4.0
@@ -101,7 +102,7 @@ def test_k3_layout_names_and_config_keys(tmp_path):
         p + "layers.1.self_attention_res_proj.weight": (1, D),
         p + "layers.1.self_attention_res_norm.weight": (D,),
         p + "layers.1.self_attn.q_conv1d.weight": (H * K, 1, cfg.kda.conv_kernel),
-        p + "layers.1.self_attn.A_log": (1, 1, H, 1),
+        p + "layers.1.self_attn.A_log": (K,),  # H < K: zero tail
         p + "layers.1.self_attn.dt_bias": (H * K,),
         p + "layers.1.self_attn.g_proj.weight": (H * K, D),
         p + "layers.1.block_sparse_moe.routed_expert_down_proj.weight": (latent, D),
@@ -119,6 +120,8 @@ def test_k3_layout_names_and_config_keys(tmp_path):
     stored = load_file(tmp_path / "model.safetensors")
     for key, shape in want.items():
         assert tuple(stored[key].shape) == shape, key
+    a_log = stored[p + "layers.1.self_attn.A_log"]
+    assert torch.equal(a_log[:H], model.model.layers[1].self_attn.A_log) and not a_log[H:].any()
     assert not any(k.startswith(p + "layers.0.self_attention_res") for k in stored)
     assert not any(".mlp." in k for k in stored if ".layers.0." not in k)
 
@@ -148,9 +151,10 @@ OPENK3_CONFIGS = {
     # tied embeddings, no MoE at all, the MLA output norm, MLA on the first layer, two MTP depths
     "tied-dense-norm": dict(tie_embeddings=True, moe=None, mla={"output_norm": True}, mla_layers=[0, 4],
                             mtp_layers=2, attn_res_block_size=3, situ_beta_gate=3.0, first_k_dense=3),
-    # no latent norm, no shared experts, unnormalised scaled routing, every layer MoE
+    # no latent norm, no shared experts, unnormalised scaled routing, every layer MoE, A_log longer than head_dim
     "moe-variants": dict(moe={"latent_norm": False, "num_shared_experts": 0, "renormalize": False,
-                              "routed_scaling_factor": 2.5}, first_k_dense=0, kda={"conv_kernel": 2}),
+                              "routed_scaling_factor": 2.5}, first_k_dense=0,
+                         kda={"conv_kernel": 2, "num_heads": 8, "head_dim": 4}),  # more KDA heads than head_dim
 }
 
 

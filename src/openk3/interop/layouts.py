@@ -14,8 +14,10 @@ openk3's own names mirror HF transformers' in-memory KimiLinearForCausalLM (see 
   On load `mlp.` is accepted for `block_sparse_moe.` (Moonshot's original files name the dense FFN so).
 
 "k3": the released K3 layout, the text model under `language_model.` (SPEC §1). Same per-tensor layouts as the
-  hub (split convs, A_log [1, 1, H, 1], per-expert w1/w2/w3), the dense FFN under `mlp.`, MoE under
-  `block_sparse_moe.`, and these K3-only names (openk3 name -> file name, under language_model.model.):
+  hub (split convs, per-expert w1/w2/w3) except A_log, which public K3 ports report stored as a vector of
+  head_dim entries for 96 heads, tail-padded: here [max(H, head_dim)], the H values first, zeros after. The
+  dense FFN sits under `mlp.`, MoE under `block_sparse_moe.`, and these K3-only names (openk3 name -> file name,
+  under language_model.model.):
     layers.{i}.attn_res_{proj,norm}   -> layers.{i}.self_attention_res_{proj,norm}   AttnRes pseudo-query [1, D]
     layers.{i}.mlp_res_{proj,norm}    -> layers.{i}.mlp_res_{proj,norm}               and its RMSNorm weight [D]
     output_res_{proj,norm}            -> output_attn_res_{proj,norm}
@@ -89,8 +91,11 @@ def _entry(key: str, meta: torch.Tensor, cfg: ModelConfig, layout: str) -> Entry
         sizes = [meta.shape[0] // 3] * 3
         return Entry(tuple(f"{base}{p}_conv1d.weight" for p in "qkv"),
                      lambda t: list(t.split(sizes)), lambda ts: torch.cat(ts))
-    if name.endswith(".self_attn.A_log"):  # [H] <-> [1, 1, H, 1]
+    if name.endswith(".self_attn.A_log") and layout == "hub":  # [H] <-> [1, 1, H, 1]
         return Entry((name,), lambda t: [t.view(1, 1, -1, 1)], lambda ts: ts[0].reshape(-1))
+    if name.endswith(".self_attn.A_log"):  # [H] <-> [max(H, K)], zero tail
+        H, pad = meta.shape[0], max(0, cfg.kda_head_dim - meta.shape[0])
+        return Entry((name,), lambda t: [torch.nn.functional.pad(t, (0, pad))], lambda ts: ts[0][:H])
     if name.endswith(".experts.gate_up_proj"):  # [E, 2I, D] <-> per expert w1 (gate) [I, D], w3 (up) [I, D]
         base, E, inter = name[: -len("gate_up_proj")], meta.shape[0], meta.shape[1] // 2
         keys = tuple(f"{base}{j}.{w}.weight" for j in range(E) for w in ("w1", "w3"))
