@@ -4,6 +4,7 @@ openk3's own names mirror HF transformers' in-memory KimiLinearForCausalLM (see 
 
 "hub": what `KimiLinearForCausalLM.save_pretrained` writes (transformers 5 reverts its load-time conversions):
   model.layers.{i}.self_attn.{q,k,v}_conv1d.weight  [HK, 1, W] each   <- openk3 conv1d.weight [3HK, 1, W] split
+                                                    (kda.fused_conv; unfused convs already have these names)
   model.layers.{i}.self_attn.A_log                  [1, 1, H, 1]      <- openk3 A_log [H]
   model.layers.{i}.block_sparse_moe.*               every FFN, dense or MoE (openk3: mlp.*)
   ...block_sparse_moe.experts.{j}.w1 / w3 / w2.weight  [I, D], [I, D], [D, I]
@@ -27,6 +28,7 @@ openk3's own names mirror HF transformers' in-memory KimiLinearForCausalLM (see 
     mtp.{k}.block.*                   -> layers.{L+k}.*  (L = num_hidden_layers; DeepSeek-V3's MTP naming)
     mtp.{k}.{enorm,hnorm,eh_proj}     -> layers.{L+k}.{enorm,hnorm,eh_proj}
     mtp.{k}.norm                      -> layers.{L+k}.shared_head.norm
+    (DeepSeek-V3 also stores copies of the embedding and LM head per MTP layer; openk3 shares them and does not.)
   lm_head -> language_model.lm_head. On load, layer 0's self_attention_res_{proj,norm} are accepted and dropped:
   layer 0's attention input is the embedding alone, a softmax over one source, so they cannot change anything.
 
