@@ -182,6 +182,14 @@ def test_dtypes_are_kept_or_cast(tmp_path):
     as_fp32 = load_pretrained(tmp_path, dtype=torch.float32)
     assert all(p.dtype == torch.float32 for p in as_fp32.parameters())
 
+    # a checkpoint whose fp32-kept tensors were stored in bf16 (transformers' .to(bfloat16) does that)
+    stored = load_file(tmp_path / "model.safetensors")
+    save_file({k: v.to(torch.bfloat16) for k, v in stored.items()}, tmp_path / "model.safetensors")
+    upcast = load_pretrained(tmp_path)
+    assert upcast.model.layers[1].self_attn.A_log.dtype == torch.float32
+    assert torch.equal(upcast.model.layers[1].self_attn.A_log, model.model.layers[1].self_attn.A_log.bfloat16().float())
+    assert upcast.model.layers[1].mlp.gate.weight.dtype == torch.float32
+
 
 def test_head_dim_none_resolves_to_the_same_model(tmp_path):
     cfg = tiny_k3(kda={"head_dim": None}, mtp_layers=0)

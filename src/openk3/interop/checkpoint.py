@@ -37,9 +37,9 @@ def config_from_json(config: dict[str, Any]) -> tuple[ModelConfig, str]:
 def load_pretrained(path: str | Path, dtype: torch.dtype | None = None) -> K3ForCausalLM:
     """Build the model a checkpoint directory describes and load its weights; returned in eval mode.
 
-    dtype None keeps each tensor's stored dtype; otherwise the model is cast to dtype afterwards (the parameters
-    openk3 keeps in fp32, such as A_log and the router, stay fp32 under a 16-bit dtype). A missing, unexpected or
-    wrongly shaped tensor raises one ValueError that lists all of them."""
+    The model takes `dtype`, or when None the stored dtype of the token embedding; the tensors openk3 keeps in
+    fp32 (A_log, dt_bias, the router) stay fp32 either way, so an openk3 checkpoint loads back with the dtypes it
+    was saved with. A missing, unexpected or wrongly shaped tensor raises one ValueError that lists all of them."""
     cfg, layout = config_from_json(read_config(path))
     with torch.device("meta"):
         model = K3ForCausalLM(cfg)
@@ -50,7 +50,10 @@ def load_pretrained(path: str | Path, dtype: torch.dtype | None = None) -> K3For
         stored = reader.shapes()
         names = canonical_names(list(stored), layout)
         check_tensor_set(expected, {canon: stored[name] for canon, name in names.items()}, where=str(path))
-        state = from_external(lambda canon: reader.get(names[canon]), plan)
+        embed = plan["model.embed_tokens.weight"].keys[0]
+        model.to(dtype or reader.get(names[embed]).dtype)  # on meta: fixes each tensor's target dtype
+        targets = {k: t.dtype for k, t in model.state_dict().items()}
+        state = {k: t.to(targets[k]) for k, t in from_external(lambda canon: reader.get(names[canon]), plan).items()}
     if cfg.tie_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict(state, strict=True, assign=True)
@@ -59,8 +62,6 @@ def load_pretrained(path: str | Path, dtype: torch.dtype | None = None) -> K3For
     unset = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if unset:  # a tensor the model creates but does not save (a non-persistent buffer) has no data to load
         raise RuntimeError(f"tensors not restored from the checkpoint (not in the model's state_dict): {unset}")
-    if dtype is not None:
-        model.to(dtype)
     return model.eval()
 
 
