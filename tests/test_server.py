@@ -175,3 +175,51 @@ def test_bounded_concurrent_load(server, client):
         results = list(pool.map(ask, jobs))
     assert results == [expected[p] for p in jobs]
     assert metric(server, "queue_requests") == 0
+
+
+def serve_args(*argv):
+    import argparse
+
+    from openk3.serve.command import add_serve_parser
+
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers())
+    return parser.parse_args(["serve", *argv])
+
+
+def test_ckpt_loads_its_weights_and_tokenizer_json(tmp_path):
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from openk3.config import get_preset
+    from openk3.interop import save_pretrained
+    from openk3.model import K3ForCausalLM
+    from openk3.serve.command import build_engine
+    from openk3.serve.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+
+    torch.manual_seed(1)
+    cfg = get_preset(MODEL).with_overrides({"num_layers": 4, "mla_layers": [1, 3]})
+    model = K3ForCausalLM(cfg).eval()
+    save_pretrained(model, tmp_path)
+    assert isinstance(load_tokenizer(str(tmp_path), cfg.vocab_size), ByteTokenizer)  # no tokenizer.json yet
+    with pytest.raises(ValueError):
+        load_tokenizer(None, ByteTokenizer.vocab_size - 1)
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok.train_from_iterator(["hello world, the agent calls a tool"] * 10,
+                            trainers.BpeTrainer(vocab_size=300, special_tokens=specials))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    ids = torch.tensor([[1, 2, 3, 4]])
+    threads = torch.get_num_threads()
+    try:
+        engine, name = build_engine(serve_args("--ckpt", str(tmp_path), "--device", "cpu", "--threads", "1"))
+        with torch.no_grad():
+            same = torch.equal(engine.model(ids).logits, model(ids).logits)
+    finally:
+        torch.set_num_threads(threads)
+    assert same and name == tmp_path.name
+    assert isinstance(engine.tokenizer, HFTokenizer)
+    assert engine.stop_ids == {tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")}
+    assert engine.tokenizer.encode("<|im_start|>") == [tok.token_to_id("<|im_start|>")]
