@@ -3,4 +3,4 @@
 from openk3.cli import main
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
