@@ -87,16 +87,17 @@ def budget(model, pages, checkpoints):
 
 
 def test_greedy_identical_under_forced_eviction_with_host_tier(model):
-    baseline, _, _ = conversations(make_engine(model, prefix_cache=False), sessions=2, turns=3, seed=1)
+    baseline, _, _ = conversations(make_engine(model, prefix_cache=False), seed=1)
     for host in (0, budget(model, 16, 64)):
-        tight = make_engine(model, cache_bytes=budget(model, 3, 6), host_cache_bytes=host)
-        out, cached, _ = conversations(tight, sessions=2, turns=3, seed=1)
+        tight = make_engine(model, cache_bytes=budget(model, 5, 10), host_cache_bytes=host)  # < the sessions' chains
+        out, cached, _ = conversations(tight, seed=1)
         assert out == baseline
         stats = tight.prefix_cache.stats
-        assert stats.evicted_pages + stats.demoted_pages + stats.dropped_checkpoints > 0
-        assert tight.prefix_cache.used[0] <= tight.prefix_cache.config.device_bytes
-        if host:
-            assert sum(cached.values()) > 0
+        assert (stats.demoted_pages if host else stats.evicted_pages) > 0
+        assert all(used <= tight.prefix_cache.capacity(t) for t, used in enumerate(tight.prefix_cache.used))
+        assert sum(cached.values()) > 0
+        if host:  # a session's next turn found its pages on the host and brought them back
+            assert stats.promoted_pages > 0
 
 
 def test_hit_is_the_shared_full_hash_blocks_only(model):
