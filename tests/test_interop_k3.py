@@ -91,6 +91,7 @@ def test_k3_layout_names_and_config_keys(tmp_path):
 
     D, L, E = cfg.hidden_size, cfg.num_layers, cfg.moe.num_experts
     latent, inter, H, K = cfg.moe.latent_dim, cfg.moe.expert_hidden, cfg.kda.num_heads, cfg.kda_head_dim
+    kv_rows = cfg.mla.num_heads * (cfg.mla.qk_nope_head_dim + cfg.mla.v_head_dim)
     p = "language_model.model."
     want = {
         "language_model.lm_head.weight": (cfg.vocab_size, D),
@@ -115,7 +116,7 @@ def test_k3_layout_names_and_config_keys(tmp_path):
         p + f"layers.{L}.eh_proj.weight": (D, 2 * D),
         p + f"layers.{L}.enorm.weight": (D,),
         p + f"layers.{L}.shared_head.norm.weight": (D,),
-        p + f"layers.{L}.self_attn.kv_b_proj.weight": (cfg.mla.num_heads * 32, cfg.mla.kv_lora_rank),
+        p + f"layers.{L}.self_attn.kv_b_proj.weight": (kv_rows, cfg.mla.kv_lora_rank),
     }
     stored = load_file(tmp_path / "model.safetensors")
     for key, shape in want.items():
