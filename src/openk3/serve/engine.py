@@ -265,8 +265,8 @@ class Engine:
     def _emit(self, r: Request, upto: int, finished: bool = False) -> None:
         delta, r.sent = r.text[r.sent:upto], upto
         if r.on_event is not None:
-            r.on_event(RequestEvent(r.rid, delta, list(r.output), finished, r.finish_reason, len(r.prompt),
-                                    len(r.output), r.cached_tokens))
+            r.on_event(RequestEvent(r.rid, delta, finished, r.finish_reason, len(r.prompt), len(r.output),
+                                    r.cached_tokens))
 
     def _finish(self, r: Request, reason: str) -> None:
         r.finish_reason = reason

@@ -33,8 +33,7 @@ from typing import Any
 
 import torch
 
-DEVICE, HOST, DISK = 0, 1, 2
-TIER_NAMES = ("device", "host", "disk")
+DEVICE, HOST, DISK = 0, 1, 2  # tiers, fastest first
 
 
 def chain_key(parent_key: bytes, tokens: Sequence[int]) -> bytes:
@@ -385,7 +384,7 @@ class PrefixCache:
         victim = min(candidates, key=lambda p: p.last_used)
         lower = tier + 1
         size = self.config.page_bytes + victim.checkpoint_bytes()
-        if lower < len(TIER_NAMES) and self.capacity(lower) > 0 and self._make_room(lower, size):
+        if lower <= DISK and self.capacity(lower) > 0 and self._make_room(lower, size):
             if victim not in self.pages:  # trimmed as useless while room was made below it
                 return True
             self._move(victim, lower)

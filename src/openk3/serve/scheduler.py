@@ -33,7 +33,6 @@ class RequestEvent:
 
     rid: str
     text: str
-    token_ids: list[int]
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "cancelled"
     prompt_tokens: int = 0
@@ -56,7 +55,6 @@ class Request:
     text: str = ""  # decoded output so far (cut at a stop string when one appears)
     sent: int = 0  # characters of `text` already delivered
     finish_reason: str | None = None
-    cancelled: bool = False
     arrival: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
 
