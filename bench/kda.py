@@ -105,11 +105,13 @@ def fwd_bwd(fn, leaves, do):
     return step
 
 
-def bench_shape(name, B, T, H, cu, results):
+def bench_shape(name, B, T, H, cu, results, with_fla=True):
     r = raw_inputs(B, T, H)
     row = {"shape": name}
     do = torch.randn(B, T, H, V, device="cuda", dtype=torch.bfloat16)
     for who, (fn, leaves) in runners(r, cu).items():
+        if who == "fla" and not with_fla:
+            continue
         step = fwd_bwd(fn, leaves, do)
         if who != "ours+act":
             torch.cuda.synchronize()
@@ -169,11 +171,69 @@ def bench_decode(N, H, results, copy_bw):
     return row
 
 
+def stages(name, B, T, H, cu, tune=False):
+    """Time each launch of ours alone (forward: prepare, state pass; backward: prepare, reverse pass, intra)."""
+    from openk3.ops.kda.triton import chunk_bwd, chunk_fwd
+    from openk3.ops.kda.triton.layout import chunk_layout
+
+    q, k, v, g, beta = (x.reshape(B * T, H, -1).squeeze(-1).contiguous() for x in activate(raw_inputs(B, T, H)))
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device="cuda")
+    lay = chunk_layout(B, T, cu_t, "cuda")
+    scale = K**-0.5
+    _, _, hs = chunk_fwd.chunk_kda_fwd(q, k, v, g, beta, scale, None, False, lay, save_states=True)
+    do = torch.randn_like(v)
+    BV = 32  # as chunk.py's backward
+    row = {"shape": name,
+           "prepare": ms(lambda: chunk_fwd.prepare(q, k, v, g, beta, scale, lay)),
+           "fwd total": ms(lambda: chunk_fwd.chunk_kda_fwd(q, k, v, g, beta, scale, None, False, lay, False)),
+           "fwd saving states": ms(lambda: chunk_fwd.chunk_kda_fwd(q, k, v, g, beta, scale, None, False, lay, True)),
+           "bwd total": ms(lambda: chunk_bwd.chunk_kda_bwd(q, k, v, g, beta, scale, hs, do, None, False, lay, BV))}
+    row["state pass"] = row["fwd total"] - row["prepare"]
+    print({a: (round(b, 4) if isinstance(b, float) else b) for a, b in row.items()}, flush=True)
+    if not tune:
+        return
+    default = dict(chunk_fwd.WARPS)
+    for kernel, options in (("prepare", (1, 2, 8)), ("state", (2, 8)), ("intra_bwd", (2, 8)), ("state_bwd", (2, 8))):
+        for nw in options:
+            chunk_fwd.WARPS.update(default, **{kernel: nw})
+            fwd = ms(lambda: chunk_fwd.chunk_kda_fwd(q, k, v, g, beta, scale, None, False, lay, False))
+            bwd = ms(lambda: chunk_bwd.chunk_kda_bwd(q, k, v, g, beta, scale, hs, do, None, False, lay, BV))
+            print(f"  {kernel} warps={nw}: fwd {fwd:.4f} bwd {bwd:.4f}", flush=True)
+    chunk_fwd.WARPS.update(default)
+    for bv in (32, 64, 128):
+        bwd = ms(lambda bv=bv: chunk_bwd.chunk_kda_bwd(q, k, v, g, beta, scale, hs, do, None, False, lay, bv))
+        print(f"  bwd BV={bv}: {bwd:.4f}", flush=True)
+
+
+def decode_variants(N, H):
+    """Decode kernel at several (BV, num_warps) settings."""
+    from openk3.ops.kda.triton import decode
+
+    q, k, g = (torch.randn(N, H, K, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    v = torch.randn(N, H, V, device="cuda", dtype=torch.bfloat16)
+    beta = torch.rand(N, H, device="cuda", dtype=torch.bfloat16)
+    pool = torch.randn(2 * N, H, K, V, device="cuda")
+    slots = torch.randperm(2 * N, device="cuda")[:N].to(torch.int32)
+    o, g = torch.empty_like(v), -g.abs()
+    for BV, nw in ((64, 4), (64, 2), (32, 4)):
+        t = ms(lambda BV=BV, nw=nw: decode._kda_decode_kernel[(N, H, V // BV)](
+            q, k, v, g, beta, pool, slots, o, K**-0.5, H=H, K=K, V=V, BK=K, BV=BV, num_warps=nw))
+        print(f"decode N={N} BV={BV} warps={nw}: {t:.4f} ms {2 * N * H * K * V * 4 / t / 1e9:.2f} TB/s", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "kda_bench.json"))
     ap.add_argument("--quick", action="store_true", help="first shape only")
+    ap.add_argument("--stages", action="store_true", help="time our launches one by one, then exit")
+    ap.add_argument("--fla-shapes", default="0,1,2,3,4", help="indices of the shapes that also run fla")
     args = ap.parse_args()
+    if args.stages:
+        for i, shape in enumerate(SHAPES):
+            stages(*shape, tune=i in (0, 2))
+        for N in (64, 256):
+            decode_variants(N, 32)
+        return
     dev = torch.cuda.get_device_properties(0)
     info = {"gpu": dev.name, "torch": torch.__version__, "triton": triton.__version__,
             "date": time.strftime("%Y-%m-%d")}
@@ -187,8 +247,9 @@ def main():
     info.update(copy_TBps=bw, gemm_TFLOPs=tflops)
     print(info, flush=True)
     shapes, decodes = [], []
-    for name, B, T, H, cu in SHAPES[:1] if args.quick else SHAPES:
-        row = bench_shape(name, B, T, H, cu, shapes)
+    fla_shapes = {int(x) for x in args.fla_shapes.split(",") if x}
+    for i, (name, B, T, H, cu) in enumerate(SHAPES[:1] if args.quick else SHAPES):
+        row = bench_shape(name, B, T, H, cu, shapes, with_fla=i in fla_shapes)
         print({a: (round(b, 4) if isinstance(b, float) else b) for a, b in row.items()}, flush=True)
     for N in (64, 256):
         print(bench_decode(N, 32, decodes, bw), flush=True)
@@ -196,11 +257,14 @@ def main():
         json.dump({"info": info, "shapes": shapes, "decode": decodes}, fh, indent=1)
     print(f"\n{'shape':<20}{'ours':>8}{'fla':>8}{'x fla':>7}{'o+act':>8}{'sdpa':>8}   |{'ours fb':>9}{'fla fb':>8}"
           f"{'x fla':>7}{'o+a fb':>8} | {'cold s o/f':>11} | {'peak GB o/f':>11} | {'TB/s':>5}{'TF/s':>6}")
+    nan = float("nan")
     for r in shapes:
-        print(f"{r['shape']:<20}{r['ours fwd']:8.3f}{r['fla fwd']:8.3f}{r['fla fwd'] / r['ours fwd']:7.2f}"
-              f"{r['ours+act fwd']:8.3f}{r.get('sdpa fwd', float('nan')):8.3f}   |{r['ours fwdbwd']:9.3f}"
-              f"{r['fla fwdbwd']:8.3f}{r['fla fwdbwd'] / r['ours fwdbwd']:7.2f}{r['ours+act fwdbwd']:8.3f} |"
-              f" {r['ours cold s']:5.1f}/{r['fla cold s']:5.1f} | {r['ours peak GB']:5.2f}/{r['fla peak GB']:5.2f} |"
+        fla_f, fla_fb = r.get("fla fwd", nan), r.get("fla fwdbwd", nan)
+        print(f"{r['shape']:<20}{r['ours fwd']:8.3f}{fla_f:8.3f}{fla_f / r['ours fwd']:7.2f}"
+              f"{r['ours+act fwd']:8.3f}{r.get('sdpa fwd', nan):8.3f}   |{r['ours fwdbwd']:9.3f}"
+              f"{fla_fb:8.3f}{fla_fb / r['ours fwdbwd']:7.2f}{r['ours+act fwdbwd']:8.3f} |"
+              f" {r['ours cold s']:5.1f}/{r.get('fla cold s', nan):5.1f} |"
+              f" {r['ours peak GB']:5.2f}/{r.get('fla peak GB', nan):5.2f} |"
               f" {r['ours TB/s']:5.2f}{r['ours TFLOP/s']:6.0f}")
     for r in decodes:
         print(f"decode {r['decode']:<16} ours {r['ours ms']:.4f} ms {r['ours TB/s']:.2f} TB/s "

@@ -22,13 +22,17 @@ import triton
 import triton.language as tl
 
 from openk3.ops.kda.triton.chunk_fwd import (
+    WARPS,
     _load_rows,
     _pow2,
     _store_rows,
-    chunk_terms,
     dot_dtype,
+    inverse_precision,
     precision,
     prepare,
+    slice_terms,
+    slice_width,
+    unit_lower_inverse,
 )
 from openk3.ops.kda.triton.layout import CHUNK, ChunkLayout
 
@@ -104,57 +108,66 @@ def _sum_planes(ptr, offs, mask, plane, NV: tl.constexpr):
 @triton.jit
 def _intra_bwd_kernel(q, k, v, g, beta, bounds, dU, pQG, pAQK, pKG, pW, pGC, dq, dk, dv, dg, dbeta,
                       scale, T_total, n_chunks_total,
-                      H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                      BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, PREC: tl.constexpr):
+                      H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
+                      NV: tl.constexpr, PREC: tl.constexpr, INV_PREC: tl.constexpr):
+    """Back-propagates one chunk's terms, BS channels at a time (see the module docstring)."""
     c = tl.program_id(0)
     h = tl.program_id(1)
     t0 = tl.load(bounds + 2 * c).to(tl.int64)
     t1 = tl.load(bounds + 2 * c + 1)
     rows = t0 + tl.arange(0, BT)
     rmask = rows < t1
-    G, kk, b, vv, eG, Kd, Ki, Qd, P, Aqk, Tm, GC = chunk_terms(
-        q, k, v, g, beta, rows, rmask, h, scale, H, K, V, BT, BK, BV, PREC)
     i = tl.arange(0, BT)[:, None]
     j = tl.arange(0, BT)[None, :]
-    ck = tl.arange(0, BK)
-    xk = (rows[:, None] * H + h) * K + ck[None, :]
-    mk = rmask[:, None] & (ck[None, :] < K)
+    b = tl.load(beta + rows * H + h, mask=rmask, other=0.0).to(tl.float32)
     plane_k = T_total * H * K
-    dQd = _sum_planes(pQG, xk, mk, plane_k, NV)
-    dkg = _sum_planes(pKG, xk, mk, plane_k, NV)
-    dW = _sum_planes(pW, xk, mk, plane_k, NV)
+    # pass 1: P = Kd Ki^T and dT = dW (beta Kd)^T + dU (beta V)^T, reduced over the channels
+    P = tl.zeros([BT, BT], dtype=tl.float32)
+    dT = tl.zeros([BT, BT], dtype=tl.float32)
+    for c0 in tl.static_range(0, K, BS):  # loads only: all slices in flight at once
+        G, kk, eG, Ki, Qd, GC = slice_terms(q, k, g, rows, rmask, h, scale, H, K, BT, BS, c0)
+        xk = (rows[:, None] * H + h) * K + c0 + tl.arange(0, BS)[None, :]
+        mk = rmask[:, None] & (c0 + tl.arange(0, BS)[None, :] < K)
+        dW = _sum_planes(pW, xk, mk, plane_k, NV)
+        P += tl.dot(kk * eG, tl.trans(Ki), input_precision=PREC)
+        dT += tl.dot(dW, tl.trans(kk * eG), input_precision=PREC)
+    for c0 in tl.static_range(0, V, BS):
+        vv = _load_rows(v, rows, rmask, H, h, V, BS, c0)
+        dT += tl.dot(_load_rows(dU, rows, rmask, H, h, V, BS, c0), tl.trans(vv), input_precision=PREC)
+    dT = dT * b[None, :]
+    Tt = tl.trans(unit_lower_inverse(tl.where(i > j, P * b[:, None], 0.0), i, j, INV_PREC))
+    # T = (I + A)^-1  =>  dA = -T^T dT T^T, kept where A lives (strictly lower); A = Diag(beta) P
+    dA = tl.where(i > j, -tl.dot(tl.dot(Tt, dT, input_precision=PREC), Tt, input_precision=PREC), 0.0)
+    dbeta_acc = tl.sum(dA * P, axis=1)
+    dP = dA * b[:, None]
     xa = (rows[:, None] * H + h) * BT + j
     dAqk = tl.where(i >= j, _sum_planes(pAQK, xa, rmask[:, None], T_total * H * BT, NV), 0.0)
-    dgc = _sum_planes(pGC, (c * H + h) * K + ck, ck < K, n_chunks_total * H * K, NV)
-    dUc = _load_rows(dU, rows, rmask, H, h, V, BV)
-    # W = T (beta Kd), U = T (beta V)
-    Wb = Kd * b[:, None]
-    Vb = vv * b[:, None]
-    dT = tl.dot(dW, tl.trans(Wb), input_precision=PREC) + tl.dot(dUc, tl.trans(Vb), input_precision=PREC)
-    Tt = tl.trans(Tm)
-    dWb = tl.dot(Tt, dW, input_precision=PREC)
-    dVb = tl.dot(Tt, dUc, input_precision=PREC)
-    dbeta_acc = tl.sum(dVb * vv, axis=1) + tl.sum(dWb * Kd, axis=1)
-    dKd = dWb * b[:, None]
-    # T = (I + A)^-1  =>  dA = -T^T dT T^T, kept where A lives (strictly lower)
-    dA = -tl.dot(tl.dot(Tt, dT, input_precision=PREC), Tt, input_precision=PREC)
-    dA = tl.where(i > j, dA, 0.0)
-    dbeta_acc += tl.sum(dA * P, axis=1)
-    dP = dA * b[:, None]
-    dKd += tl.dot(dP, Ki, input_precision=PREC)
-    dKi = tl.dot(tl.trans(dP), Kd, input_precision=PREC) + tl.dot(tl.trans(dAqk), Qd, input_precision=PREC)
-    dQd += tl.dot(dAqk, Ki, input_precision=PREC)
-    kg = Ki * tl.exp(GC)[None, :]
-    e_end = tl.exp(GC[None, :] - G)
-    dkk = dKd * eG + dKi * tl.exp(-G) + dkg * e_end
-    dG = dQd * Qd + dKd * Kd - dKi * Ki - dkg * kg
-    dGC = tl.sum(dkg * kg, axis=0) + dgc * tl.exp(GC)
-    # G_t = sum_{s<=t} g_s and G_C = G at the chunk's end: dg_t = sum_{s>=t} dG_s + dG_C
-    dgg = tl.sum(dG, axis=0)[None, :] - tl.cumsum(dG, axis=0) + dG + dGC[None, :]
-    _store_rows(dq, dQd * eG * scale, rows, rmask, H, h, K, BK)
-    _store_rows(dk, dkk, rows, rmask, H, h, K, BK)
-    _store_rows(dg, dgg, rows, rmask, H, h, K, BK)
-    _store_rows(dv, dVb * b[:, None], rows, rmask, H, h, V, BV)
+    # pass 2: per-channel gradients
+    for c0 in range(0, K, BS):
+        G, kk, eG, Ki, Qd, GC = slice_terms(q, k, g, rows, rmask, h, scale, H, K, BT, BS, c0)
+        cs = c0 + tl.arange(0, BS)
+        xk = (rows[:, None] * H + h) * K + cs[None, :]
+        mk = rmask[:, None] & (cs[None, :] < K)
+        Kd = kk * eG
+        dWb = tl.dot(Tt, _sum_planes(pW, xk, mk, plane_k, NV), input_precision=PREC)
+        dbeta_acc += tl.sum(dWb * Kd, axis=1)
+        dKd = dWb * b[:, None] + tl.dot(dP, Ki, input_precision=PREC)
+        dKi = tl.dot(tl.trans(dP), Kd, input_precision=PREC) + tl.dot(tl.trans(dAqk), Qd, input_precision=PREC)
+        dQd = _sum_planes(pQG, xk, mk, plane_k, NV) + tl.dot(dAqk, Ki, input_precision=PREC)
+        dkg = _sum_planes(pKG, xk, mk, plane_k, NV)
+        kg = kk * tl.exp(GC[None, :] - G)
+        dG = dQd * Qd + dKd * Kd - dKi * Ki - dkg * kg
+        dgc = _sum_planes(pGC, (c * H + h) * K + cs, cs < K, n_chunks_total * H * K, NV)
+        dGC = tl.sum(dkg * kg, axis=0) + dgc * tl.exp(GC)
+        # G_t = sum_{s<=t} g_s and G_C = G at the chunk's end: dg_t = sum_{s>=t} dG_s + dG_C
+        dgg = tl.sum(dG, axis=0)[None, :] - tl.cumsum(dG, axis=0) + dG + dGC[None, :]
+        _store_rows(dq, dQd * eG * scale, rows, rmask, H, h, K, BS, c0)
+        _store_rows(dk, dKd * eG + dKi * tl.exp(-G) + dkg * tl.exp(GC[None, :] - G), rows, rmask, H, h, K, BS, c0)
+        _store_rows(dg, dgg, rows, rmask, H, h, K, BS, c0)
+    for c0 in range(0, V, BS):
+        dVb = tl.dot(Tt, _load_rows(dU, rows, rmask, H, h, V, BS, c0), input_precision=PREC)
+        dbeta_acc += tl.sum(dVb * _load_rows(v, rows, rmask, H, h, V, BS, c0), axis=1)
+        _store_rows(dv, dVb * b[:, None], rows, rmask, H, h, V, BS, c0)
     tl.store(dbeta + rows * H + h, dbeta_acc.to(dbeta.dtype.element_ty), mask=rmask)
 
 
@@ -176,12 +189,13 @@ def chunk_kda_bwd(q, k, v, g, beta, scale, hs, do, dht, has_h0, lay: ChunkLayout
     _state_bwd_kernel[(N, H, NV)](
         W, U, QG, KG, AQK, GC, hs, do, dht, dh0, dU, pQG, pAQK, pKG, pW, pGC, lay.cu_seqlens, lay.chunk_offsets,
         T, nc, H=H, K=K, V=V, BT=CHUNK, BK=_pow2(K), BV=BV, HAS_DHT=dht is not None, HAS_H0=has_h0,
-        PREC=prec, DT=dot_dtype(q.dtype), num_warps=4)
+        PREC=prec, DT=dot_dtype(q.dtype), num_warps=WARPS["state_bwd"])
     dq, dk, dg = (torch.empty_like(x) for x in (q, k, g))
     dv = torch.empty_like(v)
     dbeta = torch.empty_like(beta)
     if lay.n_chunks:
         _intra_bwd_kernel[(lay.n_chunks, H)](
             q, k, v, g, beta, lay.chunk_bounds, dU, pQG, pAQK, pKG, pW, pGC, dq, dk, dv, dg, dbeta,
-            scale, T, nc, H=H, K=K, V=V, BT=CHUNK, BK=_pow2(K), BV=_pow2(V), NV=NV, PREC=prec, num_warps=4)
+            scale, T, nc, H=H, K=K, V=V, BT=CHUNK, BS=slice_width(K, V), NV=NV, PREC=prec,
+            INV_PREC=inverse_precision(q.dtype), num_warps=WARPS["intra_bwd"])
     return dq, dk, dv, dg, dbeta, dh0

@@ -23,67 +23,85 @@ import triton.language as tl
 
 from openk3.ops.kda.triton.layout import CHUNK, ChunkLayout
 
+WARPS = {"prepare": 2, "state": 4, "state_bwd": 4, "intra_bwd": 2}  # per kernel, measured on an H200
+
 
 @triton.jit
-def _load_rows(ptr, rows, row_mask, H, h, D: tl.constexpr, BD: tl.constexpr):
-    """x[rows, h, :D] of a [T,H,D] tensor as fp32 [BT, BD], zero outside."""
-    cols = tl.arange(0, BD)
+def _load_rows(ptr, rows, row_mask, H, h, D: tl.constexpr, BD: tl.constexpr, c0=0):
+    """x[rows, h, c0:c0+BD] of a [T,H,D] tensor as fp32 [BT, BD], zero outside."""
+    cols = c0 + tl.arange(0, BD)
     offs = (rows[:, None] * H + h) * D + cols[None, :]
     return tl.load(ptr + offs, mask=row_mask[:, None] & (cols[None, :] < D), other=0.0).to(tl.float32)
 
 
 @triton.jit
-def _store_rows(ptr, x, rows, row_mask, H, h, D: tl.constexpr, BD: tl.constexpr):
-    cols = tl.arange(0, BD)
+def _store_rows(ptr, x, rows, row_mask, H, h, D: tl.constexpr, BD: tl.constexpr, c0=0):
+    cols = c0 + tl.arange(0, BD)
     offs = (rows[:, None] * H + h) * D + cols[None, :]
     tl.store(ptr + offs, x.to(ptr.dtype.element_ty), mask=row_mask[:, None] & (cols[None, :] < D))
 
 
 @triton.jit
-def chunk_terms(q, k, v, g, beta, rows, rmask, h, scale, H, K: tl.constexpr,
-                V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
-    """The state-independent terms of one chunk (shared by the prepare kernel and the backward)."""
-    G = tl.cumsum(_load_rows(g, rows, rmask, H, h, K, BK), axis=0)  # padded rows: g = 0, G stays put
-    kk = _load_rows(k, rows, rmask, H, h, K, BK)
-    b = tl.load(beta + rows * H + h, mask=rmask, other=0.0).to(tl.float32)
-    eG = tl.exp(G)
-    Kd = kk * eG
-    Ki = kk * tl.exp(-G)
-    Qd = _load_rows(q, rows, rmask, H, h, K, BK) * eG * scale
-    vv = _load_rows(v, rows, rmask, H, h, V, BV)
+def unit_lower_inverse(A, i, j, INV_PREC: tl.constexpr):
+    """(I + A)^-1 = (I - A)(I + A^2)(I + A^4)(I + A^8) for a strictly lower 16 x 16 A (A^16 = 0)."""
+    eye = tl.where(i == j, 1.0, 0.0)
+    Tm = eye - A
+    Ap = A
+    for _ in tl.static_range(3):
+        Ap = tl.dot(Ap, Ap, input_precision=INV_PREC)
+        Tm = tl.dot(Tm, eye + Ap, input_precision=INV_PREC)
+    return Tm
+
+
+@triton.jit
+def slice_terms(q, k, g, rows, rmask, h, scale, H, K: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, c0):
+    """Channels c0:c0+BS of one chunk: G (cumsum of g; padded rows have g = 0, so G stays put), k, e^G,
+    Ki = k e^-G, Qd = scale q e^G, and G_C (G at the chunk's end)."""
     i = tl.arange(0, BT)[:, None]
-    j = tl.arange(0, BT)[None, :]
-    P = tl.dot(Kd, tl.trans(Ki), input_precision=PREC)
-    A = tl.where(i > j, P * b[:, None], 0.0)
-    Aqk = tl.where(i >= j, tl.dot(Qd, tl.trans(Ki), input_precision=PREC), 0.0)
-    # T = (I + A)^-1 by forward substitution: row r of T is e_r - sum_{j<r} A[r,j] T[j,:]
-    Tm = tl.where(i == j, 1.0, 0.0)
-    for r in tl.static_range(1, BT):
-        a_r = tl.sum(tl.where(i == r, A, 0.0), axis=0)
-        Tm = tl.where(i == r, Tm - tl.sum(a_r[:, None] * Tm, axis=0)[None, :], Tm)
-    GC = tl.sum(tl.where(i == BT - 1, G, 0.0), axis=0)  # G at the chunk's end (padding keeps it)
-    return G, kk, b, vv, eG, Kd, Ki, Qd, P, Aqk, Tm, GC
+    G = tl.cumsum(_load_rows(g, rows, rmask, H, h, K, BS, c0), axis=0)
+    kk = _load_rows(k, rows, rmask, H, h, K, BS, c0)
+    eG = tl.exp(G)
+    Ki = kk * tl.exp(-G)
+    Qd = _load_rows(q, rows, rmask, H, h, K, BS, c0) * eG * scale
+    GC = tl.sum(tl.where(i == BT - 1, G, 0.0), axis=0)
+    return G, kk, eG, Ki, Qd, GC
 
 
 @triton.jit
 def _prepare_kernel(q, k, v, g, beta, bounds, W, U, QG, KG, AQK, GCX, scale,
                     H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                    BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+                    BS: tl.constexpr, PREC: tl.constexpr, INV_PREC: tl.constexpr):
+    """The state-independent terms of one chunk, BS channels at a time: everything is per channel except
+    the two products over K (accumulated) and T, so slices keep the register tiles small."""
     c = tl.program_id(0)
     h = tl.program_id(1)
     t0 = tl.load(bounds + 2 * c).to(tl.int64)
     t1 = tl.load(bounds + 2 * c + 1)
     rows = t0 + tl.arange(0, BT)
     rmask = rows < t1
-    G, kk, b, vv, eG, Kd, Ki, Qd, P, Aqk, Tm, GC = chunk_terms(
-        q, k, v, g, beta, rows, rmask, h, scale, H, K, V, BT, BK, BV, PREC)
-    _store_rows(W, tl.dot(Tm, Kd * b[:, None], input_precision=PREC), rows, rmask, H, h, K, BK)
-    _store_rows(U, tl.dot(Tm, vv * b[:, None], input_precision=PREC), rows, rmask, H, h, V, BV)
-    _store_rows(QG, Qd, rows, rmask, H, h, K, BK)
-    _store_rows(KG, kk * tl.exp(GC[None, :] - G), rows, rmask, H, h, K, BK)
-    _store_rows(AQK, Aqk, rows, rmask, H, h, BT, BT)
-    cols = tl.arange(0, BK)
-    tl.store(GCX + (c * H + h) * K + cols, tl.exp(GC), mask=cols < K)
+    i = tl.arange(0, BT)[:, None]
+    j = tl.arange(0, BT)[None, :]
+    b = tl.load(beta + rows * H + h, mask=rmask, other=0.0).to(tl.float32)
+    # pass 1 only loads (no store in between), so every slice's loads are in flight at once
+    P = tl.zeros([BT, BT], dtype=tl.float32)
+    Aqk = tl.zeros([BT, BT], dtype=tl.float32)
+    for c0 in tl.static_range(0, K, BS):
+        G, kk, eG, Ki, Qd, GC = slice_terms(q, k, g, rows, rmask, h, scale, H, K, BT, BS, c0)
+        P += tl.dot(kk * eG, tl.trans(Ki), input_precision=PREC)
+        Aqk += tl.dot(Qd, tl.trans(Ki), input_precision=PREC)
+    _store_rows(AQK, tl.where(i >= j, Aqk, 0.0), rows, rmask, H, h, BT, BT)
+    Tb = unit_lower_inverse(tl.where(i > j, P * b[:, None], 0.0), i, j, INV_PREC) * b[None, :]  # T Diag(beta)
+    # pass 2 reloads each slice (cache hits) and writes its terms
+    for c0 in range(0, K, BS):
+        G, kk, eG, Ki, Qd, GC = slice_terms(q, k, g, rows, rmask, h, scale, H, K, BT, BS, c0)
+        _store_rows(QG, Qd, rows, rmask, H, h, K, BS, c0)
+        _store_rows(KG, kk * tl.exp(GC[None, :] - G), rows, rmask, H, h, K, BS, c0)
+        _store_rows(W, tl.dot(Tb, kk * eG, input_precision=PREC), rows, rmask, H, h, K, BS, c0)
+        cols = c0 + tl.arange(0, BS)
+        tl.store(GCX + (c * H + h) * K + cols, tl.exp(GC), mask=cols < K)
+    for c0 in range(0, V, BS):
+        vv = _load_rows(v, rows, rmask, H, h, V, BS, c0)
+        _store_rows(U, tl.dot(Tb, vv, input_precision=PREC), rows, rmask, H, h, V, BS, c0)
 
 
 @triton.jit
@@ -144,6 +162,16 @@ def dot_dtype(dtype: torch.dtype):
     return tl.bfloat16 if dtype == torch.bfloat16 else tl.float16
 
 
+def slice_width(K: int, V: int) -> int:
+    """Channels per slice in the token-parallel kernels: 32 keeps their register tiles small."""
+    return min(32, _pow2(min(K, V)))
+
+
+def inverse_precision(dtype: torch.dtype) -> str:
+    """The triangular inverse's products: fp32 (3 tf32 passes on tensor cores for 16-bit inputs)."""
+    return "ieee" if dtype == torch.float32 else "tf32x3"
+
+
 def precision(dtype: torch.dtype) -> str:
     """fp32 inputs get fp32 products; 16-bit inputs get tf32 for the fp32 intra-chunk products."""
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -166,7 +194,8 @@ def prepare(q, k, v, g, beta, scale: float, lay: ChunkLayout):
     if lay.n_chunks:
         _prepare_kernel[(lay.n_chunks, H)](
             q, k, v, g, beta, lay.chunk_bounds, W, U, QG, KG, AQK, GC, scale,
-            H=H, K=K, V=V, BT=CHUNK, BK=_pow2(K), BV=_pow2(V), PREC=precision(q.dtype), num_warps=4)
+            H=H, K=K, V=V, BT=CHUNK, BS=slice_width(K, V), PREC=precision(q.dtype),
+            INV_PREC=inverse_precision(q.dtype), num_warps=WARPS["prepare"])
     return W, U, QG, KG, AQK, GC
 
 
@@ -184,5 +213,5 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, la
         W, U, QG, KG, AQK, GC, initial_state, ht, hs, o, lay.cu_seqlens, lay.chunk_offsets,
         H=H, K=K, V=V, BT=CHUNK, BK=_pow2(K), BV=BV, HAS_H0=initial_state is not None,
         STORE_FINAL=output_final_state, SAVE_STATES=save_states, PREC=precision(q.dtype), DT=dot_dtype(q.dtype),
-        num_warps=4)
+        num_warps=WARPS["state"])
     return o, ht, hs

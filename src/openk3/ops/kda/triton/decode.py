@@ -57,7 +57,7 @@ def kda_decode(q, k, v, g, beta, state_pool, slots, scale: float | None = None) 
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     o = torch.empty(N, H, V, dtype=v.dtype, device=v.device)
     BK = triton.next_power_of_2(K)
-    BV = min(triton.next_power_of_2(V), 32)
+    BV = min(triton.next_power_of_2(V), 64)  # 64 x 4 warps: 81-87% of copy bandwidth on an H200
     if N:
         _kda_decode_kernel[(N, H, triton.cdiv(V, BV))](
             q, k, v, g, beta, state_pool, slots.to(torch.int32), o, scale, H=H, K=K, V=V, BK=BK, BV=BV,

@@ -6,6 +6,7 @@ start at each sequence's first token, so a chunk never straddles two sequences (
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -22,12 +23,29 @@ class ChunkLayout:
     n_chunks: int
 
 
+@functools.lru_cache(maxsize=64)
+def _dense_layout(batch: int, seq_len: int, device: torch.device) -> ChunkLayout:
+    """Equal-length batch: tables built on the device, no host round trip; cached per shape."""
+    per_seq = -(-seq_len // CHUNK)
+    i32 = dict(dtype=torch.int32, device=device)
+    starts = (torch.arange(batch, **i32)[:, None] * seq_len + torch.arange(per_seq, **i32)[None, :] * CHUNK)
+    ends = torch.minimum(starts + CHUNK, (torch.arange(batch, **i32)[:, None] + 1) * seq_len)
+    n_chunks = batch * per_seq
+    bounds = torch.stack([starts, ends], dim=-1).reshape(-1, 2) if n_chunks else torch.zeros(1, 2, **i32)
+    return ChunkLayout(
+        cu_seqlens=torch.arange(batch + 1, **i32) * seq_len,
+        chunk_offsets=torch.arange(batch + 1, **i32) * per_seq,
+        chunk_bounds=bounds.contiguous(),
+        n_seqs=batch,
+        n_chunks=n_chunks,
+    )
+
+
 def chunk_layout(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None, device) -> ChunkLayout:
     """Sequence and chunk tables for the flat token layout (reads cu_seqlens on the host when given)."""
     if cu_seqlens is None:
-        offsets = [b * seq_len for b in range(batch + 1)]
-    else:
-        offsets = [int(x) for x in cu_seqlens.tolist()]
+        return _dense_layout(batch, seq_len, torch.device(device))
+    offsets = [int(x) for x in cu_seqlens.tolist()]
     chunk_offsets, bounds = [0], []
     for start, end in zip(offsets, offsets[1:]):
         for c in range(start, end, CHUNK):
