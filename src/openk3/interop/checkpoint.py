@@ -53,7 +53,7 @@ def load_pretrained(path: str | Path, dtype: torch.dtype | None = None) -> K3For
         embed = plan["model.embed_tokens.weight"].keys[0]
         model.to(dtype or reader.get(names[embed]).dtype)  # on meta: fixes each tensor's target dtype
         targets = {k: t.dtype for k, t in model.state_dict().items()}
-        state = {k: t.to(targets[k]) for k, t in from_external(lambda canon: reader.get(names[canon]), plan).items()}
+        state = {k: t.to(targets[k]) for k, t in from_external(lambda canon: reader.get(names[canon]), plan)}
     if cfg.tie_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict(state, strict=True, assign=True)

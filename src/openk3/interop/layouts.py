@@ -38,7 +38,7 @@ Tied embeddings: lm_head is not written (HF convention) and is re-tied on load.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -125,9 +125,10 @@ def to_external(state: dict[str, torch.Tensor], plan: dict[str, Entry]) -> dict[
     return out
 
 
-def from_external(get: Callable[[str], torch.Tensor], plan: dict[str, Entry]) -> dict[str, torch.Tensor]:
-    """openk3 state dict from file tensors, fetched one by one with get(file name)."""
-    return {key: entry.join([get(k) for k in entry.keys]) for key, entry in plan.items()}
+def from_external(get: Callable[[str], torch.Tensor], plan: dict[str, Entry]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(openk3 key, tensor) pairs, one at a time, from file tensors fetched with get(file name)."""
+    for key, entry in plan.items():
+        yield key, entry.join([get(k) for k in entry.keys])
 
 
 def canonical_names(found: list[str], layout: str) -> dict[str, str]:
