@@ -1,0 +1,85 @@
+"""`openk3 generate`: text from a trained checkpoint with the incremental decode cache.
+
+The prompt is prefilled once into `model.new_cache(1)`; every new token is one forward of a single position that
+appends to the cache (KDA states and MLA latents), so each step costs the same however long the text grows.
+Sampling (greedy / temperature / top-k / top-p, seeded) is the serving engine's `sample_token`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from openk3.serve.sampling import SamplingParams, sample_token
+
+
+@torch.no_grad()
+def generate_ids(model: nn.Module, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams,
+                 stop_ids: set[int] | frozenset = frozenset(), device: torch.device | str = "cpu") -> list[int]:
+    """New token ids after `prompt_ids` (stops early at a stop id, which is not returned)."""
+    if not prompt_ids:
+        raise ValueError("the prompt must have at least one token")
+    was_training = model.training
+    model.eval()
+    generator = torch.Generator().manual_seed(params.seed if params.seed is not None else 0)
+    cache = model.new_cache(1)
+    logits = model(torch.tensor([prompt_ids], device=device), cache=cache, logits_to_keep=1).logits[0, -1]
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        token = sample_token(logits.float().cpu(), params, generator)
+        if token in stop_ids:
+            break
+        out.append(token)
+        logits = model(torch.tensor([[token]], device=device), cache=cache, logits_to_keep=1).logits[0, -1]
+    model.train(was_training)
+    return out
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint directory, or a training --out directory (its latest complete checkpoint)."""
+    from openk3.train.checkpoint import latest_checkpoint
+
+    path = Path(path)
+    if (path / "config.json").is_file():
+        return path
+    latest = latest_checkpoint(path)
+    if latest is None:
+        raise FileNotFoundError(f"{path} is neither a checkpoint (no config.json) nor a run directory with step-*/ "
+                                "checkpoints")
+    return latest
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from openk3.interop import load_pretrained
+    from openk3.train.tokenizer import TextTokenizer
+
+    ckpt = resolve_checkpoint(args.ckpt)
+    if not (ckpt / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"{ckpt} has no tokenizer.json; pass --tokenizer PATH")
+    tok = TextTokenizer.from_file(args.tokenizer or ckpt / "tokenizer.json")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model = load_pretrained(ckpt).to(device)
+    params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed)
+    ids = generate_ids(model, tok.encode(args.prompt), args.max_new_tokens, params, {tok.eos_id}, device)
+    print(args.prompt + tok.decode(ids))
+    return 0
+
+
+def add_generate_parser(subparsers) -> None:
+    p = subparsers.add_parser("generate", help="sample text from a trained checkpoint",
+                              description="Sample text from a checkpoint (a step-NNNNNN/ directory, or a run "
+                                          "directory: its latest checkpoint) with the incremental decode cache.")
+    p.add_argument("--ckpt", required=True, help="checkpoint directory or training --out directory")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--top-k", type=int, default=50, help="0 = no top-k cut")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default=None, help="cpu / cuda (default: cuda when available)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the checkpoint's)")
+    p.set_defaults(func=run_generate)

@@ -1,0 +1,180 @@
+"""Training text: the embedded default corpus, user data, tokenised streams and resumable batches.
+
+Default corpus: the running interpreter's own standard-library modules (the top-level `*.py` files of
+`sysconfig`'s stdlib directory, sorted by name). Every Python install has them, nothing is downloaded, and
+code suits a coding-flavoured model. `--data PATH` takes a text file, a JSONL file (one object per line with a
+`text` field), or a directory (every UTF-8 file below it, sorted, `.jsonl` files read as JSONL).
+
+Held-out split: a document is held out when crc32(its name) % 20 == 0 (about 5%, stable across runs and
+machines); with fewer than 20 documents the last 5% of the token stream is held out instead.
+"""
+
+from __future__ import annotations
+
+import json
+import sysconfig
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from openk3.train.tokenizer import TextTokenizer
+
+HELD_OUT_MODULUS = 20  # one document in 20 is held out
+MIN_DOCS_FOR_DOC_SPLIT = 20
+
+
+@dataclass
+class Document:
+    name: str
+    text: str
+
+
+def stdlib_documents() -> list[Document]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.glob("*.py") if p.is_file())
+    if not files:
+        raise FileNotFoundError(f"no standard-library sources under {root}; pass --data PATH")
+    return [Document(p.name, p.read_text(encoding="utf-8", errors="replace")) for p in files]
+
+
+def _jsonl_documents(path: Path, label: str) -> list[Document]:
+    docs = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+                raise ValueError(f"{path}:{lineno}: each JSONL line needs a string field 'text'")
+            docs.append(Document(f"{label}:{lineno}", record["text"]))
+    return docs
+
+
+def _read_text(path: Path) -> str | None:
+    data = path.read_bytes()
+    if b"\0" in data:
+        return None  # binary
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+def load_documents(path: str | Path | None) -> list[Document]:
+    """Documents from `path` (file, JSONL or directory), or the embedded stdlib corpus when `path` is None."""
+    if path is None:
+        return stdlib_documents()
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"--data {path} does not exist")
+    if path.is_file():
+        if path.suffix == ".jsonl":
+            return _jsonl_documents(path, path.name)
+        text = _read_text(path)
+        if text is None:
+            raise ValueError(f"--data {path} is not a UTF-8 text file")
+        return [Document(path.name, text)]
+    docs = []
+    for p in sorted(q for q in path.rglob("*") if q.is_file()):
+        rel = p.relative_to(path)
+        if any(part.startswith(".") for part in rel.parts):
+            continue  # .git and friends
+        if p.suffix == ".jsonl":
+            docs.extend(_jsonl_documents(p, str(rel)))
+        elif (text := _read_text(p)) is not None:
+            docs.append(Document(str(rel), text))
+    if not docs:
+        raise ValueError(f"--data {path}: no UTF-8 text files found")
+    return docs
+
+
+def split_documents(docs: list[Document]) -> tuple[list[Document], list[Document]]:
+    """(train, held-out) by document name; ([], []) held-out means: split the token stream instead."""
+    if len(docs) < MIN_DOCS_FOR_DOC_SPLIT:
+        return docs, []
+    held = [d for d in docs if zlib.crc32(d.name.encode()) % HELD_OUT_MODULUS == 0]
+    train = [d for d in docs if zlib.crc32(d.name.encode()) % HELD_OUT_MODULUS != 0]
+    return train, held
+
+
+def tokenize(docs: list[Document], tok: TextTokenizer) -> torch.Tensor:
+    """One int64 stream: each document's tokens followed by EOS."""
+    ids: list[int] = []
+    for doc_ids in tok.encode_batch([d.text for d in docs]):
+        ids.extend(doc_ids)
+        ids.append(tok.eos_id)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def train_and_heldout_streams(docs: list[Document], tok: TextTokenizer) -> tuple[torch.Tensor, torch.Tensor]:
+    train_docs, held_docs = split_documents(docs)
+    if held_docs:
+        return tokenize(train_docs, tok), tokenize(held_docs, tok)
+    stream = tokenize(train_docs, tok)
+    cut = len(stream) - max(2, len(stream) // HELD_OUT_MODULUS)
+    return stream[:cut], stream[cut:]
+
+
+def unigram_cross_entropy(train: torch.Tensor, targets: torch.Tensor, vocab_size: int) -> float:
+    """Nats/token of `targets` under the add-one-smoothed unigram distribution of `train`: the baseline to beat."""
+    counts = torch.bincount(train, minlength=vocab_size).double() + 1.0
+    logp = counts.log() - counts.sum().log()
+    return float(-logp[targets].mean())
+
+
+class BatchStream:
+    """Resumable random batches of non-overlapping windows of `seq_len + 1` tokens.
+
+    Each epoch is a permutation of all windows drawn from its own generator seeded by (seed, epoch), so the
+    position (epoch, cursor) is the whole state: `state_dict` / `load_state_dict` resume exactly. `next()`
+    returns the global batch [batch_size, seq_len + 1]; data-parallel ranks each take a contiguous slice.
+    """
+
+    def __init__(self, tokens: torch.Tensor, seq_len: int, batch_size: int, seed: int):
+        self.tokens, self.seq_len, self.batch_size, self.seed = tokens, seq_len, batch_size, seed
+        self.num_windows = (len(tokens) - 1) // seq_len
+        if self.num_windows < batch_size:
+            raise ValueError(f"{len(tokens)} training tokens give {self.num_windows} windows of seq_len={seq_len}, "
+                             f"fewer than batch_size={batch_size}; use more data or a smaller --seq-len/--batch-size")
+        self.epoch, self.cursor = 0, 0
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(self.num_windows, generator=g)
+
+    def next(self) -> torch.Tensor:
+        starts = []
+        while len(starts) < self.batch_size:
+            if self.cursor == self.num_windows:
+                self.epoch, self.cursor = self.epoch + 1, 0
+                self._order = self._permutation(self.epoch)
+            starts.append(int(self._order[self.cursor]) * self.seq_len)
+            self.cursor += 1
+        return torch.stack([self.tokens[s:s + self.seq_len + 1] for s in starts])
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed, "seq_len": self.seq_len,
+                "batch_size": self.batch_size, "num_windows": self.num_windows}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key in ("seed", "seq_len", "batch_size", "num_windows"):
+            if state[key] != getattr(self, key):
+                raise ValueError(f"checkpoint data position was saved with {key}={state[key]}, this run has "
+                                 f"{getattr(self, key)}; resume with the same data, --seq-len, --batch-size, --seed")
+        self.epoch, self.cursor = state["epoch"], state["cursor"]
+        self._order = self._permutation(self.epoch)
+
+
+def heldout_windows(tokens: torch.Tensor, seq_len: int, max_windows: int) -> torch.Tensor:
+    """Fixed evaluation windows [n, seq_len + 1]: evenly spaced over the held-out stream, at most `max_windows`."""
+    n_total = (len(tokens) - 1) // seq_len
+    if n_total == 0:
+        raise ValueError(f"held-out split has {len(tokens)} tokens, fewer than one window of seq_len={seq_len}")
+    picks = torch.linspace(0, n_total - 1, min(n_total, max_windows)).round().long().unique()
+    return torch.stack([tokens[int(w) * seq_len:int(w) * seq_len + seq_len + 1] for w in picks])

@@ -1,0 +1,344 @@
+"""The training loop behind `openk3 train` (SPEC §5, §6).
+
+One step: WSD lr -> next global batch (each data-parallel rank takes its slice) -> forward under autocast
+(bf16 on GPU) -> loss = next-token CE + mtp_weight * MTP CE (position t predicts t+2) -> backward -> gradient
+clipping -> per-head Muon + AdamW -> router bias update (Quantile Balancing / sign rule / none) from that step's
+scores -> metrics line. Held-out loss every `eval_every` steps and at the end, checkpoints every `save_every`
+steps and at the end, then loss.png, a text sample, and the held-out loss beside the unigram baseline.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from openk3.config import ModelConfig, get_preset
+from openk3.model import K3ForCausalLM
+from openk3.train import checkpoint as ckpt
+from openk3.train.args import TrainArgs
+from openk3.train.balance import RouterBalancer
+from openk3.train.data import (
+    BatchStream,
+    heldout_windows,
+    load_documents,
+    split_documents,
+    train_and_heldout_streams,
+    unigram_cross_entropy,
+)
+from openk3.train.distributed import (
+    World,
+    barrier,
+    close_world,
+    full_model_state,
+    full_optimizer_state,
+    init_world,
+    load_full_state,
+    mean_across,
+    shard_model,
+)
+from openk3.train.optim import build_optimizer
+from openk3.train.schedule import WSDSchedule
+from openk3.train.tokenizer import TextTokenizer, load_or_train
+
+SAMPLE_PROMPT = "def "
+
+
+def model_config(args: TrainArgs) -> ModelConfig:
+    cfg = get_preset(args.preset)
+    if args.config:
+        path = Path(args.config)
+        if not path.is_file():
+            raise FileNotFoundError(f"--config {path} does not exist")
+        cfg = cfg.with_overrides(json.loads(path.read_text()))
+    if args.overrides:
+        cfg = cfg.with_overrides(args.overrides)
+    if args.seq_len > cfg.max_seq_len:
+        raise ValueError(f"--seq-len {args.seq_len} exceeds the model's max_seq_len {cfg.max_seq_len}")
+    return cfg
+
+
+def resolve_device(args: TrainArgs, world: World) -> torch.device:
+    name = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and world.distributed:
+        name = f"cuda:{world.local_rank}"
+    device = torch.device(name)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
+
+
+def autocast_dtype(args: TrainArgs, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype (parameters and optimizer state stay fp32): bf16 on GPU by default, none on CPU."""
+    choices = {"auto": torch.bfloat16 if device.type == "cuda" else None, "float32": None, "fp32": None,
+               "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+    if args.dtype not in choices:
+        raise ValueError(f"--dtype must be one of {sorted(choices)}, got {args.dtype!r}")
+    return choices[args.dtype]
+
+
+def enable_activation_checkpointing(model: K3ForCausalLM) -> None:
+    """Recompute each token mixer and FFN in backward instead of storing their activations.
+
+    The sublayers are wrapped rather than whole decoder layers because a Block AttnRes layer mutates the shared
+    block stream; the sublayers are pure functions of their input. Parameter names are unchanged.
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    def wrap(module: nn.Module) -> None:
+        inner = module.forward
+        module.forward = lambda *a, **k: checkpoint(inner, *a, use_reentrant=False, **k)
+
+    for layer in list(model.model.layers) + [m.block for m in model.mtp or []]:
+        wrap(layer.self_attn)
+        wrap(layer.mlp)
+
+
+def lm_losses(model: nn.Module, batch: torch.Tensor, mtp_weight: float) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """(total loss, next-token CE, MTP CE) for a batch of windows [B, T+1]."""
+    inputs, targets = batch[:, :-1], batch[:, 1:]
+    want_mtp = mtp_weight > 0 and getattr(model.config, "mtp_layers", 0) > 0
+    out = model(inputs, return_mtp=want_mtp)
+    lm = F.cross_entropy(out.logits.flatten(0, 1).float(), targets.flatten())
+    if not want_mtp or out.mtp_logits is None:
+        return lm, lm.detach(), float("nan")
+    mtp = F.cross_entropy(out.mtp_logits.flatten(0, 1).float(), targets[:, 1:].flatten())
+    return lm + mtp_weight * mtp, lm.detach(), float(mtp.detach())
+
+
+@torch.no_grad()
+def heldout_loss(model: nn.Module, windows: torch.Tensor, batch_size: int, device: torch.device,
+                 amp: torch.dtype | None, world: World) -> float:
+    """Mean next-token CE over the fixed held-out windows (eval mode: router biases frozen, nothing recorded)."""
+    model.eval()
+    total, count = 0.0, 0
+    mine = windows[world.rank::world.size]
+    for i in range(0, len(mine), batch_size):
+        batch = mine[i:i + batch_size].to(device)
+        with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
+            logits = model(batch[:, :-1], return_mtp=False).logits
+        total += float(F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten(), reduction="sum"))
+        count += batch[:, 1:].numel()
+    model.train()
+    if world.distributed:
+        t = torch.tensor([total, count], dtype=torch.float64, device=device)
+        torch.distributed.all_reduce(t)
+        total, count = float(t[0]), float(t[1])
+    return total / count
+
+
+class Trainer:
+    """Holds everything a run needs; `run()` trains to max_steps and returns the summary dict."""
+
+    def __init__(self, args: TrainArgs):
+        self.args = args
+        self.out = Path(args.out)
+        device_type = "cuda" if (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith(
+            "cuda") else "cpu"
+        self.world = init_world(device_type)
+        self.device = resolve_device(args, self.world)
+        self.amp = autocast_dtype(args, self.device)
+        if args.batch_size % self.world.size:
+            raise ValueError(f"--batch-size {args.batch_size} (global) must divide by the {self.world.size} ranks")
+        self.cfg = model_config(args)
+        self._seed(args.seed)
+        self._setup_data()
+        self.model = K3ForCausalLM(self.cfg).to(self.device)
+        if args.activation_checkpointing:
+            enable_activation_checkpointing(self.model)
+        if self.world.distributed:
+            shard_model(self.model)
+        if args.compile:
+            self.model.compile()
+        self.optimizer = build_optimizer(self.model, args.lr, args.weight_decay, args.optimizer)
+        self.balancer = RouterBalancer(self.model, args.balance, self.cfg.moe.top_k if self.cfg.moe else 1,
+                                       args.balance_gamma)
+        self.schedule = WSDSchedule.for_run(args.lr, args.max_steps, args.warmup_frac, args.decay_frac)
+        self.step = 0
+        if args.resume:
+            self._resume(args.resume)
+
+    # ---- setup -----------------------------------------------------------------------------------------------
+    def _seed(self, seed: int) -> None:
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)  # same on every rank: FSDP shards one identical initialisation
+
+    def _setup_data(self) -> None:
+        args = self.args
+        docs = load_documents(args.data)
+        resume_tok = Path(args.resume) / "tokenizer.json" if args.resume else None
+        if resume_tok is not None and resume_tok.is_file():
+            self.tokenizer = TextTokenizer.from_file(resume_tok)
+        else:
+            train_docs = split_documents(docs)[0]
+            if self.world.is_main:  # train (or find) the tokenizer once; the others read the cache
+                self.tokenizer = load_or_train([d.text for d in train_docs], self.cfg.vocab_size, args.tokenizer)
+            barrier(self.world)
+            if not self.world.is_main:
+                self.tokenizer = load_or_train([d.text for d in train_docs], self.cfg.vocab_size, args.tokenizer)
+        train_tokens, held_tokens = train_and_heldout_streams(docs, self.tokenizer)
+        self.stream = BatchStream(train_tokens, args.seq_len, args.batch_size, args.seed)
+        self.eval_windows = heldout_windows(held_tokens, args.seq_len, args.eval_windows)
+        self.unigram = unigram_cross_entropy(train_tokens, self.eval_windows[:, 1:].flatten(), self.cfg.vocab_size)
+        self.train_tokens = len(train_tokens)
+
+    def _resume(self, path: str) -> None:
+        state = ckpt.load_checkpoint(path, self.cfg)
+        load_full_state(self.model, self.optimizer, state["model"], state["optimizer"])
+        trainer = state["trainer"]
+        if trainer["world_size"] != self.world.size:
+            raise ckpt.CheckpointError(f"checkpoint {path} was saved by {trainer['world_size']} processes; resume "
+                                       f"with the same number (this run has {self.world.size})")
+        self.balancer.load_state_dict(trainer["balance_bias"])
+        self.stream.load_state_dict(trainer["data"])
+        ckpt.set_rng_state(trainer["rng"][self.world.rank])
+        self.step = trainer["step"]
+
+    # ---- checkpoints -----------------------------------------------------------------------------------------
+    def save(self) -> Path | None:
+        """Collective: every rank contributes its shards and RNG state; rank 0 writes."""
+        model_state = full_model_state(self.model)
+        optim_state = full_optimizer_state(self.model, self.optimizer)
+        rng = [ckpt.rng_state()]
+        if self.world.distributed:
+            rng = [None] * self.world.size
+            torch.distributed.all_gather_object(rng, ckpt.rng_state())
+        path = None
+        if self.world.is_main:
+            trainer_state = {"data": self.stream.state_dict(), "balance_bias": self.balancer.state_dict(),
+                             "schedule": self.schedule.state_dict(), "rng": rng, "world_size": self.world.size,
+                             "args": asdict(self.args)}
+            self.out.mkdir(parents=True, exist_ok=True)
+            tok_file = self.out / "tokenizer.json"
+            self.tokenizer.save(tok_file)
+            path = ckpt.save_checkpoint(self.out, self.step, self.cfg, model_state, optim_state, trainer_state,
+                                        tok_file)
+        barrier(self.world)
+        return path
+
+    # ---- the loop --------------------------------------------------------------------------------------------
+    def train_step(self) -> dict:
+        args = self.args
+        lr = self.schedule(self.step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        batch = self.stream.next()
+        per_rank = args.batch_size // self.world.size
+        batch = batch[self.world.rank * per_rank:(self.world.rank + 1) * per_rank].to(self.device)
+        start = time.perf_counter()
+        with torch.autocast(self.device.type, dtype=self.amp or torch.float32, enabled=self.amp is not None):
+            loss, lm, mtp = lm_losses(self.model, batch, args.mtp_weight)
+        loss.backward()
+        norm = nn.utils.clip_grad_norm_(self.model.parameters(), args.grad_clip)
+        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a DTensor under FSDP
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        maxvio = self.balancer.step()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        self.step += 1
+        return {"step": self.step, "loss": mean_across(self.world, float(lm), self.device),
+                "mtp_loss": mean_across(self.world, mtp, self.device), "lr": lr, "grad_norm": grad_norm,
+                "tokens_per_s": args.batch_size * args.seq_len / elapsed, "maxvio": maxvio}
+
+    def run(self) -> dict:
+        args, world = self.args, self.world
+        if world.is_main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            self._announce()
+        metrics_path = self.out / "metrics.jsonl"
+        history = self._metrics_history(metrics_path) if world.is_main else []
+        bar = self._progress()
+        started = time.perf_counter()
+        log = metrics_path.open("a") if world.is_main else None
+        last_eval = None
+        while self.step < args.max_steps:
+            record = self.train_step()
+            if args.eval_every and (self.step % args.eval_every == 0 or self.step == args.max_steps):
+                last_eval = heldout_loss(self.model, self.eval_windows, max(1, args.batch_size // world.size),
+                                         self.device, self.amp, world)
+                record["eval_loss"] = last_eval
+            if not math.isfinite(record["loss"]):
+                raise FloatingPointError(f"loss became {record['loss']} at step {self.step}; lower --lr")
+            if log is not None:
+                log.write(json.dumps(record) + "\n")
+                log.flush()
+                history.append(record)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+            if args.save_every and self.step % args.save_every == 0 and self.step < args.max_steps:
+                self.save()
+        if bar is not None:
+            bar.close()
+        if log is not None:
+            log.close()
+        if last_eval is None:
+            last_eval = heldout_loss(self.model, self.eval_windows, max(1, args.batch_size // world.size),
+                                     self.device, self.amp, world)
+        saved = self.save()
+        summary = {"steps": self.step, "heldout_loss": last_eval, "unigram_loss": self.unigram,
+                   "train_seconds": time.perf_counter() - started, "checkpoint": str(saved) if saved else None}
+        sample = self._sample()
+        if world.is_main:
+            (self.out / "sample.txt").write_text(sample)
+            if args.plot and history:
+                from openk3.train.plots import plot_losses
+
+                plot_losses(history, self.out / "loss.png", self.unigram)
+            (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
+            self._report(summary, sample)
+        close_world(world)
+        return summary
+
+    # ---- output ----------------------------------------------------------------------------------------------
+    def _announce(self) -> None:
+        n = sum(p.numel() for p in self.model.parameters())
+        print(f"openk3 train: {self.cfg.name} ({n / 1e6:.2f}M parameters), {self.train_tokens:,} training tokens, "
+              f"{self.args.max_steps} steps x {self.args.batch_size} x {self.args.seq_len} tokens, "
+              f"optimizer={self.args.optimizer}, balance={self.args.balance}, device={self.device}, "
+              f"processes={self.world.size}, out={self.out}", flush=True)
+
+    def _metrics_history(self, path: Path) -> list[dict]:
+        """Earlier lines of metrics.jsonl up to the current step (a resumed run drops the ones it will redo)."""
+        if not path.is_file():
+            return []
+        kept = [r for r in map(json.loads, path.read_text().splitlines()) if r["step"] <= self.step]
+        path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        return kept
+
+    def _progress(self):
+        if not (self.args.progress and self.world.is_main):
+            return None
+        from tqdm import tqdm
+
+        return tqdm(total=self.args.max_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
+
+    def _sample(self) -> str:
+        from openk3.generate import generate_ids
+        from openk3.serve.sampling import SamplingParams
+
+        params = SamplingParams(max_tokens=max(1, self.args.sample_tokens), temperature=0.8, top_k=50,
+                                seed=self.args.seed)
+        ids = generate_ids(self.model, self.tokenizer.encode(SAMPLE_PROMPT), self.args.sample_tokens, params,
+                           {self.tokenizer.eos_id}, self.device)
+        return SAMPLE_PROMPT + self.tokenizer.decode(ids)
+
+    def _report(self, summary: dict, sample: str) -> None:
+        print(f"\nheld-out loss {summary['heldout_loss']:.3f} nats/token vs unigram baseline "
+              f"{summary['unigram_loss']:.3f} ({summary['steps']} steps, {summary['train_seconds']:.0f} s)")
+        print(f"checkpoint: {summary['checkpoint']}\nsample ({self.out / 'sample.txt'}):\n{sample}", flush=True)
+
+
+def train(args: TrainArgs) -> dict:
+    return Trainer(args).run()

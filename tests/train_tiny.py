@@ -1,0 +1,55 @@
+"""Shared by the training tests: a very small K3-shaped config and a small local text corpus."""
+
+from __future__ import annotations
+
+import sysconfig
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from openk3.train.args import TrainArgs
+
+# every K3 ingredient (KDA + MLA, latent MoE with a shared expert, Block AttnRes, one MTP layer), tiny widths
+TINY = {
+    "vocab_size": 320,
+    "hidden_size": 32,
+    "num_layers": 4,
+    "mla_layers": [3],
+    "kda": {"num_heads": 2, "head_dim": 16},
+    "mla": {"num_heads": 2, "q_lora_rank": 16, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4,
+            "v_head_dim": 8},
+    "moe": {"num_experts": 4, "top_k": 2, "expert_hidden": 16, "num_shared_experts": 1, "latent_dim": 16},
+    "dense_hidden": 64,
+    "attn_res_block_size": 2,
+    "mtp_layers": 1,
+}
+
+CORPUS_FILES = ("bisect.py", "colorsys.py", "keyword.py", "this.py", "shlex.py")
+
+
+def make_corpus(directory: Path) -> Path:
+    """A few small standard-library modules copied into `directory` (about 30 KB of text)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for name in CORPUS_FILES:
+        (directory / name).write_text((stdlib / name).read_text(encoding="utf-8"), encoding="utf-8")
+    return directory
+
+
+def tiny_args(out: Path, data: Path, **changes) -> TrainArgs:
+    settings = dict(overrides=TINY, data=str(data), out=str(out), seq_len=32, batch_size=4, max_steps=6,
+                    lr=1e-2, eval_every=3, eval_windows=4, sample_tokens=8, progress=False, plot=False)
+    settings.update(changes)
+    return TrainArgs(**settings)
+
+
+@contextmanager
+def one_thread():
+    """Tiny shapes gain nothing from intra-op threads, and on a busy machine the thread hand-offs dominate."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
