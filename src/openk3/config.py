@@ -47,6 +47,7 @@ class MLAConfig:
     v_head_dim: int = 32
     output_gate: bool = True  # y = wo(sigmoid(g_proj(x)) * o)
     output_norm: bool = False  # the disputed RMSNorm of o before the gate (SPEC §3); default off
+    norm_eps: float = 1e-6  # eps of q_a_layernorm / kv_a_layernorm (HF Kimi Linear: the RMSNorm default 1e-6)
 
 
 @dataclass
@@ -142,6 +143,7 @@ class ModelConfig:
         need(mla.qk_rope_head_dim >= 0, "mla.qk_rope_head_dim", ">= 0", mla.qk_rope_head_dim)
         if mla.q_lora_rank is not None:
             need(mla.q_lora_rank >= 1, "mla.q_lora_rank", "a positive integer or None", mla.q_lora_rank)
+        need(mla.norm_eps > 0, "mla.norm_eps", "> 0", mla.norm_eps)
 
         moe = self.moe
         if moe is not None:

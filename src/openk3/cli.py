@@ -1,0 +1,37 @@
+"""The `openk3` command line.
+
+Each subcommand lives in its own module and registers itself with one function, `add_<name>_parser(subparsers)`,
+which adds its argparse parser and sets `func` (args -> exit code). To add a command, append its
+(module, function) to COMMANDS. Keep module-level imports of command modules light; import heavy things inside
+the command's function.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from importlib import import_module
+
+COMMANDS: list[tuple[str, str]] = [
+    ("openk3.info", "add_info_parser"),
+    ("openk3.train.command", "add_train_parser"),
+    ("openk3.generate", "add_generate_parser"),
+    ("openk3.serve.command", "add_serve_parser"),
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="openk3", description="The Kimi K3 system in Python.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for module, register in COMMANDS:
+        getattr(import_module(module), register)(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

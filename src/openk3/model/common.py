@@ -1,0 +1,77 @@
+"""Small building blocks shared by the layers: RMSNorm, the short conv's weight holder, init helpers and the
+fp32 guard for parameters that must stay fp32 (A_log, dt_bias, router weight and bias)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from openk3.ops.norms import rms_norm
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm with a learned weight [dim] (init 1), computed in fp32 (`openk3.ops.norms.rms_norm`)."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+class ShortConv(nn.Module):
+    """Holds a depthwise causal conv kernel `weight` [C, 1, W] (nn.Conv1d's layout, as in HF / fla checkpoints).
+    No bias. Init: PyTorch's Conv1d default for this shape, U(-1/sqrt(W), 1/sqrt(W)). The math is in
+    `openk3.ops.conv`."""
+
+    def __init__(self, channels: int, kernel: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel))
+        bound = 1.0 / math.sqrt(kernel)
+        nn.init.uniform_(self.weight, -bound, bound)
+
+    def extra_repr(self) -> str:
+        return f"channels={self.weight.shape[0]}, kernel={self.weight.shape[-1]}"
+
+
+def linear(in_features: int, out_features: int, std: float) -> nn.Linear:
+    """nn.Linear without bias, weight [out, in] ~ N(0, std)."""
+    layer = nn.Linear(in_features, out_features, bias=False)
+    nn.init.normal_(layer.weight, mean=0.0, std=std)
+    return layer
+
+
+def out_std(cfg) -> float:
+    """Init std of the projections that write into the residual stream (o_proj, down_proj, routed_up)."""
+    return cfg.init_std / math.sqrt(2 * cfg.num_layers)
+
+
+class KeepFp32(nn.Module):
+    """Mixin: the parameters / buffers named in `_fp32_names` stay fp32 when the module is cast to a 16-bit
+    float dtype (`model.to(torch.bfloat16)`, `.half()`); device moves still apply. fp64 casts go through."""
+
+    _fp32_names: tuple[str, ...] = ()
+
+    def _apply(self, fn, recurse=True):
+        saved = {}
+        for name in self._fp32_names:
+            t = getattr(self, name, None)
+            if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
+                saved[name] = t.detach()
+        super()._apply(fn, recurse)
+        for name, old in saved.items():
+            new = getattr(self, name)
+            if new.dtype in (torch.float16, torch.bfloat16):
+                kept = old.to(new.device)
+                if name in self._parameters:
+                    self._parameters[name].data = kept
+                else:
+                    self._buffers[name] = kept
+        return self

@@ -1,0 +1,131 @@
+"""Kimi Delta Attention layer (SPEC-K3 §2), K3 variant and Kimi Linear variant by config."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+from torch import nn
+
+from openk3.config import ModelConfig
+from openk3.model.common import KeepFp32, RMSNorm, ShortConv, linear, out_std
+from openk3.ops.conv import causal_conv1d, causal_conv1d_step
+from openk3.ops.gates import k3_gate, kimi_gate
+from openk3.ops.kda import kda
+from openk3.ops.norms import acc_dtype, l2_norm, rms_norm
+
+
+class KimiDeltaAttention(KeepFp32, nn.Module):
+    """KDA token mixer. D = hidden_size, H = num_heads, K = V = head_dim, W = conv kernel.
+
+    Parameters (names follow HF / the Kimi Linear hub checkpoint; [out, in] for Linear weights):
+      q_proj, k_proj   [H*K, D]   rows h*K:(h+1)*K belong to head h
+      v_proj           [H*V, D]   rows per head likewise
+      q_conv1d, k_conv1d, v_conv1d .weight [H*K, 1, W]   (K3 / kda.fused_conv=False: one conv per projection)
+      conv1d.weight    [2*H*K + H*V, 1, W]  channels q|k|v (kda.fused_conv=True: HF transformers' runtime layout,
+                                            the concatenation of the three above along dim 0)
+      f_a_proj         [K, D]     forget gate, low rank (shared by heads)
+      f_b_proj         [H*K, K]   rows per head
+      A_log            [H] fp32   init log U(1, 16). HF Kimi Linear stores it as [1, 1, H, 1]: same values,
+                                  `A_log.reshape(-1)` to load, `.view(1, 1, H, 1)` to save.
+      dt_bias          [H*K] fp32 per head and channel, head-major; init 0 (K3) / inverse softplus of
+                                  U(1e-3, 1e-1) (Kimi Linear, fla's init)
+      b_proj           [H, D]     beta = sigmoid(b_proj x), row h for head h
+      g_proj           [H*V, D]   K3 full-rank output gate (kda.output_gate="full"), rows per head
+      g_a_proj, g_b_proj [K, D], [H*V, K]  Kimi Linear low-rank output gate (kda.output_gate="lowrank")
+      o_norm.weight    [V]        per-head RMSNorm of the KDA output (eps = rms_eps), shared by heads
+      o_proj           [D, H*V]   columns h*V:(h+1)*V read head h
+    Forward: q, k, v = SiLU(conv(proj(x))); q, k L2-normalised per head (fp32); g = gate(f_b(f_a(x))) (fp32);
+    beta = sigmoid(b_proj x); o = KDA(q, k, v, g, beta) with scale K^-0.5;
+    y = o_proj( RMSNorm_head(o) * sigmoid(output gate) ).
+    """
+
+    _fp32_names = ("A_log", "dt_bias")
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        kc = cfg.kda
+        D, H, K = cfg.hidden_size, kc.num_heads, cfg.kda_head_dim
+        self.layer_idx = layer_idx
+        self.num_heads, self.head_dim, self.v_head_dim = H, K, K
+        self.gate_kind, self.lower_bound = kc.gate, kc.gate_lower_bound
+        self.fused_conv, self.output_gate = kc.fused_conv, kc.output_gate
+        self.kda_backend = "auto"
+        std = cfg.init_std
+        self.q_proj = linear(D, H * K, std)
+        self.k_proj = linear(D, H * K, std)
+        self.v_proj = linear(D, H * K, std)
+        if kc.fused_conv:
+            self.conv1d = ShortConv(3 * H * K, kc.conv_kernel)
+        else:
+            self.q_conv1d = ShortConv(H * K, kc.conv_kernel)
+            self.k_conv1d = ShortConv(H * K, kc.conv_kernel)
+            self.v_conv1d = ShortConv(H * K, kc.conv_kernel)
+        self.f_a_proj = linear(D, K, std)
+        self.f_b_proj = linear(K, H * K, std)
+        self.A_log = nn.Parameter(torch.empty(H, dtype=torch.float32).uniform_(1.0, 16.0).log())
+        self.dt_bias = nn.Parameter(torch.zeros(H * K, dtype=torch.float32))
+        if kc.gate == "kimi":  # fla / HF init: dt_bias = softplus^-1(dt), dt ~ logU(1e-3, 1e-1)
+            with torch.no_grad():
+                dt = torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)).exp().clamp_min(1e-4)
+                self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+        self.b_proj = linear(D, H, std)
+        if kc.output_gate == "full":
+            self.g_proj = linear(D, H * K, std)
+        else:
+            self.g_a_proj = linear(D, K, std)
+            self.g_b_proj = linear(K, H * K, std)
+        self.o_norm = RMSNorm(K, eps=cfg.rms_eps)
+        self.o_proj = linear(H * K, D, out_std(cfg))
+
+    def conv_weight(self) -> torch.Tensor:
+        """[2HK+HV, W]: the q|k|v conv kernels as one depthwise kernel (the fused and separate layouts alike)."""
+        if self.fused_conv:
+            return self.conv1d.weight.squeeze(1)
+        return torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]).squeeze(1)
+
+    def forget_gate(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B,T,D] -> g [B,T,H,K] fp32 log decay."""
+        B, T, _ = x.shape
+        f = self.f_b_proj(self.f_a_proj(x)).view(B, T, self.num_heads, self.head_dim)
+        if self.gate_kind == "k3":
+            return k3_gate(f, self.A_log, self.dt_bias, self.lower_bound)
+        return kimi_gate(f, self.A_log, self.dt_bias)
+
+    def out_gate(self, x: torch.Tensor) -> torch.Tensor:
+        return self.g_proj(x) if self.output_gate == "full" else self.g_b_proj(self.g_a_proj(x))
+
+    def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
+        """x [B,T,D] -> [B,T,D]. With a HybridCache, starts from and updates this layer's conv/recurrent state."""
+        B, T, _ = x.shape
+        H, K = self.num_heads, self.head_dim
+        layer_cache = cache.layers[self.layer_idx] if cache is not None else None
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [B,T,3HK]
+        w = self.conv_weight()
+        if layer_cache is not None and T == 1:
+            y, conv_state = causal_conv1d_step(qkv[:, 0], w, layer_cache.conv_state)
+            qkv = y.unsqueeze(1)
+        else:
+            qkv, conv_state = causal_conv1d(qkv, w, layer_cache.conv_state if layer_cache is not None else None)
+        q, k, v = (t.reshape(B, T, H, K) for t in qkv.split(H * K, dim=-1))
+        q, k = l2_norm(q), l2_norm(k)
+        g = self.forget_gate(x)
+        acc = acc_dtype(x.dtype)
+        beta = torch.sigmoid(self.b_proj(x).to(acc))
+        backend = self.kda_backend
+        if backend == "auto" and T == 1 and x.device.type != "cuda" and not os.environ.get("OPENK3_KDA_BACKEND"):
+            backend = "recurrent"  # one token: the recurrence is the cheapest form on CPU
+        o, state = kda(
+            q, k, v, g, beta,
+            initial_state=layer_cache.recurrent_state if layer_cache is not None else None,
+            output_final_state=layer_cache is not None,
+            backend=backend,
+        )
+        if layer_cache is not None:
+            layer_cache.conv_state = conv_state
+            layer_cache.recurrent_state = state
+        gate = self.out_gate(x).view(B, T, H, K)
+        o = rms_norm(o.to(acc), self.o_norm.weight, self.o_norm.eps) * torch.sigmoid(gate.to(acc))
+        o = o.to(x.dtype)
+        return self.o_proj(o.reshape(B, T, H * K))

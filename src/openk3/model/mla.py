@@ -1,0 +1,92 @@
+"""Gated Multi-head Latent Attention (SPEC-K3 §3), NoPE."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from openk3.config import ModelConfig
+from openk3.model.common import RMSNorm, linear, out_std
+from openk3.ops.attention import mla_attention_absorbed, mla_attention_expanded
+from openk3.ops.norms import acc_dtype
+
+
+class GatedMLA(nn.Module):
+    """MLA with an optional sigmoid output gate. D = hidden_size, H = num_heads, n = qk_nope_head_dim,
+    r = qk_rope_head_dim (the NoPE "rope" slice), v = v_head_dim, R = kv_lora_rank, Q = q_lora_rank.
+
+    Parameters (HF Kimi Linear / DeepSeek names; [out, in]):
+      q_proj               [H*(n+r), D]  when Q is None; rows of head h: [q_nope (n) | q_slice (r)]
+      q_a_proj             [Q, D]        when Q is set (shared by heads)
+      q_a_layernorm.weight [Q]
+      q_b_proj             [H*(n+r), Q]  rows per head as q_proj
+      kv_a_proj_with_mqa   [R+r, D]      rows [latent (R) | k_slice (r)], shared by heads
+      kv_a_layernorm.weight [R]
+      kv_b_proj            [H*(n+v), R]  rows of head h: [k_nope (n) | v (v)]
+      g_proj               [H*v, D]      output gate (mla.output_gate), rows per head
+      o_norm.weight        [v]           per-head RMSNorm of o before the gate (mla.output_norm, default off)
+      o_proj               [D, H*v]      columns h*v:(h+1)*v read head h
+    The q_a / kv_a layernorms use mla.norm_eps (HF: the RMSNorm default 1e-6); o_norm uses rms_eps.
+
+    Without a cache: expanded K/V through SDPA (causal). With a HybridCache: the new latents are appended to the
+    layer's latent cache; T == 1 runs the absorbed form on the latent cache, T > 1 the expanded form, both with a
+    per-sequence mask (ragged lengths).
+    """
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        m = cfg.mla
+        D, H = cfg.hidden_size, m.num_heads
+        self.layer_idx = layer_idx
+        self.num_heads = H
+        self.nope_dim, self.slice_dim, self.v_head_dim = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
+        self.kv_lora_rank, self.q_lora_rank = m.kv_lora_rank, m.q_lora_rank
+        self.qk_head_dim = self.nope_dim + self.slice_dim
+        self.scale = self.qk_head_dim**-0.5
+        self.absorb_decode = True
+        std = cfg.init_std
+        if m.q_lora_rank is None:
+            self.q_proj = linear(D, H * self.qk_head_dim, std)
+        else:
+            self.q_a_proj = linear(D, m.q_lora_rank, std)
+            self.q_a_layernorm = RMSNorm(m.q_lora_rank, eps=m.norm_eps)
+            self.q_b_proj = linear(m.q_lora_rank, H * self.qk_head_dim, std)
+        self.kv_a_proj_with_mqa = linear(D, m.kv_lora_rank + self.slice_dim, std)
+        self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, eps=m.norm_eps)
+        self.kv_b_proj = linear(m.kv_lora_rank, H * (self.nope_dim + self.v_head_dim), std)
+        self.g_proj = linear(D, H * self.v_head_dim, std) if m.output_gate else None
+        self.o_norm = RMSNorm(self.v_head_dim, eps=cfg.rms_eps) if m.output_norm else None
+        self.o_proj = linear(H * self.v_head_dim, D, out_std(cfg))
+
+    def query(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B,T,D] -> q [B,T,H,n+r]."""
+        q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        return q.view(*x.shape[:2], self.num_heads, self.qk_head_dim)
+
+    def latent(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B,T,D] -> the per-token cache entry [B,T,R+r] = [RMSNorm(latent) | k_slice]."""
+        c = self.kv_a_proj_with_mqa(x)
+        return torch.cat([self.kv_a_layernorm(c[..., : self.kv_lora_rank]), c[..., self.kv_lora_rank :]], dim=-1)
+
+    def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.query(x)
+        kv = self.latent(x)
+        kw = dict(nope_dim=self.nope_dim, v_dim=self.v_head_dim, scale=self.scale)
+        if cache is None:
+            o = mla_attention_expanded(q, kv, self.kv_b_proj.weight, **kw)
+        else:
+            lengths = cache.lengths
+            kv_all = cache.layers[self.layer_idx].append(kv, lengths, cache.max_length + T)
+            attend = mla_attention_absorbed if (T == 1 and self.absorb_decode) else mla_attention_expanded
+            o = attend(q, kv_all, self.kv_b_proj.weight, lengths=lengths, **kw)
+        if self.o_norm is not None:
+            o = self.o_norm(o)
+        if self.g_proj is not None:
+            gate = self.g_proj(x).view(B, T, self.num_heads, self.v_head_dim)
+            acc = acc_dtype(x.dtype)
+            o = (o.to(acc) * torch.sigmoid(gate.to(acc))).to(x.dtype)
+        return self.o_proj(o.reshape(B, T, self.num_heads * self.v_head_dim))
+
+
+__all__ = ["GatedMLA"]

@@ -1,0 +1,119 @@
+"""Feed-forward blocks: dense GLU FFN and (Stable Latent) MoE (SPEC-K3 §5)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from openk3.config import ModelConfig
+from openk3.model.common import KeepFp32, RMSNorm, linear, out_std
+from openk3.ops.activations import glu_activation
+from openk3.ops.moe import Routing, experts_forward, sigmoid_topk_routing
+from openk3.ops.norms import acc_dtype
+
+
+def _act(cfg: ModelConfig):
+    return glu_activation(cfg.activation, cfg.situ_beta_gate, cfg.situ_beta_up)
+
+
+class GLUMLP(nn.Module):
+    """down_proj(act(gate_proj x, up_proj x)); act = SiTU-GLU (K3) or SwiGLU (Kimi Linear).
+    gate_proj, up_proj [I, D]; down_proj [D, I]. Used for the dense FFN and the shared experts."""
+
+    def __init__(self, cfg: ModelConfig, dim: int, hidden: int):
+        super().__init__()
+        self.gate_proj = linear(dim, hidden, cfg.init_std)
+        self.up_proj = linear(dim, hidden, cfg.init_std)
+        self.down_proj = linear(hidden, dim, out_std(cfg))
+        self.act = _act(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
+
+
+class TopkRouter(KeepFp32, nn.Module):
+    """Sigmoid router. weight [E, D] (fp32); buffer e_score_correction_bias [E] (fp32, used for selection only,
+    never trained by gradient: Quantile Balancing updates it). In training mode the detached sigmoid scores of the
+    last forward are kept in `last_scores` [tokens, E]."""
+
+    _fp32_names = ("weight", "e_score_correction_bias")
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        moe = cfg.moe
+        self.num_experts, self.top_k = moe.num_experts, moe.top_k
+        self.routed_scaling_factor, self.renormalize = moe.routed_scaling_factor, moe.renormalize
+        self.weight = nn.Parameter(torch.empty(moe.num_experts, cfg.hidden_size, dtype=torch.float32))
+        nn.init.normal_(self.weight, mean=0.0, std=cfg.init_std)
+        self.register_buffer("e_score_correction_bias", torch.zeros(moe.num_experts, dtype=torch.float32))
+        self.last_scores: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        """x [N, D] -> Routing(weights [N,k], indices [N,k], scores [N,E])."""
+        acc = acc_dtype(x.dtype)
+        logits = torch.nn.functional.linear(x.to(acc), self.weight.to(acc))
+        routing = sigmoid_topk_routing(
+            logits, self.e_score_correction_bias, self.top_k,
+            renormalize=self.renormalize, scaling=self.routed_scaling_factor,
+        )
+        if self.training:
+            self.last_scores = routing.scores.detach()
+        return routing
+
+
+class Experts(nn.Module):
+    """E routed experts as 3-D weights (HF's layout): gate_up_proj [E, 2I, Din] (rows [:I] gate, [I:] up),
+    down_proj [E, Dout, I]. Din = Dout = the latent width (LatentMoE) or hidden_size (plain MoE)."""
+
+    def __init__(self, cfg: ModelConfig, dim: int):
+        super().__init__()
+        E, inter = cfg.moe.num_experts, cfg.moe.expert_hidden
+        self.num_experts = E
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * inter, dim))
+        self.down_proj = nn.Parameter(torch.empty(E, dim, inter))
+        nn.init.normal_(self.gate_up_proj, mean=0.0, std=cfg.init_std)
+        nn.init.normal_(self.down_proj, mean=0.0, std=out_std(cfg) if cfg.moe.latent_dim is None else cfg.init_std)
+        self.act = _act(cfg)
+
+    def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        return experts_forward(x, routing.indices, routing.weights, self.gate_up_proj, self.down_proj, self.act)
+
+
+class MoE(nn.Module):
+    """Stable LatentMoE (moe.latent_dim set) or plain MoE (latent_dim None, Kimi Linear):
+
+        out = routed_up( latent_norm( sum_k p_k Expert_k( routed_down(x) ) ) ) + shared_experts(x)
+
+    gate: TopkRouter on full-width x. routed_down [L, D], routed_up [D, L], latent_norm.weight [L] (when
+    moe.latent_norm). shared_experts: one GLUMLP of hidden expert_hidden * num_shared_experts at full width.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        moe = cfg.moe
+        D = cfg.hidden_size
+        self.gate = TopkRouter(cfg)
+        self.latent_dim = moe.latent_dim
+        if moe.latent_dim is not None:
+            self.routed_down = linear(D, moe.latent_dim, cfg.init_std)
+            self.latent_norm = RMSNorm(moe.latent_dim, eps=cfg.rms_eps) if moe.latent_norm else None
+            self.routed_up = linear(moe.latent_dim, D, out_std(cfg))
+        self.experts = Experts(cfg, moe.latent_dim if moe.latent_dim is not None else D)
+        self.shared_experts = (
+            GLUMLP(cfg, D, moe.expert_hidden * moe.num_shared_experts) if moe.num_shared_experts > 0 else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        routing = self.gate(flat)
+        if self.latent_dim is None:
+            y = self.experts(flat, routing)
+        else:
+            y = self.experts(self.routed_down(flat), routing)
+            if self.latent_norm is not None:
+                y = self.latent_norm(y)
+            y = self.routed_up(y)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(flat)
+        return y.view(shape)

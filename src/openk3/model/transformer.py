@@ -1,0 +1,177 @@
+"""The hybrid decoder: embedding, the KDA / MLA layer schedule with Block AttnRes (or plain pre-norm residuals),
+the final norm, the LM head and the multi-token-prediction layers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from openk3.cache import HybridCache
+from openk3.config import ModelConfig
+from openk3.model.attnres import BlockStream, pseudo_query
+from openk3.model.common import RMSNorm
+from openk3.model.kda import KimiDeltaAttention
+from openk3.model.mla import GatedMLA
+from openk3.model.moe import GLUMLP, MoE, TopkRouter
+
+
+class DecoderLayer(nn.Module):
+    """self_attn (KimiDeltaAttention or GatedMLA), mlp (MoE or dense GLUMLP), input_layernorm,
+    post_attention_layernorm, and with Block AttnRes the pseudo-queries attn_res_* (not on layer 0) and mlp_res_*.
+    """
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, attn_kind: str | None = None,
+                 ffn_kind: str | None = None, attn_res: bool | None = None):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.attn_kind = attn_kind or cfg.layer_kind(layer_idx)
+        self.ffn_kind = ffn_kind or cfg.ffn_kind(layer_idx)
+        D = cfg.hidden_size
+        self.self_attn = KimiDeltaAttention(cfg, layer_idx) if self.attn_kind == "kda" else GatedMLA(cfg, layer_idx)
+        self.mlp = MoE(cfg) if self.ffn_kind == "moe" else GLUMLP(cfg, D, cfg.dense_hidden)
+        self.input_layernorm = RMSNorm(D, eps=cfg.rms_eps)
+        self.post_attention_layernorm = RMSNorm(D, eps=cfg.rms_eps)
+        self.use_attn_res = cfg.attn_res_block_size is not None if attn_res is None else attn_res
+        if self.use_attn_res:
+            if layer_idx > 0:
+                self.attn_res_proj, self.attn_res_norm = pseudo_query(D), RMSNorm(D, eps=cfg.rms_eps)
+            self.mlp_res_proj, self.mlp_res_norm = pseudo_query(D), RMSNorm(D, eps=cfg.rms_eps)
+
+    def forward(self, h: torch.Tensor, cache: HybridCache | None = None) -> torch.Tensor:
+        """Plain pre-norm residual (Kimi Linear, the MTP block)."""
+        h = h + self.self_attn(self.input_layernorm(h), cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def forward_block(self, stream: BlockStream, cache: HybridCache | None = None) -> None:
+        """Block AttnRes: reads and updates `stream` (SPEC §4)."""
+        x = stream.attn_input(self.layer_idx, getattr(self, "attn_res_proj", None),
+                              getattr(self, "attn_res_norm", None))
+        stream.add_attn(self.self_attn(self.input_layernorm(x), cache))
+        x = stream.mlp_input(self.mlp_res_proj, self.mlp_res_norm)
+        stream.add_mlp(self.mlp(self.post_attention_layernorm(x)))
+
+
+class K3Model(nn.Module):
+    """embed_tokens, layers, norm (+ output_res_proj / output_res_norm with Block AttnRes)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        D = cfg.hidden_size
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, D)
+        nn.init.normal_(self.embed_tokens.weight, mean=0.0, std=cfg.init_std)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.block_size = cfg.attn_res_block_size
+        if self.block_size is not None:
+            self.output_res_proj, self.output_res_norm = pseudo_query(D), RMSNorm(D, eps=cfg.rms_eps)
+        self.norm = RMSNorm(D, eps=cfg.rms_eps)
+
+    def forward(self, input_ids: torch.Tensor, cache: HybridCache | None = None) -> torch.Tensor:
+        """input_ids [B,T] -> the hidden state before the final norm [B,T,D]."""
+        h = self.embed_tokens(input_ids)
+        if self.block_size is None:
+            for layer in self.layers:
+                h = layer(h, cache)
+            return h
+        stream = BlockStream(h, self.block_size)
+        for layer in self.layers:
+            layer.forward_block(stream, cache)
+        return stream.output(self.output_res_proj, self.output_res_norm)
+
+
+class MTPLayer(nn.Module):
+    """One multi-token-prediction depth (DeepSeek-V3 style):
+        h' = eh_proj([enorm(embed(token t+k)) ; hnorm(h_t)])      eh_proj [D, 2D]: columns [:D] read the embedding
+        h' = block(h')                                             one decoder layer, plain pre-norm residual
+        logits = lm_head(norm(h'))                                 the main model's (shared) LM head
+    The block is a Gated MLA layer (global attention over the sequence, as DeepSeek-V3's MTP block; the incoming
+    hidden states already carry order from the KDA layers, so NoPE is fine) with the model's MoE FFN (dense when
+    cfg.moe is None). Parameter names: mtp.{k}.{enorm,hnorm,eh_proj,block.*,norm}."""
+
+    def __init__(self, cfg: ModelConfig, depth: int):
+        super().__init__()
+        D = cfg.hidden_size
+        self.enorm = RMSNorm(D, eps=cfg.rms_eps)
+        self.hnorm = RMSNorm(D, eps=cfg.rms_eps)
+        self.eh_proj = nn.Linear(2 * D, D, bias=False)
+        nn.init.normal_(self.eh_proj.weight, mean=0.0, std=cfg.init_std)
+        self.block = DecoderLayer(cfg, cfg.num_layers + depth, attn_kind="mla",
+                                  ffn_kind="moe" if cfg.moe is not None else "dense", attn_res=False)
+        self.norm = RMSNorm(D, eps=cfg.rms_eps)
+
+    def forward(self, hidden: torch.Tensor, next_embed: torch.Tensor) -> torch.Tensor:
+        """hidden [B,T,D] (h_t), next_embed [B,T,D] (embedding of the token k positions ahead) -> [B,T,D]."""
+        h = self.eh_proj(torch.cat([self.enorm(next_embed), self.hnorm(hidden)], dim=-1))
+        return self.block(h)
+
+
+@dataclass
+class K3Output:
+    logits: torch.Tensor  # [B,T,vocab] (the last `logits_to_keep` positions if set)
+    mtp_logits: torch.Tensor | None = None  # [B,T-1,vocab]: position t predicts token t+2
+    mtp_logits_all: list[torch.Tensor] | None = None  # depth k (1-based): [B,T-k,vocab], position t -> token t+k+1
+    hidden_states: torch.Tensor | None = None  # [B,T,D] before the final norm (what the MTP layers read)
+
+
+class K3ForCausalLM(nn.Module):
+    """The K3 / Kimi Linear language model. Parameter names mirror HF's KimiLinearForCausalLM where the component is
+    the same: model.embed_tokens, model.layers.{i}.{self_attn,mlp,input_layernorm,post_attention_layernorm}.*,
+    model.norm, lm_head; K3 additions: model.layers.{i}.{attn_res,mlp_res}_{proj,norm}, model.output_res_*,
+    mtp.{k}.* (see the module docstrings for each projection's layout).
+
+    `model(input_ids)` -> K3Output(logits, mtp_logits). `model(input_ids, cache=model.new_cache(B))` appends the
+    tokens to the cache's sequences (then mtp_logits is None)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = K3Model(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        else:
+            nn.init.normal_(self.lm_head.weight, mean=0.0, std=cfg.init_std)
+        self.mtp = nn.ModuleList(MTPLayer(cfg, k) for k in range(cfg.mtp_layers)) if cfg.mtp_layers else None
+
+    def new_cache(self, batch_size: int, capacity: int = 0) -> HybridCache:
+        """An empty decode cache for `batch_size` sequences on this model's device and dtype."""
+        p = self.model.embed_tokens.weight
+        return HybridCache.empty(self.config, batch_size, device=p.device, dtype=p.dtype, capacity=capacity)
+
+    def forward(self, input_ids: torch.Tensor, cache: HybridCache | None = None, *, logits_to_keep: int = 0,
+                return_mtp: bool = True) -> K3Output:
+        """input_ids [B,T]. logits_to_keep > 0 computes logits for the last that many positions only."""
+        B, T = input_ids.shape
+        if cache is not None and cache.batch_size != B:
+            raise ValueError(f"cache holds {cache.batch_size} sequences but input_ids has batch size {B}")
+        hidden = self.model(input_ids, cache)
+        if cache is not None:
+            cache.advance(T)
+        kept = hidden[:, -logits_to_keep:] if logits_to_keep > 0 else hidden
+        logits = self.lm_head(self.model.norm(kept))
+        out = K3Output(logits=logits, hidden_states=hidden)
+        if self.mtp is not None and cache is None and return_mtp and T > 1:
+            out.mtp_logits_all = []
+            h = hidden
+            for k, layer in enumerate(self.mtp, start=1):
+                if T - k < 1:
+                    break
+                h = layer(h[:, : T - k], self.model.embed_tokens(input_ids[:, k:]))
+                out.mtp_logits_all.append(self.lm_head(layer.norm(h)))
+            out.mtp_logits = out.mtp_logits_all[0] if out.mtp_logits_all else None
+        return out
+
+    def routers(self) -> Iterator[tuple[int, TopkRouter]]:
+        """(layer index, router) for every MoE layer; the MTP layers' routers come as num_layers + depth."""
+        for i, layer in enumerate(self.model.layers):
+            if isinstance(layer.mlp, MoE):
+                yield i, layer.mlp.gate
+        for k, layer in enumerate(self.mtp or []):
+            if isinstance(layer.block.mlp, MoE):
+                yield self.config.num_layers + k, layer.block.mlp.gate
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())

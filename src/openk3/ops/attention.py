@@ -1,0 +1,104 @@
+"""Multi-head Latent Attention math (SPEC-K3 §3): prefill with expanded K/V and decode on the latent cache.
+
+Shared layout:
+  q         [B,T,H,n+r]   per head [q_nope (n) | q_slice (r)]
+  kv_cache  [B,L,R+r]     per token [RMSNorm(latent) (R) | k_slice (r)], shared by all heads; L >= T
+  kv_b      [H*(n+v), R]  the kv_b_proj weight; rows of head h: [k_nope (n) | v (v)] = [W_UK_h ; W_UV_h]
+  lengths   [B] or None   tokens each sequence had *before* the T new ones. None: no past (L == T, causal).
+                          Query i of sequence b sees keys j <= lengths[b] + i; cache rows past that are ignored
+                          (so a ragged batch padded to L works; padding must be finite, HybridCache keeps zeros).
+  out       [B,T,H,v]
+NoPE: the r-wide slice is used as is, never rotated. Scores are scaled by `scale` (default (n+r)^-0.5).
+
+`mla_attention_expanded` materialises k = [W_UK c | k_slice] and v = W_UV c for every head and calls torch SDPA;
+`mla_attention_absorbed` folds W_UK into the query and W_UV into the output and attends on the latent directly:
+    score = (q_nope W_UK) . c + q_slice . k_slice,     out = (p . c) W_UV^T
+They are the same function of the inputs (tested).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from openk3.ops.norms import acc_dtype
+
+
+def mla_mask(lengths: torch.Tensor, T: int, L: int) -> torch.Tensor:
+    """Boolean [B,1,T,L]: True where query i of sequence b may attend key j (j <= lengths[b] + i)."""
+    j = torch.arange(L, device=lengths.device)
+    i = torch.arange(T, device=lengths.device)
+    limit = lengths.view(-1, 1, 1) + i.view(1, T, 1)  # [B,T,1]
+    return (j.view(1, 1, L) <= limit).unsqueeze(1)
+
+
+def _split_kv_b(kv_b: torch.Tensor, num_heads: int, nope_dim: int, v_dim: int):
+    w = kv_b.view(num_heads, nope_dim + v_dim, -1)
+    return w[:, :nope_dim], w[:, nope_dim:]  # W_UK [H,n,R], W_UV [H,v,R]
+
+
+def mla_expand_kv(kv_cache: torch.Tensor, kv_b: torch.Tensor, num_heads: int, nope_dim: int, v_dim: int):
+    """kv_cache [B,L,R+r] -> k [B,H,L,n+r], v [B,H,L,v] (the expanded per-head keys and values)."""
+    B, L, _ = kv_cache.shape
+    R = kv_b.shape[-1]
+    latent, k_slice = kv_cache[..., :R], kv_cache[..., R:]
+    kv = F.linear(latent, kv_b).view(B, L, num_heads, nope_dim + v_dim).transpose(1, 2)
+    k_nope, v = kv[..., :nope_dim], kv[..., nope_dim:]
+    k = torch.cat([k_nope, k_slice.unsqueeze(1).expand(B, num_heads, L, k_slice.shape[-1])], dim=-1)
+    return k, v
+
+
+def mla_attention_expanded(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    kv_b: torch.Tensor,
+    *,
+    nope_dim: int,
+    v_dim: int,
+    scale: float | None = None,
+    lengths: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Expanded-K/V MLA through torch SDPA (the prefill / training path). Returns [B,T,H,v]."""
+    B, T, H, _ = q.shape
+    L = kv_cache.shape[1]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    k, v = mla_expand_kv(kv_cache, kv_b, H, nope_dim, v_dim)
+    qh = q.transpose(1, 2)  # [B,H,T,n+r]
+    if lengths is None:
+        if L != T:
+            raise ValueError(f"without lengths the cache must hold exactly the T={T} new tokens, got L={L}")
+        o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale)
+    else:
+        o = F.scaled_dot_product_attention(qh, k, v, attn_mask=mla_mask(lengths, T, L), scale=scale)
+    return o.transpose(1, 2)
+
+
+def mla_attention_absorbed(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    kv_b: torch.Tensor,
+    *,
+    nope_dim: int,
+    v_dim: int,
+    scale: float | None = None,
+    lengths: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Weight-absorbed MLA directly on the latent cache (the decode path). Returns [B,T,H,v]."""
+    B, T, H, _ = q.shape
+    L = kv_cache.shape[1]
+    R = kv_b.shape[-1]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    w_uk, w_uv = _split_kv_b(kv_b, H, nope_dim, v_dim)
+    latent, k_slice = kv_cache[..., :R], kv_cache[..., R:]
+    q_nope, q_slice = q[..., :nope_dim], q[..., nope_dim:]
+    q_latent = torch.einsum("bthn,hnr->bthr", q_nope, w_uk)
+    scores = torch.einsum("bthr,blr->bhtl", q_latent, latent) + torch.einsum("bthp,blp->bhtl", q_slice, k_slice)
+    scores = scores.to(acc_dtype(q.dtype)) * scale
+    if lengths is None:
+        if L != T:
+            raise ValueError(f"without lengths the cache must hold exactly the T={T} new tokens, got L={L}")
+        lengths = torch.zeros(B, dtype=torch.long, device=q.device)
+    scores = scores.masked_fill(~mla_mask(lengths, T, L), float("-inf"))
+    p = scores.softmax(-1).to(latent.dtype)
+    o_latent = torch.einsum("bhtl,blr->bthr", p, latent)
+    return torch.einsum("bthr,hvr->bthv", o_latent, w_uv)

@@ -1,0 +1,26 @@
+"""Normalisations (computed in fp32, returned in the input dtype)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The compute dtype for "fp32" math: fp32, or fp64 for fp64 inputs (so fp64 references stay exact)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-5) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) over the last dim, times `weight` if given. fp32 compute, x's dtype out."""
+    acc = acc_dtype(x.dtype)
+    xf = x.to(acc)
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight.to(acc)
+    return y.to(x.dtype)
+
+
+def l2_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim (fla's l2norm: eps added, not clamped). fp32 compute."""
+    xf = x.to(acc_dtype(x.dtype))
+    return (xf / torch.sqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)

@@ -1,0 +1,46 @@
+"""`openk3 info`: K3's parameter counts land on the published 2.8T / 104B, and --json parses."""
+
+import json
+
+import pytest
+
+from openk3.cli import main
+from openk3.config import get_preset
+from openk3.info import cache_bytes, count_parameters
+
+
+def test_k3_counts():
+    c = count_parameters(get_preset("k3"))
+    assert abs(c["total_params"] / 2.8e12 - 1) < 0.02, c["total_params"]
+    assert abs(c["active_params"] / 104e9 - 1) < 0.03, c["active_params"]
+    b = c["breakdown"]
+    assert sum(b.values()) == c["total_params"]
+    # one expert is 3 x 3584 x 3072; 896 of them over 92 MoE layers
+    assert b["moe_experts"] == 92 * 896 * 3 * 3584 * 3072
+    assert b["embeddings"] == b["lm_head"] == 163840 * 7168
+    assert c["mtp_params"] > 0
+
+
+def test_k3_cache_bytes():
+    c = cache_bytes(get_preset("k3"))
+    assert c["mla_bytes_per_token"] == 24 * (512 + 64) * 2
+    assert c["kda_recurrent_bytes_per_sequence"] == 69 * 96 * 128 * 128 * 4
+    assert c["bytes_per_sequence_at_context"] == c["kda_bytes_per_sequence"] + (1 << 20) * c["mla_bytes_per_token"]
+
+
+def test_cli_json(capsys):
+    assert main(["info", "--preset", "k3", "--json"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    rep = json.loads(out[-1])
+    assert rep["total_params"] == count_parameters(get_preset("k3"))["total_params"]
+    assert rep["active_params"] < rep["total_params"]
+    assert "total parameters" in out[1]
+
+
+def test_cli_text_and_unknown_preset(capsys):
+    assert main(["info", "--preset", "k3-tiny"]) == 0
+    assert "active parameters" in capsys.readouterr().out
+    assert main(["info", "--preset", "k9"]) == 2
+    assert "unknown preset 'k9'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([])

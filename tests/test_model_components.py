@@ -1,0 +1,140 @@
+"""Module structure the rest of openk3 relies on: HF-style parameter names and shapes, router buffers and scores,
+fp32-kept parameters, num_heads attributes, gradients, meta-device construction."""
+
+import torch
+
+from openk3.config import get_preset
+from openk3.model import GatedMLA, K3ForCausalLM, KimiDeltaAttention, TopkRouter
+
+
+def shapes(model):
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def test_k3_names_and_shapes():
+    cfg = get_preset("k3-tiny")
+    model = K3ForCausalLM(cfg)
+    s = shapes(model)
+    D, H, K, W = cfg.hidden_size, cfg.kda.num_heads, cfg.kda_head_dim, cfg.kda.conv_kernel
+    m, moe = cfg.mla, cfg.moe
+    kda = "model.layers.0.self_attn."
+    expect = {
+        "model.embed_tokens.weight": (cfg.vocab_size, D),
+        "lm_head.weight": (cfg.vocab_size, D),
+        "model.norm.weight": (D,),
+        kda + "q_proj.weight": (H * K, D), kda + "k_proj.weight": (H * K, D), kda + "v_proj.weight": (H * K, D),
+        kda + "q_conv1d.weight": (H * K, 1, W), kda + "k_conv1d.weight": (H * K, 1, W),
+        kda + "v_conv1d.weight": (H * K, 1, W),
+        kda + "f_a_proj.weight": (K, D), kda + "f_b_proj.weight": (H * K, K),
+        kda + "A_log": (H,), kda + "dt_bias": (H * K,), kda + "b_proj.weight": (H, D),
+        kda + "g_proj.weight": (H * K, D), kda + "o_norm.weight": (K,), kda + "o_proj.weight": (D, H * K),
+        "model.layers.0.mlp.gate_proj.weight": (cfg.dense_hidden, D),
+        "model.layers.0.mlp.down_proj.weight": (D, cfg.dense_hidden),
+        "model.layers.0.input_layernorm.weight": (D,),
+        "model.layers.0.post_attention_layernorm.weight": (D,),
+        "model.layers.0.mlp_res_proj.weight": (1, D), "model.layers.0.mlp_res_norm.weight": (D,),
+        "model.layers.1.attn_res_proj.weight": (1, D), "model.layers.1.attn_res_norm.weight": (D,),
+        "model.output_res_proj.weight": (1, D), "model.output_res_norm.weight": (D,),
+        "model.layers.3.self_attn.q_a_proj.weight": (m.q_lora_rank, D),
+        "model.layers.3.self_attn.q_a_layernorm.weight": (m.q_lora_rank,),
+        "model.layers.3.self_attn.q_b_proj.weight": (m.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim),
+                                                     m.q_lora_rank),
+        "model.layers.3.self_attn.kv_a_proj_with_mqa.weight": (m.kv_lora_rank + m.qk_rope_head_dim, D),
+        "model.layers.3.self_attn.kv_a_layernorm.weight": (m.kv_lora_rank,),
+        "model.layers.3.self_attn.kv_b_proj.weight": (m.num_heads * (m.qk_nope_head_dim + m.v_head_dim),
+                                                      m.kv_lora_rank),
+        "model.layers.3.self_attn.g_proj.weight": (m.num_heads * m.v_head_dim, D),
+        "model.layers.3.self_attn.o_proj.weight": (D, m.num_heads * m.v_head_dim),
+        "model.layers.1.mlp.gate.weight": (moe.num_experts, D),
+        "model.layers.1.mlp.gate.e_score_correction_bias": (moe.num_experts,),
+        "model.layers.1.mlp.routed_down.weight": (moe.latent_dim, D),
+        "model.layers.1.mlp.latent_norm.weight": (moe.latent_dim,),
+        "model.layers.1.mlp.routed_up.weight": (D, moe.latent_dim),
+        "model.layers.1.mlp.experts.gate_up_proj": (moe.num_experts, 2 * moe.expert_hidden, moe.latent_dim),
+        "model.layers.1.mlp.experts.down_proj": (moe.num_experts, moe.latent_dim, moe.expert_hidden),
+        "model.layers.1.mlp.shared_experts.gate_proj.weight": (moe.expert_hidden * moe.num_shared_experts, D),
+        "mtp.0.eh_proj.weight": (D, 2 * D), "mtp.0.enorm.weight": (D,), "mtp.0.hnorm.weight": (D,),
+        "mtp.0.norm.weight": (D,), "mtp.0.block.self_attn.kv_b_proj.weight":
+            (m.num_heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank),
+    }
+    for k, v in expect.items():
+        assert s.get(k) == v, (k, s.get(k), v)
+    assert "model.layers.0.attn_res_proj.weight" not in s  # layer 0: no attention AttnRes
+    assert "model.layers.3.self_attn.q_proj.weight" not in s and "model.layers.3.self_attn.o_norm.weight" not in s
+
+
+def test_kimi_linear_names():
+    cfg = get_preset("kimi-linear-48b").with_overrides({
+        "vocab_size": 50, "hidden_size": 32, "num_layers": 3, "mla_layers": [2], "dense_hidden": 40,
+        "kda": {"num_heads": 2, "head_dim": 8},
+        "mla": {"num_heads": 2, "kv_lora_rank": 8, "qk_nope_head_dim": 4, "qk_rope_head_dim": 4, "v_head_dim": 4},
+        "moe": {"num_experts": 4, "top_k": 2, "expert_hidden": 8}})
+    s = shapes(K3ForCausalLM(cfg))
+    a = "model.layers.0.self_attn."
+    assert s[a + "conv1d.weight"] == (3 * 16, 1, 4)
+    assert s[a + "g_a_proj.weight"] == (8, 32) and s[a + "g_b_proj.weight"] == (16, 8)
+    assert a + "g_proj.weight" not in s and a + "q_conv1d.weight" not in s
+    assert s["model.layers.2.self_attn.q_proj.weight"] == (2 * 8, 32)
+    assert "model.layers.2.self_attn.g_proj.weight" not in s
+    assert s["model.layers.1.mlp.experts.gate_up_proj"] == (4, 16, 32)
+    assert not any("_res_" in k or k.startswith("mtp.") or "routed_down" in k for k in s)
+
+
+def test_routers_scores_and_buffers():
+    model = K3ForCausalLM(get_preset("k3-tiny"))
+    cfg = model.config
+    routers = list(model.routers())
+    assert [i for i, _ in routers] == list(range(1, cfg.num_layers)) + [cfg.num_layers]  # + the MTP layer
+    router = routers[0][1]
+    assert isinstance(router, TopkRouter)
+    assert "e_score_correction_bias" in dict(router.named_buffers())
+    assert all("e_score_correction_bias" not in n for n, _ in model.named_parameters())
+    ids = torch.randint(0, cfg.vocab_size, (2, 7))
+    model.eval()
+    model(ids)
+    assert router.last_scores is None
+    model.train()
+    model(ids)
+    assert router.last_scores.shape == (14, cfg.moe.num_experts) and not router.last_scores.requires_grad
+    assert ((router.last_scores > 0) & (router.last_scores < 1)).all()
+
+
+def test_heads_attributes():
+    model = K3ForCausalLM(get_preset("k3-tiny"))
+    attn = [layer.self_attn for layer in model.model.layers]
+    assert isinstance(attn[0], KimiDeltaAttention) and attn[0].num_heads == 4 and attn[0].head_dim == 32
+    assert isinstance(attn[3], GatedMLA) and attn[3].num_heads == 4
+
+
+def test_bf16_keeps_fp32_params_and_runs():
+    model = K3ForCausalLM(get_preset("k3-tiny")).to(torch.bfloat16)
+    a = model.model.layers[0].self_attn
+    assert a.A_log.dtype == torch.float32 and a.dt_bias.dtype == torch.float32
+    assert isinstance(a.A_log, torch.nn.Parameter)
+    r = model.model.layers[1].mlp.gate
+    assert r.weight.dtype == torch.float32 and r.e_score_correction_bias.dtype == torch.float32
+    assert a.q_proj.weight.dtype == torch.bfloat16
+    out = model(torch.randint(0, 4096, (1, 9)))
+    assert out.logits.dtype == torch.bfloat16 and torch.isfinite(out.logits.float()).all()
+    cache = model.new_cache(1)
+    model(torch.randint(0, 4096, (1, 4)), cache=cache)
+    assert cache.layers[0].recurrent_state.dtype == torch.float32
+
+
+def test_backward_reaches_every_parameter():
+    torch.manual_seed(0)
+    model = K3ForCausalLM(get_preset("k3-tiny"))
+    ids = torch.randint(0, 4096, (2, 24))
+    out = model(ids)
+    loss = out.logits.float().logsumexp(-1).mean() + out.mtp_logits.float().logsumexp(-1).mean()
+    loss.backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None and ".experts." not in n]
+    assert not missing, missing
+
+
+def test_meta_device_build():
+    with torch.device("meta"):
+        model = K3ForCausalLM(get_preset("k3-debug"))
+    assert all(p.is_meta for p in model.parameters())
+    n = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("mtp."))
+    assert 1e8 < n < 2e9  # "a few hundred million" scale

@@ -1,0 +1,185 @@
+"""Chunked KDA (WY/UT form) against the token recurrence, in fp64: outputs, final states and gradients."""
+
+import pytest
+import torch
+
+from openk3.ops.gates import k3_gate
+from openk3.ops.kda import kda, kda_chunked, kda_recurrent
+
+
+@pytest.fixture(autouse=True)
+def _fp64_default():
+    """Tensors made without an explicit dtype in this module are fp64 (restored afterwards)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)
+
+
+def make_inputs(B, T, H, K, V, *, seed, gate="random", beta="random", state=False, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=dtype)
+    q, k, v = r(B, T, H, K), r(B, T, H, K), r(B, T, H, V)
+    k = k / k.norm(dim=-1, keepdim=True)  # the layer L2-normalises k
+    if gate == "random":
+        g = k3_gate(r(B, T, H, K), torch.zeros(H), torch.zeros(H * K)).to(dtype)  # in (-5, 0)
+    elif gate == "bound":
+        g = torch.full((B, T, H, K), -5.0, dtype=dtype)
+    elif gate == "near0":
+        g = -1e-7 * torch.rand(B, T, H, K, generator=gen, dtype=dtype)
+    elif gate == "mixed":  # per channel, some at the bound, some near 0
+        g = torch.where(torch.rand(B, T, H, K, generator=gen) < 0.5, -5.0, -1e-7).to(dtype)
+    if beta == "random":
+        b = torch.rand(B, T, H, generator=gen, dtype=dtype)
+    elif beta == "near0":
+        b = torch.full((B, T, H), 1e-7, dtype=dtype)
+    elif beta == "near1":
+        b = torch.full((B, T, H), 1 - 1e-7, dtype=dtype)
+    s0 = r(B, H, K, V) if state else None
+    return q, k, v, g, b, s0
+
+
+def assert_close(a, b, tol=1e-9):
+    assert torch.isfinite(a).all() and torch.isfinite(b).all()
+    err = (a - b).abs().max().item()
+    assert err <= tol * max(1.0, b.abs().max().item()), f"max |diff| {err}"
+
+
+SHAPES = [  # B, T, H, K, V
+    (1, 1, 1, 4, 4),
+    (2, 1, 3, 8, 5),
+    (1, 7, 2, 8, 8),
+    (2, 31, 2, 8, 6),
+    (1, 32, 1, 16, 16),
+    (2, 33, 3, 8, 12),
+    (1, 70, 2, 16, 8),
+    (3, 65, 1, 4, 4),
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("state", [False, True])
+def test_chunked_matches_recurrence(shape, state):
+    q, k, v, g, b, s0 = make_inputs(*shape, seed=hash(shape) % 1000, state=state)
+    o_ref, s_ref = kda_recurrent(q, k, v, g, b, initial_state=s0, output_final_state=True)
+    o, s = kda_chunked(q, k, v, g, b, initial_state=s0, output_final_state=True)
+    assert o.shape == shape[:3] + (shape[4],)
+    assert_close(o, o_ref)
+    assert_close(s, s_ref)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_shapes(seed):
+    """Fresh random (B, T, H, K, V), gate regime, beta regime and chunk size per seed."""
+    rng = torch.Generator().manual_seed(100 + seed)
+    pick = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=rng))
+    shape = (pick(1, 3), pick(1, 90), pick(1, 4), pick(1, 20), pick(1, 20))
+    gate = ["random", "bound", "near0", "mixed"][seed % 4]
+    beta = ["random", "near0", "near1"][seed % 3]
+    q, k, v, g, b, s0 = make_inputs(*shape, seed=seed, gate=gate, beta=beta, state=seed % 2 == 0)
+    o_ref, s_ref = kda_recurrent(q, k, v, g, b, initial_state=s0, output_final_state=True)
+    o, s = kda_chunked(q, k, v, g, b, initial_state=s0, output_final_state=True, chunk_size=[8, 16, 32][seed % 3])
+    assert_close(o, o_ref)
+    assert_close(s, s_ref)
+
+
+@pytest.mark.parametrize("gate", ["bound", "near0", "mixed"])
+@pytest.mark.parametrize("beta", ["random", "near0", "near1"])
+def test_extreme_gates_and_betas(gate, beta):
+    q, k, v, g, b, s0 = make_inputs(2, 45, 2, 8, 8, seed=3, gate=gate, beta=beta, state=True)
+    o_ref, s_ref = kda_recurrent(q, k, v, g, b, initial_state=s0, output_final_state=True)
+    for chunk in (16, 32, 64):
+        o, s = kda_chunked(q, k, v, g, b, initial_state=s0, output_final_state=True, chunk_size=chunk)
+        assert_close(o, o_ref)
+        assert_close(s, s_ref)
+
+
+def test_unbounded_kimi_gate_is_safe():
+    """Very negative log decays (Kimi Linear's softplus gate has no bound) must not overflow the chunked form."""
+    q, k, v, _, b, s0 = make_inputs(1, 40, 2, 8, 8, seed=5, state=True)
+    g = -torch.rand(1, 40, 2, 8) * 60.0
+    o_ref, s_ref = kda_recurrent(q, k, v, g, b, initial_state=s0, output_final_state=True)
+    o, s = kda_chunked(q, k, v, g, b, initial_state=s0, output_final_state=True)
+    assert_close(o, o_ref)
+    assert_close(s, s_ref)
+
+
+@pytest.mark.parametrize("bounds", [[0, 1, 17, 50, 64], [0, 64], [0, 31, 33, 40, 41, 64], [0, 5, 5, 64]])
+@pytest.mark.parametrize("state", [False, True])
+def test_cu_seqlens_ragged(bounds, state):
+    n = len(bounds) - 1
+    q, k, v, g, b, _ = make_inputs(1, 64, 2, 8, 8, seed=len(bounds))
+    s0 = torch.randn(n, 2, 8, 8) if state else None
+    cu = torch.tensor(bounds)
+    o_ref, s_ref = kda_recurrent(q, k, v, g, b, initial_state=s0, output_final_state=True, cu_seqlens=cu)
+    o, s = kda_chunked(q, k, v, g, b, initial_state=s0, output_final_state=True, cu_seqlens=cu)
+    assert_close(o, o_ref)
+    assert_close(s, s_ref)
+    # each span equals an independent run of that sequence alone
+    for i in range(n):
+        a, e = bounds[i], bounds[i + 1]
+        if a == e:
+            continue
+        oi, si = kda_recurrent(q[:, a:e], k[:, a:e], v[:, a:e], g[:, a:e], b[:, a:e],
+                               initial_state=None if s0 is None else s0[i : i + 1], output_final_state=True)
+        assert_close(o[:, a:e], oi)
+        assert_close(s[i : i + 1], si)
+
+
+def test_split_sequence_carries_state():
+    """Running T tokens at once equals running them in two pieces with the state carried over."""
+    q, k, v, g, b, s0 = make_inputs(2, 50, 2, 8, 8, seed=9, state=True)
+    o, s = kda_chunked(q, k, v, g, b, initial_state=s0, output_final_state=True)
+    o1, s1 = kda_chunked(q[:, :23], k[:, :23], v[:, :23], g[:, :23], b[:, :23], initial_state=s0,
+                         output_final_state=True)
+    o2, s2 = kda_chunked(q[:, 23:], k[:, 23:], v[:, 23:], g[:, 23:], b[:, 23:], initial_state=s1,
+                         output_final_state=True)
+    assert_close(torch.cat([o1, o2], 1), o)
+    assert_close(s2, s)
+
+
+@pytest.mark.parametrize("shape,state", [((2, 19, 2, 8, 6), True), ((1, 40, 3, 4, 4), False), ((1, 1, 2, 8, 8), True)])
+def test_gradients_agree(shape, state):
+    inputs = make_inputs(*shape, seed=11, state=state)
+    grads = []
+    for fn in (kda_recurrent, kda_chunked):
+        leaves = [t.clone().requires_grad_(True) if t is not None else None for t in inputs]
+        q, k, v, g, b, s0 = leaves
+        o, s = fn(q, k, v, g, b, initial_state=s0, output_final_state=True, scale=0.7)
+        gen = torch.Generator().manual_seed(1)
+        loss = (o * torch.randn(o.shape, generator=gen)).sum() + (s * torch.randn(s.shape, generator=gen)).sum()
+        loss.backward()
+        grads.append([t.grad for t in leaves if t is not None])
+    for a, b in zip(*grads):
+        assert_close(a, b)
+
+
+def test_dispatcher_and_scale():
+    q, k, v, g, b, s0 = make_inputs(2, 21, 2, 8, 8, seed=13, state=True)
+    ref = kda_recurrent(q, k, v, g, b, scale=0.3, initial_state=s0, output_final_state=True)
+    for backend in ("recurrent", "chunked", "auto"):
+        o, s = kda(q, k, v, g, b, scale=0.3, initial_state=s0, output_final_state=True, backend=backend)
+        assert_close(o, ref[0])
+        assert_close(s, ref[1])
+    o, s = kda(q, k, v, g, b, backend="chunked")
+    assert s is None
+    assert_close(o, kda_recurrent(q, k, v, g, b)[0])
+
+
+def test_fp32_and_bf16_inputs():
+    q, k, v, g, b, s0 = make_inputs(1, 37, 2, 16, 16, seed=17, state=True)
+    o_ref, s_ref = kda_recurrent(q, k, v, g, b, initial_state=s0, output_final_state=True)
+    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):
+        args = [t.to(dtype) for t in (q, k, v, g, b)]
+        o, s = kda_chunked(*args, initial_state=s0.float(), output_final_state=True)
+        assert o.dtype == dtype and s.dtype == torch.float32
+        rel = (o.double() - o_ref).norm() / o_ref.norm()
+        assert rel < tol, rel
+
+
+def test_bad_shapes_name_the_argument():
+    q, k, v, g, b, _ = make_inputs(1, 4, 2, 8, 8, seed=0)
+    with pytest.raises(ValueError, match="beta"):
+        kda(q, k, v, g, b[..., :1])
+    with pytest.raises(ValueError, match="initial_state"):
+        kda(q, k, v, g, b, initial_state=torch.zeros(1, 2, 8, 4))
