@@ -108,3 +108,44 @@ def test_adamw_group_matches_torch_adamw():
         opt.step()
         ref_opt.step()
     torch.testing.assert_close(ours.data, ref.data, rtol=1e-5, atol=1e-6)
+
+
+def test_k3_parameters_go_to_the_rule_and_split_the_spec_names():
+    from openk3.config import get_preset
+    from openk3.model import K3ForCausalLM
+    from openk3.train.optim import build_optimizer
+
+    cfg = get_preset("k3-tiny")
+    model = K3ForCausalLM(cfg)
+    opt = build_optimizer(model, lr=1e-3, weight_decay=0.1)
+    rule = {}
+    for group in opt.param_groups:
+        for p in group["params"]:
+            rule[id(p)] = group["split"] if group["algorithm"] == "muon" else "adamw"
+    names = dict(model.named_parameters())
+    kda_heads, mla_heads = cfg.kda.num_heads, cfg.mla.num_heads
+    expected = {
+        "model.layers.0.self_attn.q_proj.weight": f"rows:{kda_heads}",
+        "model.layers.0.self_attn.k_proj.weight": f"rows:{kda_heads}",
+        "model.layers.0.self_attn.v_proj.weight": f"rows:{kda_heads}",
+        "model.layers.0.self_attn.o_proj.weight": f"cols:{kda_heads}",
+        "model.layers.0.self_attn.g_proj.weight": "whole",
+        "model.layers.0.self_attn.A_log": "adamw",
+        "model.layers.0.self_attn.dt_bias": "adamw",
+        "model.layers.0.self_attn.q_conv1d.weight": "adamw",
+        "model.layers.3.self_attn.q_b_proj.weight": f"rows:{mla_heads}",
+        "model.layers.3.self_attn.kv_b_proj.weight": f"rows:{mla_heads}",
+        "model.layers.3.self_attn.q_a_proj.weight": "whole",
+        "model.layers.3.self_attn.o_proj.weight": "whole",
+        "model.layers.1.mlp.experts.gate_up_proj": "experts",
+        "model.layers.1.mlp.experts.down_proj": "experts",
+        "model.layers.1.mlp.gate.weight": "whole",
+        "model.layers.0.mlp.gate_proj.weight": "whole",
+        "model.embed_tokens.weight": "adamw",
+        "lm_head.weight": "adamw",
+        "model.norm.weight": "adamw",
+        "model.layers.1.attn_res_proj.weight": "adamw",
+    }
+    for name, want in expected.items():
+        assert rule[id(names[name])] == want, name
+    assert len(rule) == len(names)  # every parameter has exactly one rule

@@ -1,7 +1,7 @@
 """Data parallelism glue: process group from torchrun's environment, FSDP2 sharding, full state dicts.
 
-The model knows nothing about distribution (DESIGN.md): `shard_model` applies `fully_shard` from the outside, one
-unit per decoder layer and MTP layer plus the root, as torchtitan does. Under one process every function here is a
+The model knows nothing about distribution (DESIGN.md): `shard_model` applies `fully_shard` from the outside, as
+torchtitan does. Under one process every function here is a
 no-op or the plain single-process equivalent, so the training loop has a single code path.
 """
 
@@ -68,13 +68,19 @@ def mean_across(world: World, value: float, device: torch.device) -> float:
 
 
 def shard_model(model: nn.Module) -> None:
-    """FSDP2: each decoder layer and MTP layer is one unit (gathered just before use), the rest is the root's."""
+    """FSDP2 units: each token mixer and FFN of a decoder layer, each MTP layer's block, and the root (the rest).
+
+    The units are the sublayers rather than whole decoder layers because a Block AttnRes layer is driven through
+    `forward_block(stream)`, which takes and returns no tensors; FSDP's hooks need tensors in and out to gather
+    parameters before forward and again before backward. The sublayers are ordinary tensor-to-tensor modules.
+    """
     from torch.distributed.fsdp import fully_shard
 
     for layer in model.model.layers:
-        fully_shard(layer)
+        fully_shard(layer.self_attn)
+        fully_shard(layer.mlp)
     for layer in model.mtp or []:
-        fully_shard(layer)
+        fully_shard(layer.block)  # not the whole MTP layer: its final norm is applied outside its forward
     fully_shard(model)
 
 

@@ -1,0 +1,145 @@
+"""`openk3 train` and `openk3 generate` end to end on a tiny config, plus the pieces they are built from."""
+
+import json
+
+import pytest
+import torch
+
+from openk3.cli import main
+from openk3.config import get_preset
+from openk3.generate import generate_ids
+from openk3.interop import load_pretrained
+from openk3.model import K3ForCausalLM
+from openk3.serve.sampling import SamplingParams
+from openk3.train.data import BatchStream, load_documents, split_documents, unigram_cross_entropy
+from openk3.train.schedule import WSDSchedule
+from openk3.train.tokenizer import EOS, TextTokenizer, load_or_train
+from train_tiny import TINY, make_corpus, one_thread
+
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def cli_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    data = make_corpus(root / "data")
+    config = root / "tiny.json"
+    config.write_text(json.dumps(TINY))
+    out = root / "run"
+    argv = ["train", "--config", str(config), "--data", str(data), "--max-steps", str(STEPS), "--seq-len", "32",
+            "--batch-size", "4", "--out", str(out), "--save-every", "2", "--eval-every", "2", "--no-progress",
+            "--sample-tokens", "8", "--lr", "0.01"]
+    with pytest.MonkeyPatch.context() as mp, one_thread():
+        mp.setenv("OPENK3_CACHE", str(root / "cache"))
+        assert main(argv) == 0
+        yield out
+
+
+def test_train_writes_metrics_checkpoints_plot_and_sample(cli_run, capsys):
+    out = cli_run
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    for r in records:
+        assert {"step", "loss", "lr", "tokens_per_s", "maxvio", "mtp_loss", "grad_norm"} <= set(r)
+        assert set(r["maxvio"]) == {"1", "2", "3", "4"}  # MoE layers 1..3 and the MTP layer (index 4)
+    assert "eval_loss" in records[1] and "eval_loss" in records[3]
+    for step in (2, STEPS):
+        assert (out / f"step-{step:06d}" / "manifest.json").is_file()
+    assert (out / "loss.png").stat().st_size > 0
+    assert (out / "sample.txt").read_text().startswith("def ")
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == STEPS and summary["unigram_loss"] > 0
+
+
+def test_generate_from_the_training_checkpoint(cli_run, capsys):
+    capsys.readouterr()
+    assert main(["generate", "--ckpt", str(cli_run), "--prompt", "import ", "--max-new-tokens", "6",
+                 "--seed", "3"]) == 0
+    first = capsys.readouterr().out
+    assert first.startswith("import ")
+    main(["generate", "--ckpt", str(cli_run / f"step-{STEPS:06d}"), "--prompt", "import ", "--max-new-tokens", "6",
+          "--seed", "3"])
+    assert capsys.readouterr().out == first  # run dir -> latest checkpoint; same seed -> same text
+
+
+def test_greedy_decode_with_cache_equals_full_recompute(cli_run):
+    model = load_pretrained(cli_run / f"step-{STEPS:06d}")
+    tok = TextTokenizer.from_file(cli_run / f"step-{STEPS:06d}" / "tokenizer.json")
+    prompt = tok.encode("def f(x):\n")
+    new = generate_ids(model, prompt, 8, SamplingParams(max_tokens=8, temperature=0.0))
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(8):
+            ids.append(int(model(torch.tensor([ids]), return_mtp=False).logits[0, -1].argmax()))
+    assert new == ids[len(prompt):len(prompt) + len(new)] and len(new) > 0
+
+
+def test_tokenizer_round_trip_cache_and_vocab_limit(tmp_path):
+    docs = load_documents(make_corpus(tmp_path / "d"))
+    texts = [d.text for d in docs]
+    tok = load_or_train(texts, 300, cache=tmp_path / "c")
+    assert tok.vocab_size == 300 and tok.decode(tok.encode(texts[0])) == texts[0]
+    assert tok.tokenizer.token_to_id(EOS) == tok.eos_id
+    cached = list((tmp_path / "c").glob("*.json"))
+    assert len(cached) == 1 and load_or_train(texts, 300, cache=tmp_path / "c").encode("x = 1") == tok.encode("x = 1")
+    with pytest.raises(ValueError, match="vocab_size is 280"):
+        load_or_train(texts, 280, path=cached[0])
+
+
+def test_default_corpus_is_the_stdlib_with_a_stable_held_out_split():
+    docs = load_documents(None)
+    train, held = split_documents(docs)
+    assert len(docs) > 50 and held and train and not {d.name for d in held} & {d.name for d in train}
+    assert [d.name for d in docs] == sorted(d.name for d in docs)
+
+
+def test_jsonl_data_needs_a_text_field(tmp_path):
+    good = tmp_path / "a.jsonl"
+    good.write_text('{"text": "hello"}\n\n{"text": "world"}\n')
+    assert [d.text for d in load_documents(good)] == ["hello", "world"]
+    bad = tmp_path / "b.jsonl"
+    bad.write_text('{"body": "x"}\n')
+    with pytest.raises(ValueError, match="b.jsonl:1: each JSONL line needs a string field 'text'"):
+        load_documents(bad)
+
+
+def test_batch_stream_resumes_and_covers_every_window_once_per_epoch():
+    tokens = torch.arange(1 + 10 * 8)
+    stream = BatchStream(tokens, seq_len=8, batch_size=4, seed=7)
+    first = [stream.next() for _ in range(2)]
+    state = stream.state_dict()
+    later = [stream.next() for _ in range(3)]
+    again = BatchStream(tokens, seq_len=8, batch_size=4, seed=7)
+    again.load_state_dict(state)
+    assert all(torch.equal(a, b) for a, b in zip(later, [again.next() for _ in range(3)]))
+    epoch_one = torch.cat([b[:, 0] for b in first + later])[:10]
+    assert sorted(epoch_one.tolist()) == list(range(0, 80, 8))
+
+
+def test_wsd_schedule_shape():
+    s = WSDSchedule.for_run(1.0, total_steps=100, warmup_frac=0.1, decay_frac=0.2, min_ratio=0.1)
+    lrs = [s(i) for i in range(100)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == 1.0
+    assert all(v == 1.0 for v in lrs[10:80])
+    assert lrs[99] == pytest.approx(0.1) and all(a >= b for a, b in zip(lrs[80:], lrs[81:]))
+
+
+def test_unigram_baseline_is_the_smoothed_cross_entropy():
+    train = torch.tensor([0, 0, 1])
+    value = unigram_cross_entropy(train, torch.tensor([0]), vocab_size=3)
+    assert value == pytest.approx(-torch.log(torch.tensor(3 / 6)).item())
+
+
+def test_router_bias_is_never_an_optimizer_parameter():
+    from openk3.train.optim import build_optimizer
+
+    torch.manual_seed(0)
+    model = K3ForCausalLM(get_preset("k3-tiny").with_overrides(TINY))
+    opt = build_optimizer(model, lr=0.1, weight_decay=0.1)
+    biases = [r.e_score_correction_bias for _, r in model.routers()]
+    assert biases and not {id(b) for b in biases} & {id(p) for g in opt.param_groups for p in g["params"]}
+    before = [b.clone() for b in biases]
+    out = model(torch.randint(0, TINY["vocab_size"], (2, 16)))
+    out.logits.float().logsumexp(-1).mean().backward()
+    opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, biases))
