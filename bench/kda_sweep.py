@@ -84,12 +84,13 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--budget", type=float, default=1e9, help="seconds after which no new case starts")
+    ap.add_argument("--skip", type=int, default=0, help="start at this case (to resume a budgeted run)")
     args = ap.parse_args()
     torch.manual_seed(0)
     n_ok = n = 0
     worst = {}
     t0 = time.time()
-    for case in cases(args.quick):
+    for case in list(cases(args.quick))[args.skip :]:
         if time.time() - t0 > args.budget:
             print("time budget reached: remaining cases not run")
             break
