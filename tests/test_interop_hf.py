@@ -107,6 +107,20 @@ def test_logits_match_transformers(tmp_path, case):
     assert_same_logits(hf, ours, hf.config.vocab_size, seed, shape)
 
 
+def test_incremental_decoding_matches_transformers_full_forward(tmp_path):
+    """Prefill then single-token steps through openk3's cache give transformers' full-forward logits."""
+    hf, path = hf_checkpoint(tmp_path, seed=5, **CASES["mla-first-last-lowrank-q"])
+    ours = load_pretrained(path)
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        want = hf(input_ids=ids).logits
+        cache = ours.new_cache(batch_size=2)
+        steps = [ours(ids[:, :8], cache=cache).logits]
+        steps += [ours(ids[:, t: t + 1], cache=cache).logits for t in range(8, 12)]
+    diff = (torch.cat(steps, dim=1) - want).abs().max().item()
+    assert diff <= TOL, f"max |logits diff| {diff:.3g} > {TOL}"
+
+
 def test_sharded_checkpoint_and_original_spellings(tmp_path):
     """A sharded save (index json) loads; so do Moonshot's original spellings: `mlp.` for the dense FFN and a
     config.json without transformers' layer_types / mlp_layer_types."""
