@@ -143,3 +143,25 @@ def test_router_bias_is_never_an_optimizer_parameter():
     out.logits.float().logsumexp(-1).mean().backward()
     opt.step()
     assert all(torch.equal(a, b) for a, b in zip(before, biases))
+
+
+def test_time_limit_shrinks_the_schedule_and_gives_steps_back(tmp_path, monkeypatch):
+    import time
+
+    from openk3.train.loop import CLOSING_STEPS, FIT_WINDOW, Trainer
+    from train_tiny import tiny_args
+
+    monkeypatch.setenv("OPENK3_CACHE", str(tmp_path / "cache"))
+    requested, limit, left, step_s, at = 100, 1000.0, 100.0, 2.0, 10
+    trainer = Trainer(tiny_args(tmp_path / "run", make_corpus(tmp_path / "d"), max_steps=requested,
+                                time_limit=limit))
+    trainer.step = at
+    trainer.created = time.perf_counter() - (limit - left)
+    for _ in range(FIT_WINDOW):
+        trainer._fit_time_limit(step_s, None)
+    expected = at + int((left - CLOSING_STEPS * step_s) / step_s)
+    assert expected - 1 <= trainer.schedule.total_steps <= expected
+    assert trainer.schedule.total_steps - trainer.schedule.decay > at  # the decay still lies ahead, whole
+    trainer.created = time.perf_counter()  # plenty of time again
+    trainer._fit_time_limit(step_s, None)
+    assert trainer.schedule.total_steps == requested

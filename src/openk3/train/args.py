@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+DEFAULT_STEPS = 300
+
 
 @dataclass
 class TrainArgs:
@@ -14,7 +16,7 @@ class TrainArgs:
     tokenizer: str | None = None
     seq_len: int = 128
     batch_size: int = 8  # global (all data-parallel ranks together)
-    max_steps: int = 300
+    max_steps: int | None = None  # None: the resumed checkpoint's schedule, else DEFAULT_STEPS
     lr: float = 3e-3
     weight_decay: float = 0.1
     warmup_frac: float = 0.05
@@ -35,5 +37,6 @@ class TrainArgs:
     balance_gamma: float = 1e-3
     mtp_weight: float = 0.3
     sample_tokens: int = 120
+    time_limit: float = 540.0  # wall seconds for the whole run; the step count shrinks to fit (0: no limit)
     progress: bool = True
     plot: bool = True

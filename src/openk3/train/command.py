@@ -10,7 +10,7 @@ import argparse
 import dataclasses
 
 from openk3.config import PRESETS
-from openk3.train.args import TrainArgs
+from openk3.train.args import DEFAULT_STEPS, TrainArgs
 
 
 def add_train_parser(subparsers) -> None:
@@ -27,7 +27,8 @@ def add_train_parser(subparsers) -> None:
                    help="a tokenizer.json (default: byte-level BPE trained on the data and cached)")
     p.add_argument("--seq-len", type=int, default=d.seq_len)
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="global batch (sequences per step)")
-    p.add_argument("--max-steps", type=int, default=d.max_steps)
+    p.add_argument("--max-steps", type=int, default=None,
+                   help=f"optimizer steps (default {DEFAULT_STEPS}, or the resumed checkpoint's schedule)")
     p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (Muon and AdamW)")
     p.add_argument("--weight-decay", type=float, default=d.weight_decay)
     p.add_argument("--grad-clip", type=float, default=d.grad_clip)
@@ -45,6 +46,9 @@ def add_train_parser(subparsers) -> None:
     p.add_argument("--balance", default=d.balance, choices=["quantile", "sign", "none"])
     p.add_argument("--balance-gamma", type=float, default=d.balance_gamma, help="sign-rule step")
     p.add_argument("--mtp-weight", type=float, default=d.mtp_weight)
+    p.add_argument("--time-limit", type=float, default=d.time_limit, metavar="SECONDS",
+                   help="wall-time budget of the whole run; on a slower machine the step count shrinks to fit "
+                        "(the WSD decay moves with it); 0: no limit")
     p.add_argument("--sample-tokens", type=int, default=d.sample_tokens, help="length of the final text sample")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run_train)

@@ -13,6 +13,7 @@ import json
 import math
 import random
 import time
+from collections import deque
 from dataclasses import asdict
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from torch import nn
 from openk3.config import ModelConfig, get_preset
 from openk3.model import K3ForCausalLM
 from openk3.train import checkpoint as ckpt
-from openk3.train.args import TrainArgs
+from openk3.train.args import DEFAULT_STEPS, TrainArgs
 from openk3.train.balance import RouterBalancer
 from openk3.train.data import (
     BatchStream,
@@ -50,6 +51,8 @@ from openk3.train.schedule import WSDSchedule
 from openk3.train.tokenizer import TextTokenizer, load_or_train
 
 SAMPLE_PROMPT = "def "
+CLOSING_STEPS = 8  # the final evaluation, save and text sample cost about this many training steps
+FIT_WINDOW = 20  # steps whose mean time predicts the rest of the run (--time-limit)
 
 
 def model_config(args: TrainArgs) -> ModelConfig:
@@ -140,6 +143,7 @@ class Trainer:
 
     def __init__(self, args: TrainArgs):
         self.args = args
+        self.created = time.perf_counter()  # the time limit counts from here: setup is part of the run
         self.out = Path(args.out)
         device_type = "cuda" if (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith(
             "cuda") else "cpu"
@@ -161,10 +165,13 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, args.lr, args.weight_decay, args.optimizer)
         self.balancer = RouterBalancer(self.model, args.balance, self.cfg.moe.top_k if self.cfg.moe else 1,
                                        args.balance_gamma)
-        self.schedule = WSDSchedule.for_run(args.lr, args.max_steps, args.warmup_frac, args.decay_frac)
+        self.schedule = WSDSchedule.for_run(args.lr, args.max_steps or DEFAULT_STEPS, args.warmup_frac,
+                                            args.decay_frac)
         self.step = 0
         if args.resume:
             self._resume(args.resume)
+        self.requested_steps = self.schedule.total_steps
+        self._recent: deque[float] = deque(maxlen=FIT_WINDOW)
 
     # ---- setup -----------------------------------------------------------------------------------------------
     def _seed(self, seed: int) -> None:
@@ -202,6 +209,8 @@ class Trainer:
         self.stream.load_state_dict(trainer["data"])
         ckpt.set_rng_state(trainer["rng"][self.world.rank])
         self.step = trainer["step"]
+        if self.args.max_steps is None:  # continue the saved schedule (it may have been fitted to a time limit)
+            self.schedule = WSDSchedule(**trainer["schedule"])
 
     # ---- checkpoints -----------------------------------------------------------------------------------------
     def save(self) -> Path | None:
@@ -262,9 +271,10 @@ class Trainer:
         started = time.perf_counter()
         log = metrics_path.open("a") if world.is_main else None
         last_eval = None
-        while self.step < args.max_steps:
+        while self.step < self.schedule.total_steps:
+            step_started = time.perf_counter()
             record = self.train_step()
-            if args.eval_every and (self.step % args.eval_every == 0 or self.step == args.max_steps):
+            if args.eval_every and (self.step % args.eval_every == 0 or self.step == self.schedule.total_steps):
                 last_eval = heldout_loss(self.model, self.eval_windows, max(1, args.batch_size // world.size),
                                          self.device, self.amp, world)
                 record["eval_loss"] = last_eval
@@ -277,8 +287,9 @@ class Trainer:
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
-            if args.save_every and self.step % args.save_every == 0 and self.step < args.max_steps:
+            if args.save_every and self.step % args.save_every == 0 and self.step < self.schedule.total_steps:
                 self.save()
+            self._fit_time_limit(time.perf_counter() - step_started, bar)
         if bar is not None:
             bar.close()
         if log is not None:
@@ -301,11 +312,43 @@ class Trainer:
         close_world(world)
         return summary
 
+    def _fit_time_limit(self, step_seconds: float, bar) -> None:
+        """Fit the schedule's length to --time-limit while its decay has not begun.
+
+        Projection: elapsed + remaining steps x (mean of the last FIT_WINDOW step times, evaluations and saves
+        included) + the closing work (held-out evaluation, save, text sample: about CLOSING_STEPS steps). The
+        length moves between step + 1 and the requested number of steps, so a slow patch on a shared machine
+        shortens the run and a fast one gives the steps back; the WSD decay moves with it. All ranks agree on the
+        numbers (means across processes).
+        """
+        self._recent.append(step_seconds)
+        schedule = self.schedule
+        if not self.args.time_limit or len(self._recent) < FIT_WINDOW // 2 or (
+                self.step >= schedule.total_steps - schedule.decay):
+            return
+        per_step = mean_across(self.world, sum(self._recent) / len(self._recent), self.device)
+        elapsed = mean_across(self.world, time.perf_counter() - self.created, self.device)
+        budget = self.args.time_limit - elapsed - CLOSING_STEPS * per_step
+        total = min(self.requested_steps, self.step + max(1, int(budget / per_step)))
+        if total == schedule.total_steps:
+            return
+        a = self.args
+        fitted = WSDSchedule.for_run(a.lr, total, a.warmup_frac, a.decay_frac)
+        if fitted.total_steps - fitted.decay < self.step:  # too late for the full decay: it starts now
+            fitted = WSDSchedule(a.lr, total, fitted.warmup, total - self.step, fitted.min_ratio)
+        self.schedule = fitted
+        if bar is not None:
+            bar.total = total
+            bar.refresh()
+        if self.world.is_main:
+            print(f"\n--time-limit {a.time_limit:.0f}s at {per_step:.2f} s/step: the run is now {total} steps",
+                  flush=True)
+
     # ---- output ----------------------------------------------------------------------------------------------
     def _announce(self) -> None:
         n = sum(p.numel() for p in self.model.parameters())
         print(f"openk3 train: {self.cfg.name} ({n / 1e6:.2f}M parameters), {self.train_tokens:,} training tokens, "
-              f"{self.args.max_steps} steps x {self.args.batch_size} x {self.args.seq_len} tokens, "
+              f"{self.schedule.total_steps} steps x {self.args.batch_size} x {self.args.seq_len} tokens, "
               f"optimizer={self.args.optimizer}, balance={self.args.balance}, device={self.device}, "
               f"processes={self.world.size}, out={self.out}", flush=True)
 
@@ -322,7 +365,7 @@ class Trainer:
             return None
         from tqdm import tqdm
 
-        return tqdm(total=self.args.max_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
+        return tqdm(total=self.schedule.total_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
 
     def _sample(self) -> str:
         from openk3.generate import generate_ids
