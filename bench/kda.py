@@ -25,7 +25,7 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
-from openk3.ops.kda.triton import kda_decode, kda_triton  # noqa: E402
+from openk3.ops.kda.triton import kda_activations, kda_decode, kda_triton  # noqa: E402
 
 SHAPES = [  # name, B, T, H, cu_seqlens
     ("B1 T8192 H32", 1, 8192, 32, None),
@@ -89,12 +89,17 @@ def runners(r, cu):
         rr = dict(r, **raw)
         return kda_triton(*activate(rr), cu_seqlens=cu_t)[0]
 
+    def ours_fused():
+        acts = kda_activations(raw["q"], raw["k"], raw["f"], raw["b"], r["A_log"], r["dt_bias"], g_min=G_MIN)
+        return kda_triton(*acts[:2], raw["v"], *acts[2:], cu_seqlens=cu_t)[0]
+
     def fla():
         return chunk_kda(raw["q"], raw["k"], raw["v"], raw["f"], raw["b"], A_log=r["A_log"], dt_bias=r["dt_bias"],
                          use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
                          safe_gate=True, lower_bound=G_MIN, cu_seqlens=cu_l)[0]
 
-    return {"ours": (ours, pre), "ours+act": (ours_act, list(raw.values())), "fla": (fla, list(raw.values()))}
+    return {"ours": (ours, pre), "ours+act": (ours_act, list(raw.values())),
+            "ours+fused": (ours_fused, list(raw.values())), "fla": (fla, list(raw.values()))}
 
 
 def fwd_bwd(fn, leaves, do):
@@ -113,7 +118,7 @@ def bench_shape(name, B, T, H, cu, results, with_fla=True):
         if who == "fla" and not with_fla:
             continue
         step = fwd_bwd(fn, leaves, do)
-        if who != "ours+act":
+        if who in ("ours", "fla"):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             step()
@@ -122,7 +127,7 @@ def bench_shape(name, B, T, H, cu, results, with_fla=True):
         with torch.no_grad():
             row[f"{who} fwd"] = ms(fn)
         row[f"{who} fwdbwd"] = ms(step)
-        if who != "ours+act":
+        if who in ("ours", "fla", "ours+fused"):
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
@@ -255,16 +260,17 @@ def main():
         print(bench_decode(N, 32, decodes, bw), flush=True)
     with open(args.json, "w") as fh:
         json.dump({"info": info, "shapes": shapes, "decode": decodes}, fh, indent=1)
-    print(f"\n{'shape':<20}{'ours':>8}{'fla':>8}{'x fla':>7}{'o+act':>8}{'sdpa':>8}   |{'ours fb':>9}{'fla fb':>8}"
-          f"{'x fla':>7}{'o+a fb':>8} | {'cold s o/f':>11} | {'peak GB o/f':>11} | {'TB/s':>5}{'TF/s':>6}")
+    print(f"\n{'shape':<20}{'ours':>8}{'fla':>8}{'x fla':>7}{'o+act':>8}{'o+fus':>8}{'sdpa':>8}   |{'ours fb':>9}"
+          f"{'fla fb':>8}{'x fla':>7}{'o+a fb':>8}{'o+f fb':>8} | {'cold s o/f':>11} | {'peak GB o/o+f/f':>16} |"
+          f" {'TB/s':>5}{'TF/s':>6}")
     nan = float("nan")
     for r in shapes:
         fla_f, fla_fb = r.get("fla fwd", nan), r.get("fla fwdbwd", nan)
         print(f"{r['shape']:<20}{r['ours fwd']:8.3f}{fla_f:8.3f}{fla_f / r['ours fwd']:7.2f}"
-              f"{r['ours+act fwd']:8.3f}{r.get('sdpa fwd', nan):8.3f}   |{r['ours fwdbwd']:9.3f}"
-              f"{fla_fb:8.3f}{fla_fb / r['ours fwdbwd']:7.2f}{r['ours+act fwdbwd']:8.3f} |"
-              f" {r['ours cold s']:5.1f}/{r.get('fla cold s', nan):5.1f} |"
-              f" {r['ours peak GB']:5.2f}/{r.get('fla peak GB', nan):5.2f} |"
+              f"{r['ours+act fwd']:8.3f}{r['ours+fused fwd']:8.3f}{r.get('sdpa fwd', nan):8.3f}   |"
+              f"{r['ours fwdbwd']:9.3f}{fla_fb:8.3f}{fla_fb / r['ours fwdbwd']:7.2f}{r['ours+act fwdbwd']:8.3f}"
+              f"{r['ours+fused fwdbwd']:8.3f} | {r['ours cold s']:5.1f}/{r.get('fla cold s', nan):5.1f} |"
+              f" {r['ours peak GB']:5.2f}/{r['ours+fused peak GB']:5.2f}/{r.get('fla peak GB', nan):5.2f} |"
               f" {r['ours TB/s']:5.2f}{r['ours TFLOP/s']:6.0f}")
     for r in decodes:
         print(f"decode {r['decode']:<16} ours {r['ours ms']:.4f} ms {r['ours TB/s']:.2f} TB/s "

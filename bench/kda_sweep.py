@@ -80,12 +80,39 @@ def cases(quick):
     yield dict(B=1, T=300, H=2, K=64, V=64, dtype=torch.float32, ragged=[0, 1, 17, 150, 300], h0=False)
 
 
+def check_activations(dev="cuda"):
+    """kda_activations (both gates, bf16 and fp32) vs the PyTorch reference in fp64, outputs and grads."""
+    from openk3.ops.kda.triton import kda_activations, kda_activations_reference
+
+    ok = True
+    for gate in ("k3", "kimi"):
+        for dtype in (torch.float32, torch.bfloat16):
+            B, T, H, K = 2, 300, 8, 128
+            raw = [torch.randn(B, T, H, K, device=dev).to(dtype), torch.randn(B, T, H, K, device=dev).to(dtype),
+                   (3 * torch.randn(B, T, H, K, device=dev)).to(dtype), torch.randn(B, T, H, device=dev).to(dtype),
+                   torch.log(torch.empty(H, device=dev).uniform_(1, 16)), 0.3 * torch.randn(H, K, device=dev)]
+            xs = [x.clone().requires_grad_() for x in raw]
+            ys = [x.detach().double().requires_grad_() for x in raw]
+            out, ref = kda_activations(*xs, gate=gate), kda_activations_reference(*ys, gate=gate)
+            gs = [torch.randn_like(o) for o in ref]
+            torch.autograd.backward(out, [g.to(o.dtype) for g, o in zip(gs, out)])
+            torch.autograd.backward(ref, gs)
+            errs = [rel(a, b) for a, b in zip(out, ref)] + [rel(a.grad, b.grad) for a, b in zip(xs, ys)]
+            good = max(errs) < (1e-5 if dtype == torch.float32 else 8e-3)
+            ok &= good
+            print("ok  " if good else "FAIL", "activations", gate, str(dtype)[6:], " ".join(f"{e:.1e}" for e in errs))
+    return ok
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--budget", type=float, default=1e9, help="seconds after which no new case starts")
     ap.add_argument("--skip", type=int, default=0, help="start at this case (to resume a budgeted run)")
+    ap.add_argument("--activations", action="store_true", help="check kda_activations only")
     args = ap.parse_args()
+    if args.activations:
+        sys.exit(0 if check_activations() else 1)
     torch.manual_seed(0)
     n_ok = n = 0
     worst = {}

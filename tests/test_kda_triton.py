@@ -25,12 +25,15 @@ triton = pytest.importorskip("triton")
 
 from openk3.ops.kda import kda, kda_recurrent  # noqa: E402
 from openk3.ops.kda.triton import (  # noqa: E402
+    activations,
     causal_conv_step,
     causal_conv_step_reference,
     chunk,
     chunk_bwd,
     chunk_fwd,
     decode,
+    kda_activations,
+    kda_activations_reference,
     kda_decode,
     kda_decode_reference,
     kda_triton,
@@ -61,7 +64,7 @@ class _Poisoned:
 def poison(monkeypatch, request):
     if not IN_PROCESS and request.node.name != "test_in_subprocess":
         pytest.skip("triton was imported without TRITON_INTERPRET=1; covered by test_in_subprocess")
-    for mod in (chunk, chunk_fwd, chunk_bwd, decode):
+    for mod in (chunk, chunk_fwd, chunk_bwd, decode, activations):
         monkeypatch.setattr(mod, "torch", _Poisoned())
 
 
@@ -170,6 +173,31 @@ def test_decode_matches_reference_and_recurrence(dtype):
     _, rht = kda_recurrent(*ref_in, initial_state=h0[slots[live].long()].double(), output_final_state=True)
     assert rel(pool[slots[live].long()], rht) < 1e-5
     assert torch.equal(pool[[0, 2, 3, 5]], h0[[0, 2, 3, 5]])  # untouched slots
+
+
+@pytest.mark.parametrize("gate", ["k3", "kimi"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_activations_match_reference(gate, dtype):
+    """Fused l2norm / gate / beta sigmoid, forward and every gradient (A_log and dt_bias too)."""
+    gen = torch.Generator().manual_seed(13)
+    B, T, H, K = 2, 5, 3, 16
+    r = lambda *s, scale=1.0: (scale * torch.randn(*s, generator=gen)).to(DEV)
+    raw = [r(B, T, H, K).to(dtype), r(B, T, H, K).to(dtype), r(B, T, H, K, scale=3.0).to(dtype),
+           r(B, T, H).to(dtype), torch.log(1 + 15 * torch.rand(H, generator=gen)).to(DEV), r(H, K, scale=0.3)]
+    xs = [x.clone().requires_grad_() for x in raw]
+    ys = [x.detach().double().requires_grad_() for x in raw]
+    out, ref = kda_activations(*xs, gate=gate), kda_activations_reference(*ys, gate=gate)
+    assert out[2].dtype == torch.float32 and (out[2] <= 0).all()
+    if gate == "k3":
+        assert (out[2] >= -5).all()
+    grads = [torch.randn(o.shape, generator=gen, dtype=torch.float64).to(DEV) for o in ref]
+    torch.autograd.backward(out, [g.to(o.dtype) for g, o in zip(grads, out)])
+    torch.autograd.backward(ref, grads)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for a, b in zip(out, ref):
+        assert rel(a, b) < tol
+    for a, b in zip(xs, ys):
+        assert rel(a.grad, b.grad) < tol
 
 
 @pytest.mark.parametrize("bias", [True, False])

@@ -1,9 +1,11 @@
 """Triton kernels for Kimi Delta Attention (SPEC-K3 §2): chunked forward/backward, decode, conv step.
 
 `kda_triton` is what `openk3.ops.kda.kda(..., backend="triton")` calls; `kda_decode` and
-`causal_conv_step` advance many sequences by one token with their states updated in place.
+`causal_conv_step` advance many sequences by one token with their states updated in place;
+`kda_activations` turns raw projections and gate logits into kda_triton's inputs in one pass.
 """
 
+from openk3.ops.kda.triton.activations import kda_activations, kda_activations_reference
 from openk3.ops.kda.triton.chunk import kda_triton
 from openk3.ops.kda.triton.decode import (
     causal_conv_step,
@@ -12,4 +14,12 @@ from openk3.ops.kda.triton.decode import (
     kda_decode_reference,
 )
 
-__all__ = ["kda_triton", "kda_decode", "kda_decode_reference", "causal_conv_step", "causal_conv_step_reference"]
+__all__ = [
+    "kda_triton",
+    "kda_activations",
+    "kda_activations_reference",
+    "kda_decode",
+    "kda_decode_reference",
+    "causal_conv_step",
+    "causal_conv_step_reference",
+]
