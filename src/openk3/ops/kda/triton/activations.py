@@ -126,7 +126,8 @@ class _KDAActivations(torch.autograd.Function):
 
 def kda_activations(q, k, f, b, A_log, dt_bias, *, gate: str = "k3", g_min: float = -5.0):
     """q, k, f [B,T,H,K]; b [B,T,H]; A_log [H]; dt_bias [H,K] (or [H*K]). Returns (q, k, g fp32, beta) ready
-    for `kda_triton`; differentiable in every input. gate: "k3" (lower bound g_min) or "kimi" (softplus)."""
+    for `kda_triton`; differentiable in every input. gate: "k3" (lower bound g_min) or "kimi" (softplus; it has no
+    lower bound, see `kda_triton` for the range of gates its chunks handle)."""
     if gate not in ("k3", "kimi"):
         raise ValueError(f"gate must be 'k3' or 'kimi', got {gate!r}")
     return _KDAActivations.apply(q, k, f, b, A_log, dt_bias, float(g_min), gate == "kimi")

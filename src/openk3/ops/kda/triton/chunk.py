@@ -61,8 +61,10 @@ def kda_triton(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunked KDA on the Triton kernels; the contract of `openk3.ops.kda.kda` (pre-activated g and beta).
 
-    Exact (to rounding) for per-token log decays g >= -5.5: a 16-token chunk then spans at most e^-83, inside
-    fp32 range (SPEC §2; K3's gate is bounded by -5). fp64 inputs compute in fp32.
+    Exact (to rounding) while the gates of any 15 consecutive tokens of a chunk sum to more than about -85
+    (per-token g >= -5.5 always qualifies; K3's gate is bounded by -5, SPEC §2): the chunk's e^-G stays inside
+    fp32 range. Past that, e^-G overflows and outputs turn inf/NaN, so Kimi Linear's unbounded softplus gate
+    needs the chunked reference (or a gate floor) when its decays get that strong. fp64 inputs compute in fp32.
     """
     K = q.shape[-1]
     scale = K**-0.5 if scale is None else float(scale)
