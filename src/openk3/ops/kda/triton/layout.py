@@ -45,17 +45,18 @@ def chunk_layout(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None, devi
     """Sequence and chunk tables for the flat token layout (reads cu_seqlens on the host when given)."""
     if cu_seqlens is None:
         return _dense_layout(batch, seq_len, torch.device(device))
-    offsets = [int(x) for x in cu_seqlens.tolist()]
-    chunk_offsets, bounds = [0], []
-    for start, end in zip(offsets, offsets[1:]):
-        for c in range(start, end, CHUNK):
-            bounds.append((c, min(c + CHUNK, end)))
-        chunk_offsets.append(len(bounds))
-    as_i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=device)
+    offsets = cu_seqlens.detach().to("cpu", torch.int64)
+    per_seq = (offsets[1:] - offsets[:-1] + CHUNK - 1) // CHUNK
+    chunk_offsets = torch.cat([offsets.new_zeros(1), per_seq.cumsum(0)])
+    n_chunks = int(chunk_offsets[-1])
+    seq = torch.repeat_interleave(torch.arange(len(per_seq)), per_seq)
+    starts = offsets[seq] + (torch.arange(n_chunks) - chunk_offsets[seq]) * CHUNK
+    bounds = torch.stack([starts, torch.minimum(starts + CHUNK, offsets[seq + 1])], dim=-1)
+    as_i32 = lambda x: x.to(device=device, dtype=torch.int32)
     return ChunkLayout(
         cu_seqlens=as_i32(offsets),
         chunk_offsets=as_i32(chunk_offsets),
-        chunk_bounds=as_i32(bounds if bounds else [(0, 0)]).reshape(-1, 2),
-        n_seqs=len(offsets) - 1,
-        n_chunks=len(bounds),
+        chunk_bounds=as_i32(bounds if n_chunks else torch.zeros(1, 2, dtype=torch.int64)),
+        n_seqs=len(per_seq),
+        n_chunks=n_chunks,
     )
