@@ -165,3 +165,17 @@ def test_time_limit_shrinks_the_schedule_and_gives_steps_back(tmp_path, monkeypa
     trainer.created = time.perf_counter()  # plenty of time again
     trainer._fit_time_limit(step_s, None)
     assert trainer.schedule.total_steps == requested
+
+
+def test_activation_checkpointing_gives_the_same_losses(tmp_path, monkeypatch):
+    from openk3.train.loop import Trainer
+    from train_tiny import tiny_args
+
+    monkeypatch.setenv("OPENK3_CACHE", str(tmp_path / "cache"))
+    data = make_corpus(tmp_path / "d")
+    losses = {}
+    with one_thread():
+        for flag in (False, True):
+            trainer = Trainer(tiny_args(tmp_path / str(flag), data, activation_checkpointing=flag))
+            losses[flag] = [trainer.train_step()["loss"] for _ in range(3)]
+    assert losses[True] == pytest.approx(losses[False], rel=1e-5)
