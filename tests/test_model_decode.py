@@ -180,3 +180,27 @@ def test_mtp_logits_shape_and_causality():
         assert model(ids, logits_to_keep=1).logits.shape == (2, 1, V)
     kimi = build("kimi-tiny")
     assert kimi(ids % kimi.config.vocab_size).mtp_logits is None
+
+
+@pytest.mark.parametrize("name", ["k3-tiny", "kimi-tiny"])
+def test_checkpoints_inside_one_forward_equal_separate_forwards(name):
+    """KDA states recorded at offsets inside one prefill forward equal the states after forwards that stop there,
+    and requesting checkpoints does not change the logits (fp64, so only the logic is compared, not rounding)."""
+    model = build(name, seed=3).double()
+    ids = torch.randint(0, model.config.vocab_size, (2, 29))
+    offsets = (5, 16, 29)
+
+    whole = model.new_cache(2)
+    whole.checkpoint_offsets = offsets
+    logits = model(ids, cache=whole).logits
+    assert whole.checkpoint_offsets == ()  # consumed by the forward
+
+    torch.testing.assert_close(model(ids, cache=model.new_cache(2)).logits, logits, rtol=1e-9, atol=1e-9)
+    for offset in offsets:
+        stepped = model.new_cache(2)
+        model(ids[:, :offset], cache=stepped)
+        recorded = whole.checkpoints[offset]
+        assert sorted(recorded) == list(model.config.kda_layers)
+        for i, layer in recorded.items():
+            torch.testing.assert_close(layer.conv_state, stepped.layers[i].conv_state, rtol=1e-9, atol=1e-9)
+            torch.testing.assert_close(layer.recurrent_state, stepped.layers[i].recurrent_state, rtol=1e-9, atol=1e-9)

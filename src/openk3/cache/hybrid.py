@@ -58,12 +58,23 @@ class HybridCache:
     Use: `cache = model.new_cache(B)`; `model(ids, cache=cache)` appends ids' T tokens to every sequence and
     updates the cache in place (the model calls `advance(T)` after all layers ran). Per sequence:
     `cache.extract(i)` -> SequenceState (copies); `HybridCache.from_sequences([...])` -> a new batch.
+
+    KDA checkpoints inside one forward: set `checkpoint_offsets` (token counts 1..T into the next forward) before
+    calling the model; every KDA layer then records its batch state after that many of the new tokens in
+    `checkpoints[offset][layer index] = KDALayerCache` (copies), so a prefix cache can snapshot every hash-block
+    boundary of a long prefill chunk in one forward (SPEC §7). Offsets are cleared by `advance`.
     """
 
     def __init__(self, layers: list[KDALayerCache | MLALayerCache], lengths: list[int], device: torch.device):
         self.layers = layers
         self._lengths = list(lengths)
         self.lengths = torch.tensor(self._lengths, dtype=torch.long, device=device)
+        self.checkpoint_offsets: tuple[int, ...] = ()
+        self.checkpoints: dict[int, dict[int, KDALayerCache]] = {}
+
+    def record_checkpoint(self, offset: int, layer_idx: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        """Called by KDA layers for each requested offset (see the class docstring)."""
+        self.checkpoints.setdefault(offset, {})[layer_idx] = KDALayerCache(conv.clone(), recurrent.clone())
 
     @property
     def batch_size(self) -> int:
@@ -105,6 +116,7 @@ class HybridCache:
         """Record that every sequence got `num_tokens` more tokens (called by the model after a forward)."""
         self._lengths = [n + num_tokens for n in self._lengths]
         self.lengths = self.lengths + num_tokens
+        self.checkpoint_offsets = ()
 
     def extract(self, i: int) -> SequenceState:
         """A self-contained copy of sequence i's state."""

@@ -96,12 +96,27 @@ class KimiDeltaAttention(KeepFp32, nn.Module):
     def out_gate(self, x: torch.Tensor) -> torch.Tensor:
         return self.g_proj(x) if self.output_gate == "full" else self.g_b_proj(self.g_a_proj(x))
 
+    def _kda_with_checkpoints(self, q, k, v, g, beta, initial, conv_state, qkv_in, offsets, cache, backend):
+        """KDA over the T new tokens in segments split at `offsets`, recording the layer's state (conv window and
+        recurrent state) at each split in the cache; the chained segments give the same result as one call."""
+        window = conv_state.shape[-1]
+        history = torch.cat([conv_state, qkv_in.transpose(1, 2).to(conv_state.dtype)], dim=-1)  # [B,C,W-1+T]
+        outputs, state, start = [], initial, 0
+        for end in [*offsets, q.shape[1]]:
+            o, state = kda(q[:, start:end], k[:, start:end], v[:, start:end], g[:, start:end], beta[:, start:end],
+                           initial_state=state, output_final_state=True, backend=backend)
+            outputs.append(o)
+            if end in offsets:
+                cache.record_checkpoint(end, self.layer_idx, history[..., end:end + window], state)
+            start = end
+        return torch.cat(outputs, dim=1), state
+
     def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
         """x [B,T,D] -> [B,T,D]. With a HybridCache, starts from and updates this layer's conv/recurrent state."""
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
         layer_cache = cache.layers[self.layer_idx] if cache is not None else None
-        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [B,T,3HK]
+        qkv = qkv_in = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [B,T,3HK]
         w = self.conv_weight()
         if layer_cache is not None and T == 1:
             y, conv_state = causal_conv1d_step(qkv[:, 0], w, layer_cache.conv_state)
@@ -116,15 +131,19 @@ class KimiDeltaAttention(KeepFp32, nn.Module):
         backend = self.kda_backend
         if backend == "auto" and T == 1 and x.device.type != "cuda" and not os.environ.get("OPENK3_KDA_BACKEND"):
             backend = "recurrent"  # one token: the recurrence is the cheapest form on CPU
-        o, state = kda(
-            q, k, v, g, beta,
-            initial_state=layer_cache.recurrent_state if layer_cache is not None else None,
-            output_final_state=layer_cache is not None,
-            backend=backend,
-        )
+        initial = layer_cache.recurrent_state if layer_cache is not None else None
+        offsets = [t for t in cache.checkpoint_offsets if 0 < t < T] if cache is not None else []
+        if offsets:
+            o, state = self._kda_with_checkpoints(q, k, v, g, beta, initial, layer_cache.conv_state, qkv_in,
+                                                  offsets, cache, backend)
+        else:
+            o, state = kda(q, k, v, g, beta, initial_state=initial, output_final_state=layer_cache is not None,
+                           backend=backend)
         if layer_cache is not None:
             layer_cache.conv_state = conv_state
             layer_cache.recurrent_state = state
+            if T in cache.checkpoint_offsets:
+                cache.record_checkpoint(T, self.layer_idx, conv_state, state)
         gate = self.out_gate(x).view(B, T, H, K)
         o = rms_norm(o.to(acc), self.o_norm.weight, self.o_norm.eps) * torch.sigmoid(gate.to(acc))
         o = o.to(x.dtype)

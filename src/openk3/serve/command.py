@@ -44,7 +44,8 @@ def build_engine(args: argparse.Namespace):
         prefix_cache=not args.no_prefix_cache, hash_block=args.hash_block, page_size=args.page_size,
         cache_bytes=int(args.cache_mb * (1 << 20)), host_cache_bytes=int(args.host_cache_mb * (1 << 20)),
         disk_cache_dir=args.disk_cache_dir, disk_cache_bytes=int(args.disk_cache_mb * (1 << 20)),
-        checkpoint_every=args.checkpoint_every, seed=args.seed,
+        checkpoint_every=args.checkpoint_every,
+        prefill_chunk_blocks=args.prefill_chunk_blocks, seed=args.seed,
         scheduler=SchedulerConfig(max_running=args.max_running, max_queue=args.max_queue,
                                   prefill_tokens_per_step=args.prefill_tokens),
     )
@@ -78,7 +79,9 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--hash-block", type=int, default=None, help="tokens per hash block h (default: by context)")
     p.add_argument("--page-size", type=int, default=None, help="tokens per physical page P (default 12 h)")
     p.add_argument("--checkpoint-every", type=int, default=1,
-                   help="hash blocks per prefill chunk, i.e. between KDA checkpoints (1: every boundary)")
+                   help="hash blocks between KDA checkpoints during prefill (1: every boundary)")
+    p.add_argument("--prefill-chunk-blocks", type=int, default=12,
+                   help="hash blocks per prefill forward at most (checkpoints inside it are taken in the same pass)")
     p.add_argument("--cache-mb", type=float, default=256, help="prefix cache device tier (MiB)")
     p.add_argument("--host-cache-mb", type=float, default=0, help="prefix cache host tier (MiB, 0: off)")
     p.add_argument("--disk-cache-dir", default=None, help="prefix cache disk tier directory (needs a host tier)")

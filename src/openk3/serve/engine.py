@@ -3,11 +3,12 @@
 One `step()`: apply cancellations, admit requests (a prefix hit resumes prefill at the hit boundary with the
 restored KDA states and MLA pages), run one batched decode forward for every decoding sequence, then batched
 prefill chunks within the step's token budget. Every full hash block a sequence completes (in prefill or decode)
-is registered with the MLA latents of its h tokens. KDA states can only be read between forwards, so prefill
-chunks end where checkpoints are wanted: every `checkpoint_every` hash blocks (1, the default, is SPEC §7's
-ideal: a checkpoint at every boundary) and at the prompt's last full hash block (the turn boundary); decode
-passes every boundary one token at a time. Chunking is the same whether or not the cache is on, so greedy
-output does not depend on it. `EngineLoop` runs steps on a background thread; `add_request` and `cancel` are
+is registered with the MLA latents of its h tokens. A prefill chunk covers up to `prefill_chunk_blocks` hash
+blocks and ends at the prompt's last full hash block (the turn boundary) or at the prompt's end; inside it the
+model records KDA checkpoints every `checkpoint_every` hash blocks (1, the default, is SPEC §7's ideal: a
+checkpoint at every boundary) in the same forward (`HybridCache.checkpoint_offsets`); decode passes every
+boundary one token at a time. Chunking and checkpoint offsets are the same whether or not the cache is on, so
+greedy output does not depend on it. `EngineLoop` runs steps on a background thread; `add_request` and `cancel` are
 thread-safe.
 """
 
@@ -44,13 +45,15 @@ class EngineConfig:
     host_cache_bytes: int = 0
     disk_cache_dir: str | None = None
     disk_cache_bytes: int = 0
-    checkpoint_every: int = 1  # hash blocks per prefill chunk, i.e. between KDA checkpoints during prefill
+    checkpoint_every: int = 1  # hash blocks between KDA checkpoints during prefill
+    prefill_chunk_blocks: int = 12  # hash blocks per prefill forward at most (one physical page at K3's ratio)
     seed: int = 0
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
-        if self.checkpoint_every < 1:
-            raise ValueError(f"checkpoint_every must be >= 1 hash block, got {self.checkpoint_every}")
+        for name in ("checkpoint_every", "prefill_chunk_blocks"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"engine field {name!r} must be >= 1 hash block, got {getattr(self, name)}")
 
 
 @dataclass
@@ -139,10 +142,11 @@ class Engine:
         if decoding:
             self._decode(decoding)
         for round_ in self.scheduler.prefill_rounds(self._chunk_end):
-            by_length: dict[int, list[Request]] = {}
+            alike: dict[tuple[int, tuple[int, ...]], list[Request]] = {}  # same chunk length and checkpoints
             for r in round_:
-                by_length.setdefault(self._chunk_end(r, r.fed) - r.fed, []).append(r)
-            for group in by_length.values():
+                end = self._chunk_end(r, r.fed)
+                alike.setdefault((end - r.fed, self._checkpoint_offsets(r.fed, end)), []).append(r)
+            for group in alike.values():
                 self._prefill(group)
         self.metrics.steps += 1
 
@@ -154,9 +158,19 @@ class Engine:
         return locked / cache.config.device_bytes
 
     def _chunk_end(self, r: Request, pos: int) -> int:
-        h, span = self.hash_block, self.hash_block * self.config.checkpoint_every
+        h = self.hash_block
         turn_boundary = (len(r.prompt) // h) * h
-        return min((pos // span + 1) * span, turn_boundary if turn_boundary > pos else len(r.prompt))
+        return min((pos // h + self.config.prefill_chunk_blocks) * h,
+                   turn_boundary if turn_boundary > pos else len(r.prompt))
+
+    def _checkpoint_offsets(self, start: int, end: int) -> tuple[int, ...]:
+        """Offsets into a prefill chunk [start, end) where KDA checkpoints are wanted: every `checkpoint_every`
+        hash blocks, and the chunk's end when it is a hash-block boundary (a turn boundary or a page's end)."""
+        h, span = self.hash_block, self.hash_block * self.config.checkpoint_every
+        ends = set(range((start // span + 1) * span, end + 1, span))
+        if end % h == 0:
+            ends.add(end)
+        return tuple(sorted(e - start for e in ends))
 
     def _start(self, r: Request) -> None:
         """Admission: look the prompt up and restore the hit (KDA checkpoint + MLA pages) as the sequence's state."""
@@ -206,6 +220,7 @@ class Engine:
         cache = HybridCache.from_sequences([r.state for r in requests])
         ends = [self._chunk_end(r, r.fed) for r in requests]
         ids = torch.tensor([r.prompt[r.fed:end] for r, end in zip(requests, ends)], device=cache.lengths.device)
+        cache.checkpoint_offsets = self._checkpoint_offsets(requests[0].fed, ends[0])
         logits = self.model(ids, cache=cache, logits_to_keep=1).logits[:, -1]
         for row, (r, end) in enumerate(zip(requests, ends)):
             start, r.fed = r.fed, end
@@ -219,16 +234,17 @@ class Engine:
 
     def _register_blocks(self, r: Request, start: int, cache: HybridCache, row: int) -> None:
         """Hand the hash blocks completed between `start` and `r.fed` to the prefix cache: their MLA latents, and
-        the KDA states for the block that ends exactly at `r.fed` (the state the forward just left)."""
+        the KDA states at each block end the forward recorded (or, at `r.fed`, the state it just left)."""
         h = self.hash_block
         if self.prefix_cache is None or r.lease.detached:
             return
         for end in range((start // h + 1) * h, r.fed + 1, h):
             kv = torch.stack([cache.layers[i].buffer[row, end - h:end] for i in self.mla_layers])
+            states = cache.layers if end == r.fed else cache.checkpoints.get(end - start)
             ckpt = None
-            if end == r.fed:
-                ckpt = {"conv": torch.stack([cache.layers[i].conv_state[row] for i in self.kda_layers]),
-                        "recurrent": torch.stack([cache.layers[i].recurrent_state[row] for i in self.kda_layers])}
+            if states is not None:
+                ckpt = {"conv": torch.stack([states[i].conv_state[row] for i in self.kda_layers]),
+                        "recurrent": torch.stack([states[i].recurrent_state[row] for i in self.kda_layers])}
             turn_end = end <= len(r.prompt) < end + h  # the last boundary of the prompt ends the user's turn
             self.prefix_cache.append(r.lease, r.tokens[end - h:end], kv, ckpt, turn_boundary=turn_end)
 
