@@ -153,8 +153,9 @@ def test_time_limit_shrinks_the_schedule_and_gives_steps_back(tmp_path, monkeypa
 
     monkeypatch.setenv("OPENK3_CACHE", str(tmp_path / "cache"))
     requested, limit, left, step_s, at = 100, 1000.0, 100.0, 2.0, 10
-    trainer = Trainer(tiny_args(tmp_path / "run", make_corpus(tmp_path / "d"), max_steps=requested,
-                                time_limit=limit))
+    with one_thread():
+        trainer = Trainer(tiny_args(tmp_path / "run", make_corpus(tmp_path / "d"), max_steps=requested,
+                                    time_limit=limit))
     trainer.step = at
     trainer.created = time.perf_counter() - (limit - left)
     for _ in range(FIT_WINDOW):

@@ -29,6 +29,7 @@ class TrainArgs:
     eval_windows: int = 32
     resume: str | None = None
     device: str | None = None
+    threads: int = 0  # torch intra-op threads on CPU; 0: auto (see loop.cpu_threads)
     dtype: str = "auto"
     compile: bool = False
     activation_checkpointing: bool = False

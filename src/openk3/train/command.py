@@ -38,6 +38,8 @@ def add_train_parser(subparsers) -> None:
     p.add_argument("--eval-every", type=int, default=d.eval_every, metavar="N")
     p.add_argument("--resume", default=None, metavar="CKPT_DIR", help="a step-NNNNNN/ checkpoint directory")
     p.add_argument("--device", default=None, help="cpu / cuda (default: cuda when available)")
+    p.add_argument("--threads", type=int, default=d.threads,
+                   help="torch threads on CPU (0: auto: all cores, or 1 when the machine is already busy)")
     p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16"],
                    help="autocast dtype (auto: bf16 on GPU, fp32 on CPU); parameters stay fp32")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")

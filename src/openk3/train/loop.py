@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
+import sys
 import time
 from collections import deque
 from dataclasses import asdict
@@ -77,6 +79,21 @@ def resolve_device(args: TrainArgs, world: World) -> torch.device:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     return device
+
+
+def cpu_threads(requested: int, world: World) -> int:
+    """Intra-op threads for CPU training. 0 = auto: the cores divided among the local processes, or 1 when other
+    processes already keep the cores busy (1-minute load average >= cores - 0.5).
+
+    Why the fallback: with more runnable threads than cores, every parallel region waits for its slowest,
+    descheduled thread. On a shared 2-core machine a k3-tiny step took 10-30x longer with 2 threads than with 1.
+    """
+    if requested > 0:
+        return requested
+    cores = os.cpu_count() or 1
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world.size))
+    busy = hasattr(os, "getloadavg") and os.getloadavg()[0] >= cores - 0.5
+    return 1 if busy else max(1, cores // local)
 
 
 def autocast_dtype(args: TrainArgs, device: torch.device) -> torch.dtype | None:
@@ -149,6 +166,8 @@ class Trainer:
             "cuda") else "cpu"
         self.world = init_world(device_type)
         self.device = resolve_device(args, self.world)
+        if self.device.type == "cpu":
+            torch.set_num_threads(cpu_threads(args.threads, self.world))
         self.amp = autocast_dtype(args, self.device)
         if args.batch_size % self.world.size:
             raise ValueError(f"--batch-size {args.batch_size} (global) must divide by the {self.world.size} ranks")
@@ -172,6 +191,7 @@ class Trainer:
             self._resume(args.resume)
         self.requested_steps = self.schedule.total_steps
         self._recent: deque[float] = deque(maxlen=FIT_WINDOW)
+        self._announced_fit = False
 
     # ---- setup -----------------------------------------------------------------------------------------------
     def _seed(self, seed: int) -> None:
@@ -340,16 +360,19 @@ class Trainer:
         if bar is not None:
             bar.total = total
             bar.refresh()
-        if self.world.is_main:
-            print(f"\n--time-limit {a.time_limit:.0f}s at {per_step:.2f} s/step: the run is now {total} steps",
-                  flush=True)
+        if self.world.is_main and not self._announced_fit:
+            self._announced_fit = True
+            message = (f"--time-limit {a.time_limit:.0f}s: at {per_step:.2f} s/step the run is fitted to {total} "
+                       "steps (re-fitted as the speed changes; never above the requested steps)")
+            print(message, file=sys.stderr if bar is not None else sys.stdout, flush=True)
 
     # ---- output ----------------------------------------------------------------------------------------------
     def _announce(self) -> None:
         n = sum(p.numel() for p in self.model.parameters())
         print(f"openk3 train: {self.cfg.name} ({n / 1e6:.2f}M parameters), {self.train_tokens:,} training tokens, "
               f"{self.schedule.total_steps} steps x {self.args.batch_size} x {self.args.seq_len} tokens, "
-              f"optimizer={self.args.optimizer}, balance={self.args.balance}, device={self.device}, "
+              f"optimizer={self.args.optimizer}, balance={self.args.balance}, device={self.device}"
+              f"{f' ({torch.get_num_threads()} threads)' if self.device.type == 'cpu' else ''}, "
               f"processes={self.world.size}, out={self.out}", flush=True)
 
     def _metrics_history(self, path: Path) -> list[dict]:

@@ -39,9 +39,13 @@ def plot_losses(history: list[dict], path: Path, unigram: float | None = None) -
         ax = axes[0][1]
         for layer in layers:
             pts = [(r["step"], r["maxvio"][layer]) for r in history if layer in r.get("maxvio", {})]
-            ax.plot(*zip(*pts), lw=0.8, label=f"layer {layer}")
-        ax.set(xlabel="step", ylabel="MaxVio", title="expert load imbalance", yscale="symlog")
-        ax.legend(fontsize=7, ncol=2)
+            ax.plot(*zip(*pts), lw=0.6, alpha=0.35)
+        mean = [(r["step"], sum(r["maxvio"].values()) / len(r["maxvio"])) for r in history if r.get("maxvio")]
+        steps_m, values_m = zip(*mean)
+        ax.plot(steps_m, smooth(list(values_m), 20), color="black", label="mean over MoE layers (EMA 20)")
+        ax.set(xlabel="step", ylabel="MaxVio = max load / mean load - 1", title="expert load imbalance (per layer)")
+        ax.set_ylim(bottom=0)
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
