@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 from openk3.train.loop import train
 from train_tiny import make_corpus, one_thread, tiny_args
 
-STEPS = 5
+STEPS, SAVE_AT = 5, 3
 REL_TOL = 1e-5
 
 
@@ -28,11 +28,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, out: str, data: str, cache: str) -> None:
+def _worker(rank: int, world: int, port: int, out: str, data: str, cache: str, resume: str | None) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), OPENK3_CACHE=cache)
     torch.set_num_threads(1)
-    train(tiny_args(Path(out), Path(data), max_steps=STEPS, device="cpu"))
+    train(tiny_args(Path(out), Path(data), max_steps=STEPS, device="cpu", save_every=SAVE_AT, resume=resume))
+
+
+def _spawn(out: Path, data: Path, cache: Path, resume: Path | None = None) -> None:
+    args = (2, _free_port(), str(out), str(data), str(cache), str(resume) if resume else None)
+    mp.spawn(_worker, args=args, nprocs=2, join=True)
 
 
 def _trajectory(out: Path) -> list[dict]:
@@ -45,7 +50,7 @@ def test_two_process_fsdp_matches_one_process(tmp_path):
     with pytest.MonkeyPatch.context() as monkey, one_thread():
         monkey.setenv("OPENK3_CACHE", str(cache))
         single = train(tiny_args(tmp_path / "single", data, max_steps=STEPS))
-    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path / "fsdp"), str(data), str(cache)), nprocs=2, join=True)
+    _spawn(tmp_path / "fsdp", data, cache)
     one, two = _trajectory(tmp_path / "single"), _trajectory(tmp_path / "fsdp")
     assert [r["step"] for r in two] == list(range(1, STEPS + 1))
     for a, b in zip(one, two):
@@ -55,3 +60,10 @@ def test_two_process_fsdp_matches_one_process(tmp_path):
     summary = json.loads((tmp_path / "fsdp" / "summary.json").read_text())
     assert summary["heldout_loss"] == pytest.approx(single["heldout_loss"], rel=REL_TOL)
     assert (tmp_path / "fsdp" / f"step-{STEPS:06d}" / "model.safetensors").is_file()
+
+    # resume the 2-process run from its step-3 checkpoint (sharded model and optimizer state reloaded)
+    _spawn(tmp_path / "resumed", data, cache, resume=tmp_path / "fsdp" / f"step-{SAVE_AT:06d}")
+    resumed = _trajectory(tmp_path / "resumed")
+    assert [r["step"] for r in resumed] == list(range(SAVE_AT + 1, STEPS + 1))
+    for a, b in zip(two[SAVE_AT:], resumed):
+        assert b["loss"] == pytest.approx(a["loss"], rel=REL_TOL), (a["step"], a["loss"], b["loss"])

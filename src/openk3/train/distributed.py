@@ -8,6 +8,7 @@ no-op or the plain single-process equivalent, so the training loop has a single 
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -76,6 +77,9 @@ def shard_model(model: nn.Module) -> None:
     """
     from torch.distributed.fsdp import fully_shard
 
+    # The MoE returns a view (`y.view(shape)`). FSDP warns that an in-place op on it would skip its pre-backward
+    # hook; the decoder only ever adds sublayer outputs out of place (`h + f(h)`, `partial + h`), so it is safe.
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     for layer in model.model.layers:
         fully_shard(layer.self_attn)
         fully_shard(layer.mlp)
