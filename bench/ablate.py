@@ -10,7 +10,7 @@ Every run trains the same small K3-shaped model (`SMALL` below) on the embedded 
 data order and optimizer (per-head Muon); only the named switch differs. Writes bench/ablate.json, bench/ablate.png
 and prints a Markdown table.
 
-    python bench/ablate.py [--steps 80] [--threads 1]
+    python bench/ablate.py [--steps 100] [--threads 1]
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def table(results: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=80)
+    parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")

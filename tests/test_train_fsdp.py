@@ -19,6 +19,7 @@ from openk3.train.loop import train
 from train_tiny import make_corpus, one_thread, tiny_args
 
 STEPS, SAVE_AT = 5, 3
+EVAL_WINDOWS = 5  # odd: the two ranks get unequal shares of the held-out windows
 REL_TOL = 1e-5
 
 
@@ -32,7 +33,8 @@ def _worker(rank: int, world: int, port: int, out: str, data: str, cache: str, r
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), OPENK3_CACHE=cache)
     torch.set_num_threads(1)
-    train(tiny_args(Path(out), Path(data), max_steps=STEPS, device="cpu", save_every=SAVE_AT, resume=resume))
+    train(tiny_args(Path(out), Path(data), max_steps=STEPS, device="cpu", save_every=SAVE_AT, resume=resume,
+                    eval_windows=EVAL_WINDOWS))
 
 
 def _spawn(out: Path, data: Path, cache: Path, resume: Path | None = None) -> None:
@@ -49,7 +51,7 @@ def test_two_process_fsdp_matches_one_process(tmp_path):
     cache = tmp_path / "cache"
     with pytest.MonkeyPatch.context() as monkey, one_thread():
         monkey.setenv("OPENK3_CACHE", str(cache))
-        single = train(tiny_args(tmp_path / "single", data, max_steps=STEPS))
+        single = train(tiny_args(tmp_path / "single", data, max_steps=STEPS, eval_windows=EVAL_WINDOWS))
     _spawn(tmp_path / "fsdp", data, cache)
     one, two = _trajectory(tmp_path / "single"), _trajectory(tmp_path / "fsdp")
     assert [r["step"] for r in two] == list(range(1, STEPS + 1))

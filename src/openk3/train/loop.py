@@ -140,13 +140,21 @@ def heldout_loss(model: nn.Module, windows: torch.Tensor, batch_size: int, devic
     """Mean next-token CE over the fixed held-out windows (eval mode: router biases frozen, nothing recorded)."""
     model.eval()
     total, count = 0.0, 0
-    mine = windows[world.rank::world.size]
-    for i in range(0, len(mine), batch_size):
+    # every rank runs the same number of forwards (FSDP gathers collectively): equal shares, the short ones padded
+    # with a repeated window that is not counted
+    share = -(-len(windows) // world.size)
+    mine = windows[world.rank * share:(world.rank + 1) * share]
+    counted = len(mine)
+    if counted < share:
+        mine = torch.cat([mine, windows[-1:].expand(share - counted, -1)])
+    for i in range(0, share, batch_size):
         batch = mine[i:i + batch_size].to(device)
         with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
             logits = model(batch[:, :-1], return_mtp=False).logits
-        total += float(F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten(), reduction="sum"))
-        count += batch[:, 1:].numel()
+        keep = max(0, min(batch_size, counted - i))
+        total += float(F.cross_entropy(logits[:keep].flatten(0, 1).float(), batch[:keep, 1:].flatten(),
+                                       reduction="sum")) if keep else 0.0
+        count += batch[:keep, 1:].numel()
     model.train()
     if world.distributed:
         t = torch.tensor([total, count], dtype=torch.float64, device=device)
