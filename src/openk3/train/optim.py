@@ -26,10 +26,14 @@ FSDP2: parameters are DTensors sharded on dim 0; a block can straddle shards, so
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 
 import torch
 from torch import nn
+
+from openk3.model.common import ShortConv
+from openk3.model.kda import KimiDeltaAttention
+from openk3.model.mla import GatedMLA
+from openk3.model.moe import Experts
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
 NS_STEPS = 5
@@ -156,75 +160,69 @@ class MuonAdamW(torch.optim.Optimizer):
 
 # ---- which parameter goes where ------------------------------------------------------------------------------
 
-ADAMW_NAMES = ("embed", "lm_head", "A_log", "dt_bias")
+EMBEDDING_NAMES = ("embed_tokens", "lm_head")  # AdamW with weight decay
 
 
-def _head_split(module: nn.Module, param_name: str):
-    """The per-head split for an attention projection, or None when the matrix is orthogonalised whole.
+def _head_split(module: nn.Module | None, proj_name: str) -> str | None:
+    """The per-head split of an attention projection, or None when the matrix is orthogonalised whole.
 
     KDA: q/k/v projections produce H heads of head_dim rows; o_proj reads H heads of head_dim columns.
     MLA: q_b_proj (q_proj without a q LoRA) produces per head [q_nope | q_slice]; kv_b_proj produces per head
-    [k_nope | v]. The MLA down projections (q_a, kv_a) feed a shared latent and stay whole.
+    [k_nope | v]. The MLA down projections (q_a, kv_a) feed a latent shared by all heads and stay whole, and so
+    does MLA's o_proj (SPEC §6 names q and kv for MLA). Gates (f_a/f_b, g_proj, b_proj) stay whole.
     """
-    heads = getattr(module, "num_heads", None)
-    if heads is None:
-        return None
-    kind = type(module).__name__.lower()
-    if "kda" in kind or "delta" in kind:
-        if param_name in ("q_proj", "k_proj", "v_proj"):
-            return f"rows:{heads}"
-        if param_name == "o_proj":
-            return f"cols:{heads}"
-    if "mla" in kind or "latent" in kind:
-        if param_name in ("q_b_proj", "q_proj", "kv_b_proj"):
-            return f"rows:{heads}"
+    if isinstance(module, KimiDeltaAttention):
+        if proj_name in ("q_proj", "k_proj", "v_proj"):
+            return f"rows:{module.num_heads}"
+        if proj_name == "o_proj":
+            return f"cols:{module.num_heads}"
+    if isinstance(module, GatedMLA) and proj_name in ("q_b_proj", "q_proj", "kv_b_proj"):
+        return f"rows:{module.num_heads}"
     return None
 
 
+def rule_for(name: str, p: torch.Tensor, modules: dict[str, nn.Module]) -> str:
+    """"adamw" (with weight decay), "adamw-plain" (without) or a Muon split for the parameter called `name`.
+
+    AdamW without decay: every 1-D parameter (norm weights, A_log, dt_bias), depthwise conv kernels [C, 1, W] and
+    the AttnRes pseudo-queries [1, D] (vectors stored as matrices). AdamW with decay: embeddings and the LM head.
+    Muon: stacked experts per expert, attention projections per head, every other 2-D matrix whole.
+    """
+    owner_name, _, leaf = name.rpartition(".")
+    owner = modules.get(owner_name)
+    if p.ndim < 2 or isinstance(owner, ShortConv) or min(p.shape) == 1:
+        return "adamw-plain"
+    if any(key in name for key in EMBEDDING_NAMES):
+        return "adamw"
+    if isinstance(owner, Experts):
+        return "experts"
+    parent_name, _, proj_name = owner_name.rpartition(".")
+    return _head_split(modules.get(parent_name), proj_name) or "whole"
+
+
 def param_groups(model: nn.Module, weight_decay: float, optimizer: str = "muon") -> list[dict]:
-    """Parameter groups for MuonAdamW. optimizer="adamw" puts every parameter under AdamW (the baseline)."""
+    """Parameter groups for MuonAdamW, one per Muon split and two for AdamW (with / without weight decay).
+    optimizer="adamw" puts every parameter under AdamW (the baseline), keeping the decay choice."""
     modules = dict(model.named_modules())
-    muon: dict = {}
-    adam_decay, adam_plain = [], []
+    buckets: dict[str, list] = {}
     for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        owner_name, _, leaf = name.rpartition(".")
-        owner = modules.get(owner_name)
-        is_adam = (p.ndim < 2 or min(p.shape[-2:]) == 1 or any(key in name for key in ADAMW_NAMES)
-                   or isinstance(owner, nn.Conv1d | nn.Embedding | nn.LayerNorm))
-        if is_adam or optimizer == "adamw":
-            (adam_decay if p.ndim >= 2 and not is_adam_plain(name, owner) else adam_plain).append(p)
-            continue
-        if p.ndim == 3:
-            split = "experts"
+        if p.requires_grad:
+            rule = rule_for(name, p, modules)
+            if optimizer == "adamw" and not rule.startswith("adamw"):
+                rule = "adamw"
+            buckets.setdefault(rule, []).append(p)
+    groups = []
+    for rule, params in buckets.items():
+        if rule == "adamw":
+            groups.append(dict(params=params, algorithm="adamw", weight_decay=weight_decay))
+        elif rule == "adamw-plain":
+            groups.append(dict(params=params, algorithm="adamw", weight_decay=0.0))
         else:
-            proj_name = owner_name.rpartition(".")[2] if leaf == "weight" else leaf
-            attn = modules.get(owner_name.rpartition(".")[0]) if leaf == "weight" else owner
-            split = _head_split(attn, proj_name) if attn is not None else None
-            split = split or "whole"
-        muon.setdefault(split, []).append(p)
-    groups = [dict(params=ps, algorithm="muon", split=split, weight_decay=weight_decay) for split, ps in muon.items()]
-    if adam_decay:
-        groups.append(dict(params=adam_decay, algorithm="adamw", weight_decay=weight_decay))
-    if adam_plain:
-        groups.append(dict(params=adam_plain, algorithm="adamw", weight_decay=0.0))
+            groups.append(dict(params=params, algorithm="muon", split=rule, weight_decay=weight_decay))
     return groups
-
-
-def is_adam_plain(name: str, owner: nn.Module | None) -> bool:
-    """No weight decay: norms, biases, gates' A_log / dt_bias, conv kernels (small, non-matrix parameters)."""
-    return "A_log" in name or "dt_bias" in name or isinstance(owner, nn.Conv1d) or "norm" in name
 
 
 def build_optimizer(model: nn.Module, lr: float, weight_decay: float, optimizer: str = "muon") -> MuonAdamW:
     if optimizer not in ("muon", "adamw"):
         raise ValueError(f"--optimizer must be 'muon' or 'adamw', got {optimizer!r}")
     return MuonAdamW(param_groups(model, weight_decay, optimizer), lr=lr, weight_decay=weight_decay)
-
-
-def describe_groups(opt: MuonAdamW) -> Iterable[str]:
-    for g in opt.param_groups:
-        n = sum(p.numel() for p in g["params"])
-        tag = f"muon split={g['split']}" if g["algorithm"] == "muon" else f"adamw wd={g['weight_decay']}"
-        yield f"{tag}: {len(g['params'])} tensors, {n:,} values"
