@@ -57,7 +57,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from openk3.train.tokenizer import TextTokenizer
 
     ckpt = resolve_checkpoint(args.ckpt)
-    if not (ckpt / "tokenizer.json").is_file():
+    if args.tokenizer is None and not (ckpt / "tokenizer.json").is_file():
         raise FileNotFoundError(f"{ckpt} has no tokenizer.json; pass --tokenizer PATH")
     tok = TextTokenizer.from_file(args.tokenizer or ckpt / "tokenizer.json")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
