@@ -1,6 +1,7 @@
 """Tiny-scale ablations of three K3 ingredients, in one command (CPU, a few minutes):
 
-  1. router balancing: Quantile Balancing vs the sign rule vs none      -> MaxVio per step (mean over MoE layers)
+  1. router balancing: Quantile Balancing vs the sign rule (two gammas) vs none -> MaxVio per step (mean over
+     MoE layers)
   2. Block AttnRes vs a plain pre-norm residual stream                   -> train / held-out loss at equal steps
   3. SiTU-GLU vs SwiGLU                                                  -> max |GLU output| (what enters the down
                                                                             projections of experts, shared experts
@@ -39,12 +40,13 @@ SMALL = {
     "attn_res_block_size": 2,
     "mtp_layers": 0,
 }
-RUNS = {  # name -> (model-config changes, balance method)
-    "quantile": ({}, "quantile"),
-    "sign": ({}, "sign"),
-    "none": ({}, "none"),
-    "plain-residual": ({"attn_res_block_size": None}, "quantile"),
-    "swiglu": ({"activation": "swiglu"}, "quantile"),
+RUNS = {  # name -> (model-config changes, balance method, sign-rule gamma)
+    "quantile": ({}, "quantile", 0.0),
+    "sign": ({}, "sign", 1e-3),  # DeepSeek-V3's gamma
+    "sign-0.01": ({}, "sign", 1e-2),  # a gamma sized for a 100-step run
+    "none": ({}, "none", 0.0),
+    "plain-residual": ({"attn_res_block_size": None}, "quantile", 0.0),
+    "swiglu": ({"activation": "swiglu"}, "quantile", 0.0),
 }
 
 
@@ -65,11 +67,12 @@ def record_glu_peaks(model: torch.nn.Module) -> dict:
     return peak
 
 
-def run_one(name: str, steps: int, seq_len: int, batch: int, out_root: Path) -> dict:
-    changes, balance = RUNS[name]
-    args = TrainArgs(overrides={**SMALL, **changes}, balance=balance, max_steps=steps, seq_len=seq_len,
-                     batch_size=batch, lr=3e-3, eval_every=steps, eval_windows=16, out=str(out_root / name),
-                     sample_tokens=1, progress=False, plot=False)
+def run_one(name: str, steps: int, seq_len: int, batch: int, threads: int, out_root: Path) -> dict:
+    changes, balance, gamma = RUNS[name]
+    args = TrainArgs(overrides={**SMALL, **changes}, balance=balance, balance_gamma=gamma, max_steps=steps,
+                     seq_len=seq_len, batch_size=batch, lr=3e-3, eval_every=steps, eval_windows=16,
+                     out=str(out_root / name), sample_tokens=1, progress=False, plot=False, time_limit=0,
+                     threads=threads)
     trainer = Trainer(args)
     peak = record_glu_peaks(trainer.model)
     started = time.perf_counter()
@@ -78,7 +81,8 @@ def run_one(name: str, steps: int, seq_len: int, batch: int, out_root: Path) -> 
     maxvio = [sum(r["maxvio"].values()) / len(r["maxvio"]) for r in history]
     tail = max(1, steps // 4)
     return {
-        "name": name, "balance": balance, "changes": changes, "seconds": time.perf_counter() - started,
+        "name": name, "balance": balance + (f" (gamma {gamma:g})" if balance == "sign" else ""),
+        "changes": changes, "seconds": time.perf_counter() - started,
         "train_loss_last": sum(r["loss"] for r in history[-tail:]) / tail,
         "heldout_loss": summary["heldout_loss"], "unigram_loss": summary["unigram_loss"],
         "maxvio": maxvio, "maxvio_last": sum(maxvio[-tail:]) / tail,
@@ -93,8 +97,9 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    for name in ("quantile", "sign", "none"):
-        axes[0].plot(range(1, len(results[name]["maxvio"]) + 1), results[name]["maxvio"], label=name)
+    for name in ("quantile", "sign", "sign-0.01", "none"):
+        axes[0].plot(range(1, len(results[name]["maxvio"]) + 1), results[name]["maxvio"],
+                     label=results[name]["balance"])
     axes[0].set(xlabel="step", ylabel="MaxVio (mean over MoE layers)", title="router balancing", yscale="log")
     axes[0].legend()
     names = ["quantile", "plain-residual"]
@@ -126,15 +131,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: the trainer's auto choice)")
     parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
-        results = {name: run_one(name, args.steps, args.seq_len, args.batch_size, Path(tmp)) for name in args.runs}
+        results = {name: run_one(name, args.steps, args.seq_len, args.batch_size, args.threads, Path(tmp))
+                   for name in args.runs}
     (HERE / "ablate.json").write_text(json.dumps(results, indent=1))
-    if {"quantile", "sign", "none", "plain-residual", "swiglu"} <= set(results):
+    if set(RUNS) <= set(results):
         plot(results, HERE / "ablate.png")
     print(table(results))
 
