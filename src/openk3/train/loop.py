@@ -170,9 +170,8 @@ class Trainer:
         self.args = args
         self.created = time.perf_counter()  # the time limit counts from here: setup is part of the run
         self.out = Path(args.out)
-        device_type = "cuda" if (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith(
-            "cuda") else "cpu"
-        self.world = init_world(device_type)
+        device_name = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.world = init_world("cuda" if device_name.startswith("cuda") else "cpu")
         self.device = resolve_device(args, self.world)
         if self.device.type == "cpu":
             torch.set_num_threads(cpu_threads(args.threads, self.world))
@@ -284,9 +283,11 @@ class Trainer:
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
         self.step += 1
-        return {"step": self.step, "loss": mean_across(self.world, float(lm), self.device),
-                "mtp_loss": mean_across(self.world, mtp, self.device), "lr": lr, "grad_norm": grad_norm,
-                "tokens_per_s": args.batch_size * args.seq_len / elapsed, "maxvio": maxvio}
+        record = {"step": self.step, "loss": mean_across(self.world, float(lm), self.device), "lr": lr,
+                  "grad_norm": grad_norm, "tokens_per_s": args.batch_size * args.seq_len / elapsed, "maxvio": maxvio}
+        if math.isfinite(mtp):  # NaN when the model has no MTP layer or --mtp-weight is 0
+            record["mtp_loss"] = mean_across(self.world, mtp, self.device)
+        return record
 
     def run(self) -> dict:
         args, world = self.args, self.world
