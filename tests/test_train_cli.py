@@ -180,3 +180,20 @@ def test_activation_checkpointing_gives_the_same_losses(tmp_path, monkeypatch):
             trainer = Trainer(tiny_args(tmp_path / str(flag), data, activation_checkpointing=flag))
             losses[flag] = [trainer.train_step()["loss"] for _ in range(3)]
     assert losses[True] == pytest.approx(losses[False], rel=1e-5)
+
+
+def test_heldout_evaluation_leaves_the_balancing_biases_frozen(tmp_path, monkeypatch):
+    from openk3.train.loop import Trainer, heldout_loss
+    from train_tiny import tiny_args
+
+    monkeypatch.setenv("OPENK3_CACHE", str(tmp_path / "cache"))
+    with one_thread():
+        trainer = Trainer(tiny_args(tmp_path / "run", make_corpus(tmp_path / "d")))
+        trainer.train_step()
+        routers = [r for _, r in trainer.model.routers()]
+        biases = [r.e_score_correction_bias.clone() for r in routers]
+        scores = [r.last_scores for r in routers]
+        heldout_loss(trainer.model, trainer.eval_windows, 4, trainer.device, None, trainer.world)
+    assert all(torch.equal(b, r.e_score_correction_bias) for b, r in zip(biases, routers))
+    assert all(s is r.last_scores for s, r in zip(scores, routers))  # eval forwards record nothing
+    assert trainer.model.training
