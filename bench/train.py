@@ -1,9 +1,10 @@
 """Training-step benchmarks.
 
   python bench/train.py gpu   [--steps 20 --warmup 5 --batch-size 8 --seq-len 4096 --peak-tflops 989]
-      CUDA only. k3-debug in bf16 autocast with per-head Muon, without and with activation checkpointing, beside a
-      dense pre-norm transformer (torch SDPA causal attention, SwiGLU) with the same active parameter count, in the
-      same run. Reports tokens/s, model FLOP utilisation and torch.cuda.max_memory_allocated per configuration.
+      CUDA only. k3-debug in bf16 autocast (MTP weight 0.3) without and with activation checkpointing, beside a
+      dense pre-norm transformer (torch SDPA causal attention, SwiGLU) with the same active parameter count, all
+      with AdamW so the models are compared, plus k3-debug with per-head Muon for the optimizer's cost; one run.
+      Reports tokens/s, model FLOP utilisation and torch.cuda.max_memory_allocated per configuration.
   python bench/train.py cpu   [--steps 3 --batch-size 2 --seq-len 256 --threads N]
       One training step (forward + backward + loss) of a small Kimi Linear-shaped model in openk3 beside HF
       transformers' KimiLinearForCausalLM holding the same weights (written by openk3.interop in the hub layout,
@@ -123,12 +124,12 @@ def time_steps(step, steps: int, warmup: int) -> float:
     return start.elapsed_time(end) / 1000 / steps
 
 
-def k3_result(cfg: ModelConfig, checkpointing: bool, args: argparse.Namespace, batch) -> dict:
+def k3_result(cfg: ModelConfig, checkpointing: bool, optimizer: str, args: argparse.Namespace, batch) -> dict:
     torch.manual_seed(0)
     model = K3ForCausalLM(cfg).to("cuda")
     if checkpointing:
         enable_activation_checkpointing(model)
-    opt = build_optimizer(model, lr=1e-4, weight_decay=0.1)
+    opt = build_optimizer(model, lr=1e-4, weight_decay=0.1, optimizer=optimizer)
 
     def k3_step():
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -141,7 +142,8 @@ def k3_result(cfg: ModelConfig, checkpointing: bool, args: argparse.Namespace, b
     seconds = time_steps(k3_step, args.steps, args.warmup)
     tokens = args.batch_size * args.seq_len
     flops = k3_flops_per_token(cfg, args.seq_len) * tokens / seconds
-    return {"model": "k3-debug" + (" + act. ckpt" if checkpointing else ""), "seconds": seconds,
+    return {"model": "k3-debug" + (" + act. ckpt" if checkpointing else ""), "optimizer": optimizer,
+            "seconds": seconds,
             "tokens_per_s": tokens / seconds, "mfu": flops / (args.peak_tflops * 1e12),
             "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30}
 
@@ -157,8 +159,8 @@ def gpu(args: argparse.Namespace) -> list[dict]:
     def batch() -> torch.Tensor:
         return torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len + 1), device=device)
 
-    for checkpointing in (False, True):
-        results.append(k3_result(cfg, checkpointing, args, batch))
+    for checkpointing, optimizer in ((False, "adamw"), (True, "adamw"), (False, "muon")):
+        results.append(k3_result(cfg, checkpointing, optimizer, args, batch))
         torch.cuda.empty_cache()
 
     torch.manual_seed(0)
@@ -177,16 +179,17 @@ def gpu(args: argparse.Namespace) -> list[dict]:
     torch.cuda.reset_peak_memory_stats()
     seconds = time_steps(dense_step, args.steps, args.warmup)
     flops = dense_flops_per_token(dense, args.seq_len) * tokens / seconds
-    results.append({"model": f"dense SDPA (ffn {meta['ffn']}, same active params)", "seconds": seconds,
+    results.append({"model": f"dense SDPA (ffn {meta['ffn']}, same active params)", "optimizer": "adamw",
+                    "seconds": seconds,
                     "tokens_per_s": tokens / seconds, "mfu": flops / (args.peak_tflops * 1e12),
                     "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30})
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "batch": args.batch_size,
            "seq_len": args.seq_len, "peak_tflops": args.peak_tflops}
     (HERE / "train_gpu.json").write_text(json.dumps({"env": env, "results": results}, indent=1))
-    print(f"{env}\n\n| model | step (ms) | tokens/s | MFU | peak memory (GiB) |\n|---|---|---|---|---|")
+    print(f"{env}\n\n| model | optimizer | step (ms) | tokens/s | MFU | peak memory (GiB) |\n|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['model']} | {r['seconds'] * 1e3:.1f} | {r['tokens_per_s']:,.0f} | {r['mfu']:.1%} "
-              f"| {r['peak_mem_gib']:.2f} |")
+        print(f"| {r['model']} | {r['optimizer']} | {r['seconds'] * 1e3:.1f} | {r['tokens_per_s']:,.0f} "
+              f"| {r['mfu']:.1%} | {r['peak_mem_gib']:.2f} |")
     return results
 
 
