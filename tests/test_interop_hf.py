@@ -12,13 +12,12 @@ import math
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import load_file, save_file
 
 from openk3.config import get_preset
 from openk3.interop import config_from_hub, load_pretrained, save_pretrained
 from openk3.model import K3ForCausalLM
-
-transformers = pytest.importorskip("transformers")
 
 TOL = 1e-4
 
