@@ -138,3 +138,19 @@ def test_meta_device_build():
     assert all(p.is_meta for p in model.parameters())
     n = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("mtp."))
     assert 1e8 < n < 2e9  # "a few hundred million" scale
+
+
+def test_kda_backend_choice(monkeypatch):
+    """auto: recurrence for one CPU token, chunked for Kimi's unbounded gate on CUDA (the Triton kernels need
+    bounded 16-token gate sums), the op's own choice otherwise; OPENK3_KDA_BACKEND and explicit backends win."""
+    monkeypatch.delenv("OPENK3_KDA_BACKEND", raising=False)
+    small = {"hidden_size": 64, "kda": {"num_heads": 2, "head_dim": 8}}
+    k3 = KimiDeltaAttention(get_preset("k3-tiny").with_overrides(small), 0)
+    kimi = KimiDeltaAttention(get_preset("kimi-linear-48b").with_overrides(small), 0)
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert k3._backend(1, cpu) == "recurrent" and k3._backend(7, cpu) == "auto"
+    assert k3._backend(7, cuda) == "auto" and kimi._backend(7, cuda) == "chunked"
+    monkeypatch.setenv("OPENK3_KDA_BACKEND", "triton")
+    assert kimi._backend(7, cuda) == "auto"  # resolved by the op from the environment
+    kimi.kda_backend = "recurrent"
+    assert kimi._backend(7, cuda) == "recurrent"

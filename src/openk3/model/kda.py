@@ -96,6 +96,18 @@ class KimiDeltaAttention(KeepFp32, nn.Module):
     def out_gate(self, x: torch.Tensor) -> torch.Tensor:
         return self.g_proj(x) if self.output_gate == "full" else self.g_b_proj(self.g_a_proj(x))
 
+    def _backend(self, T: int, device: torch.device) -> str:
+        """The KDA backend for this call: `kda_backend`, refined when it is "auto" and nothing is forced."""
+        if self.kda_backend != "auto" or os.environ.get("OPENK3_KDA_BACKEND"):
+            return self.kda_backend
+        if device.type != "cuda":
+            return "recurrent" if T == 1 else "auto"  # one token: the recurrence is the cheapest form on CPU
+        if self.gate_kind == "kimi":
+            # The Triton kernels anchor decay at 16-token chunk starts and need every 15 consecutive gates to sum
+            # above about -85; K3's bounded gate (>= -5) guarantees it, Kimi Linear's softplus gate does not.
+            return "chunked"
+        return "auto"
+
     def _kda_with_checkpoints(self, q, k, v, g, beta, initial, conv_state, qkv_in, offsets, cache, backend):
         """KDA over the T new tokens in segments split at `offsets`, recording the layer's state (conv window and
         recurrent state) at each split in the cache; the chained segments give the same result as one call."""
@@ -128,9 +140,7 @@ class KimiDeltaAttention(KeepFp32, nn.Module):
         g = self.forget_gate(x)
         acc = acc_dtype(x.dtype)
         beta = torch.sigmoid(self.b_proj(x).to(acc))
-        backend = self.kda_backend
-        if backend == "auto" and T == 1 and x.device.type != "cuda" and not os.environ.get("OPENK3_KDA_BACKEND"):
-            backend = "recurrent"  # one token: the recurrence is the cheapest form on CPU
+        backend = self._backend(T, x.device)
         initial = layer_cache.recurrent_state if layer_cache is not None else None
         offsets = [t for t in cache.checkpoint_offsets if 0 < t < T] if cache is not None else []
         if offsets:
