@@ -8,7 +8,6 @@ compares logits on fresh random tokens in fp32 on CPU.
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from openk3.config import get_preset
 from openk3.interop import config_from_hub, load_pretrained, save_pretrained
 from openk3.model import K3ForCausalLM
+from random_weights import randomise
 
 TOL = 1e-4
 
@@ -34,23 +34,6 @@ def hf_config(**overrides):
     )
     kw.update(overrides)
     return transformers.KimiLinearConfig(**kw)
-
-
-def randomise(model: torch.nn.Module, seed: int) -> None:
-    """Every parameter and buffer random: matrices ~ N(0, 1/fan_in), norm weights near 1, A_log = log U(1, 16),
-    dt_bias and the routing bias spread enough to change which experts win."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-            noise = torch.randn(t.shape, generator=gen)
-            if name.endswith("A_log"):
-                t.copy_(torch.empty(t.shape).uniform_(1.0, 16.0, generator=gen).log())
-            elif "norm" in name:
-                t.copy_(1.0 + 0.2 * noise)
-            elif name.endswith(("dt_bias", "e_score_correction_bias")):
-                t.copy_(0.5 * noise)
-            else:
-                t.copy_(noise / math.sqrt(t.shape[-1]))
 
 
 def hf_checkpoint(tmp_path, seed: int, max_shard_size=None, **overrides):

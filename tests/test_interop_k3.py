@@ -4,7 +4,6 @@ errors for checkpoints that do not match their config."""
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ from safetensors.torch import load_file, save_file
 from openk3.config import get_preset
 from openk3.interop import load_pretrained, save_pretrained
 from openk3.model import K3ForCausalLM
+from random_weights import randomise
 
 
 def tiny_k3(**overrides):
@@ -31,16 +31,7 @@ def random_model(cfg, seed: int) -> K3ForCausalLM:
     """Every parameter and buffer random (the AttnRes pseudo-queries and routing bias start at 0 otherwise)."""
     torch.manual_seed(seed)
     model = K3ForCausalLM(cfg).eval()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-            noise = torch.randn(t.shape, generator=gen)
-            if name.endswith("A_log"):
-                t.copy_(torch.empty(t.shape).uniform_(1.0, 16.0, generator=gen).log())
-            elif "norm" in name:
-                t.copy_(1.0 + 0.2 * noise)
-            else:
-                t.copy_(noise / math.sqrt(t.shape[-1]))
+    randomise(model, seed)
     return model
 
 
