@@ -70,3 +70,15 @@ def test_roundtrip_and_k3_topology():
     assert k3.num_layers == 93 and len(k3.mla_layers) == 24 and len(k3.kda_layers) == 69
     assert k3.layer_kind(3) == "mla" and k3.layer_kind(91) == "mla" and k3.layer_kind(92) == "mla"
     assert k3.layer_kind(90) == "kda" and k3.ffn_kind(0) == "dense" and k3.ffn_kind(1) == "moe"
+
+
+def test_cli_reports_an_impossible_config_in_one_line(tmp_path, capsys):
+    """A bad --config ends `openk3 train` with exit code 2 and a message naming the field, before any work."""
+    from openk3.cli import main
+
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"moe": {"top_k": 99}}')
+    assert main(["train", "--config", str(bad), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "openk3 train: error:" in err and "moe.top_k" in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").glob("step-*"))

@@ -3,12 +3,14 @@
 Each subcommand lives in its own module and registers itself with one function, `add_<name>_parser(subparsers)`,
 which adds its argparse parser and sets `func` (args -> exit code). To add a command, append its
 (module, function) to COMMANDS. Keep module-level imports of command modules light; import heavy things inside
-the command's function.
+the command's function. A ValueError or FileNotFoundError from a command (an impossible config, a bad input or
+path) ends it with a one-line error and exit code 2; set OPENK3_DEBUG=1 for the traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from importlib import import_module
 
@@ -30,7 +32,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError) as err:  # bad configs, inputs and paths: the message names the field
+        if os.environ.get("OPENK3_DEBUG"):
+            raise
+        print(f"openk3 {args.command}: error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
