@@ -69,7 +69,7 @@ def kda_chunked(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
-    chunk_size: int = 32,
+    chunk_size: int = 16,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunked KDA, same contract as `kda_recurrent`; differentiable. Computes in fp32 (fp64 for fp64)."""
     B, T, H, K = q.shape
