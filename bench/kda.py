@@ -5,7 +5,9 @@
 Shapes (bf16, K = V = 128) from issue 5; modes fwd and fwd+bwd; decode of 64 and 256 sequences x 32 heads with
 an fp32 state pool; device-copy bandwidth and a bf16 GEMM rate as the two ceilings. fla runs its Triton path
 (FLA_DISABLE_BACKEND_DISPATCH=1) with the K3 safe gate, L2 norm and beta sigmoid in its kernel; ours is timed
-twice: on pre-activated inputs (the `kda` contract) and with the same activations done in PyTorch first.
+three ways: on pre-activated inputs (the `kda` contract), with the activations as a separate Triton pass
+(`kda_activations` then `kda_triton`) and with them fused into the chunk kernels (`kda_triton_fused`, the
+like-for-like comparison with fla).
 Cold start: wall time to the first finished fwd+bwd per shape with an empty Triton cache (fresh cache dir).
 """
 
@@ -25,7 +27,7 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
-from openk3.ops.kda.triton import kda_activations, kda_decode, kda_triton  # noqa: E402
+from openk3.ops.kda.triton import kda_activations, kda_decode, kda_triton, kda_triton_fused  # noqa: E402
 
 SHAPES = [  # name, B, T, H, cu_seqlens
     ("B1 T8192 H32", 1, 8192, 32, None),
@@ -86,12 +88,12 @@ def runners(r, cu):
         return kda_triton(*pre, cu_seqlens=cu_t)[0]
 
     def ours_act():
-        rr = dict(r, **raw)
-        return kda_triton(*activate(rr), cu_seqlens=cu_t)[0]
-
-    def ours_fused():
         acts = kda_activations(raw["q"], raw["k"], raw["f"], raw["b"], r["A_log"], r["dt_bias"], g_min=G_MIN)
         return kda_triton(*acts[:2], raw["v"], *acts[2:], cu_seqlens=cu_t)[0]
+
+    def ours_fused():
+        return kda_triton_fused(raw["q"], raw["k"], raw["v"], raw["f"], raw["b"], r["A_log"], r["dt_bias"],
+                                g_min=G_MIN, cu_seqlens=cu_t)[0]
 
     def fla():
         return chunk_kda(raw["q"], raw["k"], raw["v"], raw["f"], raw["b"], A_log=r["A_log"], dt_bias=r["dt_bias"],
@@ -118,7 +120,7 @@ def bench_shape(name, B, T, H, cu, results, with_fla=True):
         if who == "fla" and not with_fla:
             continue
         step = fwd_bwd(fn, leaves, do)
-        if who in ("ours", "fla"):
+        if who in ("ours", "ours+fused", "fla"):  # ours+fused compiles its own specialisations
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             step()
@@ -138,10 +140,10 @@ def bench_shape(name, B, T, H, cu, results, with_fla=True):
         qs, ks, vs = (r[n].transpose(1, 2) for n in ("q", "k", "v"))
         with torch.no_grad():
             row["sdpa fwd"] = ms(lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True))
-    th = B * T * H
-    row["ours TB/s"] = th * (2 * (3 * K + V + V) + 4 * K + 2) / row["ours fwd"] / 1e9  # q,k,v,o bf16; g as given
-    row["ours TFLOP/s"] = th * FLOP_PER_TOKEN_HEAD / row["ours fwd"] / 1e9
-    row["ours fwdbwd TFLOP/s"] = 3 * th * FLOP_PER_TOKEN_HEAD / row["ours fwdbwd"] / 1e9
+    th = B * T * H  # achieved rates of the fused path: it reads q, k, v, f, b and writes o (bf16)
+    row["fused TB/s"] = th * (2 * (3 * K + 2 * V) + 2) / row["ours+fused fwd"] / 1e9
+    row["fused TFLOP/s"] = th * FLOP_PER_TOKEN_HEAD / row["ours+fused fwd"] / 1e9
+    row["fused fwdbwd TFLOP/s"] = 3 * th * FLOP_PER_TOKEN_HEAD / row["ours+fused fwdbwd"] / 1e9
     results.append(row)
     return row
 
@@ -177,37 +179,51 @@ def bench_decode(N, H, results, copy_bw):
 
 
 def stages(name, B, T, H, cu, tune=False):
-    """Time each launch of ours alone (forward: prepare, state pass; backward: prepare, reverse pass, intra)."""
+    """Time each launch of ours alone: forward (prepare, state pass), backward (prepare, reverse pass, intra),
+    pre-activated and fused; with `tune`, warps per kernel and the reverse pass's V block and reduction."""
     from openk3.ops.kda.triton import chunk_bwd, chunk_fwd
     from openk3.ops.kda.triton.layout import chunk_layout
 
-    q, k, v, g, beta = (x.reshape(B * T, H, -1).squeeze(-1).contiguous() for x in activate(raw_inputs(B, T, H)))
+    r = raw_inputs(B, T, H)
+    q, k, v, g, beta = (x.reshape(B * T, H, -1).squeeze(-1).contiguous() for x in activate(r))
+    raw = [r[n].reshape(B * T, H, -1).squeeze(-1).contiguous() for n in ("q", "k", "v", "f", "b")]
+    act = chunk_fwd.FusedActivation(r["A_log"], r["dt_bias"], kimi=False, g_min=G_MIN)
     cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device="cuda")
     lay = chunk_layout(B, T, cu_t, "cuda")
     scale = K**-0.5
     _, _, hs = chunk_fwd.chunk_kda_fwd(q, k, v, g, beta, scale, None, False, lay, save_states=True)
     do = torch.randn_like(v)
-    BV = 32  # as chunk.py's backward
+    terms = chunk_fwd.prepare(q, k, v, g, beta, scale, lay)
+    rev = lambda bv=32, atomic=False: chunk_bwd.reverse_pass(*terms, hs, do, None, False, lay, bv, atomic, q.dtype)
+    dU, partials, _ = rev()
     row = {"shape": name,
            "prepare": ms(lambda: chunk_fwd.prepare(q, k, v, g, beta, scale, lay)),
+           "prepare fused": ms(lambda: chunk_fwd.prepare(*raw, scale, lay, act)),
            "fwd total": ms(lambda: chunk_fwd.chunk_kda_fwd(q, k, v, g, beta, scale, None, False, lay, False)),
+           "fwd fused": ms(lambda: chunk_fwd.chunk_kda_fwd(*raw, scale, None, False, lay, False, act)),
            "fwd saving states": ms(lambda: chunk_fwd.chunk_kda_fwd(q, k, v, g, beta, scale, None, False, lay, True)),
-           "bwd total": ms(lambda: chunk_bwd.chunk_kda_bwd(q, k, v, g, beta, scale, hs, do, None, False, lay, BV))}
+           "reverse pass": ms(rev),
+           "intra bwd": ms(lambda: chunk_bwd.intra_backward(q, k, v, g, beta, scale, dU, partials, lay)),
+           "intra bwd fused": ms(lambda: chunk_bwd.intra_backward(*raw, scale, dU, partials, lay, act)),
+           "bwd total": ms(lambda: chunk_bwd.chunk_kda_bwd(q, k, v, g, beta, scale, hs, do, None, False, lay, 32))}
     row["state pass"] = row["fwd total"] - row["prepare"]
     print({a: (round(b, 4) if isinstance(b, float) else b) for a, b in row.items()}, flush=True)
     if not tune:
         return
+    for bv in (32, 64, 128):
+        for atomic in (False, True):
+            out = rev(bv, atomic)
+            t_rev = ms(lambda bv=bv, atomic=atomic: rev(bv, atomic))
+            t_intra = ms(lambda out=out: chunk_bwd.intra_backward(q, k, v, g, beta, scale, out[0], out[1], lay))
+            print(f"  reverse pass BV={bv} atomic={atomic}: {t_rev:.4f} + intra {t_intra:.4f}", flush=True)
     default = dict(chunk_fwd.WARPS)
-    for kernel, options in (("prepare", (1, 2, 8)), ("state", (2, 8)), ("intra_bwd", (2, 8)), ("state_bwd", (2, 8))):
+    for kernel, options in (("prepare", (4,)), ("state", (8,)), ("intra_bwd", (4,)), ("state_bwd", (8,))):
         for nw in options:
             chunk_fwd.WARPS.update(default, **{kernel: nw})
-            fwd = ms(lambda: chunk_fwd.chunk_kda_fwd(q, k, v, g, beta, scale, None, False, lay, False))
-            bwd = ms(lambda: chunk_bwd.chunk_kda_bwd(q, k, v, g, beta, scale, hs, do, None, False, lay, BV))
-            print(f"  {kernel} warps={nw}: fwd {fwd:.4f} bwd {bwd:.4f}", flush=True)
+            fwd = ms(lambda: chunk_fwd.chunk_kda_fwd(*raw, scale, None, False, lay, False, act))
+            bwd = ms(lambda: chunk_bwd.chunk_kda_bwd(q, k, v, g, beta, scale, hs, do, None, False, lay, 32))
+            print(f"  {kernel} warps={nw}: fwd fused {fwd:.4f} bwd {bwd:.4f}", flush=True)
     chunk_fwd.WARPS.update(default)
-    for bv in (32, 64, 128):
-        bwd = ms(lambda bv=bv: chunk_bwd.chunk_kda_bwd(q, k, v, g, beta, scale, hs, do, None, False, lay, bv))
-        print(f"  bwd BV={bv}: {bwd:.4f}", flush=True)
 
 
 def decode_variants(N, H):
@@ -260,18 +276,21 @@ def main():
         print(bench_decode(N, 32, decodes, bw), flush=True)
     with open(args.json, "w") as fh:
         json.dump({"info": info, "shapes": shapes, "decode": decodes}, fh, indent=1)
-    print(f"\n{'shape':<20}{'ours':>8}{'fla':>8}{'x fla':>7}{'o+act':>8}{'o+fus':>8}{'sdpa':>8}   |{'ours fb':>9}"
-          f"{'fla fb':>8}{'x fla':>7}{'o+a fb':>8}{'o+f fb':>8} | {'cold s o/f':>11} | {'peak GB o/o+f/f':>16} |"
-          f" {'TB/s':>5}{'TF/s':>6}")
+    print("\nms; 'fused' = kda_triton_fused (activations in kernel, like fla); 'pre' = pre-activated inputs; "
+          "'pass' = kda_activations + kda_triton")
+    print(f"{'shape':<20}{'fused':>7}{'fla':>7}{'x fla':>6}{'pre':>7}{'pass':>7}{'sdpa':>7} |{'fused fb':>9}"
+          f"{'fla fb':>8}{'x fla':>6}{'pre fb':>7}{'pass fb':>8} | {'cold s o/o+f/f':>16} | {'peak GB o/o+f/f':>16} |"
+          f" {'TB/s':>5}{'TF/s':>5}")
     nan = float("nan")
     for r in shapes:
-        fla_f, fla_fb = r.get("fla fwd", nan), r.get("fla fwdbwd", nan)
-        print(f"{r['shape']:<20}{r['ours fwd']:8.3f}{fla_f:8.3f}{fla_f / r['ours fwd']:7.2f}"
-              f"{r['ours+act fwd']:8.3f}{r['ours+fused fwd']:8.3f}{r.get('sdpa fwd', nan):8.3f}   |"
-              f"{r['ours fwdbwd']:9.3f}{fla_fb:8.3f}{fla_fb / r['ours fwdbwd']:7.2f}{r['ours+act fwdbwd']:8.3f}"
-              f"{r['ours+fused fwdbwd']:8.3f} | {r['ours cold s']:5.1f}/{r.get('fla cold s', nan):5.1f} |"
+        fla_f, fla_fb, f, fb = r.get("fla fwd", nan), r.get("fla fwdbwd", nan), r["ours+fused fwd"], \
+            r["ours+fused fwdbwd"]
+        print(f"{r['shape']:<20}{f:7.3f}{fla_f:7.3f}{fla_f / f:6.2f}{r['ours fwd']:7.3f}{r['ours+act fwd']:7.3f}"
+              f"{r.get('sdpa fwd', nan):7.3f} |{fb:9.3f}{fla_fb:8.3f}{fla_fb / fb:6.2f}{r['ours fwdbwd']:7.3f}"
+              f"{r['ours+act fwdbwd']:8.3f} | {r['ours cold s']:4.1f}/{r['ours+fused cold s']:4.1f}/"
+              f"{r.get('fla cold s', nan):5.1f} |"
               f" {r['ours peak GB']:5.2f}/{r['ours+fused peak GB']:5.2f}/{r.get('fla peak GB', nan):5.2f} |"
-              f" {r['ours TB/s']:5.2f}{r['ours TFLOP/s']:6.0f}")
+              f" {r['fused TB/s']:5.2f}{r['fused TFLOP/s']:5.0f}")
     for r in decodes:
         print(f"decode {r['decode']:<16} ours {r['ours ms']:.4f} ms {r['ours TB/s']:.2f} TB/s "
               f"({r['ours % copy']:.0f}% copy)  fla {r['fla ms']:.4f} ms ({r['fla % copy']:.0f}% copy)")

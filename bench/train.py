@@ -1,10 +1,11 @@
 """Training-step benchmarks.
 
-  python bench/train.py gpu   [--steps 20 --warmup 5 --batch-size 8 --seq-len 4096 --peak-tflops 989]
+  python bench/train.py gpu   [--steps 20 --warmup 5 --batch-size 8 --seq-len 4096 --peak-tflops 989] [--profile]
       CUDA only. k3-debug in bf16 autocast (MTP weight 0.3) without and with activation checkpointing, beside a
       dense pre-norm transformer (torch SDPA causal attention, SwiGLU) with the same active parameter count, all
       with AdamW so the models are compared, plus k3-debug with per-head Muon for the optimizer's cost; one run.
       Reports tokens/s, model FLOP utilisation and torch.cuda.max_memory_allocated per configuration.
+      --profile: one k3-debug AdamW step under torch.profiler instead, the top operators by GPU time.
   python bench/train.py cpu   [--steps 3 --batch-size 2 --seq-len 256 --threads N]
       One training step (forward + backward + loss) of a small Kimi Linear-shaped model in openk3 beside HF
       transformers' KimiLinearForCausalLM holding the same weights (written by openk3.interop in the hub layout,
@@ -148,6 +149,31 @@ def k3_result(cfg: ModelConfig, checkpointing: bool, optimizer: str, args: argpa
             "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30}
 
 
+def profile_k3_step(cfg: ModelConfig, batch, rows: int = 30) -> None:
+    """Where a k3-debug training step spends GPU time: torch.profiler's operators, sorted by their total."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    model = K3ForCausalLM(cfg).to("cuda")
+    opt = build_optimizer(model, lr=1e-4, weight_decay=0.1, optimizer="adamw")
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss, _, _ = lm_losses(model, batch(), mtp_weight=0.3)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=60))
+
+
 def gpu(args: argparse.Namespace) -> list[dict]:
     if not torch.cuda.is_available():
         raise SystemExit("bench/train.py gpu needs a CUDA device")
@@ -158,6 +184,10 @@ def gpu(args: argparse.Namespace) -> list[dict]:
 
     def batch() -> torch.Tensor:
         return torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len + 1), device=device)
+
+    if args.profile:
+        profile_k3_step(cfg, batch)
+        return results
 
     for checkpointing, optimizer in ((False, "adamw"), (True, "adamw"), (False, "muon")):
         results.append(k3_result(cfg, checkpointing, optimizer, args, batch))
@@ -269,6 +299,7 @@ def main() -> None:
     g.add_argument("--batch-size", type=int, default=8)
     g.add_argument("--seq-len", type=int, default=4096)
     g.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the GPU (H100/H200 SXM)")
+    g.add_argument("--profile", action="store_true", help="profile one k3-debug step instead of the comparison")
     c = sub.add_parser("cpu")
     c.add_argument("--steps", type=int, default=3)
     c.add_argument("--batch-size", type=int, default=2)

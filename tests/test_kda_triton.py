@@ -30,6 +30,7 @@ from openk3.ops.kda.triton import (  # noqa: E402
     kda_decode,
     kda_decode_reference,
     kda_triton,
+    kda_triton_fused,
 )
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -189,6 +190,41 @@ def test_activations_match_reference(gate, dtype):
         assert rel(a, b) < tol
     for a, b in zip(xs, ys):
         assert rel(a.grad, b.grad) < tol
+
+
+@pytest.mark.parametrize("gate,dtype,cu", [("k3", torch.float32, None), ("kimi", torch.float32, [0, 7, 40]),
+                                           ("k3", torch.bfloat16, [0, 21, 40])])
+def test_fused_activations_match_composition(gate, dtype, cu):
+    """kda_triton_fused on raw inputs = the fp64 recurrence on the reference activations: outputs, final state and
+    the gradients of every raw input (A_log, dt_bias and the initial state too)."""
+    gen = torch.Generator().manual_seed(17)
+    B, T, H, K, V = (1 if cu else 2), 40, 2, 16, 32
+    r = lambda *s, scale=1.0: scale * torch.randn(*s, generator=gen)
+    raw = [r(B, T, H, K, scale=3.0), r(B, T, H, K), r(B, T, H, V), r(B, T, H, K, scale=2.0), r(B, T, H)]
+    raw = [x.to(dtype).to(DEV) for x in raw]
+    params = [torch.log(1 + 3 * torch.rand(H, generator=gen)).to(DEV), r(H, K, scale=0.3).to(DEV)]
+    h0 = r(len(cu) - 1 if cu else B, H, K, V).to(DEV)
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=DEV)
+    xs = [x.clone().requires_grad_() for x in raw + params + [h0]]
+    ys = [x.detach().double().requires_grad_() for x in raw + params + [h0]]
+    o, ht = kda_triton_fused(*xs[:7], gate=gate, initial_state=xs[7], output_final_state=True, cu_seqlens=cu_t)
+    q, k, g, beta = kda_activations_reference(ys[0], ys[1], ys[3], ys[4], ys[5], ys[6], gate=gate)
+    ro, rht = kda_recurrent(q, k, ys[2], g, beta, initial_state=ys[7], output_final_state=True, cu_seqlens=cu_t)
+    do = torch.randn(ro.shape, generator=gen, dtype=torch.float64).to(DEV)
+    dht = torch.randn(rht.shape, generator=gen, dtype=torch.float64).to(DEV)
+    torch.autograd.backward([o, ht], [do.to(o.dtype), dht.float()])
+    torch.autograd.backward([ro, rht], [do, dht])
+    tol = TOL[dtype]
+    assert rel(o, ro) < tol["o"] and rel(ht, rht) < tol["o"]
+    for name, a, b in zip(["q", "k", "v", "f", "b", "A_log", "dt_bias", "h0"], xs, ys):
+        assert a.grad.dtype == a.dtype and a.grad.shape == a.shape
+        assert rel(a.grad, b.grad) < (tol["gate"] if name in ("f", "b", "A_log", "dt_bias") else tol["grad"]), name
+
+
+def test_fused_rejects_unknown_gate():
+    x = torch.zeros(1, 2, 1, 16, device=DEV)
+    with pytest.raises(ValueError, match="gate must be one of"):
+        kda_triton_fused(x, x, x, x, x[..., 0], x[0, 0, :, 0], x[0, 0], gate="softplus")
 
 
 @pytest.mark.parametrize("bias", [True, False])

@@ -18,10 +18,11 @@ import triton
 import triton.language as tl
 
 ROWS = 16  # (token, head) rows per program
+GATES = ("k3", "kimi")
 
 
 @triton.jit
-def _gate(f, a, bias, G_MIN: tl.constexpr, KIMI: tl.constexpr):
+def gate_activation(f, a, bias, G_MIN: tl.constexpr, KIMI: tl.constexpr):
     """g, dg/df and dg/dA_log for x = f + bias, a = exp(A_log)."""
     x = f + bias
     if KIMI:
@@ -62,7 +63,7 @@ def _act_fwd_kernel(q, k, f, b, A_log, dt_bias, qo, ko, go, bo, n_rows, H,
     _l2norm_fwd(k, ko, offs, m)
     a = tl.exp(tl.load(A_log + h, mask=rm, other=0.0).to(tl.float32))[:, None]
     bias = tl.load(dt_bias + h[:, None] * K + c[None, :], mask=m, other=0.0).to(tl.float32)
-    g, _, _ = _gate(tl.load(f + offs, mask=m, other=0.0).to(tl.float32), a, bias, G_MIN, KIMI)
+    g, _, _ = gate_activation(tl.load(f + offs, mask=m, other=0.0).to(tl.float32), a, bias, G_MIN, KIMI)
     tl.store(go + offs, g, mask=m)
     bb = tl.load(b + r, mask=rm, other=0.0).to(tl.float32)
     tl.store(bo + r, tl.sigmoid(bb).to(bo.dtype.element_ty), mask=rm)
@@ -81,7 +82,7 @@ def _act_bwd_kernel(q, k, f, b, A_log, dt_bias, dqo, dko, dgo, dbo, dq, dk, df, 
     _l2norm_bwd(k, dko, dk, offs, m)
     a = tl.exp(tl.load(A_log + h, mask=rm, other=0.0).to(tl.float32))[:, None]
     bias = tl.load(dt_bias + h[:, None] * K + c[None, :], mask=m, other=0.0).to(tl.float32)
-    _, d_f, d_alog = _gate(tl.load(f + offs, mask=m, other=0.0).to(tl.float32), a, bias, G_MIN, KIMI)
+    _, d_f, d_alog = gate_activation(tl.load(f + offs, mask=m, other=0.0).to(tl.float32), a, bias, G_MIN, KIMI)
     dg = tl.load(dgo + offs, mask=m, other=0.0).to(tl.float32)
     tl.store(df + offs, dg * d_f, mask=m)  # fp32: also reduced into d dt_bias
     tl.store(dA_rows + r, tl.sum(tl.where(m, dg * d_alog, 0.0), axis=1), mask=rm)
@@ -109,27 +110,34 @@ class _KDAActivations(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dqo, dko, dgo, dbo):
         q, k, f, b, A_log, dt_bias = ctx.saved_tensors
-        B, T, H, K = q.shape
-        n = B * T * H
-        grads = [torch.zeros_like(x) if d is None else d.contiguous() for x, d in
-                 ((q, dqo), (k, dko), (f, dgo), (b, dbo))]
-        dq, dk, db = torch.empty_like(q), torch.empty_like(k), torch.empty_like(b)
-        df = torch.empty(B, T, H, K, dtype=torch.float32, device=q.device)
-        dA_rows = torch.empty(n, dtype=torch.float32, device=q.device)
-        _act_bwd_kernel[(triton.cdiv(n, ROWS),)](
-            q, k, f, b, A_log.contiguous(), dt_bias.contiguous(), *grads, dq, dk, df, db, dA_rows, n, H, K=K,
-            BK=triton.next_power_of_2(K), R=ROWS, G_MIN=ctx.g_min, KIMI=ctx.kimi, num_warps=4)
-        d_dt_bias = df.reshape(-1, H, K).sum(0).reshape(dt_bias.shape).to(dt_bias.dtype)
-        d_A_log = dA_rows.reshape(-1, H).sum(0).to(A_log.dtype)
-        return dq, dk, df.to(f.dtype), db, d_A_log, d_dt_bias, None, None
+        grads = [torch.zeros_like(x) if d is None else d for x, d in ((q, dqo), (k, dko), (f, dgo), (b, dbo))]
+        return (*activations_backward(q, k, f, b, A_log, dt_bias, *grads, g_min=ctx.g_min, kimi=ctx.kimi),
+                None, None)
+
+
+def activations_backward(q, k, f, b, A_log, dt_bias, dqo, dko, dgo, dbo, *, g_min: float, kimi: bool):
+    """Gradients of the raw inputs (q, k, f, b, A_log, dt_bias) from those of the activated (q, k, g, beta);
+    q, k, f [..., H, K] and b [..., H], contiguous."""
+    H, K = q.shape[-2:]
+    n = q.numel() // K
+    dq, dk, db = torch.empty_like(q), torch.empty_like(k), torch.empty_like(b)
+    df = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    dA_rows = torch.empty(n, dtype=torch.float32, device=q.device)
+    _act_bwd_kernel[(triton.cdiv(n, ROWS),)](
+        q, k, f, b, A_log.contiguous(), dt_bias.contiguous(), *(d.contiguous() for d in (dqo, dko, dgo, dbo)),
+        dq, dk, df, db, dA_rows, n, H, K=K, BK=triton.next_power_of_2(K), R=ROWS, G_MIN=g_min, KIMI=kimi,
+        num_warps=4)
+    d_dt_bias = df.reshape(-1, H, K).sum(0).reshape(dt_bias.shape).to(dt_bias.dtype)
+    d_A_log = dA_rows.reshape(-1, H).sum(0).to(A_log.dtype)
+    return dq, dk, df.to(f.dtype), db, d_A_log, d_dt_bias
 
 
 def kda_activations(q, k, f, b, A_log, dt_bias, *, gate: str = "k3", g_min: float = -5.0):
     """q, k, f [B,T,H,K]; b [B,T,H]; A_log [H]; dt_bias [H,K] (or [H*K]). Returns (q, k, g fp32, beta) ready
     for `kda_triton`; differentiable in every input. gate: "k3" (lower bound g_min) or "kimi" (softplus; it has no
     lower bound, see `kda_triton` for the range of gates its chunks handle)."""
-    if gate not in ("k3", "kimi"):
-        raise ValueError(f"gate must be 'k3' or 'kimi', got {gate!r}")
+    if gate not in GATES:
+        raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
     return _KDAActivations.apply(q, k, f, b, A_log, dt_bias, float(g_min), gate == "kimi")
 
 

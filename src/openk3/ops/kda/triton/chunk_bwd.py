@@ -13,6 +13,10 @@ U = T Diag(beta) V, A = StrictTril(Diag(beta) Kd Ki^T), Aqk = Tril(Qd Ki^T), kg 
 
     dT = dW (beta Kd)^T + dU (beta V)^T,   dA = -T^T dT T^T (strictly lower)
     each product x_i y_j e^(G_i - G_j) gives dG_i += x_i dx_i and dG_j -= y_j dy_j; dg = reverse cumsum of dG
+
+With fused activations the token-parallel kernel recomputes them from the raw inputs as the forward does and
+returns gradients with respect to the activated q, k, g and beta; `activations_backward` takes them the rest
+of the way to the raw inputs (the L2 norms' backward needs whole rows, which this kernel sees slice by slice).
 """
 
 from __future__ import annotations
@@ -23,14 +27,18 @@ import triton.language as tl
 
 from openk3.ops.kda.triton.chunk_fwd import (
     WARPS,
+    FusedActivation,
     _load_rows,
     _pow2,
     _store_rows,
+    activation_args,
     dot_dtype,
+    inverse_norm,
     inverse_precision,
+    load_beta,
+    load_slice,
     precision,
     prepare,
-    slice_terms,
     slice_width,
     unit_lower_inverse,
 )
@@ -38,11 +46,19 @@ from openk3.ops.kda.triton.layout import CHUNK, ChunkLayout
 
 
 @triton.jit
+def _partial(ptrs, x, mask, ATOMIC: tl.constexpr):
+    if ATOMIC:
+        tl.atomic_add(ptrs, x, mask=mask, sem="relaxed")
+    else:
+        tl.store(ptrs, x, mask=mask)
+
+
+@triton.jit
 def _state_bwd_kernel(W, U, QG, KG, AQK, GCX, hs, do, dht, dh0, dU, pQG, pAQK, pKG, pW, pGC, cu, chunk_off,
                       T_total, n_chunks_total,
                       H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                       BK: tl.constexpr, BV: tl.constexpr, HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr,
-                      PREC: tl.constexpr, DT: tl.constexpr):
+                      PREC: tl.constexpr, DT: tl.constexpr, ATOMIC: tl.constexpr):
     n = tl.program_id(0)
     h = tl.program_id(1)
     iv = tl.program_id(2)
@@ -60,9 +76,10 @@ def _state_bwd_kernel(W, U, QG, KG, AQK, GCX, hs, do, dht, dh0, dU, pQG, pAQK, p
         dS = tl.load(dht + (n * H + h) * K * V + s_offs, mask=smask, other=0.0).to(tl.float32)
     else:
         dS = tl.zeros([BK, BV], dtype=tl.float32)
-    # partial sums of this V block: [NV, T, H, *] planes
-    pk = iv * T_total * H * K
-    pa = iv * T_total * H * BT
+    # partial sums of this V block: its own plane of [NV, T, H, *] buffers, or added atomically into one plane
+    pk = 0 if ATOMIC else iv * T_total * H * K
+    pa = 0 if ATOMIC else iv * T_total * H * BT
+    pg = 0 if ATOMIC else iv * n_chunks_total * H * K
     for i in range(n_chunks):
         c = n_chunks - 1 - i
         rows = bos + c * BT + tt
@@ -85,12 +102,12 @@ def _state_bwd_kernel(W, U, QG, KG, AQK, GCX, hs, do, dht, dh0, dU, pQG, pAQK, p
         dpv = tl.dot(tl.trans(aqk), dout, input_precision=PREC) + tl.dot(kg, dSd, input_precision=PREC)
         tl.store(dU + xv, dpv, mask=mv)
         St = tl.trans(S)
-        tl.store(pQG + pk + xk, tl.dot(dout, St, input_precision=PREC), mask=mk)
-        tl.store(pKG + pk + xk, tl.dot(pv, tl.trans(dSd), input_precision=PREC), mask=mk)
-        tl.store(pW + pk + xk, -tl.dot(dpv.to(dt), St, input_precision=PREC), mask=mk)
-        tl.store(pAQK + pa + xa, tl.dot(dout, tl.trans(pv), input_precision=PREC), mask=rmask[:, None])
+        _partial(pQG + pk + xk, tl.dot(dout, St, input_precision=PREC), mk, ATOMIC)
+        _partial(pKG + pk + xk, tl.dot(pv, tl.trans(dSd), input_precision=PREC), mk, ATOMIC)
+        _partial(pW + pk + xk, -tl.dot(dpv.to(dt), St, input_precision=PREC), mk, ATOMIC)
+        _partial(pAQK + pa + xa, tl.dot(dout, tl.trans(pv), input_precision=PREC), rmask[:, None], ATOMIC)
         dgc = tl.sum(S.to(tl.float32) * dS, axis=1)
-        tl.store(pGC + ((iv * n_chunks_total + c0 + c) * H + h) * K + ck, dgc, mask=ck < K)
+        _partial(pGC + pg + ((c0 + c) * H + h) * K + ck, dgc, ck < K, ATOMIC)
         dS = dS * gc[:, None] + tl.dot(tl.trans(qg), dout, input_precision=PREC) \
             - tl.dot(tl.trans(w), dpv.to(dt), input_precision=PREC)
     if HAS_H0:
@@ -106,10 +123,11 @@ def _sum_planes(ptr, offs, mask, plane, NV: tl.constexpr):
 
 
 @triton.jit
-def _intra_bwd_kernel(q, k, v, g, beta, bounds, dU, pQG, pAQK, pKG, pW, pGC, dq, dk, dv, dg, dbeta,
+def _intra_bwd_kernel(q, k, v, g, beta, A_log, dt_bias, bounds, dU, pQG, pAQK, pKG, pW, pGC, dq, dk, dv, dg, dbeta,
                       scale, T_total, n_chunks_total,
                       H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
-                      NV: tl.constexpr, PREC: tl.constexpr, INV_PREC: tl.constexpr):
+                      NV: tl.constexpr, PREC: tl.constexpr, INV_PREC: tl.constexpr,
+                      ACT: tl.constexpr, G_MIN: tl.constexpr):
     """Back-propagates one chunk's terms, BS channels at a time (see the module docstring)."""
     c = tl.program_id(0)
     h = tl.program_id(1)
@@ -119,18 +137,28 @@ def _intra_bwd_kernel(q, k, v, g, beta, bounds, dU, pQG, pAQK, pKG, pW, pGC, dq,
     rmask = rows < t1
     i = tl.arange(0, BT)[:, None]
     j = tl.arange(0, BT)[None, :]
-    b = tl.load(beta + rows * H + h, mask=rmask, other=0.0).to(tl.float32)
+    b = load_beta(beta, rows, rmask, h, H, ACT)
     plane_k = T_total * H * K
-    # pass 1: P = Kd Ki^T and dT = dW (beta Kd)^T + dU (beta V)^T, reduced over the channels
+    # pass 1: P = Kd Ki^T and dT = dW (beta Kd)^T + dU (beta V)^T, reduced over the channels (raw k under ACT)
     P = tl.zeros([BT, BT], dtype=tl.float32)
     dT = tl.zeros([BT, BT], dtype=tl.float32)
+    sq_q = tl.zeros([BT], dtype=tl.float32)
+    sq_k = tl.zeros([BT], dtype=tl.float32)
     for c0 in tl.static_range(0, K, BS):  # loads only: all slices in flight at once
-        G, kk, eG, Ki, Qd, GC = slice_terms(q, k, g, rows, rmask, h, scale, H, K, BT, BS, c0)
+        qq, kk, G, GC = load_slice(q, k, g, A_log, dt_bias, rows, rmask, h, H, K, BT, BS, c0, ACT, G_MIN)
         xk = (rows[:, None] * H + h) * K + c0 + tl.arange(0, BS)[None, :]
         mk = rmask[:, None] & (c0 + tl.arange(0, BS)[None, :] < K)
         dW = _sum_planes(pW, xk, mk, plane_k, NV)
-        P += tl.dot(kk * eG, tl.trans(Ki), input_precision=PREC)
-        dT += tl.dot(dW, tl.trans(kk * eG), input_precision=PREC)
+        Kd = kk * tl.exp(G)
+        P += tl.dot(Kd, tl.trans(kk * tl.exp(-G)), input_precision=PREC)
+        dT += tl.dot(dW, tl.trans(Kd), input_precision=PREC)
+        if ACT != 0:
+            sq_q += tl.sum(qq * qq, axis=1)
+            sq_k += tl.sum(kk * kk, axis=1)
+    rq = inverse_norm(sq_q, ACT)
+    rk = inverse_norm(sq_k, ACT)
+    P = P * rk[:, None] * rk[None, :]
+    dT = dT * rk[None, :]
     for c0 in tl.static_range(0, V, BS):
         vv = _load_rows(v, rows, rmask, H, h, V, BS, c0)
         dT += tl.dot(_load_rows(dU, rows, rmask, H, h, V, BS, c0), tl.trans(vv), input_precision=PREC)
@@ -144,7 +172,11 @@ def _intra_bwd_kernel(q, k, v, g, beta, bounds, dU, pQG, pAQK, pKG, pW, pGC, dq,
     dAqk = tl.where(i >= j, _sum_planes(pAQK, xa, rmask[:, None], T_total * H * BT, NV), 0.0)
     # pass 2: per-channel gradients
     for c0 in range(0, K, BS):
-        G, kk, eG, Ki, Qd, GC = slice_terms(q, k, g, rows, rmask, h, scale, H, K, BT, BS, c0)
+        qq, kk, G, GC = load_slice(q, k, g, A_log, dt_bias, rows, rmask, h, H, K, BT, BS, c0, ACT, G_MIN)
+        kk = kk * rk[:, None]
+        eG = tl.exp(G)
+        Ki = kk * tl.exp(-G)
+        Qd = qq * (scale * rq)[:, None] * eG
         cs = c0 + tl.arange(0, BS)
         xk = (rows[:, None] * H + h) * K + cs[None, :]
         mk = rmask[:, None] & (cs[None, :] < K)
@@ -171,31 +203,49 @@ def _intra_bwd_kernel(q, k, v, g, beta, bounds, dU, pQG, pAQK, pKG, pW, pGC, dq,
     tl.store(dbeta + rows * H + h, dbeta_acc.to(dbeta.dtype.element_ty), mask=rmask)
 
 
-def chunk_kda_bwd(q, k, v, g, beta, scale, hs, do, dht, has_h0, lay: ChunkLayout, BV: int):
-    """Flat [T,H,*] backward from the saved per-chunk states hs. Returns dq, dk, dv, dg, dbeta, dh0."""
-    T, H, K = q.shape
-    V = v.shape[-1]
+def reverse_pass(W, U, QG, KG, AQK, GC, hs, do, dht, has_h0, lay: ChunkLayout, BV: int, atomic: bool, dtype):
+    """The reverse state pass: dU, the V-summed partials (NV planes, or one when added atomically) and dh0."""
+    T, H, K = W.shape
+    V = U.shape[-1]
     N = lay.n_seqs
-    W, U, QG, KG, AQK, GC = prepare(q, k, v, g, beta, scale, lay)
     NV = triton.cdiv(V, BV)
+    planes = 1 if atomic else NV
     nc = max(lay.n_chunks, 1)
-    f32 = dict(dtype=torch.float32, device=q.device)
+    new = torch.zeros if atomic else torch.empty
+    f32 = dict(dtype=torch.float32, device=W.device)
     dU = torch.empty(T, H, V, **f32)
-    pQG, pKG, pW = (torch.empty(NV, T, H, K, **f32) for _ in range(3))
-    pAQK = torch.empty(NV, T, H, CHUNK, **f32)
-    pGC = torch.empty(NV, nc, H, K, **f32)
+    pQG, pKG, pW = (new(planes, T, H, K, **f32) for _ in range(3))
+    pAQK = new(planes, T, H, CHUNK, **f32)
+    pGC = new(planes, nc, H, K, **f32)
     dh0 = torch.empty(N, H, K, V, **f32) if has_h0 else None
-    prec = precision(q.dtype)
     _state_bwd_kernel[(N, H, NV)](
         W, U, QG, KG, AQK, GC, hs, do, dht, dh0, dU, pQG, pAQK, pKG, pW, pGC, lay.cu_seqlens, lay.chunk_offsets,
         T, nc, H=H, K=K, V=V, BT=CHUNK, BK=_pow2(K), BV=BV, HAS_DHT=dht is not None, HAS_H0=has_h0,
-        PREC=prec, DT=dot_dtype(q.dtype), num_warps=WARPS["state_bwd"])
-    dq, dk, dg = (torch.empty_like(x) for x in (q, k, g))
-    dv = torch.empty_like(v)
+        PREC=precision(dtype), DT=dot_dtype(dtype), ATOMIC=atomic, num_warps=WARPS["state_bwd"])
+    return dU, (pQG, pAQK, pKG, pW, pGC), dh0
+
+
+def intra_backward(q, k, v, g, beta, scale, dU, partials, lay: ChunkLayout, act: FusedActivation | None = None):
+    """The token-parallel backward through each chunk's own terms; returns dq, dk, dv, dg, dbeta."""
+    T, H, K = q.shape
+    V = v.shape[-1]
+    pQG, pAQK, pKG, pW, pGC = partials
+    dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))
+    dg = torch.empty_like(g, dtype=torch.float32 if act is not None else g.dtype)
     dbeta = torch.empty_like(beta)
     if lay.n_chunks:
         _intra_bwd_kernel[(lay.n_chunks, H)](
-            q, k, v, g, beta, lay.chunk_bounds, dU, pQG, pAQK, pKG, pW, pGC, dq, dk, dv, dg, dbeta,
-            scale, T, nc, H=H, K=K, V=V, BT=CHUNK, BS=slice_width(K, V), NV=NV, PREC=prec,
-            INV_PREC=inverse_precision(q.dtype), num_warps=WARPS["intra_bwd"])
-    return dq, dk, dv, dg, dbeta, dh0
+            q, k, v, g, beta, bounds=lay.chunk_bounds, dU=dU, pQG=pQG, pAQK=pAQK, pKG=pKG, pW=pW, pGC=pGC,
+            dq=dq, dk=dk, dv=dv, dg=dg, dbeta=dbeta, scale=scale, T_total=T, n_chunks_total=pGC.shape[1],
+            H=H, K=K, V=V, BT=CHUNK, BS=slice_width(K, V), NV=pQG.shape[0], PREC=precision(q.dtype),
+            INV_PREC=inverse_precision(q.dtype), num_warps=WARPS["intra_bwd"], **activation_args(act, q))
+    return dq, dk, dv, dg, dbeta
+
+
+def chunk_kda_bwd(q, k, v, g, beta, scale, hs, do, dht, has_h0, lay: ChunkLayout, BV: int,
+                  act: FusedActivation | None = None, atomic: bool = False):
+    """Flat [T,H,*] backward from the saved per-chunk states hs. Returns dq, dk, dv, dg (fp32 under `act`),
+    dbeta, dh0; under `act` the gradients are with respect to the activated q, k, g and beta."""
+    terms = prepare(q, k, v, g, beta, scale, lay, act)
+    dU, partials, dh0 = reverse_pass(*terms, hs, do, dht, has_h0, lay, BV, atomic, q.dtype)
+    return (*intra_backward(q, k, v, g, beta, scale, dU, partials, lay, act), dh0)

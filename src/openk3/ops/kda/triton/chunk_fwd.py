@@ -11,16 +11,23 @@ Kd = K e^G, Ki = K e^-G, Qd = scale Q e^G (Gamma ⊙ K, K / Gamma, Gamma ⊙ Q i
 
 Every exponent but -G is <= 0; e^-G spans at most 15 gates (e^75 for K3's bound g >= -5), within fp32
 range. The anchor is the chunk's first token, never a later one, so outputs are causal to the bit.
+
+With a `FusedActivation` the kernels read the raw projections and gate logits instead and apply the
+activations on the fly (activations.py has the formulas): g from f, beta = sigmoid(b), and the L2 norms of the
+q and k rows, which span every channel slice. Slice by slice only raw q, k are at hand, so the products over
+K are accumulated raw and rescaled once the row norms are known: Diag(rk) P Diag(rk), Diag(rq) Aqk Diag(rk).
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from openk3.ops.kda.triton.activations import gate_activation
 from openk3.ops.kda.triton.layout import CHUNK, ChunkLayout
 
 WARPS = {"prepare": 2, "state": 4, "state_bwd": 4, "intra_bwd": 2}  # per kernel, measured on an H200
@@ -54,23 +61,45 @@ def unit_lower_inverse(A, i, j, INV_PREC: tl.constexpr):
 
 
 @triton.jit
-def slice_terms(q, k, g, rows, rmask, h, scale, H, K: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, c0):
-    """Channels c0:c0+BS of one chunk: G (cumsum of g; padded rows have g = 0, so G stays put), k, e^G,
-    Ki = k e^-G, Qd = scale q e^G, and G_C (G at the chunk's end)."""
+def load_slice(q, k, g, A_log, dt_bias, rows, rmask, h, H, K: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
+               c0, ACT: tl.constexpr, G_MIN: tl.constexpr):
+    """Channels c0:c0+BS of one chunk: q and k as stored (raw under ACT), G = cumsum of the gate (padded rows
+    have g = 0, so G stays put) and G_C (G at the chunk's end). Under ACT the gate is computed from its logits."""
     i = tl.arange(0, BT)[:, None]
-    G = tl.cumsum(_load_rows(g, rows, rmask, H, h, K, BS, c0), axis=0)
-    kk = _load_rows(k, rows, rmask, H, h, K, BS, c0)
-    eG = tl.exp(G)
-    Ki = kk * tl.exp(-G)
-    Qd = _load_rows(q, rows, rmask, H, h, K, BS, c0) * eG * scale
+    gg = _load_rows(g, rows, rmask, H, h, K, BS, c0)
+    if ACT != 0:
+        cols = c0 + tl.arange(0, BS)
+        a = tl.exp(tl.load(A_log + h).to(tl.float32))
+        bias = tl.load(dt_bias + h * K + cols, mask=cols < K, other=0.0).to(tl.float32)
+        gate = gate_activation(gg, a, bias[None, :], G_MIN, ACT == 2)[0]
+        gg = tl.where(rmask[:, None] & (cols[None, :] < K), gate, 0.0)
+    G = tl.cumsum(gg, axis=0)
     GC = tl.sum(tl.where(i == BT - 1, G, 0.0), axis=0)
-    return G, kk, eG, Ki, Qd, GC
+    return _load_rows(q, rows, rmask, H, h, K, BS, c0), _load_rows(k, rows, rmask, H, h, K, BS, c0), G, GC
 
 
 @triton.jit
-def _prepare_kernel(q, k, v, g, beta, bounds, W, U, QG, KG, AQK, GCX, scale,
+def load_beta(beta, rows, rmask, h, H, ACT: tl.constexpr):
+    """beta of the chunk's rows (sigmoid of the logits under ACT), 0 on padded rows."""
+    b = tl.load(beta + rows * H + h, mask=rmask, other=0.0).to(tl.float32)
+    if ACT != 0:
+        b = tl.where(rmask, tl.sigmoid(b), 0.0)
+    return b
+
+
+@triton.jit
+def inverse_norm(sum_sq, ACT: tl.constexpr):
+    """1 / ||x|| of each row (as activations.py), or 1 without fused activations."""
+    if ACT != 0:
+        return 1.0 / tl.sqrt(sum_sq + 1e-6)
+    return sum_sq * 0.0 + 1.0
+
+
+@triton.jit
+def _prepare_kernel(q, k, v, g, beta, A_log, dt_bias, bounds, W, U, QG, KG, AQK, GCX, scale,
                     H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                    BS: tl.constexpr, PREC: tl.constexpr, INV_PREC: tl.constexpr):
+                    BS: tl.constexpr, PREC: tl.constexpr, INV_PREC: tl.constexpr,
+                    ACT: tl.constexpr, G_MIN: tl.constexpr):
     """The state-independent terms of one chunk, BS channels at a time: everything is per channel except
     the two products over K (accumulated) and T, so slices keep the register tiles small."""
     c = tl.program_id(0)
@@ -81,20 +110,32 @@ def _prepare_kernel(q, k, v, g, beta, bounds, W, U, QG, KG, AQK, GCX, scale,
     rmask = rows < t1
     i = tl.arange(0, BT)[:, None]
     j = tl.arange(0, BT)[None, :]
-    b = tl.load(beta + rows * H + h, mask=rmask, other=0.0).to(tl.float32)
+    b = load_beta(beta, rows, rmask, h, H, ACT)
     # pass 1 only loads (no store in between), so every slice's loads are in flight at once
     P = tl.zeros([BT, BT], dtype=tl.float32)
     Aqk = tl.zeros([BT, BT], dtype=tl.float32)
+    sq_q = tl.zeros([BT], dtype=tl.float32)
+    sq_k = tl.zeros([BT], dtype=tl.float32)
     for c0 in tl.static_range(0, K, BS):
-        G, kk, eG, Ki, Qd, GC = slice_terms(q, k, g, rows, rmask, h, scale, H, K, BT, BS, c0)
-        P += tl.dot(kk * eG, tl.trans(Ki), input_precision=PREC)
-        Aqk += tl.dot(Qd, tl.trans(Ki), input_precision=PREC)
+        qq, kk, G, GC = load_slice(q, k, g, A_log, dt_bias, rows, rmask, h, H, K, BT, BS, c0, ACT, G_MIN)
+        Ki = kk * tl.exp(-G)
+        P += tl.dot(kk * tl.exp(G), tl.trans(Ki), input_precision=PREC)
+        Aqk += tl.dot(qq * tl.exp(G), tl.trans(Ki), input_precision=PREC)
+        if ACT != 0:
+            sq_q += tl.sum(qq * qq, axis=1)
+            sq_k += tl.sum(kk * kk, axis=1)
+    rq = inverse_norm(sq_q, ACT)
+    rk = inverse_norm(sq_k, ACT)
+    Aqk = Aqk * (scale * rq)[:, None] * rk[None, :]
+    P = P * rk[:, None] * rk[None, :]
     _store_rows(AQK, tl.where(i >= j, Aqk, 0.0), rows, rmask, H, h, BT, BT)
     Tb = unit_lower_inverse(tl.where(i > j, P * b[:, None], 0.0), i, j, INV_PREC) * b[None, :]  # T Diag(beta)
     # pass 2 reloads each slice (cache hits) and writes its terms
     for c0 in range(0, K, BS):
-        G, kk, eG, Ki, Qd, GC = slice_terms(q, k, g, rows, rmask, h, scale, H, K, BT, BS, c0)
-        _store_rows(QG, Qd, rows, rmask, H, h, K, BS, c0)
+        qq, kk, G, GC = load_slice(q, k, g, A_log, dt_bias, rows, rmask, h, H, K, BT, BS, c0, ACT, G_MIN)
+        kk = kk * rk[:, None]
+        eG = tl.exp(G)
+        _store_rows(QG, qq * (scale * rq)[:, None] * eG, rows, rmask, H, h, K, BS, c0)
         _store_rows(KG, kk * tl.exp(GC[None, :] - G), rows, rmask, H, h, K, BS, c0)
         _store_rows(W, tl.dot(Tb, kk * eG, input_precision=PREC), rows, rmask, H, h, K, BS, c0)
         cols = c0 + tl.arange(0, BS)
@@ -182,7 +223,24 @@ def state_block(n_seqs: int, H: int, V: int) -> int:
     return min(_pow2(V), 32 if n_seqs * H * 2 < 264 else 64)
 
 
-def prepare(q, k, v, g, beta, scale: float, lay: ChunkLayout):
+@dataclass(frozen=True)
+class FusedActivation:
+    """The activations the kernels apply to raw inputs (activations.py): K3's gate or Kimi Linear's."""
+
+    A_log: torch.Tensor  # [H]
+    dt_bias: torch.Tensor  # [H*K] contiguous
+    kimi: bool
+    g_min: float
+
+    def kernel_args(self) -> dict:
+        return dict(A_log=self.A_log, dt_bias=self.dt_bias, ACT=2 if self.kimi else 1, G_MIN=self.g_min)
+
+
+def activation_args(act: FusedActivation | None, dummy: torch.Tensor) -> dict:
+    return act.kernel_args() if act is not None else dict(A_log=dummy, dt_bias=dummy, ACT=0, G_MIN=0.0)
+
+
+def prepare(q, k, v, g, beta, scale: float, lay: ChunkLayout, act: FusedActivation | None = None):
     """Run the prepare kernel on flat [T,H,*] inputs; returns (W, U, QG, KG, AQK, GC)."""
     T, H, K = q.shape
     V = v.shape[-1]
@@ -193,17 +251,19 @@ def prepare(q, k, v, g, beta, scale: float, lay: ChunkLayout):
     GC = torch.empty(max(lay.n_chunks, 1), H, K, dtype=torch.float32, device=q.device)
     if lay.n_chunks:
         _prepare_kernel[(lay.n_chunks, H)](
-            q, k, v, g, beta, lay.chunk_bounds, W, U, QG, KG, AQK, GC, scale,
+            q, k, v, g, beta, bounds=lay.chunk_bounds, W=W, U=U, QG=QG, KG=KG, AQK=AQK, GCX=GC, scale=scale,
             H=H, K=K, V=V, BT=CHUNK, BS=slice_width(K, V), PREC=precision(q.dtype),
-            INV_PREC=inverse_precision(q.dtype), num_warps=WARPS["prepare"])
+            INV_PREC=inverse_precision(q.dtype), num_warps=WARPS["prepare"], **activation_args(act, q))
     return W, U, QG, KG, AQK, GC
 
 
-def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, lay: ChunkLayout, save_states):
-    """Flat [T,H,*] forward. Returns o (v's dtype), final state (fp32 or None), per-chunk states (or None)."""
+def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, lay: ChunkLayout, save_states,
+                  act: FusedActivation | None = None):
+    """Flat [T,H,*] forward. Returns o (v's dtype), final state (fp32 or None), per-chunk states (or None).
+    With `act`, g and beta are the gate and beta logits and q, k are not yet normalised."""
     T, H, K = q.shape
     V = v.shape[-1]
-    W, U, QG, KG, AQK, GC = prepare(q, k, v, g, beta, scale, lay)
+    W, U, QG, KG, AQK, GC = prepare(q, k, v, g, beta, scale, lay, act)
     o = torch.empty(T, H, V, dtype=v.dtype, device=q.device)
     N = lay.n_seqs
     ht = torch.empty(N, H, K, V, dtype=torch.float32, device=q.device) if output_final_state else None
