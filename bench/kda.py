@@ -1,6 +1,7 @@
 """KDA kernel benchmark on one GPU: openk3's Triton kernels beside fla 0.6.0 and torch SDPA, one process.
 
-    python bench/kda.py [--json PATH] [--quick]
+    python bench/kda.py [--json PATH] [--quick] [--shapes 0,1,2,3,4] [--fla-shapes 0,1,2,3,4]
+    python bench/kda.py --stages [--tune] [--shapes ...]     each launch of ours timed alone (and variants)
 
 Shapes (bf16, K = V = 128) from issue 5; modes fwd and fwd+bwd; decode of 64 and 256 sequences x 32 heads with
 an fp32 state pool; device-copy bandwidth and a bf16 GEMM rate as the two ceilings. fla runs its Triton path
@@ -193,9 +194,11 @@ def stages(name, B, T, H, cu, tune=False):
     scale = K**-0.5
     _, _, hs = chunk_fwd.chunk_kda_fwd(q, k, v, g, beta, scale, None, False, lay, save_states=True)
     do = torch.randn_like(v)
-    terms = chunk_fwd.prepare(q, k, v, g, beta, scale, lay)
-    rev = lambda bv=32, atomic=False: chunk_bwd.reverse_pass(*terms, hs, do, None, False, lay, bv, atomic, q.dtype)
-    dU, partials, _ = rev()
+    W, _, QG, KG, AQK, GC = chunk_fwd.prepare(q, k, v, g, beta, scale, lay)
+    rev = lambda bv=32: chunk_bwd.reverse_pass(W, QG, KG, AQK, GC, do, None, False, lay, bv, q.dtype)
+    dU, dhs, _ = rev()
+    intra = lambda *xs, act=None: chunk_bwd.intra_backward(*xs, scale, hs, dhs, do, dU, lay, act)
+    bwd = lambda: chunk_bwd.chunk_kda_bwd(q, k, v, g, beta, scale, hs, do, None, False, lay)
     row = {"shape": name,
            "prepare": ms(lambda: chunk_fwd.prepare(q, k, v, g, beta, scale, lay)),
            "prepare fused": ms(lambda: chunk_fwd.prepare(*raw, scale, lay, act)),
@@ -203,26 +206,21 @@ def stages(name, B, T, H, cu, tune=False):
            "fwd fused": ms(lambda: chunk_fwd.chunk_kda_fwd(*raw, scale, None, False, lay, False, act)),
            "fwd saving states": ms(lambda: chunk_fwd.chunk_kda_fwd(q, k, v, g, beta, scale, None, False, lay, True)),
            "reverse pass": ms(rev),
-           "intra bwd": ms(lambda: chunk_bwd.intra_backward(q, k, v, g, beta, scale, dU, partials, lay)),
-           "intra bwd fused": ms(lambda: chunk_bwd.intra_backward(*raw, scale, dU, partials, lay, act)),
-           "bwd total": ms(lambda: chunk_bwd.chunk_kda_bwd(q, k, v, g, beta, scale, hs, do, None, False, lay, 32))}
+           "intra bwd": ms(lambda: intra(q, k, v, g, beta)),
+           "intra bwd fused": ms(lambda: intra(*raw, act=act)),
+           "bwd total": ms(bwd)}
     row["state pass"] = row["fwd total"] - row["prepare"]
     print({a: (round(b, 4) if isinstance(b, float) else b) for a, b in row.items()}, flush=True)
     if not tune:
         return
-    for bv in (32, 64, 128):
-        for atomic in (False, True):
-            out = rev(bv, atomic)
-            t_rev = ms(lambda bv=bv, atomic=atomic: rev(bv, atomic))
-            t_intra = ms(lambda out=out: chunk_bwd.intra_backward(q, k, v, g, beta, scale, out[0], out[1], lay))
-            print(f"  reverse pass BV={bv} atomic={atomic}: {t_rev:.4f} + intra {t_intra:.4f}", flush=True)
+    for bv in (32, 64):
+        print(f"  reverse pass BV={bv}: {ms(lambda bv=bv: rev(bv)):.4f}", flush=True)
     default = dict(chunk_fwd.WARPS)
-    for kernel, options in (("prepare", (4,)), ("state", (8,)), ("intra_bwd", (4,)), ("state_bwd", (8,))):
+    for kernel, options in (("prepare", (4,)), ("state", (8,)), ("intra_bwd", (4, 8)), ("state_bwd", (2, 8))):
         for nw in options:
             chunk_fwd.WARPS.update(default, **{kernel: nw})
             fwd = ms(lambda: chunk_fwd.chunk_kda_fwd(*raw, scale, None, False, lay, False, act))
-            bwd = ms(lambda: chunk_bwd.chunk_kda_bwd(q, k, v, g, beta, scale, hs, do, None, False, lay, 32))
-            print(f"  {kernel} warps={nw}: fwd fused {fwd:.4f} bwd {bwd:.4f}", flush=True)
+            print(f"  {kernel} warps={nw}: fwd fused {fwd:.4f} bwd {ms(bwd):.4f}", flush=True)
     chunk_fwd.WARPS.update(default)
 
 
@@ -247,11 +245,14 @@ def main():
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "kda_bench.json"))
     ap.add_argument("--quick", action="store_true", help="first shape only")
     ap.add_argument("--stages", action="store_true", help="time our launches one by one, then exit")
+    ap.add_argument("--tune", action="store_true", help="with --stages: also time warps and V blocks (shapes 0, 2)")
+    ap.add_argument("--shapes", default="0,1,2,3,4", help="indices of the shapes to run")
     ap.add_argument("--fla-shapes", default="0,1,2,3,4", help="indices of the shapes that also run fla")
     args = ap.parse_args()
+    picked = [(i, SHAPES[i]) for i in sorted({int(x) for x in args.shapes.split(",") if x})]
     if args.stages:
-        for i, shape in enumerate(SHAPES):
-            stages(*shape, tune=i in (0, 2))
+        for i, shape in picked:
+            stages(*shape, tune=args.tune and i in (0, 2))
         for N in (64, 256):
             decode_variants(N, 32)
         return
@@ -269,7 +270,7 @@ def main():
     print(info, flush=True)
     shapes, decodes = [], []
     fla_shapes = {int(x) for x in args.fla_shapes.split(",") if x}
-    for i, (name, B, T, H, cu) in enumerate(SHAPES[:1] if args.quick else SHAPES):
+    for i, (name, B, T, H, cu) in picked[:1] if args.quick else picked:
         row = bench_shape(name, B, T, H, cu, shapes, with_fla=i in fla_shapes)
         print({a: (round(b, 4) if isinstance(b, float) else b) for a, b in row.items()}, flush=True)
     for N in (64, 256):

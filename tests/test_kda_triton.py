@@ -108,15 +108,17 @@ def test_chunked_matches_recurrence(T, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_ragged_varlen(dtype):
-    """Boundaries mid-chunk, a 1-token sequence, one shorter and one longer than a chunk."""
+    """Boundaries mid-chunk, a 1-token sequence, one shorter and one longer than a chunk; V = 48 spans two
+    V blocks of the state passes, the second one partly masked."""
     cu = torch.tensor([0, 5, 6, 30, 100], dtype=torch.int32, device=DEV)
-    inputs = make(1, 100, 2, 16, 16, dtype, seed=3)
-    compare(inputs, dtype, torch.randn(4, 2, 16, 16).to(DEV), cu)
+    inputs = make(1, 100, 2, 16, 48, dtype, seed=3)
+    compare(inputs, dtype, torch.randn(4, 2, 16, 48).to(DEV), cu)
 
 
 @pytest.mark.parametrize("gate,beta_mode", [("bound", "high"), ("zero", "low"), ("bound", "low"), ("zero", "high")])
 def test_extreme_gates_and_betas(gate, beta_mode):
-    compare(make(1, 40, 1, 32, 16, torch.float32, gate, beta_mode, seed=5), torch.float32, torch.randn(1, 1, 32, 16))
+    h0 = torch.randn(1, 1, 32, 16).to(DEV)
+    compare(make(1, 40, 1, 32, 16, torch.float32, gate, beta_mode, seed=5), torch.float32, h0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -10,7 +10,6 @@ gc; one token-parallel launch, cheaper than keeping four [T,H,K] tensors alive) 
 from __future__ import annotations
 
 import torch
-import triton
 
 from openk3.ops.kda.triton.activations import GATES, activations_backward
 from openk3.ops.kda.triton.chunk_bwd import chunk_kda_bwd
@@ -50,9 +49,7 @@ class _KDAChunkFunction(torch.autograd.Function):
         act = ctx.act
         do = do.reshape(B * T, H, V).contiguous()
         dht = None if dht is None else dht.float().contiguous()
-        BV = min(32, triton.next_power_of_2(V))  # narrow blocks: fewer registers, 15-30% faster than 64 on an H200
-        dq, dk, dv, dg, dbeta, dh0 = chunk_kda_bwd(q, k, v, g, beta, ctx.scale, hs, do, dht, ctx.has_h0, ctx.lay, BV,
-                                                   act)
+        dq, dk, dv, dg, dbeta, dh0 = chunk_kda_bwd(q, k, v, g, beta, ctx.scale, hs, do, dht, ctx.has_h0, ctx.lay, act)
         d_A_log = d_dt_bias = None
         if act is not None:
             A_log, dt_bias = ctx.saved_tensors[6:]

@@ -30,7 +30,7 @@ import triton.language as tl
 from openk3.ops.kda.triton.activations import gate_activation
 from openk3.ops.kda.triton.layout import CHUNK, ChunkLayout
 
-WARPS = {"prepare": 2, "state": 4, "state_bwd": 4, "intra_bwd": 2}  # per kernel, measured on an H200
+WARPS = {"prepare": 2, "state": 4, "state_bwd": 4, "intra_bwd": 4}  # per kernel, measured on an H200
 
 
 @triton.jit
@@ -99,7 +99,7 @@ def inverse_norm(sum_sq, ACT: tl.constexpr):
 def _prepare_kernel(q, k, v, g, beta, A_log, dt_bias, bounds, W, U, QG, KG, AQK, GCX, scale,
                     H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                     BS: tl.constexpr, PREC: tl.constexpr, INV_PREC: tl.constexpr,
-                    ACT: tl.constexpr, G_MIN: tl.constexpr):
+                    ACT: tl.constexpr, G_MIN: tl.constexpr, STORE_U: tl.constexpr):
     """The state-independent terms of one chunk, BS channels at a time: everything is per channel except
     the two products over K (accumulated) and T, so slices keep the register tiles small."""
     c = tl.program_id(0)
@@ -140,9 +140,10 @@ def _prepare_kernel(q, k, v, g, beta, A_log, dt_bias, bounds, W, U, QG, KG, AQK,
         _store_rows(W, tl.dot(Tb, kk * eG, input_precision=PREC), rows, rmask, H, h, K, BS, c0)
         cols = c0 + tl.arange(0, BS)
         tl.store(GCX + (c * H + h) * K + cols, tl.exp(GC), mask=cols < K)
-    for c0 in range(0, V, BS):
-        vv = _load_rows(v, rows, rmask, H, h, V, BS, c0)
-        _store_rows(U, tl.dot(Tb, vv, input_precision=PREC), rows, rmask, H, h, V, BS, c0)
+    if STORE_U:
+        for c0 in range(0, V, BS):
+            vv = _load_rows(v, rows, rmask, H, h, V, BS, c0)
+            _store_rows(U, tl.dot(Tb, vv, input_precision=PREC), rows, rmask, H, h, V, BS, c0)
 
 
 @triton.jit
@@ -240,21 +241,23 @@ def activation_args(act: FusedActivation | None, dummy: torch.Tensor) -> dict:
     return act.kernel_args() if act is not None else dict(A_log=dummy, dt_bias=dummy, ACT=0, G_MIN=0.0)
 
 
-def prepare(q, k, v, g, beta, scale: float, lay: ChunkLayout, act: FusedActivation | None = None):
-    """Run the prepare kernel on flat [T,H,*] inputs; returns (W, U, QG, KG, AQK, GC)."""
+def prepare(q, k, v, g, beta, scale: float, lay: ChunkLayout, act: FusedActivation | None = None, with_u=True):
+    """Run the prepare kernel on flat [T,H,*] inputs; returns (W, U, QG, KG, AQK, GC), U None without `with_u`
+    (the backward's reverse pass does not read it)."""
     T, H, K = q.shape
     V = v.shape[-1]
     dt = {tl.float32: torch.float32, tl.bfloat16: torch.bfloat16, tl.float16: torch.float16}[dot_dtype(q.dtype)]
     W, QG, KG = (torch.empty(T, H, K, dtype=dt, device=q.device) for _ in range(3))
-    U = torch.empty(T, H, V, dtype=dt, device=q.device)
+    U = torch.empty(T, H, V, dtype=dt, device=q.device) if with_u else W
     AQK = torch.empty(T, H, CHUNK, dtype=dt, device=q.device)
     GC = torch.empty(max(lay.n_chunks, 1), H, K, dtype=torch.float32, device=q.device)
     if lay.n_chunks:
         _prepare_kernel[(lay.n_chunks, H)](
             q, k, v, g, beta, bounds=lay.chunk_bounds, W=W, U=U, QG=QG, KG=KG, AQK=AQK, GCX=GC, scale=scale,
             H=H, K=K, V=V, BT=CHUNK, BS=slice_width(K, V), PREC=precision(q.dtype),
-            INV_PREC=inverse_precision(q.dtype), num_warps=WARPS["prepare"], **activation_args(act, q))
-    return W, U, QG, KG, AQK, GC
+            INV_PREC=inverse_precision(q.dtype), STORE_U=with_u, num_warps=WARPS["prepare"],
+            **activation_args(act, q))
+    return W, (U if with_u else None), QG, KG, AQK, GC
 
 
 def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, lay: ChunkLayout, save_states,
