@@ -122,12 +122,12 @@ def _intra_bwd_kernel(q, k, v, g, beta, A_log, dt_bias, bounds, hs, dhs, do, dU,
     dpv = _load_rows(dU, rows, rmask, H, h, V, BV)
     dout = _load_rows(do, rows, rmask, H, h, V, BV)
     vv = _load_rows(v, rows, rmask, H, h, V, BV)
-    # pass 1 (loads only, all slices in flight): P = Kd Ki^T and Kd S, with raw k under ACT
+    # pass 1: P = Kd Ki^T and Kd S over the K slices (raw k under ACT; rolled loop, as in the prepare kernel)
     P = tl.zeros([BT, BT], dtype=tl.float32)
     KdS = tl.zeros([BT, BV], dtype=tl.float32)
     sq_q = tl.zeros([BT], dtype=tl.float32)
     sq_k = tl.zeros([BT], dtype=tl.float32)
-    for c0 in tl.static_range(0, K, BS):
+    for c0 in range(0, K, BS):
         qq, kk, G, GC = load_slice(q, k, g, A_log, dt_bias, rows, rmask, h, H, K, BT, BS, c0, ACT, G_MIN)
         S = _load_state_rows(hs, c, h, H, K, V, BS, BV, c0).to(dt)
         Kd = kk * tl.exp(G)
