@@ -45,21 +45,31 @@ def test_scaling_and_no_renorm():
 
 
 def test_experts_forward_matches_per_token_loop():
+    """Outputs and the gradients of x, the expert weights and the combine weights; expert 4 gets no token."""
     g = torch.Generator().manual_seed(2)
     E, I, Din, Dout, N, k = 5, 7, 6, 4, 23, 2
-    x = torch.randn(N, Din, generator=g, dtype=torch.float64)
-    gate_up = torch.randn(E, 2 * I, Din, generator=g, dtype=torch.float64)
-    down = torch.randn(E, Dout, I, generator=g, dtype=torch.float64)
-    r = sigmoid_topk_routing(torch.randn(N, E, generator=g), None, k)
+    leaves = [torch.randn(N, Din, generator=g, dtype=torch.float64),
+              torch.randn(E, 2 * I, Din, generator=g, dtype=torch.float64),
+              torch.randn(E, Dout, I, generator=g, dtype=torch.float64)]
+    r = sigmoid_topk_routing(torch.randn(N, E, generator=g), torch.tensor([0.0, 0, 0, 0, -10]), k)
     act = lambda a, b: situ_glu(a, b, 4.0, 25.0)
-    out = experts_forward(x, r.indices, r.weights.double(), gate_up, down, act)
+    ours = [t.clone().requires_grad_() for t in leaves + [r.weights.double()]]
+    refs = [t.clone().requires_grad_() for t in leaves + [r.weights.double()]]
+    out = experts_forward(ours[0], r.indices, ours[3], ours[1], ours[2], act)
+    x, gate_up, down, w = refs
     ref = torch.zeros(N, Dout, dtype=torch.float64)
     for n in range(N):
         for j in range(k):
             e = r.indices[n, j]
             gu = gate_up[e] @ x[n]
-            ref[n] += r.weights[n, j].double() * (down[e] @ act(gu[:I], gu[I:]))
+            ref[n] += w[n, j] * (down[e] @ act(gu[:I], gu[I:]))
     assert torch.allclose(out, ref, atol=1e-5)  # combined in fp32
+    dy = torch.randn(N, Dout, generator=g, dtype=torch.float64)
+    out.backward(dy)
+    ref.backward(dy)
+    for a, b in zip(ours, refs):
+        assert torch.allclose(a.grad, b.grad, atol=1e-5)
+    assert not (r.indices == 4).any() and torch.equal(ours[1].grad[4], torch.zeros_like(ours[1].grad[4]))
 
 
 def test_group_by_expert():

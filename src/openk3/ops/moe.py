@@ -61,18 +61,18 @@ def grouped_glu_mlp(
     down: torch.Tensor,
     act: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:
-    """Rows of x_sorted [M,Din] grouped by expert (counts [E]) -> [M,Dout]; a loop over active experts."""
-    out = x_sorted.new_empty(x_sorted.shape[0], down.shape[1])
-    inter = gate_up.shape[1] // 2
-    start = 0
-    for e, n in enumerate(counts.tolist()):
-        if n == 0:
-            continue
-        xe = x_sorted[start : start + n]
-        gu = F.linear(xe, gate_up[e])
-        out[start : start + n] = F.linear(act(gu[:, :inter], gu[:, inter:]), down[e])
-        start += n
-    return out
+    """Rows of x_sorted [M,Din] grouped by expert (counts [E]) -> [M,Dout]; a loop over active experts.
+
+    The rows are split and the weights unbound once, so backward assembles each gradient with one cat / stack;
+    indexing `gate_up[e]` or slicing rows per expert would instead add a zero-padded full-size gradient per
+    expert (E times the traffic of the weights and of x_sorted)."""
+    sizes = counts.tolist()
+    outs = []
+    for xe, w_gate_up, w_down, n in zip(x_sorted.split(sizes), gate_up.unbind(0), down.unbind(0), sizes):
+        if n:
+            gate, up = F.linear(xe, w_gate_up).chunk(2, dim=-1)
+            outs.append(F.linear(act(gate, up), w_down))
+    return torch.cat(outs) if outs else x_sorted.new_empty(0, down.shape[1])
 
 
 def experts_forward(
