@@ -154,3 +154,27 @@ def test_kda_backend_choice(monkeypatch):
     assert kimi._backend(7, cuda) == "auto"  # resolved by the op from the environment
     kimi.kda_backend = "recurrent"
     assert kimi._backend(7, cuda) == "recurrent"
+
+
+def test_kda_layer_triton_path_matches_chunked():
+    """With the Triton backend the layer takes its activations from one Triton pass (kda_activations); outputs and
+    every parameter's gradient match the PyTorch activations + chunked KDA (the Triton kernels run under
+    TRITON_INTERPRET=1 without CUDA, set by tests/conftest.py)."""
+    cfg = get_preset("k3-tiny").with_overrides({"kda": {"num_heads": 2, "head_dim": 16}})
+    torch.manual_seed(0)
+    layers = {}
+    for backend in ("triton", "chunked"):
+        torch.manual_seed(0)
+        layers[backend] = KimiDeltaAttention(cfg, 0)
+        layers[backend].kda_backend = backend
+    x = torch.randn(2, 21, cfg.hidden_size)
+    outs = {}
+    for backend, layer in layers.items():
+        xb = x.clone().requires_grad_()
+        outs[backend] = layer(xb)
+        outs[backend].square().sum().backward()
+        outs[backend] = (outs[backend], xb.grad)
+    assert torch.allclose(outs["triton"][0], outs["chunked"][0], atol=1e-5)
+    assert torch.allclose(outs["triton"][1], outs["chunked"][1], atol=1e-5)
+    for (name, a), b in zip(layers["triton"].named_parameters(), layers["chunked"].parameters()):
+        assert torch.allclose(a.grad, b.grad, atol=1e-5, rtol=1e-4), name
