@@ -182,13 +182,13 @@ def test_mtp_logits_shape_and_causality():
     assert kimi(ids % kimi.config.vocab_size).mtp_logits is None
 
 
+@pytest.mark.parametrize("offsets", [(5, 16, 29), (16, 32)])  # split calls; one chunked call (chunk multiples)
 @pytest.mark.parametrize("name", ["k3-tiny", "kimi-tiny"])
-def test_checkpoints_inside_one_forward_equal_separate_forwards(name):
+def test_checkpoints_inside_one_forward_equal_separate_forwards(name, offsets):
     """KDA states recorded at offsets inside one prefill forward equal the states after forwards that stop there,
     and requesting checkpoints does not change the logits (fp64, so only the logic is compared, not rounding)."""
     model = build(name, seed=3).double()
-    ids = torch.randint(0, model.config.vocab_size, (2, 29))
-    offsets = (5, 16, 29)
+    ids = torch.randint(0, model.config.vocab_size, (2, 40))
 
     whole = model.new_cache(2)
     whole.checkpoint_offsets = offsets

@@ -5,6 +5,7 @@ import torch
 
 from openk3.ops.gates import k3_gate
 from openk3.ops.kda import kda, kda_chunked, kda_recurrent
+from openk3.ops.kda.chunked import kda_chunked_with_states
 
 
 @pytest.fixture(autouse=True)
@@ -183,3 +184,20 @@ def test_bad_shapes_name_the_argument():
         kda(q, k, v, g, b[..., :1])
     with pytest.raises(ValueError, match="initial_state"):
         kda(q, k, v, g, b, initial_state=torch.zeros(1, 2, 8, 4))
+
+
+def test_states_at_chunk_boundaries_from_one_pass():
+    """kda_chunked_with_states: the states after 16 and 48 of 53 tokens equal the recurrence stopped there, and the
+    output and final state equal a plain call; offsets off the chunk grid are refused, naming the rule."""
+    q, k, v, g, b, s0 = make_inputs(2, 53, 2, 8, 4, seed=21, state=True)
+    o, states, final = kda_chunked_with_states(q, k, v, g, b, (16, 48), initial_state=s0)
+    ref_o, ref_final = kda_recurrent(q, k, v, g, b, initial_state=s0, output_final_state=True)
+    torch.testing.assert_close(o, ref_o)
+    torch.testing.assert_close(final, ref_final)
+    for t, state in zip((16, 48), states):
+        _, ref = kda_recurrent(q[:, :t], k[:, :t], v[:, :t], g[:, :t], b[:, :t], initial_state=s0,
+                               output_final_state=True)
+        torch.testing.assert_close(state, ref)
+    for bad in ((5,), (16, 64), (0,)):
+        with pytest.raises(ValueError, match="multiples of chunk_size=16"):
+            kda_chunked_with_states(q, k, v, g, b, bad)

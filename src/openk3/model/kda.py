@@ -12,7 +12,8 @@ from openk3.config import ModelConfig
 from openk3.model.common import KeepFp32, RMSNorm, ShortConv, linear, out_std
 from openk3.ops.conv import causal_conv1d, causal_conv1d_step
 from openk3.ops.gates import k3_gate, kimi_gate
-from openk3.ops.kda import kda, resolve_backend
+from openk3.ops.kda import check_kda_inputs, kda, resolve_backend
+from openk3.ops.kda.chunked import CHUNK_SIZE, kda_chunked_with_states
 from openk3.ops.norms import acc_dtype, l2_norm, rms_norm
 
 
@@ -125,19 +126,26 @@ class KimiDeltaAttention(KeepFp32, nn.Module):
         return "auto"
 
     def _kda_with_checkpoints(self, q, k, v, g, beta, initial, conv_state, qkv_in, offsets, cache, backend):
-        """KDA over the T new tokens in segments split at `offsets`, recording the layer's state (conv window and
-        recurrent state) at each split in the cache; the chained segments give the same result as one call."""
+        """KDA over the T new tokens, recording the layer's state (conv window and recurrent state) after each of
+        `offsets` tokens in the cache. The chunked backend emits the states of chunk-aligned offsets from one pass;
+        otherwise the call is split at the offsets (the chained segments give the same result as one call)."""
         window = conv_state.shape[-1]
         history = torch.cat([conv_state, qkv_in.transpose(1, 2).to(conv_state.dtype)], dim=-1)  # [B,C,W-1+T]
-        outputs, state, start = [], initial, 0
-        for end in [*offsets, q.shape[1]]:
-            o, state = kda(q[:, start:end], k[:, start:end], v[:, start:end], g[:, start:end], beta[:, start:end],
-                           initial_state=state, output_final_state=True, backend=backend)
-            outputs.append(o)
-            if end in offsets:
-                cache.record_checkpoint(end, self.layer_idx, history[..., end:end + window], state)
-            start = end
-        return torch.cat(outputs, dim=1), state
+        if resolve_backend(backend, q.device) == "chunked" and all(t % CHUNK_SIZE == 0 for t in offsets):
+            check_kda_inputs(q, k, v, g, beta, initial, None)
+            o, states, state = kda_chunked_with_states(q, k, v, g, beta, tuple(offsets), initial_state=initial)
+        else:
+            outputs, states, state, start = [], [], initial, 0
+            for end in [*offsets, q.shape[1]]:
+                o, state = kda(q[:, start:end], k[:, start:end], v[:, start:end], g[:, start:end],
+                               beta[:, start:end], initial_state=state, output_final_state=True, backend=backend)
+                outputs.append(o)
+                states.append(state)
+                start = end
+            o = torch.cat(outputs, dim=1)
+        for end, s in zip(offsets, states):
+            cache.record_checkpoint(end, self.layer_idx, history[..., end:end + window], s)
+        return o, state
 
     def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
         """x [B,T,D] -> [B,T,D]. With a HybridCache, starts from and updates this layer's conv/recurrent state."""

@@ -20,9 +20,12 @@ import torch.nn.functional as F
 
 from openk3.ops.kda.reference import sequence_bounds
 
+CHUNK_SIZE = 16  # default chunk: on 2 CPU cores fwd+bwd ran 1.8x faster than at 32 (bench/RESULTS.md, Training)
 
-def _kda_chunked_padded(q, k, v, g, beta, initial_state, chunk_size):
-    """q, k, g [N,H,T,K]; v [N,H,T,V]; beta [N,H,T]; T a multiple of chunk_size. Returns o, final state."""
+
+def _kda_chunked_padded(q, k, v, g, beta, initial_state, chunk_size, keep=()):
+    """q, k, g [N,H,T,K]; v [N,H,T,V]; beta [N,H,T]; T a multiple of chunk_size. Returns o, the final state and
+    the states after the chunks listed in `keep`."""
     N, H, T, K = q.shape
     V = v.shape[-1]
     C = chunk_size
@@ -49,13 +52,15 @@ def _kda_chunked_padded(q, k, v, g, beta, initial_state, chunk_size):
     k_to_end = k * (chunk_decay.unsqueeze(-2) - G).exp()
 
     S = q.new_zeros(N, H, K, V) if initial_state is None else initial_state.to(q.dtype)
-    outputs = []
+    outputs, kept = [], {}
     for c in range(n):
         pseudo_v = U[:, :, c] - W[:, :, c] @ S
         outputs.append(q_decayed[:, :, c] @ S + A_qk[:, :, c] @ pseudo_v)
         S = chunk_decay[:, :, c].exp().unsqueeze(-1) * S + k_to_end[:, :, c].transpose(-1, -2) @ pseudo_v
+        if c in keep:
+            kept[c] = S
     o = torch.stack(outputs, dim=2).reshape(N, H, T, V)
-    return o, S
+    return o, S, [kept[c] for c in keep]
 
 
 def kda_chunked(
@@ -69,9 +74,37 @@ def kda_chunked(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
-    chunk_size: int = 16,
+    chunk_size: int = CHUNK_SIZE,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunked KDA, same contract as `kda_recurrent`; differentiable. Computes in fp32 (fp64 for fp64)."""
+    o, _, final = _chunked(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size, ())
+    return o, (final if output_final_state else None)
+
+
+def kda_chunked_with_states(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    offsets: tuple[int, ...],
+    *,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    chunk_size: int = CHUNK_SIZE,
+) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+    """`kda_chunked` over [B,T,H,*] that also returns the state after each of `offsets` tokens (fp32 [B,H,K,V],
+    the same values a call stopped there would return), from one pass: the offsets must be multiples of
+    chunk_size in (0, T], where the chunks end. Returns (o, states in the order of offsets, final state)."""
+    T = q.shape[1]
+    bad = [t for t in offsets if not 0 < t <= T or t % chunk_size]
+    if bad:
+        raise ValueError(f"offsets must be multiples of chunk_size={chunk_size} in (0, T={T}], got {bad}")
+    keep = tuple(t // chunk_size - 1 for t in offsets)  # the chunk each offset ends
+    return _chunked(q, k, v, g, beta, scale, initial_state, None, chunk_size, keep)
+
+
+def _chunked(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size, keep):
     B, T, H, K = q.shape
     scale = K**-0.5 if scale is None else scale
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -87,10 +120,10 @@ def kda_chunked(
 
     qs, ks, vs, gs = gather(q.to(acc) * scale), gather(k), gather(v), gather(g)
     betas = gather(beta.unsqueeze(-1)).squeeze(-1)
-    o_padded, final = _kda_chunked_padded(qs, ks, vs, gs, betas, initial_state, chunk_size)
+    o_padded, final, kept = _kda_chunked_padded(qs, ks, vs, gs, betas, initial_state, chunk_size, keep)
     o_padded = o_padded.movedim(1, 2)  # [N,padded_len,H,V]
     if cu_seqlens is None:
         o = o_padded[:, :T]
     else:
         o = torch.cat([o_padded[i, : end - start] for i, (_, start, end) in enumerate(seqs)]).unsqueeze(0)
-    return o.to(v.dtype), (final if output_final_state else None)
+    return o.to(v.dtype), kept, final
