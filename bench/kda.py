@@ -251,6 +251,9 @@ def main():
     ap.add_argument("--shapes", default="0,1,2,3,4", help="indices of the shapes to run")
     ap.add_argument("--fla-shapes", default="0,1,2,3,4", help="indices of the shapes that also run fla")
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/kda.py needs a CUDA device (the CPU runs the kernels only under TRITON_INTERPRET=1, "
+                         "for the tests)")
     picked = [(i, SHAPES[i]) for i in sorted({int(x) for x in args.shapes.split(",") if x})]
     if args.stages:
         for i, shape in picked:

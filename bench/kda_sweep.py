@@ -111,6 +111,8 @@ def main():
     ap.add_argument("--skip", type=int, default=0, help="start at this case (to resume a budgeted run)")
     ap.add_argument("--activations", action="store_true", help="check kda_activations only")
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench/kda_sweep.py needs a CUDA device (tests/test_kda_triton.py is the CPU-interpreter version)")
     if args.activations:
         sys.exit(0 if check_activations() else 1)
     torch.manual_seed(0)
