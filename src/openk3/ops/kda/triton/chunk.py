@@ -1,8 +1,8 @@
 """`kda_triton` and `kda_triton_fused`: the chunked Triton kernels behind an autograd.Function (SPEC-K3 §2).
 
 Saved for backward: the inputs as given (for the fused variant the raw projections and logits, so no
-activated copy stays alive; A_log and dt_bias too), the initial state's presence, and the state at the start
-of every chunk (hs, in the kernels' operand dtype: bf16 for 16-bit inputs, fp32 for fp32).
+activated copy stays alive; A_log and dt_bias are kept on the context), the initial state's presence, and the
+state at the start of every chunk (hs, in the kernels' operand dtype: bf16 for 16-bit inputs, fp32 for fp32).
 Recomputed in backward: the activations (fused variant), the state-independent chunk terms (W, U, Qd, kg, Aqk,
 gc; one token-parallel launch, cheaper than keeping four [T,H,K] tensors alive) and the pseudo-values U - W S.
 """
@@ -36,15 +36,16 @@ class _KDAChunkFunction(torch.autograd.Function):
         h0 = None if initial_state is None else initial_state.float().contiguous()
         o, ht, hs = chunk_kda_fwd(*flat, beta_flat, scale, h0, output_final_state, lay, save_states=save, act=act)
         if save:
-            ctx.save_for_backward(*flat, beta_flat, hs, *((A_log, dt_bias) if act else ()))
+            ctx.save_for_backward(*flat, beta_flat, hs)
             ctx.lay, ctx.scale, ctx.shape, ctx.has_h0 = lay, scale, (B, T, H, K, V), h0 is not None
             ctx.h0_dtype = None if initial_state is None else initial_state.dtype
-            ctx.act = act
+            ctx.act = act  # its A_log / dt_bias: fp32 copies (or the parameters themselves when already fp32)
+            ctx.param_dtypes = None if act is None else (A_log.dtype, dt_bias.dtype, dt_bias.shape)
         return o.reshape(B, T, H, V), ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, g, beta, hs = ctx.saved_tensors[:6]
+        q, k, v, g, beta, hs = ctx.saved_tensors
         B, T, H, K, V = ctx.shape
         act = ctx.act
         do = do.reshape(B * T, H, V).contiguous()
@@ -52,10 +53,10 @@ class _KDAChunkFunction(torch.autograd.Function):
         dq, dk, dv, dg, dbeta, dh0 = chunk_kda_bwd(q, k, v, g, beta, ctx.scale, hs, do, dht, ctx.has_h0, ctx.lay, act)
         d_A_log = d_dt_bias = None
         if act is not None:
-            A_log, dt_bias = ctx.saved_tensors[6:]
+            a_dtype, b_dtype, b_shape = ctx.param_dtypes
             dq, dk, dg, dbeta, d_A_log, d_dt_bias = activations_backward(
                 q, k, g, beta, act.A_log, act.dt_bias, dq, dk, dg, dbeta, g_min=act.g_min, kimi=act.kimi)
-            d_A_log, d_dt_bias = d_A_log.to(A_log.dtype), d_dt_bias.reshape(dt_bias.shape).to(dt_bias.dtype)
+            d_A_log, d_dt_bias = d_A_log.to(a_dtype), d_dt_bias.reshape(b_shape).to(b_dtype)
         grads = [x.reshape(B, T, H, -1) for x in (dq, dk, dv, dg)]
         dh0 = None if dh0 is None else dh0.to(ctx.h0_dtype)
         return (*grads, dbeta.reshape(B, T, H), d_A_log, d_dt_bias, dh0, None, None, None, None, None)
