@@ -184,7 +184,7 @@ def bench_decode(N, H, results, copy_bw):
 def stages(name, B, T, H, cu, tune=False):
     """Time each launch of ours alone: forward (prepare, state pass), backward (prepare, reverse pass, intra),
     pre-activated and fused; with `tune`, warps per kernel and the reverse pass's V block and reduction."""
-    from openk3.ops.kda.triton import chunk_bwd, chunk_fwd
+    from openk3.ops.kda.triton import chunk_bwd, chunk_fwd, overlap
     from openk3.ops.kda.triton.layout import chunk_layout
 
     r = raw_inputs(B, T, H)
@@ -196,21 +196,30 @@ def stages(name, B, T, H, cu, tune=False):
     scale = K**-0.5
     _, _, hs = chunk_fwd.chunk_kda_fwd(q, k, v, g, beta, scale, None, False, lay, save_states=True)
     do = torch.randn_like(v)
-    W, _, QG, KG, AQK, GC = chunk_fwd.prepare(q, k, v, g, beta, scale, lay)
-    rev = lambda bv=32: chunk_bwd.reverse_pass(W, QG, KG, AQK, GC, do, None, False, lay, bv, q.dtype)
+    terms = chunk_fwd.prepare(q, k, v, g, beta, scale, lay)
+
+    def rev(bv=32):
+        outs, launch = chunk_bwd.reverse_pass(terms, do, None, False, lay, bv, q.dtype)
+        launch()
+        return outs
+
     dU, dhs, _ = rev()
     intra = lambda *xs, act=None: chunk_bwd.intra_backward(*xs, scale, hs, dhs, do, dU, lay, act)
     bwd = lambda: chunk_bwd.chunk_kda_bwd(q, k, v, g, beta, scale, hs, do, None, False, lay)
+    fwd = lambda *xs, act=None, save=False: chunk_fwd.chunk_kda_fwd(*xs, scale, None, False, lay, save, act)
     row = {"shape": name,
            "prepare": ms(lambda: chunk_fwd.prepare(q, k, v, g, beta, scale, lay)),
            "prepare fused": ms(lambda: chunk_fwd.prepare(*raw, scale, lay, act)),
-           "fwd total": ms(lambda: chunk_fwd.chunk_kda_fwd(q, k, v, g, beta, scale, None, False, lay, False)),
-           "fwd fused": ms(lambda: chunk_fwd.chunk_kda_fwd(*raw, scale, None, False, lay, False, act)),
-           "fwd saving states": ms(lambda: chunk_fwd.chunk_kda_fwd(q, k, v, g, beta, scale, None, False, lay, True)),
+           "fwd total": ms(lambda: fwd(q, k, v, g, beta)),
+           "fwd fused": ms(lambda: fwd(*raw, act=act)),
+           "fwd saving states": ms(lambda: fwd(q, k, v, g, beta, save=True)),
            "reverse pass": ms(rev),
            "intra bwd": ms(lambda: intra(q, k, v, g, beta)),
            "intra bwd fused": ms(lambda: intra(*raw, act=act)),
            "bwd total": ms(bwd)}
+    overlap.ENABLED = False  # the same passes one after the other
+    row["bwd total, no overlap"] = ms(bwd)
+    overlap.ENABLED = True
     row["state pass"] = row["fwd total"] - row["prepare"]
     print({a: (round(b, 4) if isinstance(b, float) else b) for a, b in row.items()}, flush=True)
     if not tune:
@@ -221,8 +230,8 @@ def stages(name, B, T, H, cu, tune=False):
     for kernel, options in (("prepare", (4,)), ("state", (8,)), ("intra_bwd", (4, 8)), ("state_bwd", (2, 8))):
         for nw in options:
             chunk_fwd.WARPS.update(default, **{kernel: nw})
-            fwd = ms(lambda: chunk_fwd.chunk_kda_fwd(*raw, scale, None, False, lay, False, act))
-            print(f"  {kernel} warps={nw}: fwd fused {fwd:.4f} bwd {ms(bwd):.4f}", flush=True)
+            t_fwd = ms(lambda: fwd(*raw, act=act))
+            print(f"  {kernel} warps={nw}: fwd fused {t_fwd:.4f} bwd {ms(bwd):.4f}", flush=True)
     chunk_fwd.WARPS.update(default)
 
 
@@ -240,6 +249,11 @@ def decode_variants(N, H):
         t = ms(lambda BV=BV, nw=nw: decode._kda_decode_kernel[(N, H, V // BV)](
             q, k, v, g, beta, pool, slots, o, K**-0.5, H=H, K=K, V=V, BK=K, BV=BV, num_warps=nw))
         print(f"decode N={N} BV={BV} warps={nw}: {t:.4f} ms {2 * N * H * K * V * 4 / t / 1e9:.2f} TB/s", flush=True)
+
+
+def save_json(path, info, shapes, decodes):
+    with open(path, "w") as fh:
+        json.dump({"info": info, "shapes": shapes, "decode": decodes}, fh, indent=1)
 
 
 def main():
@@ -278,10 +292,10 @@ def main():
     for i, (name, B, T, H, cu) in picked[:1] if args.quick else picked:
         row = bench_shape(name, B, T, H, cu, shapes, with_fla=i in fla_shapes)
         print({a: (round(b, 4) if isinstance(b, float) else b) for a, b in row.items()}, flush=True)
+        save_json(args.json, info, shapes, decodes)  # after every shape: a run cut short keeps what it measured
     for N in (64, 256):
         print(bench_decode(N, 32, decodes, bw), flush=True)
-    with open(args.json, "w") as fh:
-        json.dump({"info": info, "shapes": shapes, "decode": decodes}, fh, indent=1)
+    save_json(args.json, info, shapes, decodes)
     print("\nms; 'fused' = kda_triton_fused (activations in kernel, like fla); 'pre' = pre-activated inputs; "
           "'pass' = kda_activations + kda_triton")
     print(f"{'shape':<20}{'fused':>7}{'fla':>7}{'x fla':>6}{'pre':>7}{'pass':>7}{'sdpa':>7} |{'fused fb':>9}"

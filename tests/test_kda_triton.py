@@ -31,7 +31,9 @@ from openk3.ops.kda.triton import (  # noqa: E402
     kda_decode_reference,
     kda_triton,
     kda_triton_fused,
+    overlap,
 )
+from openk3.ops.kda.triton.layout import chunk_layout  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: dict(o=1e-4, grad=1e-4, gate=1e-4), torch.bfloat16: dict(o=5e-3, grad=8e-3, gate=2e-2)}
@@ -133,6 +135,30 @@ def test_causal_to_the_bit(dtype):
         o2, _ = kda_triton(*mixed, cu_seqlens=cu)
         assert torch.equal(o1[:, : t + 1], o2[:, : t + 1])
         assert not torch.equal(o1[:, t + 1 :], o2[:, t + 1 :])
+
+
+def test_backward_with_and_without_ready_flags(monkeypatch):
+    """The backward's reverse pass polls ready flags set by the prepare kernel (overlap.py); without flags the
+    two run one after the other. Both give the same bits (same arithmetic), on ragged sequences."""
+    cu = torch.tensor([0, 5, 40, 71], dtype=torch.int32, device=DEV)
+    inputs = make(1, 71, 2, 16, 16, torch.float32, seed=12)
+    grads = []
+    for enabled in (True, False):
+        monkeypatch.setattr(overlap, "ENABLED", enabled)
+        xs = [x.clone().requires_grad_() for x in inputs]
+        o, _ = kda_triton(*xs, cu_seqlens=cu)
+        grads.append(torch.autograd.grad(o.square().sum(), xs))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+def test_schedules_order_chunks_for_the_state_passes():
+    """Forward schedule: by position from each sequence's start; backward: by position from its end."""
+    lay = chunk_layout(1, 40, torch.tensor([0, 5, 40]), "cpu")
+    assert lay.fwd_schedule.tolist() == [[0, 0, 5], [1, 5, 21], [2, 21, 37], [3, 37, 40]]
+    assert lay.bwd_schedule.tolist() == [[0, 0, 5], [3, 37, 40], [2, 21, 37], [1, 5, 21]]
+    dense = chunk_layout(2, 20, None, "cpu")  # two sequences of two chunks each
+    assert dense.fwd_schedule[:, 0].tolist() == [0, 2, 1, 3] and dense.bwd_schedule[:, 0].tolist() == [1, 3, 0, 2]
 
 
 def test_dispatch_and_no_grad():

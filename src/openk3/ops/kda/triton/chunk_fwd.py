@@ -4,7 +4,7 @@ Per chunk of BT = 16 tokens, G = within-chunk cumsum of g (per channel, anchored
 Kd = K e^G, Ki = K e^-G, Qd = scale Q e^G (Gamma ⊙ K, K / Gamma, Gamma ⊙ Q in the SPEC's notation):
 
     prepare (one program per chunk and head, independent of the state):
-        A   = StrictTril(Diag(beta) Kd Ki^T),  T = (I + A)^-1       (forward substitution, fp32)
+        A   = StrictTril(Diag(beta) Kd Ki^T),  T = (I + A)^-1       (a Neumann product, unit_lower_inverse)
         W   = T Diag(beta) Kd,  U = T Diag(beta) V,  Aqk = Tril(Qd Ki^T),  kg = K e^(G_C - G),  gc = e^G_C
     state pass (one program per sequence, head and block of V columns; columns of S evolve independently):
         pv = U - W S,   O = Qd S + Aqk pv,   S <- Diag(gc) S + kg^T pv
@@ -96,16 +96,32 @@ def inverse_norm(sum_sq, ACT: tl.constexpr):
 
 
 @triton.jit
-def _prepare_kernel(q, k, v, g, beta, A_log, dt_bias, bounds, W, U, QG, KG, AQK, GCX, scale,
+def scheduled_chunk(sched, H):
+    """This program's chunk and head: program i*H + h takes row i of the schedule (layout.py)."""
+    pid = tl.program_id(0)
+    s = pid // H
+    c = tl.load(sched + 3 * s)
+    t0 = tl.load(sched + 3 * s + 1).to(tl.int64)
+    t1 = tl.load(sched + 3 * s + 2)
+    return c, pid % H, t0, t1
+
+
+@triton.jit
+def signal_ready(ready, c, h, H):
+    """Flag chunk c of head h as written (no-op without flags): every thread's stores first, then a release."""
+    if ready is not None:
+        tl.debug_barrier()
+        tl.atomic_xchg(ready + c * H + h, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _prepare_kernel(q, k, v, g, beta, A_log, dt_bias, sched, ready, W, U, QG, KG, AQK, GCX, scale,
                     H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                     BS: tl.constexpr, PREC: tl.constexpr, INV_PREC: tl.constexpr,
                     ACT: tl.constexpr, G_MIN: tl.constexpr, STORE_U: tl.constexpr):
     """The state-independent terms of one chunk, BS channels at a time: everything is per channel except
     the two products over K (accumulated) and T, so slices keep the register tiles small."""
-    c = tl.program_id(0)
-    h = tl.program_id(1)
-    t0 = tl.load(bounds + 2 * c).to(tl.int64)
-    t1 = tl.load(bounds + 2 * c + 1)
+    c, h, t0, t1 = scheduled_chunk(sched, H)
     rows = t0 + tl.arange(0, BT)
     rmask = rows < t1
     i = tl.arange(0, BT)[:, None]
@@ -145,6 +161,7 @@ def _prepare_kernel(q, k, v, g, beta, A_log, dt_bias, bounds, W, U, QG, KG, AQK,
         for c0 in range(0, V, BS):
             vv = _load_rows(v, rows, rmask, H, h, V, BS, c0)
             _store_rows(U, tl.dot(Tb, vv, input_precision=PREC), rows, rmask, H, h, V, BS, c0)
+    signal_ready(ready, c, h, H)
 
 
 @triton.jit
@@ -211,8 +228,9 @@ def slice_width(K: int, V: int) -> int:
 
 
 def inverse_precision(dtype: torch.dtype) -> str:
-    """The triangular inverse's products: fp32 (3 tf32 passes on tensor cores for 16-bit inputs)."""
-    return "ieee" if dtype == torch.float32 else "tf32x3"
+    """The triangular inverse's products: fp32 for fp32 inputs, one tf32 pass for 16-bit inputs (6% faster
+    prepare than 3 tf32 passes on an H200, with the same errors in the GPU sweep: bench/NOTES-kda.md run 13)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def precision(dtype: torch.dtype) -> str:
@@ -242,29 +260,45 @@ def activation_args(act: FusedActivation | None, dummy: torch.Tensor) -> dict:
     return act.kernel_args() if act is not None else dict(A_log=dummy, dt_bias=dummy, ACT=0, G_MIN=0.0)
 
 
-def prepare(q, k, v, g, beta, scale: float, lay: ChunkLayout, act: FusedActivation | None = None, with_u=True):
-    """Run the prepare kernel on flat [T,H,*] inputs; returns (W, U, QG, KG, AQK, GC), U None without `with_u`
-    (the backward's reverse pass does not read it)."""
+def chunk_terms(q, v, n_chunks: int, with_u=True):
+    """Empty W, U, QG, KG, AQK, GC for the prepare kernel (U None without `with_u`)."""
     T, H, K = q.shape
-    V = v.shape[-1]
     dt = {tl.float32: torch.float32, tl.bfloat16: torch.bfloat16, tl.float16: torch.float16}[dot_dtype(q.dtype)]
     W, QG, KG = (torch.empty(T, H, K, dtype=dt, device=q.device) for _ in range(3))
-    U = torch.empty(T, H, V, dtype=dt, device=q.device) if with_u else W
+    U = torch.empty(T, H, v.shape[-1], dtype=dt, device=q.device) if with_u else None
     AQK = torch.empty(T, H, CHUNK, dtype=dt, device=q.device)
-    GC = torch.empty(max(lay.n_chunks, 1), H, K, dtype=torch.float32, device=q.device)
-    if lay.n_chunks:
-        _prepare_kernel[(lay.n_chunks, H)](
-            q, k, v, g, beta, bounds=lay.chunk_bounds, W=W, U=U, QG=QG, KG=KG, AQK=AQK, GCX=GC, scale=scale,
-            H=H, K=K, V=V, BT=CHUNK, BS=slice_width(K, V), PREC=precision(q.dtype),
-            INV_PREC=inverse_precision(q.dtype), STORE_U=with_u, num_warps=WARPS["prepare"],
+    GC = torch.empty(max(n_chunks, 1), H, K, dtype=torch.float32, device=q.device)
+    return W, U, QG, KG, AQK, GC
+
+
+def launch_prepare(q, k, v, g, beta, scale: float, terms, schedule, n_chunks: int,
+                   act: FusedActivation | None = None, ready=None):
+    """The prepare kernel on flat [T,H,*] inputs into `terms` (chunk_terms), chunks in `schedule` order,
+    flagging each in `ready` when given."""
+    T, H, K = q.shape
+    V = v.shape[-1]
+    W, U, QG, KG, AQK, GC = terms
+    if n_chunks:
+        _prepare_kernel[(n_chunks * H,)](
+            q, k, v, g, beta, sched=schedule, ready=ready, W=W, U=W if U is None else U, QG=QG, KG=KG, AQK=AQK,
+            GCX=GC, scale=scale, H=H, K=K, V=V, BT=CHUNK, BS=slice_width(K, V), PREC=precision(q.dtype),
+            INV_PREC=inverse_precision(q.dtype), STORE_U=U is not None, num_warps=WARPS["prepare"],
             **activation_args(act, q))
-    return W, (U if with_u else None), QG, KG, AQK, GC
+
+
+def prepare(q, k, v, g, beta, scale: float, lay: ChunkLayout, act: FusedActivation | None = None, with_u=True):
+    """The prepare kernel alone (forward schedule, no flags); returns (W, U, QG, KG, AQK, GC)."""
+    terms = chunk_terms(q, v, lay.n_chunks, with_u)
+    launch_prepare(q, k, v, g, beta, scale, terms, lay.fwd_schedule, lay.n_chunks, act)
+    return terms
 
 
 def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, lay: ChunkLayout, save_states,
                   act: FusedActivation | None = None):
-    """Flat [T,H,*] forward. Returns o (v's dtype), final state (fp32 or None), per-chunk states (or None).
-    With `act`, g and beta are the gate and beta logits and q, k are not yet normalised."""
+    """Flat [T,H,*] forward: the prepare kernel, then the state pass (side by side they were slower on an H200,
+    1.30 against 0.74 ms at B1 T8192 H32: bench/NOTES-kda.md run 14). Returns o (v's dtype), final state (fp32
+    or None), per-chunk states (or None). With `act`, g and beta are the gate and beta logits and q, k are not
+    yet normalised."""
     T, H, K = q.shape
     V = v.shape[-1]
     W, U, QG, KG, AQK, GC = prepare(q, k, v, g, beta, scale, lay, act)

@@ -2,6 +2,11 @@
 
 [B,T,H,*] without cu_seqlens is viewed as [B*T,H,*] with sequences [0,T), [T,2T), ...; chunks of BT tokens
 start at each sequence's first token, so a chunk never straddles two sequences (the last one may be short).
+
+The token-parallel kernels take their chunks from a schedule, rows of (chunk index, first token, end token), in
+the order the state passes consume them: by position from each sequence's start for the forward pass, by
+position from its end for the reverse pass. The reverse pass, running beside the prepare kernel that feeds it
+(overlap.py), then finds its next chunk done early.
 """
 
 from __future__ import annotations
@@ -18,27 +23,44 @@ CHUNK = 16  # tokens per chunk: a 16-token span keeps exp(+-G) inside fp32 range
 class ChunkLayout:
     cu_seqlens: torch.Tensor  # [N+1] int32, token offsets of the sequences in the flat batch
     chunk_offsets: torch.Tensor  # [N+1] int32, index of each sequence's first chunk
-    chunk_bounds: torch.Tensor  # [n_chunks, 2] int32, first token and end token of every chunk
+    fwd_schedule: torch.Tensor  # [n_chunks, 3] int32: chunk index, first token, end token; by position from start
+    bwd_schedule: torch.Tensor  # the same rows by position from the sequence's end
     n_seqs: int
     n_chunks: int
+
+
+def _build(offsets: torch.Tensor, per_seq: torch.Tensor, n_chunks: int) -> ChunkLayout:
+    """Tables from int64 sequence offsets [N+1] and chunks per sequence [N], on their device (no host sync)."""
+    device = offsets.device
+    N = len(per_seq)
+    chunk_offsets = torch.cat([offsets.new_zeros(1), per_seq.cumsum(0)])
+    seq = torch.repeat_interleave(torch.arange(N, device=device), per_seq, output_size=n_chunks)
+    pos = torch.arange(n_chunks, device=device) - chunk_offsets[seq]
+    starts = offsets[seq] + pos * CHUNK
+    rows = torch.stack([torch.arange(n_chunks, device=device), starts,
+                        torch.minimum(starts + CHUNK, offsets[seq + 1])], dim=-1)
+
+    def schedule(position):
+        if n_chunks == 0:
+            return torch.zeros(1, 3, dtype=torch.int32, device=device)
+        return rows[torch.argsort(position * N + seq)].to(torch.int32).contiguous()
+
+    return ChunkLayout(
+        cu_seqlens=offsets.to(torch.int32),
+        chunk_offsets=chunk_offsets.to(torch.int32),
+        fwd_schedule=schedule(pos),
+        bwd_schedule=schedule(per_seq[seq] - 1 - pos),
+        n_seqs=N,
+        n_chunks=n_chunks,
+    )
 
 
 @functools.lru_cache(maxsize=64)
 def _dense_layout(batch: int, seq_len: int, device: torch.device) -> ChunkLayout:
     """Equal-length batch: tables built on the device, no host round trip; cached per shape."""
     per_seq = -(-seq_len // CHUNK)
-    i32 = dict(dtype=torch.int32, device=device)
-    starts = (torch.arange(batch, **i32)[:, None] * seq_len + torch.arange(per_seq, **i32)[None, :] * CHUNK)
-    ends = torch.minimum(starts + CHUNK, (torch.arange(batch, **i32)[:, None] + 1) * seq_len)
-    n_chunks = batch * per_seq
-    bounds = torch.stack([starts, ends], dim=-1).reshape(-1, 2) if n_chunks else torch.zeros(1, 2, **i32)
-    return ChunkLayout(
-        cu_seqlens=torch.arange(batch + 1, **i32) * seq_len,
-        chunk_offsets=torch.arange(batch + 1, **i32) * per_seq,
-        chunk_bounds=bounds.contiguous(),
-        n_seqs=batch,
-        n_chunks=n_chunks,
-    )
+    offsets = torch.arange(batch + 1, device=device) * seq_len
+    return _build(offsets, torch.full((batch,), per_seq, device=device), batch * per_seq)
 
 
 def chunk_layout(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None, device) -> ChunkLayout:
@@ -47,16 +69,6 @@ def chunk_layout(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None, devi
         return _dense_layout(batch, seq_len, torch.device(device))
     offsets = cu_seqlens.detach().to("cpu", torch.int64)
     per_seq = (offsets[1:] - offsets[:-1] + CHUNK - 1) // CHUNK
-    chunk_offsets = torch.cat([offsets.new_zeros(1), per_seq.cumsum(0)])
-    n_chunks = int(chunk_offsets[-1])
-    seq = torch.repeat_interleave(torch.arange(len(per_seq)), per_seq)
-    starts = offsets[seq] + (torch.arange(n_chunks) - chunk_offsets[seq]) * CHUNK
-    bounds = torch.stack([starts, torch.minimum(starts + CHUNK, offsets[seq + 1])], dim=-1)
-    as_i32 = lambda x: x.to(device=device, dtype=torch.int32)
-    return ChunkLayout(
-        cu_seqlens=as_i32(offsets),
-        chunk_offsets=as_i32(chunk_offsets),
-        chunk_bounds=as_i32(bounds if n_chunks else torch.zeros(1, 2, dtype=torch.int64)),
-        n_seqs=len(per_seq),
-        n_chunks=n_chunks,
-    )
+    lay = _build(offsets, per_seq, int(per_seq.sum()))
+    return ChunkLayout(*(x.to(device) for x in (lay.cu_seqlens, lay.chunk_offsets, lay.fwd_schedule,
+                                                  lay.bwd_schedule)), n_seqs=lay.n_seqs, n_chunks=lay.n_chunks)
