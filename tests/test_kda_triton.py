@@ -153,12 +153,17 @@ def test_backward_with_and_without_ready_flags(monkeypatch):
 
 
 def test_schedules_order_chunks_for_the_state_passes():
-    """Forward schedule: by position from each sequence's start; backward: by position from its end."""
+    """Forward schedule: by position from each sequence's start; backward: by position from its end; rows past
+    the real chunks are empty and last."""
     lay = chunk_layout(1, 40, torch.tensor([0, 5, 40]), "cpu")
     assert lay.fwd_schedule.tolist() == [[0, 0, 5], [1, 5, 21], [2, 21, 37], [3, 37, 40]]
     assert lay.bwd_schedule.tolist() == [[0, 0, 5], [3, 37, 40], [2, 21, 37], [1, 5, 21]]
     dense = chunk_layout(2, 20, None, "cpu")  # two sequences of two chunks each
     assert dense.fwd_schedule[:, 0].tolist() == [0, 2, 1, 3] and dense.bwd_schedule[:, 0].tolist() == [1, 3, 0, 2]
+    # built without reading cu_seqlens on the host: 40 // 16 + 3 rows for 3 real chunks, the 2 extra ones empty
+    padded = chunk_layout(1, 40, torch.tensor([0, 16, 32, 40]), "cpu")
+    assert padded.n_chunks == 5
+    assert padded.fwd_schedule.tolist() == [[0, 0, 16], [1, 16, 32], [2, 32, 40], [3, 0, 0], [4, 0, 0]]
 
 
 def test_dispatch_and_no_grad():

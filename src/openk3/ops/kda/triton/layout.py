@@ -26,24 +26,30 @@ class ChunkLayout:
     fwd_schedule: torch.Tensor  # [n_chunks, 3] int32: chunk index, first token, end token; by position from start
     bwd_schedule: torch.Tensor  # the same rows by position from the sequence's end
     n_seqs: int
-    n_chunks: int
+    n_chunks: int  # rows of the schedules (chunk-indexed buffers have this many rows); may include empty ones
 
 
-def _build(offsets: torch.Tensor, per_seq: torch.Tensor, n_chunks: int) -> ChunkLayout:
-    """Tables from int64 sequence offsets [N+1] and chunks per sequence [N], on their device (no host sync)."""
+def _build(offsets: torch.Tensor, n_rows: int) -> ChunkLayout:
+    """Tables from int64 sequence offsets [N+1] on their device, without reading them on the host: `n_rows` is
+    the number of chunks, or an upper bound on it; rows past the real chunks are empty (first token = end token
+    = 0) and come last in both schedules, so the kernels launched over them do nothing."""
     device = offsets.device
-    N = len(per_seq)
+    N = len(offsets) - 1
+    per_seq = (offsets[1:] - offsets[:-1] + CHUNK - 1) // CHUNK
     chunk_offsets = torch.cat([offsets.new_zeros(1), per_seq.cumsum(0)])
-    seq = torch.repeat_interleave(torch.arange(N, device=device), per_seq, output_size=n_chunks)
-    pos = torch.arange(n_chunks, device=device) - chunk_offsets[seq]
-    starts = offsets[seq] + pos * CHUNK
-    rows = torch.stack([torch.arange(n_chunks, device=device), starts,
-                        torch.minimum(starts + CHUNK, offsets[seq + 1])], dim=-1)
+    index = torch.arange(n_rows, device=device)
+    seq = torch.searchsorted(chunk_offsets[1:], index, right=True)  # N past the last real chunk
+    real = seq < N
+    seq = seq.clamp(max=max(N - 1, 0))
+    pos = index - chunk_offsets[seq]
+    starts = torch.where(real, offsets[seq] + pos * CHUNK, 0)
+    rows = torch.stack([index, starts, torch.where(real, torch.minimum(starts + CHUNK, offsets[seq + 1]), 0)], -1)
 
     def schedule(position):
-        if n_chunks == 0:
+        if n_rows == 0:
             return torch.zeros(1, 3, dtype=torch.int32, device=device)
-        return rows[torch.argsort(position * N + seq)].to(torch.int32).contiguous()
+        key = torch.where(real, position * N + seq, n_rows * (N + 1) + index)
+        return rows[torch.argsort(key)].to(torch.int32).contiguous()
 
     return ChunkLayout(
         cu_seqlens=offsets.to(torch.int32),
@@ -51,24 +57,21 @@ def _build(offsets: torch.Tensor, per_seq: torch.Tensor, n_chunks: int) -> Chunk
         fwd_schedule=schedule(pos),
         bwd_schedule=schedule(per_seq[seq] - 1 - pos),
         n_seqs=N,
-        n_chunks=n_chunks,
+        n_chunks=n_rows,
     )
 
 
 @functools.lru_cache(maxsize=64)
 def _dense_layout(batch: int, seq_len: int, device: torch.device) -> ChunkLayout:
-    """Equal-length batch: tables built on the device, no host round trip; cached per shape."""
-    per_seq = -(-seq_len // CHUNK)
-    offsets = torch.arange(batch + 1, device=device) * seq_len
-    return _build(offsets, torch.full((batch,), per_seq, device=device), batch * per_seq)
+    """Equal-length batch: built once per shape and device (exact chunk count)."""
+    return _build(torch.arange(batch + 1, device=device) * seq_len, batch * -(-seq_len // CHUNK))
 
 
 def chunk_layout(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None, device) -> ChunkLayout:
-    """Sequence and chunk tables for the flat token layout (reads cu_seqlens on the host when given)."""
+    """Sequence and chunk tables for the flat token layout, built on `device` without a host round trip. With
+    cu_seqlens (B = 1, seq_len = all tokens) the tables hold seq_len // CHUNK + N rows, an upper bound on the
+    chunk count (each sequence adds at most one partial chunk); the extra rows are empty."""
     if cu_seqlens is None:
         return _dense_layout(batch, seq_len, torch.device(device))
-    offsets = cu_seqlens.detach().to("cpu", torch.int64)
-    per_seq = (offsets[1:] - offsets[:-1] + CHUNK - 1) // CHUNK
-    lay = _build(offsets, per_seq, int(per_seq.sum()))
-    return ChunkLayout(*(x.to(device) for x in (lay.cu_seqlens, lay.chunk_offsets, lay.fwd_schedule,
-                                                  lay.bwd_schedule)), n_seqs=lay.n_seqs, n_chunks=lay.n_chunks)
+    offsets = cu_seqlens.detach().to(device=device, dtype=torch.int64)
+    return _build(offsets, batch * seq_len // CHUNK + len(offsets) - 1)
