@@ -30,7 +30,9 @@ import triton.language as tl
 from openk3.ops.kda.triton.activations import gate_activation
 from openk3.ops.kda.triton.layout import CHUNK, ChunkLayout
 
-WARPS = {"prepare": 2, "state": 4, "state_bwd": 4, "intra_bwd": 4}  # per kernel, measured on an H200
+# warps per kernel, measured on an H200; the merged.py ones (not yet timed) are the fewest that compile for sm_90
+# without spilling (the state pass at 64 tokens) or with the least (the merged prepare, 40 bytes of stack)
+WARPS = {"prepare": 2, "state": 4, "state_bwd": 4, "intra_bwd": 4, "merged": 4, "merged_state": 8}
 
 
 @triton.jit
@@ -58,6 +60,12 @@ def unit_lower_inverse(A, i, j, INV_PREC: tl.constexpr):
         Ap = tl.dot(Ap, Ap, input_precision=INV_PREC)
         Tm = tl.dot(Tm, eye + Ap, input_precision=INV_PREC)
     return Tm
+
+
+@triton.jit
+def t_times_beta(P, b, i, j, INV_PREC: tl.constexpr):
+    """T Diag(beta) of a 16-token chunk from P = Kd Ki^T (P's rows rescaled already), T = (I + A)^-1."""
+    return unit_lower_inverse(tl.where(i > j, P * b[:, None], 0.0), i, j, INV_PREC) * b[None, :]
 
 
 @triton.jit
@@ -146,7 +154,7 @@ def _prepare_kernel(q, k, v, g, beta, A_log, dt_bias, sched, ready, W, U, QG, KG
     Aqk = Aqk * (scale * rq)[:, None] * rk[None, :]
     P = P * rk[:, None] * rk[None, :]
     _store_rows(AQK, tl.where(i >= j, Aqk, 0.0), rows, rmask, H, h, BT, BT)
-    Tb = unit_lower_inverse(tl.where(i > j, P * b[:, None], 0.0), i, j, INV_PREC) * b[None, :]  # T Diag(beta)
+    Tb = t_times_beta(P, b, i, j, INV_PREC)
     # pass 2 reloads each slice (cache hits) and writes its terms
     for c0 in range(0, K, BS):
         qq, kk, G, GC = load_slice(q, k, g, A_log, dt_bias, rows, rmask, h, H, K, BT, BS, c0, ACT, G_MIN)
