@@ -7,6 +7,9 @@ after each chunk) beside the forward's saved S (the state before it):
     dpv = Aqk^T dO + kg dS'          dU = dpv
     dS  = Qd^T dO + Diag(gc) dS' - W^T dpv
 
+The chunk terms (W, Qd, kg, Aqk, gc) are recomputed by the forward's prepare kernel, taking chunks from the end
+of each sequence; with few chains the reverse pass runs beside it and polls a ready flag per chunk (overlap.py).
+
 Everything else is token-parallel, one program per chunk and head with all of V, so nothing is summed across
 programs (T = (I + A)^-1, W = T Diag(beta) Kd, U = T Diag(beta) V, A = StrictTril(Diag(beta) Kd Ki^T),
 Aqk = Tril(Qd Ki^T), kg = Ki e^G_C, gc = e^G_C):
