@@ -125,6 +125,19 @@ def time_steps(step, steps: int, warmup: int) -> float:
     return start.elapsed_time(end) / 1000 / steps
 
 
+def k3_train_step(model, opt, batch):
+    """One bf16-autocast training step of the k3 model on a fresh batch (LM + MTP loss)."""
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss, _, _ = lm_losses(model, batch(), mtp_weight=0.3)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
 def k3_result(cfg: ModelConfig, checkpointing: bool, optimizer: str, args: argparse.Namespace, batch) -> dict:
     torch.manual_seed(0)
     model = K3ForCausalLM(cfg).to("cuda")
@@ -132,13 +145,7 @@ def k3_result(cfg: ModelConfig, checkpointing: bool, optimizer: str, args: argpa
         enable_activation_checkpointing(model)
     opt = build_optimizer(model, lr=1e-4, weight_decay=0.1, optimizer=optimizer)
 
-    def k3_step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss, _, _ = lm_losses(model, batch(), mtp_weight=0.3)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
+    k3_step = k3_train_step(model, opt, batch)
     torch.cuda.reset_peak_memory_stats()
     seconds = time_steps(k3_step, args.steps, args.warmup)
     tokens = args.batch_size * args.seq_len
@@ -157,13 +164,7 @@ def profile_k3_step(cfg: ModelConfig, batch, rows: int = 30) -> None:
     model = K3ForCausalLM(cfg).to("cuda")
     opt = build_optimizer(model, lr=1e-4, weight_decay=0.1, optimizer="adamw")
 
-    def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss, _, _ = lm_losses(model, batch(), mtp_weight=0.3)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
+    step = k3_train_step(model, opt, batch)
     for _ in range(2):
         step()
     torch.cuda.synchronize()

@@ -51,14 +51,19 @@ def _l2norm_bwd(src, dy_ptr, dst, offs, m):
 
 
 @triton.jit
-def _act_fwd_kernel(q, k, f, b, A_log, dt_bias, qo, ko, go, bo, n_rows, H,
-                    K: tl.constexpr, BK: tl.constexpr, R: tl.constexpr, G_MIN: tl.constexpr, KIMI: tl.constexpr):
+def _row_block(n_rows, H, K: tl.constexpr, BK: tl.constexpr, R: tl.constexpr):
+    """This program's R (token, head) rows: indices, row mask, head, channels, [R, BK] mask and offsets."""
     r = tl.program_id(0) * R + tl.arange(0, R)
     rm = r < n_rows
-    h = r % H
     c = tl.arange(0, BK)
     m = rm[:, None] & (c[None, :] < K)
-    offs = r[:, None].to(tl.int64) * K + c[None, :]
+    return r, rm, r % H, c, m, r[:, None].to(tl.int64) * K + c[None, :]
+
+
+@triton.jit
+def _act_fwd_kernel(q, k, f, b, A_log, dt_bias, qo, ko, go, bo, n_rows, H,
+                    K: tl.constexpr, BK: tl.constexpr, R: tl.constexpr, G_MIN: tl.constexpr, KIMI: tl.constexpr):
+    r, rm, h, c, m, offs = _row_block(n_rows, H, K, BK, R)
     _l2norm_fwd(q, qo, offs, m)
     _l2norm_fwd(k, ko, offs, m)
     a = tl.exp(tl.load(A_log + h, mask=rm, other=0.0).to(tl.float32))[:, None]
@@ -72,12 +77,7 @@ def _act_fwd_kernel(q, k, f, b, A_log, dt_bias, qo, ko, go, bo, n_rows, H,
 @triton.jit
 def _act_bwd_kernel(q, k, f, b, A_log, dt_bias, dqo, dko, dgo, dbo, dq, dk, df, db, dA_rows, n_rows, H,
                     K: tl.constexpr, BK: tl.constexpr, R: tl.constexpr, G_MIN: tl.constexpr, KIMI: tl.constexpr):
-    r = tl.program_id(0) * R + tl.arange(0, R)
-    rm = r < n_rows
-    h = r % H
-    c = tl.arange(0, BK)
-    m = rm[:, None] & (c[None, :] < K)
-    offs = r[:, None].to(tl.int64) * K + c[None, :]
+    r, rm, h, c, m, offs = _row_block(n_rows, H, K, BK, R)
     _l2norm_bwd(q, dqo, dq, offs, m)
     _l2norm_bwd(k, dko, dk, offs, m)
     a = tl.exp(tl.load(A_log + h, mask=rm, other=0.0).to(tl.float32))[:, None]

@@ -268,13 +268,13 @@ def activation_args(act: FusedActivation | None, dummy: torch.Tensor) -> dict:
     return act.kernel_args() if act is not None else dict(A_log=dummy, dt_bias=dummy, ACT=0, G_MIN=0.0)
 
 
-def chunk_terms(q, v, n_chunks: int, with_u=True):
-    """Empty W, U, QG, KG, AQK, GC for the prepare kernel (U None without `with_u`)."""
+def chunk_terms(q, v, n_chunks: int, with_u=True, chunk: int = CHUNK):
+    """Empty W, U, QG, KG, AQK, GC for a prepare kernel with `chunk`-token chunks (U None without `with_u`)."""
     T, H, K = q.shape
     dt = {tl.float32: torch.float32, tl.bfloat16: torch.bfloat16, tl.float16: torch.float16}[dot_dtype(q.dtype)]
     W, QG, KG = (torch.empty(T, H, K, dtype=dt, device=q.device) for _ in range(3))
     U = torch.empty(T, H, v.shape[-1], dtype=dt, device=q.device) if with_u else None
-    AQK = torch.empty(T, H, CHUNK, dtype=dt, device=q.device)
+    AQK = torch.empty(T, H, chunk, dtype=dt, device=q.device)
     GC = torch.empty(max(n_chunks, 1), H, K, dtype=torch.float32, device=q.device)
     return W, U, QG, KG, AQK, GC
 
@@ -301,23 +301,31 @@ def prepare(q, k, v, g, beta, scale: float, lay: ChunkLayout, act: FusedActivati
     return terms
 
 
+def state_pass(terms, v, dtype, initial_state, output_final_state, lay: ChunkLayout, save_states, num_warps: int):
+    """The forward state pass over a prepare kernel's `terms` (chunks of lay.chunk tokens; `dtype`: q's, which
+    set the terms' precision). Returns o (v's dtype), the final state (fp32 or None) and the state before every
+    chunk (or None)."""
+    W, U, QG, KG, AQK, GC = terms
+    T, H, K = W.shape
+    V = v.shape[-1]
+    N = lay.n_seqs
+    o = torch.empty(T, H, V, dtype=v.dtype, device=v.device)
+    ht = torch.empty(N, H, K, V, dtype=torch.float32, device=v.device) if output_final_state else None
+    hs = torch.empty(max(lay.n_chunks, 1), H, K, V, dtype=W.dtype, device=v.device) if save_states else None
+    BV = state_block(N, H, V)
+    _state_fwd_kernel[(N, H, triton.cdiv(V, BV))](
+        W, U, QG, KG, AQK, GC, initial_state, ht, hs, o, lay.cu_seqlens, lay.chunk_offsets,
+        H=H, K=K, V=V, BT=lay.chunk, BK=_pow2(K), BV=BV, HAS_H0=initial_state is not None,
+        STORE_FINAL=output_final_state, SAVE_STATES=save_states, PREC=precision(dtype), DT=dot_dtype(dtype),
+        num_warps=num_warps)
+    return o, ht, hs
+
+
 def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, lay: ChunkLayout, save_states,
                   act: FusedActivation | None = None):
     """Flat [T,H,*] forward: the prepare kernel, then the state pass (side by side they were slower on an H200,
     1.30 against 0.74 ms at B1 T8192 H32: bench/NOTES-kda.md run 14). Returns o (v's dtype), final state (fp32
     or None), per-chunk states (or None). With `act`, g and beta are the gate and beta logits and q, k are not
     yet normalised."""
-    T, H, K = q.shape
-    V = v.shape[-1]
-    W, U, QG, KG, AQK, GC = prepare(q, k, v, g, beta, scale, lay, act)
-    o = torch.empty(T, H, V, dtype=v.dtype, device=q.device)
-    N = lay.n_seqs
-    ht = torch.empty(N, H, K, V, dtype=torch.float32, device=q.device) if output_final_state else None
-    hs = torch.empty(max(lay.n_chunks, 1), H, K, V, dtype=W.dtype, device=q.device) if save_states else None
-    BV = state_block(N, H, V)
-    _state_fwd_kernel[(N, H, triton.cdiv(V, BV))](
-        W, U, QG, KG, AQK, GC, initial_state, ht, hs, o, lay.cu_seqlens, lay.chunk_offsets,
-        H=H, K=K, V=V, BT=CHUNK, BK=_pow2(K), BV=BV, HAS_H0=initial_state is not None,
-        STORE_FINAL=output_final_state, SAVE_STATES=save_states, PREC=precision(q.dtype), DT=dot_dtype(q.dtype),
-        num_warps=WARPS["state"])
-    return o, ht, hs
+    terms = prepare(q, k, v, g, beta, scale, lay, act)
+    return state_pass(terms, v, q.dtype, initial_state, output_final_state, lay, save_states, WARPS["state"])

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 
-import torch
 import triton
 import triton.language as tl
 
@@ -29,11 +28,9 @@ from openk3.ops.kda.triton.chunk_fwd import (
     WARPS,
     FusedActivation,
     _load_rows,
-    _pow2,
-    _state_fwd_kernel,
     _store_rows,
     activation_args,
-    dot_dtype,
+    chunk_terms,
     inverse_norm,
     inverse_precision,
     load_beta,
@@ -41,7 +38,7 @@ from openk3.ops.kda.triton.chunk_fwd import (
     precision,
     scheduled_chunk,
     slice_width,
-    state_block,
+    state_pass,
     t_times_beta,
 )
 from openk3.ops.kda.triton.layout import CHUNK, ChunkLayout
@@ -57,6 +54,14 @@ def _sub_slice(q, k, g, A_log, dt_bias, rows, rmask, h, H, K: tl.constexpr, BT: 
     """One sub-chunk's slice: raw q, k, its G and G_C (load_slice), Kd = k e^G, Ki = k e^-G, kg = k e^(G_C - G)."""
     qq, kk, G, GC = load_slice(q, k, g, A_log, dt_bias, rows, rmask, h, H, K, BT, BS, c0, ACT, G_MIN)
     return qq, kk, G, GC, kk * tl.exp(G), kk * tl.exp(-G), kk * tl.exp(GC[None, :] - G)
+
+
+@triton.jit
+def _cross_decays(kg0, kg1, C1, C2):
+    """E_20^T, E_30^T, E_31^T: kg of an earlier sub-chunk decayed through the sub-chunks between it and n (the
+    E_nm of adjacent sub-chunks is kg_m itself)."""
+    return tl.trans(kg0 * tl.exp(C1)[None, :]), tl.trans(kg0 * tl.exp(C1 + C2)[None, :]), \
+        tl.trans(kg1 * tl.exp(C2)[None, :])
 
 
 @triton.jit
@@ -131,9 +136,7 @@ def _merged_prepare_kernel(q, k, v, g, beta, A_log, dt_bias, sched, W, U, QG, KG
         q2, k2, G2, C2, Kd2, Ki2, kg2 = _sub_slice(q, k, g, A_log, dt_bias, r2, m2, h, H, K, BT, BS, c0, ACT, G_MIN)
         q3, k3, G3, C3, Kd3, Ki3, kg3 = _sub_slice(q, k, g, A_log, dt_bias, r3, m3, h, H, K, BT, BS, c0, ACT, G_MIN)
         Qd1, Qd2, Qd3 = q1 * tl.exp(G1), q2 * tl.exp(G2), q3 * tl.exp(G3)
-        E20 = tl.trans(kg0 * tl.exp(C1)[None, :])  # E_nm^T: decays of the sub-chunks between m and n
-        E30 = tl.trans(kg0 * tl.exp(C1 + C2)[None, :])
-        E31 = tl.trans(kg1 * tl.exp(C2)[None, :])
+        E20, E30, E31 = _cross_decays(kg0, kg1, C1, C2)
         Y10 += tl.dot(Qd1, tl.trans(kg0), input_precision=PREC)
         Y20 += tl.dot(Qd2, E20, input_precision=PREC)
         Y21 += tl.dot(Qd2, tl.trans(kg1), input_precision=PREC)
@@ -152,9 +155,7 @@ def _merged_prepare_kernel(q, k, v, g, beta, A_log, dt_bias, sched, W, U, QG, KG
         q1, k1, G1, C1, Kd1, Ki1, kg1 = _sub_slice(q, k, g, A_log, dt_bias, r1, m1, h, H, K, BT, BS, c0, ACT, G_MIN)
         q2, k2, G2, C2, Kd2, Ki2, kg2 = _sub_slice(q, k, g, A_log, dt_bias, r2, m2, h, H, K, BT, BS, c0, ACT, G_MIN)
         q3, k3, G3, C3, Kd3, Ki3, kg3 = _sub_slice(q, k, g, A_log, dt_bias, r3, m3, h, H, K, BT, BS, c0, ACT, G_MIN)
-        E20 = tl.trans(kg0 * tl.exp(C1)[None, :])
-        E30 = tl.trans(kg0 * tl.exp(C1 + C2)[None, :])
-        E31 = tl.trans(kg1 * tl.exp(C2)[None, :])
+        E20, E30, E31 = _cross_decays(kg0, kg1, C1, C2)
         Z10 += tl.dot(Kd1, tl.trans(kg0), input_precision=PREC)
         Z20 += tl.dot(Kd2, E20, input_precision=PREC)
         Z21 += tl.dot(Kd2, tl.trans(kg1), input_precision=PREC)
@@ -237,25 +238,13 @@ def merged_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, l
                    act: FusedActivation | None = None):
     """Flat [T,H,*] forward on 64-token chunks (`lay` built with chunk=MERGED). Returns o (v's dtype) and the
     final state (fp32 or None). With `act`, g and beta are logits and q, k are not yet normalised."""
-    T, H, K = q.shape
-    V = v.shape[-1]
-    dt = {tl.float32: torch.float32, tl.bfloat16: torch.bfloat16, tl.float16: torch.float16}[dot_dtype(q.dtype)]
-    W, QG, KG = (torch.empty(T, H, K, dtype=dt, device=q.device) for _ in range(3))
-    U = torch.empty(T, H, V, dtype=dt, device=q.device)
-    AQK = torch.empty(T, H, MERGED, dtype=dt, device=q.device)
-    GC = torch.empty(max(lay.n_chunks, 1), H, K, dtype=torch.float32, device=q.device)
+    H, K, V = q.shape[1], q.shape[2], v.shape[-1]
+    terms = chunk_terms(q, v, lay.n_chunks, chunk=MERGED)
+    W, U, QG, KG, AQK, GC = terms
     if lay.n_chunks:
         _merged_prepare_kernel[(lay.n_chunks * H,)](
             q, k, v, g, beta, sched=lay.fwd_schedule, W=W, U=U, QG=QG, KG=KG, AQK=AQK, GCX=GC, scale=scale,
             H=H, K=K, V=V, BT=CHUNK, BS=min(16, slice_width(K, V)), PREC=precision(q.dtype),
             INV_PREC=inverse_precision(q.dtype), num_warps=WARPS["merged"], **activation_args(act, q))
-    o = torch.empty(T, H, V, dtype=v.dtype, device=q.device)
-    N = lay.n_seqs
-    ht = torch.empty(N, H, K, V, dtype=torch.float32, device=q.device) if output_final_state else None
-    BV = state_block(N, H, V)
-    _state_fwd_kernel[(N, H, triton.cdiv(V, BV))](
-        W, U, QG, KG, AQK, GC, initial_state, ht, None, o, lay.cu_seqlens, lay.chunk_offsets,
-        H=H, K=K, V=V, BT=MERGED, BK=_pow2(K), BV=BV, HAS_H0=initial_state is not None,
-        STORE_FINAL=output_final_state, SAVE_STATES=False, PREC=precision(q.dtype), DT=dot_dtype(q.dtype),
-        num_warps=WARPS["merged_state"])
+    o, ht, _ = state_pass(terms, v, q.dtype, initial_state, output_final_state, lay, False, WARPS["merged_state"])
     return o, ht
