@@ -183,9 +183,9 @@ def bench_decode(N, H, results, copy_bw):
 
 def stages(name, B, T, H, cu, tune=False):
     """Time each launch of ours alone: forward (prepare, state pass), backward (prepare, reverse pass, intra),
-    pre-activated and fused, and the merged 64-token forward; with `tune`, warps per kernel and the reverse
+    pre-activated and fused; with `tune`, warps per kernel and the reverse
     pass's V block and reduction."""
-    from openk3.ops.kda.triton import chunk_bwd, chunk_fwd, merged, overlap
+    from openk3.ops.kda.triton import chunk_bwd, chunk_fwd, overlap
     from openk3.ops.kda.triton.layout import chunk_layout
 
     r = raw_inputs(B, T, H)
@@ -218,9 +218,6 @@ def stages(name, B, T, H, cu, tune=False):
            "intra bwd": ms(lambda: intra(q, k, v, g, beta)),
            "intra bwd fused": ms(lambda: intra(*raw, act=act)),
            "bwd total": ms(bwd)}
-    lay64 = chunk_layout(B, T, cu_t, "cuda", chunk=merged.MERGED)
-    row["fwd merged (64-token chunks)"] = ms(lambda: merged.merged_kda_fwd(q, k, v, g, beta, scale, None, False, lay64))
-    row["fwd merged fused"] = ms(lambda: merged.merged_kda_fwd(*raw, scale, None, False, lay64, act))
     overlap.ENABLED = False  # the same passes one after the other
     row["bwd total, no overlap"] = ms(bwd)
     overlap.ENABLED = True

@@ -3,7 +3,7 @@
 T in {1,15,63,64,65,1000,4096}, K,V in {64,128} (and 96), heads 1..32, batch 1..4, ragged cu_seqlens, extreme
 gates and betas, with and without initial state; outputs, final states and all gradients, bf16 and fp32
 inputs; tolerances from shared/DESIGN.md (relative RMS). Prints one line per case and a summary.
-    python bench/kda_sweep.py [--quick] [--budget S] [--merged] [--activations] [--overlap REPS]
+    python bench/kda_sweep.py [--quick] [--budget S] [--activations] [--overlap REPS]
 """
 
 from __future__ import annotations
@@ -40,25 +40,11 @@ def make(B, T, H, K, V, dtype, gate, beta_mode, dev):
     return [x.to(dtype) for x in (q, k, v, g, beta)]
 
 
-def check(B, T, H, K, V, dtype, gate="mix", beta_mode="mix", h0=True, ragged=None, dev="cuda", merged=False):
-    """Outputs, final state and every gradient against fp64; with `merged`, the inference forward on 64-token
-    chunks (merged.py), outputs and final state only."""
+def check(B, T, H, K, V, dtype, gate="mix", beta_mode="mix", h0=True, ragged=None, dev="cuda"):
     q, k, v, g, beta = make(1 if ragged else B, T, H, K, V, dtype, gate, beta_mode, dev)
     cu = None if ragged is None else torch.tensor(ragged, dtype=torch.int32, device=dev)
     N = (len(ragged) - 1) if ragged else B
     s0 = torch.randn(N, H, K, V, device=dev) if h0 else None
-    if merged:
-        from openk3.ops.kda.triton import merged as merged_module
-
-        merged_module.ENABLED = True
-        with torch.no_grad():
-            o, ht = kda_triton(q, k, v, g, beta, initial_state=s0, output_final_state=True, cu_seqlens=cu)
-        merged_module.ENABLED = False
-        ref = [x.double() for x in (q, k, v, g, beta)]
-        ro, rht = kda_recurrent(*ref, initial_state=None if s0 is None else s0.double(), output_final_state=True,
-                                cu_seqlens=cu)
-        errs = {"o": (rel(o, ro), TOL[dtype]["o"]), "ht": (rel(ht, rht), TOL[dtype]["ht"])}
-        return all(e <= t for e, t in errs.values()), {n: e for n, (e, _) in errs.items()}
     xs = [x.clone().requires_grad_() for x in (q, k, v, g, beta)] + ([s0.clone().requires_grad_()] if h0 else [])
     o, ht = kda_triton(*xs[:5], initial_state=xs[5] if h0 else None, output_final_state=True, cu_seqlens=cu)
     ys = [x.detach().double().requires_grad_() for x in xs]
@@ -152,7 +138,6 @@ def main():
     ap.add_argument("--budget", type=float, default=1e9, help="seconds after which no new case starts")
     ap.add_argument("--skip", type=int, default=0, help="start at this case (to resume a budgeted run)")
     ap.add_argument("--activations", action="store_true", help="check kda_activations only")
-    ap.add_argument("--merged", action="store_true", help="the cases on the merged 64-token inference forward")
     ap.add_argument("--overlap", type=int, default=0, metavar="REPS",
                     help="check only that the overlapped backward matches the sequential one to the bit, REPS runs")
     args = ap.parse_args()
@@ -170,7 +155,7 @@ def main():
         if time.time() - t0 > args.budget:
             print("time budget reached: remaining cases not run")
             break
-        ok, errs = check(**case, merged=args.merged)
+        ok, errs = check(**case)
         n += 1
         n_ok += ok
         for name, e in errs.items():

@@ -31,13 +31,11 @@ from openk3.ops.kda.triton import (  # noqa: E402
     kda_decode_reference,
     kda_triton,
     kda_triton_fused,
-    merged,
     overlap,
 )
 from openk3.ops.kda.triton.layout import chunk_layout  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-merged_fwd = merged.merged_kda_fwd
 TOL = {torch.float32: dict(o=1e-4, grad=1e-4, gate=1e-4), torch.bfloat16: dict(o=5e-3, grad=8e-3, gate=2e-2)}
 
 
@@ -60,7 +58,7 @@ class _Poisoned:
 
 @pytest.fixture(autouse=True)
 def poison(monkeypatch):
-    for mod in (chunk, chunk_fwd, chunk_bwd, decode, activations):  # merged.py allocates through chunk_fwd
+    for mod in (chunk, chunk_fwd, chunk_bwd, decode, activations):
         monkeypatch.setattr(mod, "torch", _Poisoned())
 
 
@@ -254,44 +252,6 @@ def test_fused_activations_match_composition(gate, dtype, cu):
     for name, a, b in zip(["q", "k", "v", "f", "b", "A_log", "dt_bias", "h0"], xs, ys):
         assert a.grad.dtype == a.dtype and a.grad.shape == a.shape
         assert rel(a.grad, b.grad) < (tol["gate"] if name in ("f", "b", "A_log", "dt_bias") else tol["grad"]), name
-
-
-@pytest.mark.parametrize("dtype,T,cu,gate", [(torch.float32, 100, None, "mix"),
-                                             (torch.bfloat16, 150, [0, 5, 6, 70, 150], "mix"),
-                                             (torch.float32, 130, None, "bound"), (torch.float32, 70, None, "zero")])
-def test_merged_forward_matches_recurrence(monkeypatch, dtype, T, cu, gate):
-    """Inference on 64-token chunks merged from 16-token ones (merged.py, opt-in): outputs and final states. T
-    covers full and partial chunks; gates at the bound decay e^-320 over a chunk (terms underflow to 0, as they
-    should); ragged sequences start and end mid-chunk."""
-    calls = []
-    monkeypatch.setattr(merged, "ENABLED", True)
-    monkeypatch.setattr(merged, "merged_kda_fwd", lambda *a: calls.append(1) or merged_fwd(*a))
-    B = 1 if cu else 2
-    inputs = make(B, T, 2, 16, 32, dtype, gate=gate, beta_mode="high" if gate != "mix" else "mix", seed=T)
-    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=DEV)
-    h0 = torch.randn(len(cu) - 1 if cu else B, 2, 16, 32).to(DEV)
-    with torch.no_grad():
-        o, ht = kda_triton(*inputs, initial_state=h0, output_final_state=True, cu_seqlens=cu_t)
-    ro, rht = kda_recurrent(*(x.double() for x in inputs), initial_state=h0.double(), output_final_state=True,
-                            cu_seqlens=cu_t)
-    assert calls and rel(o, ro) < TOL[dtype]["o"] and rel(ht, rht) < TOL[dtype]["o"]
-
-
-@pytest.mark.parametrize("gate", ["k3", "kimi"])
-def test_merged_forward_with_fused_activations(monkeypatch, gate):
-    """The merged forward on raw inputs (activations in its kernel) = the recurrence on reference activations.
-    Gate logits of unit scale: Kimi's unbounded gate stays inside the 16-token span's range (kda_triton)."""
-    monkeypatch.setattr(merged, "ENABLED", True)
-    gen = torch.Generator().manual_seed(19)
-    B, T, H, K, V = 1, 90, 2, 16, 16
-    r = lambda *s, scale=1.0: (scale * torch.randn(*s, generator=gen)).to(DEV)
-    q, k, v, f, b = r(B, T, H, K, scale=3.0), r(B, T, H, K), r(B, T, H, V), r(B, T, H, K), r(B, T, H)
-    A_log, dt_bias = torch.log(1 + 3 * torch.rand(H, generator=gen)).to(DEV), r(H, K, scale=0.3)
-    with torch.no_grad():
-        o, ht = kda_triton_fused(q, k, v, f, b, A_log, dt_bias, gate=gate, output_final_state=True)
-    act = kda_activations_reference(*(x.double() for x in (q, k, f, b, A_log, dt_bias)), gate=gate)
-    ro, rht = kda_recurrent(act[0], act[1], v.double(), act[2], act[3], output_final_state=True)
-    assert rel(o, ro) < 1e-4 and rel(ht, rht) < 1e-4
 
 
 def test_fused_rejects_unknown_gate():

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import torch
 
-from openk3.ops.kda.triton import merged
 from openk3.ops.kda.triton.activations import GATES, activations_backward
 from openk3.ops.kda.triton.chunk_bwd import chunk_kda_bwd
 from openk3.ops.kda.triton.chunk_fwd import FusedActivation, chunk_kda_fwd
@@ -34,10 +33,6 @@ class _KDAChunkFunction(torch.autograd.Function):
             act = FusedActivation(A_log.float().contiguous(), dt_bias.float().reshape(-1).contiguous(),
                                   kimi=gate[0] == "kimi", g_min=gate[1])
         h0 = None if initial_state is None else initial_state.float().contiguous()
-        if merged.ENABLED and not save:  # inference: 64-token chunks (merged.py)
-            lay = chunk_layout(B, T, cu_seqlens, q.device, chunk=merged.MERGED)
-            o, ht = merged.merged_kda_fwd(*flat, beta_flat, scale, h0, output_final_state, lay, act)
-            return o.reshape(B, T, H, V), ht
         lay = chunk_layout(B, T, cu_seqlens, q.device)
         o, ht, hs = chunk_kda_fwd(*flat, beta_flat, scale, h0, output_final_state, lay, save_states=save, act=act)
         if save:

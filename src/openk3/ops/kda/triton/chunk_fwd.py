@@ -30,9 +30,8 @@ import triton.language as tl
 from openk3.ops.kda.triton.activations import gate_activation
 from openk3.ops.kda.triton.layout import CHUNK, ChunkLayout
 
-# warps per kernel, measured on an H200; the merged.py ones (not yet timed) are the fewest that compile for sm_90
-# without spilling (the state pass at 64 tokens) or with the least (the merged prepare, 40 bytes of stack)
-WARPS = {"prepare": 2, "state": 4, "state_bwd": 4, "intra_bwd": 4, "merged": 4, "merged_state": 8}
+# warps per kernel, measured on an H200
+WARPS = {"prepare": 2, "state": 4, "state_bwd": 4, "intra_bwd": 4}
 
 
 @triton.jit
@@ -268,13 +267,13 @@ def activation_args(act: FusedActivation | None, dummy: torch.Tensor) -> dict:
     return act.kernel_args() if act is not None else dict(A_log=dummy, dt_bias=dummy, ACT=0, G_MIN=0.0)
 
 
-def chunk_terms(q, v, n_chunks: int, with_u=True, chunk: int = CHUNK):
-    """Empty W, U, QG, KG, AQK, GC for a prepare kernel with `chunk`-token chunks (U None without `with_u`)."""
+def chunk_terms(q, v, n_chunks: int, with_u=True):
+    """Empty W, U, QG, KG, AQK, GC for the prepare kernel (U None without `with_u`)."""
     T, H, K = q.shape
     dt = {tl.float32: torch.float32, tl.bfloat16: torch.bfloat16, tl.float16: torch.float16}[dot_dtype(q.dtype)]
     W, QG, KG = (torch.empty(T, H, K, dtype=dt, device=q.device) for _ in range(3))
     U = torch.empty(T, H, v.shape[-1], dtype=dt, device=q.device) if with_u else None
-    AQK = torch.empty(T, H, chunk, dtype=dt, device=q.device)
+    AQK = torch.empty(T, H, CHUNK, dtype=dt, device=q.device)
     GC = torch.empty(max(n_chunks, 1), H, K, dtype=torch.float32, device=q.device)
     return W, U, QG, KG, AQK, GC
 
@@ -301,10 +300,9 @@ def prepare(q, k, v, g, beta, scale: float, lay: ChunkLayout, act: FusedActivati
     return terms
 
 
-def state_pass(terms, v, dtype, initial_state, output_final_state, lay: ChunkLayout, save_states, num_warps: int):
-    """The forward state pass over a prepare kernel's `terms` (chunks of lay.chunk tokens; `dtype`: q's, which
-    set the terms' precision). Returns o (v's dtype), the final state (fp32 or None) and the state before every
-    chunk (or None)."""
+def state_pass(terms, v, dtype, initial_state, output_final_state, lay: ChunkLayout, save_states):
+    """The forward state pass over a prepare kernel's `terms` (`dtype`: q's, which set the terms' precision).
+    Returns o (v's dtype), the final state (fp32 or None) and the state before every chunk (or None)."""
     W, U, QG, KG, AQK, GC = terms
     T, H, K = W.shape
     V = v.shape[-1]
@@ -315,9 +313,9 @@ def state_pass(terms, v, dtype, initial_state, output_final_state, lay: ChunkLay
     BV = state_block(N, H, V)
     _state_fwd_kernel[(N, H, triton.cdiv(V, BV))](
         W, U, QG, KG, AQK, GC, initial_state, ht, hs, o, lay.cu_seqlens, lay.chunk_offsets,
-        H=H, K=K, V=V, BT=lay.chunk, BK=_pow2(K), BV=BV, HAS_H0=initial_state is not None,
+        H=H, K=K, V=V, BT=CHUNK, BK=_pow2(K), BV=BV, HAS_H0=initial_state is not None,
         STORE_FINAL=output_final_state, SAVE_STATES=save_states, PREC=precision(dtype), DT=dot_dtype(dtype),
-        num_warps=num_warps)
+        num_warps=WARPS["state"])
     return o, ht, hs
 
 
@@ -328,4 +326,4 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, la
     or None), per-chunk states (or None). With `act`, g and beta are the gate and beta logits and q, k are not
     yet normalised."""
     terms = prepare(q, k, v, g, beta, scale, lay, act)
-    return state_pass(terms, v, q.dtype, initial_state, output_final_state, lay, save_states, WARPS["state"])
+    return state_pass(terms, v, q.dtype, initial_state, output_final_state, lay, save_states)

@@ -16,9 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-# tokens per chunk: a 16-token span keeps exp(+-G) inside fp32 range for g >= -5 (SPEC §2); merged.py builds
-# 64-token chunks from four of them
-CHUNK = 16
+CHUNK = 16  # tokens per chunk: a 16-token span keeps exp(+-G) inside fp32 range for g >= -5 (SPEC §2)
 
 
 @dataclass(frozen=True)
@@ -28,25 +26,24 @@ class ChunkLayout:
     fwd_schedule: torch.Tensor  # [n_chunks, 3] int32: chunk index, first token, end token; by position from start
     bwd_schedule: torch.Tensor  # the same rows by position from the sequence's end
     n_seqs: int
-    chunk: int  # tokens per chunk
     n_chunks: int  # rows of the schedules (chunk-indexed buffers have this many rows); may include empty ones
 
 
-def _build(offsets: torch.Tensor, n_rows: int, chunk: int) -> ChunkLayout:
+def _build(offsets: torch.Tensor, n_rows: int) -> ChunkLayout:
     """Tables from int64 sequence offsets [N+1] on their device, without reading them on the host: `n_rows` is
     the number of chunks, or an upper bound on it; rows past the real chunks are empty (first token = end token
     = 0) and come last in both schedules, so the kernels launched over them do nothing."""
     device = offsets.device
     N = len(offsets) - 1
-    per_seq = (offsets[1:] - offsets[:-1] + chunk - 1) // chunk
+    per_seq = (offsets[1:] - offsets[:-1] + CHUNK - 1) // CHUNK
     chunk_offsets = torch.cat([offsets.new_zeros(1), per_seq.cumsum(0)])
     index = torch.arange(n_rows, device=device)
     seq = torch.searchsorted(chunk_offsets[1:], index, right=True)  # N past the last real chunk
     real = seq < N
     seq = seq.clamp(max=max(N - 1, 0))
     pos = index - chunk_offsets[seq]
-    starts = torch.where(real, offsets[seq] + pos * chunk, 0)
-    rows = torch.stack([index, starts, torch.where(real, torch.minimum(starts + chunk, offsets[seq + 1]), 0)], -1)
+    starts = torch.where(real, offsets[seq] + pos * CHUNK, 0)
+    rows = torch.stack([index, starts, torch.where(real, torch.minimum(starts + CHUNK, offsets[seq + 1]), 0)], -1)
 
     def schedule(position):
         if n_rows == 0:
@@ -60,23 +57,21 @@ def _build(offsets: torch.Tensor, n_rows: int, chunk: int) -> ChunkLayout:
         fwd_schedule=schedule(pos),
         bwd_schedule=schedule(per_seq[seq] - 1 - pos),
         n_seqs=N,
-        chunk=chunk,
         n_chunks=n_rows,
     )
 
 
 @functools.lru_cache(maxsize=64)
-def _dense_layout(batch: int, seq_len: int, device: torch.device, chunk: int) -> ChunkLayout:
+def _dense_layout(batch: int, seq_len: int, device: torch.device) -> ChunkLayout:
     """Equal-length batch: built once per shape and device (exact chunk count)."""
-    return _build(torch.arange(batch + 1, device=device) * seq_len, batch * -(-seq_len // chunk), chunk)
+    return _build(torch.arange(batch + 1, device=device) * seq_len, batch * -(-seq_len // CHUNK))
 
 
-def chunk_layout(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None, device, chunk: int = CHUNK
-                 ) -> ChunkLayout:
+def chunk_layout(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None, device) -> ChunkLayout:
     """Sequence and chunk tables for the flat token layout, built on `device` without a host round trip. With
-    cu_seqlens (B = 1, seq_len = all tokens) the tables hold seq_len // chunk + N rows, an upper bound on the
+    cu_seqlens (B = 1, seq_len = all tokens) the tables hold seq_len // CHUNK + N rows, an upper bound on the
     chunk count (each sequence adds at most one partial chunk); the extra rows are empty."""
     if cu_seqlens is None:
-        return _dense_layout(batch, seq_len, torch.device(device), chunk)
+        return _dense_layout(batch, seq_len, torch.device(device))
     offsets = cu_seqlens.detach().to(device=device, dtype=torch.int64)
-    return _build(offsets, batch * seq_len // chunk + len(offsets) - 1, chunk)
+    return _build(offsets, batch * seq_len // CHUNK + len(offsets) - 1)
