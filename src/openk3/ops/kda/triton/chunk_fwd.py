@@ -32,6 +32,9 @@ from openk3.ops.kda.triton.layout import CHUNK, ChunkLayout
 
 # warps per kernel, measured on an H200
 WARPS = {"prepare": 2, "state": 4, "state_bwd": 4, "intra_bwd": 4}
+# registers per thread for the prepare kernel (127 uncapped): 10 programs per SM instead of 8, the same bits, 4%
+# faster on pre-activated and 14% on raw inputs on an H200; 80 and 64 were slower (bench/NOTES-kda.md run 18)
+PREPARE_MAX_REGISTERS = 96
 
 
 @triton.jit
@@ -290,7 +293,7 @@ def launch_prepare(q, k, v, g, beta, scale: float, terms, schedule, n_chunks: in
             q, k, v, g, beta, sched=schedule, ready=ready, W=W, U=W if U is None else U, QG=QG, KG=KG, AQK=AQK,
             GCX=GC, scale=scale, H=H, K=K, V=V, BT=CHUNK, BS=slice_width(K, V), PREC=precision(q.dtype),
             INV_PREC=inverse_precision(q.dtype), STORE_U=U is not None, num_warps=WARPS["prepare"],
-            **activation_args(act, q))
+            maxnreg=PREPARE_MAX_REGISTERS, **activation_args(act, q))
 
 
 def prepare(q, k, v, g, beta, scale: float, lay: ChunkLayout, act: FusedActivation | None = None, with_u=True):
