@@ -43,7 +43,6 @@ from openk3.ops.kda.triton.chunk_fwd import (
     chunk_terms,
     dot_dtype,
     inverse_norm,
-    inverse_precision,
     launch_prepare,
     load_beta,
     load_slice,
@@ -51,7 +50,7 @@ from openk3.ops.kda.triton.chunk_fwd import (
     scheduled_chunk,
     slice_width,
     state_block,
-    unit_lower_inverse,
+    wy_inverse,
 )
 from openk3.ops.kda.triton.layout import CHUNK, ChunkLayout
 from openk3.ops.kda.triton.overlap import ready_flags, side_by_side
@@ -149,7 +148,7 @@ def _load_state_rows(hs, c, h, H, K: tl.constexpr, V: tl.constexpr, BS: tl.const
 @triton.jit
 def _intra_bwd_kernel(q, k, v, g, beta, A_log, dt_bias, sched, hs, dhs, do, dU, dq, dk, dv, dg, dbeta, scale,
                       H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BV: tl.constexpr,
-                      PREC: tl.constexpr, INV_PREC: tl.constexpr, DT: tl.constexpr,
+                      PREC: tl.constexpr, DT: tl.constexpr,
                       ACT: tl.constexpr, G_MIN: tl.constexpr):
     """Back-propagates one chunk's terms, BS channels of K at a time and all of V (the module docstring)."""
     c, h, t0, t1 = scheduled_chunk(sched, H)
@@ -182,7 +181,7 @@ def _intra_bwd_kernel(q, k, v, g, beta, A_log, dt_bias, sched, hs, dhs, do, dU, 
     VmKS = vv - KdS * rk[:, None]  # V - Kd S
     # dT = dW (beta Kd)^T + dU (beta V)^T with dW = -dpv S^T and dU = dpv: dpv (V - Kd S)^T Diag(beta)
     dT = tl.dot(dpv, tl.trans(VmKS), input_precision=PREC) * b[None, :]
-    Tm = unit_lower_inverse(tl.where(i > j, P * b[:, None], 0.0), i, j, INV_PREC)
+    Tm = wy_inverse(P, b, i, j, PREC)
     Tt = tl.trans(Tm)
     pv = tl.dot(Tm * b[None, :], VmKS, input_precision=PREC)  # = U - W S
     # T = (I + A)^-1  =>  dA = -T^T dT T^T, kept where A lives (strictly lower); A = Diag(beta) P
@@ -261,7 +260,7 @@ def intra_backward(q, k, v, g, beta, scale, hs, dhs, do, dU, lay: ChunkLayout, a
         _intra_bwd_kernel[(lay.n_chunks * H,)](
             q, k, v, g, beta, sched=lay.bwd_schedule, hs=hs, dhs=dhs, do=do, dU=dU, dq=dq, dk=dk, dv=dv, dg=dg,
             dbeta=dbeta, scale=scale, H=H, K=K, V=V, BT=CHUNK, BS=slice_width(K, V), BV=_pow2(V),
-            PREC=precision(q.dtype), INV_PREC=inverse_precision(q.dtype), DT=dot_dtype(q.dtype),
+            PREC=precision(q.dtype), DT=dot_dtype(q.dtype),
             num_warps=WARPS["intra_bwd"], **activation_args(act, q))
     return dq, dk, dv, dg, dbeta
 

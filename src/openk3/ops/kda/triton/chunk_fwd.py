@@ -53,21 +53,21 @@ def _store_rows(ptr, x, rows, row_mask, H, h, D: tl.constexpr, BD: tl.constexpr,
 
 
 @triton.jit
-def unit_lower_inverse(A, i, j, INV_PREC: tl.constexpr):
+def unit_lower_inverse(A, i, j, PREC: tl.constexpr):
     """(I + A)^-1 = (I - A)(I + A^2)(I + A^4)(I + A^8) for a strictly lower 16 x 16 A (A^16 = 0)."""
     eye = tl.where(i == j, 1.0, 0.0)
     Tm = eye - A
     Ap = A
     for _ in tl.static_range(3):
-        Ap = tl.dot(Ap, Ap, input_precision=INV_PREC)
-        Tm = tl.dot(Tm, eye + Ap, input_precision=INV_PREC)
+        Ap = tl.dot(Ap, Ap, input_precision=PREC)
+        Tm = tl.dot(Tm, eye + Ap, input_precision=PREC)
     return Tm
 
 
 @triton.jit
-def t_times_beta(P, b, i, j, INV_PREC: tl.constexpr):
-    """T Diag(beta) of a 16-token chunk from P = Kd Ki^T (P's rows rescaled already), T = (I + A)^-1."""
-    return unit_lower_inverse(tl.where(i > j, P * b[:, None], 0.0), i, j, INV_PREC) * b[None, :]
+def wy_inverse(P, b, i, j, PREC: tl.constexpr):
+    """T = (I + A)^-1 of a 16-token chunk, A = StrictTril(Diag(beta) P), from P = Kd Ki^T (rescaled already)."""
+    return unit_lower_inverse(tl.where(i > j, P * b[:, None], 0.0), i, j, PREC)
 
 
 @triton.jit
@@ -127,7 +127,7 @@ def signal_ready(ready, c, h, H):
 @triton.jit
 def _prepare_kernel(q, k, v, g, beta, A_log, dt_bias, sched, ready, W, U, QG, KG, AQK, GCX, scale,
                     H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                    BS: tl.constexpr, PREC: tl.constexpr, INV_PREC: tl.constexpr,
+                    BS: tl.constexpr, PREC: tl.constexpr,
                     ACT: tl.constexpr, G_MIN: tl.constexpr, STORE_U: tl.constexpr):
     """The state-independent terms of one chunk, BS channels at a time: everything is per channel except
     the two products over K (accumulated) and T, so slices keep the register tiles small."""
@@ -156,7 +156,7 @@ def _prepare_kernel(q, k, v, g, beta, A_log, dt_bias, sched, ready, W, U, QG, KG
     Aqk = Aqk * (scale * rq)[:, None] * rk[None, :]
     P = P * rk[:, None] * rk[None, :]
     _store_rows(AQK, tl.where(i >= j, Aqk, 0.0), rows, rmask, H, h, BT, BT)
-    Tb = t_times_beta(P, b, i, j, INV_PREC)
+    Tb = wy_inverse(P, b, i, j, PREC) * b[None, :]  # T Diag(beta)
     # pass 2 reloads each slice (cache hits) and writes its terms
     for c0 in range(0, K, BS):
         qq, kk, G, GC = load_slice(q, k, g, A_log, dt_bias, rows, rmask, h, H, K, BT, BS, c0, ACT, G_MIN)
@@ -237,14 +237,10 @@ def slice_width(K: int, V: int) -> int:
     return min(32, _pow2(min(K, V)))
 
 
-def inverse_precision(dtype: torch.dtype) -> str:
-    """The triangular inverse's products: fp32 for fp32 inputs, one tf32 pass for 16-bit inputs (6% faster
-    prepare than 3 tf32 passes on an H200, with the same errors in the GPU sweep: bench/NOTES-kda.md run 13)."""
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
 def precision(dtype: torch.dtype) -> str:
-    """fp32 inputs get fp32 products; 16-bit inputs get tf32 for the fp32 intra-chunk products."""
+    """The fp32 intra-chunk products, the triangular inverse's included: fp32 for fp32 inputs, one tf32 pass for
+    16-bit inputs (for the inverse 6% faster than 3 tf32 passes on an H200, with the same errors in the GPU
+    sweep: bench/NOTES-kda.md run 13)."""
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
@@ -292,8 +288,7 @@ def launch_prepare(q, k, v, g, beta, scale: float, terms, schedule, n_chunks: in
         _prepare_kernel[(n_chunks * H,)](
             q, k, v, g, beta, sched=schedule, ready=ready, W=W, U=W if U is None else U, QG=QG, KG=KG, AQK=AQK,
             GCX=GC, scale=scale, H=H, K=K, V=V, BT=CHUNK, BS=slice_width(K, V), PREC=precision(q.dtype),
-            INV_PREC=inverse_precision(q.dtype), STORE_U=U is not None, num_warps=WARPS["prepare"],
-            maxnreg=PREPARE_MAX_REGISTERS, **activation_args(act, q))
+            STORE_U=U is not None, num_warps=WARPS["prepare"], maxnreg=PREPARE_MAX_REGISTERS, **activation_args(act, q))
 
 
 def prepare(q, k, v, g, beta, scale: float, lay: ChunkLayout, act: FusedActivation | None = None, with_u=True):
