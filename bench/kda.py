@@ -2,11 +2,13 @@
 
     python bench/kda.py [--json PATH] [--quick] [--shapes 0,1,2,3,4] [--fla-shapes 0,1,2,3,4]
     python bench/kda.py --stages [--tune] [--shapes ...]     each launch of ours timed alone (and variants)
+    python bench/kda.py --gate-modes [--shapes ...]          bounded vs any-gate kernels, beside fla's two paths
 
 Shapes (bf16, K = V = 128) from issue 5; modes fwd and fwd+bwd; decode of 64 and 256 sequences x 32 heads with
 an fp32 state pool; device-copy bandwidth and a bf16 GEMM rate as the two ceilings. fla runs its Triton path
 (FLA_DISABLE_BACKEND_DISPATCH=1) with the K3 safe gate, L2 norm and beta sigmoid in its kernel; ours is timed
-three ways: on pre-activated inputs (the `kda` contract), with the activations as a separate Triton pass
+three ways: on pre-activated inputs (the `kda` contract, K3's floor declared: the bounded kernels), with the
+activations as a separate Triton pass
 (`kda_activations` then `kda_triton`) and with them fused into the chunk kernels (`kda_triton_fused`, the
 like-for-like comparison with fla).
 Cold start: wall time to the first finished fwd+bwd per shape with an empty Triton cache (a fresh cache dir per
@@ -88,7 +90,7 @@ def runners(r, cu):
     cu_l = None if cu is None else cu_t.long()
 
     def ours():
-        return kda_triton(*pre, cu_seqlens=cu_t)[0]
+        return kda_triton(*pre, cu_seqlens=cu_t, gate_min=G_MIN)[0]
 
     def ours_act():
         acts = kda_activations(raw["q"], raw["k"], raw["f"], raw["b"], r["A_log"], r["dt_bias"], g_min=G_MIN)
@@ -181,23 +183,58 @@ def bench_decode(N, H, results, copy_bw):
     return row
 
 
+def gate_modes(name, B, T, H, cu, results):
+    """Forward and fwd+bwd of our two gate modes on the same pre-activated K3 inputs (bounded: K3's floor declared;
+    any-gate: none, as for Kimi Linear's gate), Kimi Linear's gate fused in ours, and fla's matching paths:
+    pre-activated inputs without its safe gate, and Kimi Linear's gate in its kernel."""
+    from fla.ops.kda import chunk_kda
+
+    r = raw_inputs(B, T, H)
+    pre = [x.detach().requires_grad_() for x in activate(r)]
+    raw = [r[n].detach().requires_grad_() for n in ("q", "k", "v", "f", "b")]
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device="cuda")
+    cu_l = None if cu is None else cu_t.long()
+    runs = {
+        "ours bounded": (lambda: kda_triton(*pre, cu_seqlens=cu_t, gate_min=G_MIN)[0], pre),
+        "ours any-gate": (lambda: kda_triton(*pre, cu_seqlens=cu_t)[0], pre),
+        "fla pre-act": (lambda: chunk_kda(*pre, cu_seqlens=cu_l)[0], pre),
+        "ours kimi fused": (lambda: kda_triton_fused(*raw, r["A_log"], r["dt_bias"], gate="kimi",
+                                                     cu_seqlens=cu_t)[0], raw),
+        "fla kimi gate": (lambda: chunk_kda(*raw, A_log=r["A_log"], dt_bias=r["dt_bias"],
+                                            use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                            use_beta_sigmoid_in_kernel=True, cu_seqlens=cu_l)[0], raw),
+    }
+    do = torch.randn(B, T, H, V, device="cuda", dtype=torch.bfloat16)
+    row = {"shape": name}
+    for who, (fn, leaves) in runs.items():
+        step = fwd_bwd(fn, leaves, do)
+        step()
+        with torch.no_grad():
+            row[f"{who} fwd"] = ms(fn)
+        row[f"{who} fwdbwd"] = ms(step)
+        print(f"  {name} {who}: fwd {row[f'{who} fwd']:.3f} ms, fwd+bwd {row[f'{who} fwdbwd']:.3f} ms", flush=True)
+    results.append(row)
+    return row
+
+
 def stages(name, B, T, H, cu, tune=False):
     """Time each launch of ours alone: forward (prepare, state pass), backward (prepare, reverse pass, intra),
     pre-activated and fused; with `tune`, warps per kernel and the reverse
     pass's V block and reduction."""
-    from openk3.ops.kda.triton import chunk_bwd, chunk_fwd, overlap
+    from openk3.ops.kda.triton import chunk_bwd, chunk_fwd
     from openk3.ops.kda.triton.layout import chunk_layout
 
     r = raw_inputs(B, T, H)
     q, k, v, g, beta = (x.reshape(B * T, H, -1).squeeze(-1).contiguous() for x in activate(r))
     raw = [r[n].reshape(B * T, H, -1).squeeze(-1).contiguous() for n in ("q", "k", "v", "f", "b")]
-    act = chunk_fwd.FusedActivation(r["A_log"], r["dt_bias"], kimi=False, g_min=G_MIN)
+    gate = chunk_fwd.gate_spec(G_MIN)  # the pre-activated inputs' declared floor: the bounded kernels
+    act = chunk_fwd.gate_spec(None, r["A_log"], r["dt_bias"], kimi=False, g_min=G_MIN)
     cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device="cuda")
     lay = chunk_layout(B, T, cu_t, "cuda")
     scale = K**-0.5
-    _, _, hs = chunk_fwd.chunk_kda_fwd(q, k, v, g, beta, scale, None, False, lay, save_states=True)
+    hs = chunk_fwd.chunk_kda_fwd(q, k, v, g, beta, scale, None, False, lay, save_states=True, gate=gate)[2]
     do = torch.randn_like(v)
-    terms = chunk_fwd.prepare(q, k, v, g, beta, scale, lay)
+    terms = chunk_fwd.prepare(q, k, v, g, beta, scale, lay, gate)
 
     def rev(bv=32):
         outs, launch = chunk_bwd.reverse_pass(terms, do, None, False, lay, bv, q.dtype)
@@ -205,11 +242,12 @@ def stages(name, B, T, H, cu, tune=False):
         return outs
 
     dU, dhs, _ = rev()
-    intra = lambda *xs, act=None: chunk_bwd.intra_backward(*xs, scale, hs, dhs, do, dU, lay, act)
-    bwd = lambda: chunk_bwd.chunk_kda_bwd(q, k, v, g, beta, scale, hs, do, None, False, lay)
-    fwd = lambda *xs, act=None, save=False: chunk_fwd.chunk_kda_fwd(*xs, scale, None, False, lay, save, act)
+    intra = lambda *xs, act=gate: chunk_bwd.intra_backward(*xs, scale, hs, dhs, do, dU, lay, act)
+    bwd = lambda overlap=True: chunk_bwd.chunk_kda_bwd(q, k, v, g, beta, scale, hs, do, None, False, lay, gate,
+                                                       overlap)
+    fwd = lambda *xs, act=gate, save=False: chunk_fwd.chunk_kda_fwd(*xs, scale, None, False, lay, save, act)
     row = {"shape": name,
-           "prepare": ms(lambda: chunk_fwd.prepare(q, k, v, g, beta, scale, lay)),
+           "prepare": ms(lambda: chunk_fwd.prepare(q, k, v, g, beta, scale, lay, gate)),
            "prepare fused": ms(lambda: chunk_fwd.prepare(*raw, scale, lay, act)),
            "fwd total": ms(lambda: fwd(q, k, v, g, beta)),
            "fwd fused": ms(lambda: fwd(*raw, act=act)),
@@ -217,10 +255,8 @@ def stages(name, B, T, H, cu, tune=False):
            "reverse pass": ms(rev),
            "intra bwd": ms(lambda: intra(q, k, v, g, beta)),
            "intra bwd fused": ms(lambda: intra(*raw, act=act)),
-           "bwd total": ms(bwd)}
-    overlap.ENABLED = False  # the same passes one after the other
-    row["bwd total, no overlap"] = ms(bwd)
-    overlap.ENABLED = True
+           "bwd total": ms(bwd),
+           "bwd total, no overlap": ms(lambda: bwd(overlap=False))}  # the same passes one after the other
     row["state pass"] = row["fwd total"] - row["prepare"]
     print({a: (round(b, 4) if isinstance(b, float) else b) for a, b in row.items()}, flush=True)
     if not tune:
@@ -263,6 +299,8 @@ def main():
     ap.add_argument("--quick", action="store_true", help="first shape only")
     ap.add_argument("--stages", action="store_true", help="time our launches one by one, then exit")
     ap.add_argument("--tune", action="store_true", help="with --stages: also time warps and V blocks (shapes 0, 2)")
+    ap.add_argument("--gate-modes", action="store_true",
+                    help="time the bounded and any-gate kernels beside fla's matching paths, then exit")
     ap.add_argument("--shapes", default="0,1,2,3,4", help="indices of the shapes to run")
     ap.add_argument("--fla-shapes", default="0,1,2,3,4", help="indices of the shapes that also run fla")
     args = ap.parse_args()
@@ -270,6 +308,15 @@ def main():
         raise SystemExit("bench/kda.py needs a CUDA device (the CPU runs the kernels only under TRITON_INTERPRET=1, "
                          "for the tests)")
     picked = [(i, SHAPES[i]) for i in sorted({int(x) for x in args.shapes.split(",") if x})]
+    if args.gate_modes:
+        rows = [gate_modes(*shape, []) for _, shape in picked]
+        print(f"\n{'ms (fwd / fwd+bwd)':<20}" + "".join(f"{w:>19}" for w in rows[0] if w.endswith(" fwd")))
+        for r in rows:
+            print(f"{r['shape']:<20}" + "".join(f"{r[w]:9.3f}/{r[w[:-4] + ' fwdbwd']:<9.3f}" for w in r
+                                                 if w.endswith(" fwd")))
+        with open(args.json.replace(".json", "_gates.json"), "w") as fh:
+            json.dump(rows, fh, indent=1)
+        return
     if args.stages:
         for i, shape in picked:
             stages(*shape, tune=args.tune and i in (0, 2))

@@ -201,3 +201,25 @@ def test_states_at_chunk_boundaries_from_one_pass():
     for bad in ((5,), (16, 64), (0,)):
         with pytest.raises(ValueError, match="multiples of chunk_size=16"):
             kda_chunked_with_states(q, k, v, g, b, bad)
+
+
+@pytest.mark.parametrize("backend", ["recurrent", "chunked", "triton"])
+@pytest.mark.parametrize("offsets", [(16, 48), (5, 16, 53), (53,)])
+def test_kda_returns_states_at_offsets(backend, offsets):
+    """kda(..., state_offsets=...) from every backend: the fp32 states after those many tokens equal the recurrence
+    stopped there; output and final state equal a plain call (chunk-aligned offsets in one pass, others by
+    chained calls). The Triton kernels compute in fp32 (under the interpreter without CUDA)."""
+    q, k, v, g, b, s0 = make_inputs(2, 53, 2, 16, 8, seed=22, state=True)
+    args = [x.float() for x in (q, k, v, g, b)]
+    o, final, states = kda(*args, initial_state=s0.float(), output_final_state=True, backend=backend,
+                           state_offsets=offsets)
+    ref_o, ref_final = kda_recurrent(q, k, v, g, b, initial_state=s0, output_final_state=True)
+    assert len(states) == len(offsets) and all(s.dtype == torch.float32 for s in states)
+    torch.testing.assert_close(o.double(), ref_o, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(final.double(), ref_final, rtol=1e-4, atol=1e-5)
+    for t, state in zip(offsets, states):
+        _, ref = kda_recurrent(q[:, :t], k[:, :t], v[:, :t], g[:, :t], b[:, :t], initial_state=s0,
+                               output_final_state=True)
+        torch.testing.assert_close(state.double(), ref, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="state_offsets"):
+        kda(*args, backend=backend, state_offsets=(0,))

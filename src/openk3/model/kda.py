@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 from torch import nn
@@ -12,8 +11,7 @@ from openk3.config import ModelConfig
 from openk3.model.common import KeepFp32, RMSNorm, ShortConv, linear, out_std
 from openk3.ops.conv import causal_conv1d, causal_conv1d_step
 from openk3.ops.gates import k3_gate, kimi_gate
-from openk3.ops.kda import check_kda_inputs, kda, resolve_backend
-from openk3.ops.kda.chunked import CHUNK_SIZE, kda_chunked_with_states
+from openk3.ops.kda import BACKENDS, kda, resolve_backend
 from openk3.ops.norms import acc_dtype, l2_norm, rms_norm
 
 
@@ -52,7 +50,8 @@ class KimiDeltaAttention(KeepFp32, nn.Module):
         self.num_heads, self.head_dim, self.v_head_dim = H, K, K
         self.gate_kind, self.lower_bound = kc.gate, kc.gate_lower_bound
         self.fused_conv, self.output_gate = kc.fused_conv, kc.output_gate
-        self.kda_backend = "auto"
+        self.kda_backend = "auto"  # configure_kda sets these for a whole model
+        self.kda_overlap = True
         std = cfg.init_std
         self.q_proj = linear(D, H * K, std)
         self.k_proj = linear(D, H * K, std)
@@ -103,7 +102,7 @@ class KimiDeltaAttention(KeepFp32, nn.Module):
         kernels will run, one Triton pass does all four (forward and backward; on an H200 it took 0.13 ms where
         PyTorch's elementwise ops took ~1.1 ms at 8192 tokens x 32 heads, bench/NOTES-kda.md run 6)."""
         b = self.b_proj(x).to(acc_dtype(x.dtype))
-        if resolve_backend(backend, x.device) == "triton":
+        if backend == "triton":
             from openk3.ops.kda.triton import kda_activations  # triton is an optional dependency
 
             return kda_activations(q, k, self.gate_logits(x), b, self.A_log, self.dt_bias, gate=self.gate_kind,
@@ -113,36 +112,17 @@ class KimiDeltaAttention(KeepFp32, nn.Module):
     def out_gate(self, x: torch.Tensor) -> torch.Tensor:
         return self.g_proj(x) if self.output_gate == "full" else self.g_b_proj(self.g_a_proj(x))
 
-    def _backend(self, T: int, device: torch.device) -> str:
-        """The KDA backend for this call: `kda_backend`, refined when it is "auto" and nothing is forced."""
-        if self.kda_backend != "auto" or os.environ.get("OPENK3_KDA_BACKEND"):
-            return self.kda_backend
-        if device.type != "cuda":
-            return "recurrent" if T == 1 else "auto"  # one token: the recurrence is the cheapest form on CPU
-        if self.gate_kind == "kimi":
-            # The Triton kernels anchor decay at 16-token chunk starts and need every 15 consecutive gates to sum
-            # above about -85; K3's bounded gate (>= -5) guarantees it, Kimi Linear's softplus gate does not.
-            return "chunked"
-        return "auto"
+    def gate_min(self) -> float | None:
+        """The lower bound of this layer's gate: K3's g_min; none for Kimi Linear's softplus gate."""
+        return self.lower_bound if self.gate_kind == "k3" else None
 
     def _kda_with_checkpoints(self, q, k, v, g, beta, initial, conv_state, qkv_in, offsets, cache, backend):
         """KDA over the T new tokens, recording the layer's state (conv window and recurrent state) after each of
-        `offsets` tokens in the cache. The chunked backend emits the states of chunk-aligned offsets from one pass;
-        otherwise the call is split at the offsets (the chained segments give the same result as one call)."""
+        `offsets` tokens in the cache, from the same call."""
         window = conv_state.shape[-1]
         history = torch.cat([conv_state, qkv_in.transpose(1, 2).to(conv_state.dtype)], dim=-1)  # [B,C,W-1+T]
-        if resolve_backend(backend, q.device) == "chunked" and all(t % CHUNK_SIZE == 0 for t in offsets):
-            check_kda_inputs(q, k, v, g, beta, initial, None)
-            o, states, state = kda_chunked_with_states(q, k, v, g, beta, tuple(offsets), initial_state=initial)
-        else:
-            outputs, states, state, start = [], [], initial, 0
-            for end in [*offsets, q.shape[1]]:
-                o, state = kda(q[:, start:end], k[:, start:end], v[:, start:end], g[:, start:end],
-                               beta[:, start:end], initial_state=state, output_final_state=True, backend=backend)
-                outputs.append(o)
-                states.append(state)
-                start = end
-            o = torch.cat(outputs, dim=1)
+        o, state, states = kda(q, k, v, g, beta, initial_state=initial, output_final_state=True, backend=backend,
+                               gate_min=self.gate_min(), state_offsets=tuple(offsets), overlap=self.kda_overlap)
         for end, s in zip(offsets, states):
             cache.record_checkpoint(end, self.layer_idx, history[..., end:end + window], s)
         return o, state
@@ -160,7 +140,7 @@ class KimiDeltaAttention(KeepFp32, nn.Module):
         else:
             qkv, conv_state = causal_conv1d(qkv, w, layer_cache.conv_state if layer_cache is not None else None)
         q, k, v = (t.reshape(B, T, H, K) for t in qkv.split(H * K, dim=-1))
-        backend = self._backend(T, x.device)
+        backend = resolve_backend(self.kda_backend, x.device, T)
         q, k, g, beta = self.activate(q, k, x, backend)
         acc = acc_dtype(x.dtype)
         initial = layer_cache.recurrent_state if layer_cache is not None else None
@@ -170,7 +150,7 @@ class KimiDeltaAttention(KeepFp32, nn.Module):
                                                   offsets, cache, backend)
         else:
             o, state = kda(q, k, v, g, beta, initial_state=initial, output_final_state=layer_cache is not None,
-                           backend=backend)
+                           backend=backend, gate_min=self.gate_min(), overlap=self.kda_overlap)
         if layer_cache is not None:
             layer_cache.conv_state = conv_state
             layer_cache.recurrent_state = state
@@ -180,3 +160,13 @@ class KimiDeltaAttention(KeepFp32, nn.Module):
         o = rms_norm(o.to(acc), self.o_norm.weight, self.o_norm.eps) * torch.sigmoid(gate.to(acc))
         o = o.to(x.dtype)
         return self.o_proj(o.reshape(B, T, H * K))
+
+
+def configure_kda(model: nn.Module, *, backend: str = "auto", overlap: bool = True) -> None:
+    """Set the KDA backend ("auto" lets `resolve_backend` choose per call) and the Triton backward's overlap on
+    every KDA layer of `model`."""
+    if backend not in BACKENDS:
+        raise ValueError(f"kda backend must be one of {BACKENDS}, got {backend!r}")
+    for module in model.modules():
+        if isinstance(module, KimiDeltaAttention):
+            module.kda_backend, module.kda_overlap = backend, overlap

@@ -2,17 +2,17 @@
 
 `kda(...)` is the contract every backend meets: the token-by-token recurrence (the specification),
 the chunked WY/UT form in plain PyTorch (fast on CPU, any T), and the Triton kernels on CUDA.
-`backend="auto"` picks Triton for CUDA tensors when Triton is importable and the chunked form otherwise;
-the environment variable OPENK3_KDA_BACKEND (recurrent | chunked | triton) overrides "auto".
+`resolve_backend` is the one place "auto" becomes a backend; callers that want another pass it explicitly
+(the CLI turns OPENK3_KDA_BACKEND into such an argument; nothing here reads the environment).
 """
 
 from __future__ import annotations
 
-import os
+import math
 
 import torch
 
-from openk3.ops.kda.chunked import kda_chunked
+from openk3.ops.kda.chunked import CHUNK_SIZE, kda_chunked, kda_chunked_with_states
 from openk3.ops.kda.reference import kda_recurrent
 
 BACKENDS = ("auto", "recurrent", "chunked", "triton")
@@ -26,17 +26,17 @@ def _triton_available() -> bool:
     return True
 
 
-def resolve_backend(backend: str, device: torch.device) -> str:
+def resolve_backend(backend: str, device: torch.device, num_tokens: int) -> str:
+    """The backend a call of `num_tokens` tokens per sequence on `device` runs: `backend` itself unless it is
+    "auto"; for "auto" the Triton kernels on CUDA (when triton imports), on CPU the recurrence for one token
+    (the cheapest form there) and the chunked form otherwise."""
     if backend not in BACKENDS:
         raise ValueError(f"kda backend must be one of {BACKENDS}, got {backend!r}")
     if backend != "auto":
         return backend
-    forced = os.environ.get("OPENK3_KDA_BACKEND")
-    if forced:
-        if forced not in BACKENDS[1:]:
-            raise ValueError(f"OPENK3_KDA_BACKEND must be one of {BACKENDS[1:]}, got {forced!r}")
-        return forced
-    return "triton" if device.type == "cuda" and _triton_available() else "chunked"
+    if torch.device(device).type == "cuda" and _triton_available():
+        return "triton"
+    return "recurrent" if num_tokens == 1 else "chunked"
 
 
 def check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens) -> None:
@@ -74,6 +74,35 @@ def check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens) -> None:
         )
 
 
+def _check_options(gate_min, state_offsets, T: int, cu_seqlens) -> tuple[int, ...] | None:
+    if gate_min is not None and not (math.isfinite(gate_min) and gate_min <= 0):
+        raise ValueError(f"gate_min must be a finite log decay <= 0, got {gate_min}")
+    if state_offsets is None:
+        return None
+    offsets = tuple(int(t) for t in state_offsets)
+    if cu_seqlens is not None:
+        raise ValueError("state_offsets cannot be combined with cu_seqlens (offsets are per sequence of a batch)")
+    bad = [t for t in offsets if not 0 < t <= T]
+    if bad:
+        raise ValueError(f"state_offsets must lie in (0, T={T}], got {bad}")
+    return offsets
+
+
+def _split_at(q, k, v, g, beta, offsets, initial_state, **kwargs):
+    """KDA over segments that end at each offset, chained through their final states (the same result as one
+    call): (o, final state, the states at the offsets)."""
+    outputs, states, state, start = [], [], initial_state, 0
+    for end in [*sorted(set(offsets)), q.shape[1]]:
+        if end > start:
+            o, state = kda(q[:, start:end], k[:, start:end], v[:, start:end], g[:, start:end], beta[:, start:end],
+                           initial_state=state, output_final_state=True, **kwargs)
+            outputs.append(o)
+            states.append((end, state))
+        start = end
+    at = dict(states)
+    return torch.cat(outputs, dim=1), state, [at[t] for t in offsets]
+
+
 def kda(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -86,24 +115,44 @@ def kda(
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
     backend: str = "auto",
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    gate_min: float | None = None,
+    state_offsets: tuple[int, ...] | None = None,
+    overlap: bool = True,
+):
     """Kimi Delta Attention over [B,T,H,K] inputs; returns (o [B,T,H,V] in v's dtype, final state fp32 or None).
 
     g is the already-activated log decay (<= 0), beta the already-activated write strength in (0, 1),
-    scale defaults to K^-0.5 and multiplies q.
+    scale defaults to K^-0.5 and multiplies q. `gate_min`: a lower bound of g the caller guarantees (K3's
+    -5); every backend clamps g there, and the Triton kernels take their faster bounded mode for it (any g
+    is exact without it). `state_offsets`: also return the fp32 states after those many tokens, (o, final
+    state or None, [states]) — from the same pass where the backend can (chunk-aligned offsets), by chained
+    calls otherwise. `overlap` (Triton backward only): run the reverse state pass beside its producer.
     """
     check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
-    kwargs = dict(
-        scale=scale, initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens
-    )
-    name = resolve_backend(backend, q.device)
-    if name == "recurrent":
-        return kda_recurrent(q, k, v, g, beta, **kwargs)
-    if name == "chunked":
-        return kda_chunked(q, k, v, g, beta, **kwargs)
-    from openk3.ops.kda.triton import kda_triton
+    T = q.shape[1]
+    offsets = _check_options(gate_min, state_offsets, T, cu_seqlens)
+    name = resolve_backend(backend, q.device, T)
+    kwargs = dict(scale=scale, cu_seqlens=cu_seqlens)
+    if offsets is not None and any(t % CHUNK_SIZE for t in offsets):
+        o, final, states = _split_at(q, k, v, g, beta, offsets, initial_state, backend=name, gate_min=gate_min,
+                                     overlap=overlap, **kwargs)
+        return o, (final if output_final_state else None), states
+    if name == "triton":
+        from openk3.ops.kda.triton import kda_triton
 
-    return kda_triton(q, k, v, g, beta, **kwargs)
+        return kda_triton(q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state,
+                          gate_min=gate_min, state_offsets=offsets, overlap=overlap, **kwargs)
+    if gate_min is not None:
+        g = g.clamp_min(gate_min)
+    if offsets is not None:
+        if name == "chunked":
+            o, states, final = kda_chunked_with_states(q, k, v, g, beta, offsets, scale=scale,
+                                                       initial_state=initial_state)
+        else:
+            o, final, states = _split_at(q, k, v, g, beta, offsets, initial_state, backend=name, **kwargs)
+        return o, (final if output_final_state else None), states
+    fn = kda_recurrent if name == "recurrent" else kda_chunked
+    return fn(q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state, **kwargs)
 
 
-__all__ = ["kda", "kda_recurrent", "kda_chunked", "resolve_backend", "check_kda_inputs"]
+__all__ = ["kda", "kda_recurrent", "kda_chunked", "resolve_backend", "check_kda_inputs", "BACKENDS"]

@@ -5,6 +5,10 @@ activated copy stays alive; A_log and dt_bias are kept on the context), the init
 state at the start of every chunk (hs, in the kernels' operand dtype: bf16 for 16-bit inputs, fp32 for fp32).
 Recomputed in backward: the activations (fused variant), the state-independent chunk terms (W, U, Qd, kg, Aqk,
 gc; one token-parallel launch, cheaper than keeping four [T,H,K] tensors alive) and the pseudo-values U - W S.
+
+Gates: any g <= 0 is exact (to rounding). A declared floor (`gate_min`, K3's -5) clamps g there and, when it is
+>= BOUNDED_GATE_MIN, selects the faster bounded mode of the kernels (chunk_fwd.py); without one the kernels take
+block-local decay anchors that hold for any gate, Kimi Linear's unbounded softplus gate included.
 """
 
 from __future__ import annotations
@@ -13,8 +17,8 @@ import torch
 
 from openk3.ops.kda.triton.activations import GATES, activations_backward
 from openk3.ops.kda.triton.chunk_bwd import chunk_kda_bwd
-from openk3.ops.kda.triton.chunk_fwd import FusedActivation, chunk_kda_fwd
-from openk3.ops.kda.triton.layout import chunk_layout
+from openk3.ops.kda.triton.chunk_fwd import GateSpec, chunk_kda_fwd, gate_spec
+from openk3.ops.kda.triton.layout import CHUNK, chunk_layout
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -22,57 +26,82 @@ _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 class _KDAChunkFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, scale, cu_seqlens, output_final_state, save,
-                gate):
-        """gate None: g, beta activated. gate (kind, g_min): g and beta are logits, q and k unnormalised."""
+                gate: GateSpec, overlap, checkpoints):
+        """With fused activations in `gate` (A_log, dt_bias given): g and beta are logits, q and k unnormalised.
+        `checkpoints`: None or (slot per chunk, number of slots); the states there come out non-differentiable."""
         B, T, H, K = q.shape
         V = v.shape[-1]
         flat = [x.reshape(B * T, H, -1).contiguous() for x in (q, k, v, g)]
         beta_flat = beta.reshape(B * T, H).contiguous()
-        act = None
-        if gate is not None:
-            act = FusedActivation(A_log.float().contiguous(), dt_bias.float().reshape(-1).contiguous(),
-                                  kimi=gate[0] == "kimi", g_min=gate[1])
         h0 = None if initial_state is None else initial_state.float().contiguous()
         lay = chunk_layout(B, T, cu_seqlens, q.device)
-        o, ht, hs = chunk_kda_fwd(*flat, beta_flat, scale, h0, output_final_state, lay, save_states=save, act=act)
+        o, ht, hs, ckpt = chunk_kda_fwd(*flat, beta_flat, scale, h0, output_final_state, lay, save_states=save,
+                                        gate=gate, checkpoints=checkpoints)
         if save:
             ctx.save_for_backward(*flat, beta_flat, hs)
             ctx.lay, ctx.scale, ctx.shape, ctx.has_h0 = lay, scale, (B, T, H, K, V), h0 is not None
             ctx.h0_dtype = None if initial_state is None else initial_state.dtype
-            ctx.act = act  # its A_log / dt_bias: fp32 copies (or the parameters themselves when already fp32)
-            ctx.param_dtypes = None if act is None else (A_log.dtype, dt_bias.dtype, dt_bias.shape)
-        return o.reshape(B, T, H, V), ht
+            ctx.gate, ctx.overlap = gate, overlap  # the gate's A_log / dt_bias: fp32 copies (or the fp32 parameters)
+            ctx.param_dtypes = None if not gate.fused else (A_log.dtype, dt_bias.dtype, dt_bias.shape)
+        if ckpt is not None:
+            ctx.mark_non_differentiable(ckpt)
+        return o.reshape(B, T, H, V), ht, ckpt
 
     @staticmethod
-    def backward(ctx, do, dht):
+    def backward(ctx, do, dht, _dckpt):
         q, k, v, g, beta, hs = ctx.saved_tensors
         B, T, H, K, V = ctx.shape
-        act = ctx.act
+        gate = ctx.gate
         do = do.reshape(B * T, H, V).contiguous()
         dht = None if dht is None else dht.float().contiguous()
-        dq, dk, dv, dg, dbeta, dh0 = chunk_kda_bwd(q, k, v, g, beta, ctx.scale, hs, do, dht, ctx.has_h0, ctx.lay, act)
+        dq, dk, dv, dg, dbeta, dh0 = chunk_kda_bwd(q, k, v, g, beta, ctx.scale, hs, do, dht, ctx.has_h0, ctx.lay,
+                                                   gate, ctx.overlap)
         d_A_log = d_dt_bias = None
-        if act is not None:
+        if gate.fused:
             a_dtype, b_dtype, b_shape = ctx.param_dtypes
             dq, dk, dg, dbeta, d_A_log, d_dt_bias = activations_backward(
-                q, k, g, beta, act.A_log, act.dt_bias, dq, dk, dg, dbeta, g_min=act.g_min, kimi=act.kimi)
+                q, k, g, beta, gate.A_log, gate.dt_bias, dq, dk, dg, dbeta, g_min=gate.g_min, kimi=gate.kimi)
             d_A_log, d_dt_bias = d_A_log.to(a_dtype), d_dt_bias.reshape(b_shape).to(b_dtype)
         grads = [x.reshape(B, T, H, -1) for x in (dq, dk, dv, dg)]
         dh0 = None if dh0 is None else dh0.to(ctx.h0_dtype)
-        return (*grads, dbeta.reshape(B, T, H), d_A_log, d_dt_bias, dh0, None, None, None, None, None)
+        return (*grads, dbeta.reshape(B, T, H), d_A_log, d_dt_bias, dh0, *[None] * 7)
 
 
-def _run(q, k, v, g, beta, A_log, dt_bias, gate, scale, initial_state, output_final_state, cu_seqlens):
-    K = q.shape[-1]
+def checkpoint_slots(offsets: tuple[int, ...], T: int, device) -> tuple[torch.Tensor, int] | None:
+    """The state pass's checkpoint table for chunk-aligned `offsets` < T (the state after t tokens is the state
+    before chunk t / CHUNK): slot per chunk (-1: none) and the number of slots; None without such offsets."""
+    inner = sorted({t for t in offsets if t < T})
+    if not inner:
+        return None
+    slots = torch.full((-(-T // CHUNK),), -1, dtype=torch.int32)
+    for n, t in enumerate(inner):
+        slots[t // CHUNK] = n
+    return slots.to(device), len(inner)
+
+
+def _run(q, k, v, g, beta, A_log, dt_bias, gate, scale, initial_state, output_final_state, cu_seqlens, overlap,
+         state_offsets):
+    K, T = q.shape[-1], q.shape[1]
     scale = K**-0.5 if scale is None else float(scale)
     out_dtype = v.dtype
     if q.dtype not in _KERNEL_DTYPES:
         q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
+    offsets = tuple(state_offsets or ())
+    bad = [t for t in offsets if not 0 < t <= T or t % CHUNK]
+    if bad:
+        raise ValueError(f"state_offsets must be multiples of {CHUNK} in (0, T={T}] for the Triton backend, got {bad}")
+    if offsets and cu_seqlens is not None:
+        raise ValueError("state_offsets cannot be combined with cu_seqlens")
     leaves = [x for x in (q, k, v, g, beta, A_log, dt_bias, initial_state) if x is not None]
     save = torch.is_grad_enabled() and any(x.requires_grad for x in leaves)  # keep per-chunk states for backward
-    o, ht = _KDAChunkFunction.apply(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, cu_seqlens,
-                                    output_final_state, save, gate)
-    return o.to(out_dtype), ht
+    need_final = output_final_state or T in offsets
+    o, ht, ckpt = _KDAChunkFunction.apply(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, cu_seqlens,
+                                          need_final, save, gate, overlap, checkpoint_slots(offsets, T, q.device))
+    if state_offsets is None:
+        return o.to(out_dtype), ht
+    inner = sorted({t for t in offsets if t < T})
+    states = [ht if t == T else ckpt[inner.index(t)] for t in offsets]
+    return o.to(out_dtype), (ht if output_final_state else None), states
 
 
 def kda_triton(
@@ -86,15 +115,20 @@ def kda_triton(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    gate_min: float | None = None,
+    state_offsets: tuple[int, ...] | None = None,
+    overlap: bool = True,
+):
     """Chunked KDA on the Triton kernels; the contract of `openk3.ops.kda.kda` (pre-activated g and beta).
 
-    Exact (to rounding) while the gates of any 15 consecutive tokens of a chunk sum to more than about -85
-    (per-token g >= -5.5 always qualifies; K3's gate is bounded by -5, SPEC §2): the chunk's e^-G stays inside
-    fp32 range. Past that, e^-G overflows and outputs turn inf/NaN, so Kimi Linear's unbounded softplus gate
-    needs the chunked reference (or a gate floor) when its decays get that strong. fp64 inputs compute in fp32.
+    Any gate g <= 0 is exact to rounding; `gate_min`, a lower bound the caller guarantees, clamps g there and,
+    when >= -5.5 (K3's -5), runs the faster bounded kernels. With `state_offsets` (multiples of 16 in (0, T],
+    no cu_seqlens) the fp32 states after those many tokens come back too, from the same pass (not
+    differentiable): returns (o, final state or None, states). `overlap=False` runs the backward's reverse state
+    pass after its producer instead of beside it (same bits). fp64 inputs compute in fp32.
     """
-    return _run(q, k, v, g, beta, None, None, None, scale, initial_state, output_final_state, cu_seqlens)
+    return _run(q, k, v, g, beta, None, None, gate_spec(gate_min), scale, initial_state, output_final_state,
+                cu_seqlens, overlap, state_offsets)
 
 
 def kda_triton_fused(
@@ -112,13 +146,18 @@ def kda_triton_fused(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    state_offsets: tuple[int, ...] | None = None,
+    overlap: bool = True,
+):
     """`kda_triton` on `kda_activations(q, k, f, b, A_log, dt_bias, gate=gate, g_min=g_min)` with the activations
     fused into the chunk kernels: they read the raw projections q, k [B,T,H,K], the gate logits f [B,T,H,K] and
     the beta logits b [B,T,H] and apply the L2 norms, the gate and the sigmoid themselves, forward and backward,
     so the activated tensors are never written. Differentiable in every input, A_log [H] and dt_bias [H,K] (or
-    [H*K]) included. The gate range caveat of `kda_triton` applies to the computed g."""
+    [H*K]) included. K3's gate is bounded by g_min (the bounded kernels when g_min >= -5.5), Kimi Linear's by
+    nothing (the any-gate kernels)."""
     if gate not in GATES:
         raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
-    return _run(q, k, v, f, b, A_log, dt_bias, (gate, float(g_min)), scale, initial_state, output_final_state,
-                cu_seqlens)
+    spec = gate_spec(None, A_log.float().contiguous(), dt_bias.float().reshape(-1).contiguous(), kimi=gate == "kimi",
+                     g_min=float(g_min))
+    return _run(q, k, v, f, b, A_log, dt_bias, spec, scale, initial_state, output_final_state, cu_seqlens, overlap,
+                state_offsets)

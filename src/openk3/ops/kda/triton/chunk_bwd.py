@@ -18,6 +18,12 @@ Aqk = Tril(Qd Ki^T), kg = Ki e^G_C, gc = e^G_C):
     dQd = dO S^T + dAqk Ki,  dAqk = Tril(dO pv^T),  dkg = pv dS'^T,  dW = -dpv S^T,  dgc = rowsum(S ⊙ dS')
     dT = dW (beta Kd)^T + dU (beta V)^T = dpv (V - Kd S)^T Diag(beta),   dA = -T^T dT T^T (strictly lower)
     each product x_i y_j e^(G_i - G_j) gives dG_i += x_i dx_i and dG_j -= y_j dy_j; dg = reverse cumsum of dG
+    (plus kg's and gc's terms, which depend on G_C: see the kernel)
+
+The pair products (P, Aqk) are formed per gate mode as in the forward (chunk_fwd.py: one anchor, or
+block-local anchors on four levels), and Aqk's diagonal, which has no decay, apart: its dG terms cancel
+exactly, so it takes no part in dG (through the e^+-G-scaled products the cancellation was only as good as
+their rounding, which at the gate floor lost dg entirely: rel. error 0.15 in tf32 on an H200).
 
 With fused activations the token-parallel kernel recomputes them from the raw inputs as the forward does and
 returns gradients with respect to the activated q, k, g and beta; `activations_backward` takes them the rest
@@ -35,17 +41,17 @@ import triton.language as tl
 
 from openk3.ops.kda.triton.chunk_fwd import (
     WARPS,
-    FusedActivation,
+    GateSpec,
     _load_rows,
     _pow2,
     _store_rows,
-    activation_args,
     chunk_terms,
     dot_dtype,
     inverse_norm,
     launch_prepare,
     load_beta,
     load_slice,
+    pair_factors,
     precision,
     scheduled_chunk,
     slice_width,
@@ -149,7 +155,7 @@ def _load_state_rows(hs, c, h, H, K: tl.constexpr, V: tl.constexpr, BS: tl.const
 def _intra_bwd_kernel(q, k, v, g, beta, A_log, dt_bias, sched, hs, dhs, do, dU, dq, dk, dv, dg, dbeta, scale,
                       H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BV: tl.constexpr,
                       PREC: tl.constexpr, DT: tl.constexpr,
-                      ACT: tl.constexpr, G_MIN: tl.constexpr):
+                      ACT: tl.constexpr, G_MIN: tl.constexpr, G_FLOOR: tl.constexpr, HIER: tl.constexpr):
     """Back-propagates one chunk's terms, BS channels of K at a time and all of V (the module docstring)."""
     c, h, t0, t1 = scheduled_chunk(sched, H)
     rows = t0 + tl.arange(0, BT)
@@ -167,11 +173,13 @@ def _intra_bwd_kernel(q, k, v, g, beta, A_log, dt_bias, sched, hs, dhs, do, dU, 
     sq_q = tl.zeros([BT], dtype=tl.float32)
     sq_k = tl.zeros([BT], dtype=tl.float32)
     for c0 in range(0, K, BS):
-        qq, kk, G, GC = load_slice(q, k, g, A_log, dt_bias, rows, rmask, h, H, K, BT, BS, c0, ACT, G_MIN)
+        qq, kk, gg, G, GC, _ = load_slice(q, k, g, A_log, dt_bias, rows, rmask, h, H, K, BT, BS, c0, ACT, G_MIN,
+                                          G_FLOOR)
         S = _load_state_rows(hs, c, h, H, K, V, BS, BV, c0).to(dt)
-        Kd = kk * tl.exp(G)
-        P += tl.dot(Kd, tl.trans(kk * tl.exp(-G)), input_precision=PREC)
-        KdS += tl.dot(Kd.to(dt), S, input_precision=PREC)
+        for lv in tl.static_range(4 if HIER else 1):
+            fi, fj, pairs = pair_factors(gg, G, lv, i, j, BT, BS, HIER)
+            P += tl.where(pairs, tl.dot(kk * fi, tl.trans(kk * fj), input_precision=PREC), 0.0)
+        KdS += tl.dot((kk * tl.exp(G)).to(dt), S, input_precision=PREC)
         if ACT != 0:
             sq_q += tl.sum(qq * qq, axis=1)
             sq_k += tl.sum(kk * kk, axis=1)
@@ -188,38 +196,61 @@ def _intra_bwd_kernel(q, k, v, g, beta, A_log, dt_bias, sched, hs, dhs, do, dU, 
     dA = tl.where(i > j, -tl.dot(tl.dot(Tt, dT, input_precision=PREC), Tt, input_precision=PREC), 0.0)
     dbeta_acc = tl.sum(dA * P, axis=1)
     dP = dA * b[:, None]
-    dAqk = tl.where(i >= j, tl.dot(dout, tl.trans(pv), input_precision=PREC), 0.0)
+    # Aqk's diagonal pairs q_i . k_i carry no decay (e^(G_i - G_i) = 1) and so add nothing to dG; formed through
+    # the e^G- and e^-G-scaled operands their two halves would cancel only up to the products' rounding, which
+    # at the gate floor (e^+-75 scalings, tf32) swamps the true dg (rel. error 0.15 on an H200): the diagonal
+    # takes an exact path of its own and the products see the strictly lower part only
+    dAqk = tl.where(i > j, tl.dot(dout, tl.trans(pv), input_precision=PREC), 0.0)
+    dAqk_diag = tl.sum(dout * pv, axis=1)
     # the V side first, so only 16-bit copies of the [BT, V] tiles stay live through pass 2
     dVb = tl.dot(Tt, dpv, input_precision=PREC)
     dbeta_acc += tl.sum(dVb * vv, axis=1)
     _store_rows(dv, dVb * b[:, None], rows, rmask, H, h, V, BV)
     pvd, dpvd, doutd = pv.to(dt), dpv.to(dt), dout.to(dt)
-    # pass 2: per-channel gradients
+    # pass 2: per-channel gradients. The one-sided terms (the state's Qd S and kg, W's Kd) are anchored at the
+    # chunk start; the pair terms take pair_factors' anchors. Each pair x_ij adds x_ij to dG_i, -x_ij to dG_j.
     for c0 in range(0, K, BS):
-        qq, kk, G, GC = load_slice(q, k, g, A_log, dt_bias, rows, rmask, h, H, K, BT, BS, c0, ACT, G_MIN)
+        qq, kk, gg, G, GC, clamped = load_slice(q, k, g, A_log, dt_bias, rows, rmask, h, H, K, BT, BS, c0, ACT,
+                                                G_MIN, G_FLOOR)
         S = _load_state_rows(hs, c, h, H, K, V, BS, BV, c0).to(dt)
         dS = _load_state_rows(dhs, c, h, H, K, V, BS, BV, c0).to(dt)
         kk = kk * rk[:, None]
+        qs = qq * (scale * rq)[:, None]  # the activated, scaled q
         eG = tl.exp(G)
-        Ki = kk * tl.exp(-G)
-        Qd = qq * (scale * rq)[:, None] * eG
         Kd = kk * eG
+        Qd = qs * eG
         St = tl.trans(S)
         dWb = tl.dot(Tt, -tl.dot(dpvd, St, input_precision=PREC), input_precision=PREC)
         dbeta_acc += tl.sum(dWb * Kd, axis=1)
-        dKd = dWb * b[:, None] + tl.dot(dP, Ki, input_precision=PREC)
-        dKi = tl.dot(tl.trans(dP), Kd, input_precision=PREC) + tl.dot(tl.trans(dAqk), Qd, input_precision=PREC)
-        dQd = tl.dot(doutd, St, input_precision=PREC) + tl.dot(dAqk, Ki, input_precision=PREC)
+        dKd = dWb * b[:, None]
+        dQd = tl.dot(doutd, St, input_precision=PREC)
         dkg = tl.dot(pvd, tl.trans(dS), input_precision=PREC)
-        kg = kk * tl.exp(GC[None, :] - G)
-        dG = dQd * Qd + dKd * Kd - dKi * Ki - dkg * kg
+        ekg = tl.exp(GC[None, :] - G)
+        kg = kk * ekg
+        dG = dQd * Qd + dKd * Kd
+        dqs = dQd * eG + dAqk_diag[:, None] * kk  # gradients of the activated k and the scaled q
+        dkk = dKd * eG + dkg * ekg + dAqk_diag[:, None] * qs
+        for lv in tl.static_range(4 if HIER else 1):
+            fi, fj, pairs = pair_factors(gg, G, lv, i, j, BT, BS, HIER)
+            Kl, Ql, Kj = kk * fi, qs * fi, kk * fj
+            dPl = tl.where(pairs, dP, 0.0)
+            dAl = tl.where(pairs, dAqk, 0.0)
+            dKl = tl.dot(dPl, Kj, input_precision=PREC)
+            dQl = tl.dot(dAl, Kj, input_precision=PREC)
+            dKj = tl.dot(tl.trans(dPl), Kl, input_precision=PREC) + tl.dot(tl.trans(dAl), Ql, input_precision=PREC)
+            dG += dKl * Kl + dQl * Ql - dKj * Kj
+            dqs += dQl * fi
+            dkk += dKl * fi + dKj * fj
         dgc = tl.sum(S.to(tl.float32) * dS.to(tl.float32), axis=1)
-        dGC = tl.sum(dkg * kg, axis=0) + dgc * tl.exp(GC)
-        # G_t = sum_{s<=t} g_s and G_C = G at the chunk's end: dg_t = sum_{s>=t} dG_s + dG_C
-        dgg = tl.sum(dG, axis=0)[None, :] - tl.cumsum(dG, axis=0) + dG + dGC[None, :]
-        _store_rows(dq, dQd * eG * scale, rows, rmask, H, h, K, BS, c0)
-        _store_rows(dk, dKd * eG + dKi * tl.exp(-G) + dkg * tl.exp(GC[None, :] - G), rows, rmask, H, h, K, BS, c0)
-        _store_rows(dg, dgg, rows, rmask, H, h, K, BS, c0)
+        # G_t = sum_{s<=t} g_s, so the terms in e^G_s reach g_t for t <= s, kg_s = k_s e^(G_C - G_s) for s < t and
+        # gc = e^G_C every g. Each sum is formed directly, never as a difference of larger sums: under strong
+        # decay (g = -10: true dg ~1e-6 beside O(1) terms) such differences lost dg to rounding
+        dgg = (tl.cumsum(dG, axis=0, reverse=True)
+               + tl.dot(tl.where(i > j, 1.0, 0.0), dkg * kg, input_precision="ieee")
+               + (dgc * tl.exp(GC))[None, :])
+        _store_rows(dq, dqs * scale, rows, rmask, H, h, K, BS, c0)
+        _store_rows(dk, dkk, rows, rmask, H, h, K, BS, c0)
+        _store_rows(dg, tl.where(clamped, 0.0, dgg), rows, rmask, H, h, K, BS, c0)
     tl.store(dbeta + rows * H + h, dbeta_acc.to(dbeta.dtype.element_ty), mask=rmask)
 
 
@@ -240,7 +271,7 @@ def reverse_pass(terms, do, dht, has_h0, lay: ChunkLayout, BV: int, dtype, ready
         _state_bwd_kernel[reverse_grid(lay, H, V, BV)](
             W, QG, KG, AQK, GC, ready, do, dht, dh0, dU, dhs, lay.cu_seqlens, lay.chunk_offsets,
             H=H, K=K, V=V, BT=CHUNK, BK=_pow2(K), BV=BV, HAS_DHT=dht is not None, HAS_H0=has_h0,
-            PREC=precision(dtype), DT=dot_dtype(dtype), num_warps=WARPS["state_bwd"])
+            PREC=precision(dtype), DT=dot_dtype(dtype, do.device), num_warps=WARPS["state_bwd"])
 
     return (dU, dhs, dh0), launch
 
@@ -249,34 +280,34 @@ def reverse_grid(lay: ChunkLayout, H: int, V: int, BV: int) -> tuple[int, int, i
     return lay.n_seqs, H, triton.cdiv(V, BV)
 
 
-def intra_backward(q, k, v, g, beta, scale, hs, dhs, do, dU, lay: ChunkLayout, act: FusedActivation | None = None):
+def intra_backward(q, k, v, g, beta, scale, hs, dhs, do, dU, lay: ChunkLayout, gate: GateSpec):
     """The token-parallel backward through each chunk's own terms; returns dq, dk, dv, dg, dbeta."""
     T, H, K = q.shape
     V = v.shape[-1]
     dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))
-    dg = torch.empty_like(g, dtype=torch.float32 if act is not None else g.dtype)
+    dg = torch.empty_like(g, dtype=torch.float32 if gate.fused else g.dtype)
     dbeta = torch.empty_like(beta)
     if lay.n_chunks:
         _intra_bwd_kernel[(lay.n_chunks * H,)](
             q, k, v, g, beta, sched=lay.bwd_schedule, hs=hs, dhs=dhs, do=do, dU=dU, dq=dq, dk=dk, dv=dv, dg=dg,
             dbeta=dbeta, scale=scale, H=H, K=K, V=V, BT=CHUNK, BS=slice_width(K, V), BV=_pow2(V),
-            PREC=precision(q.dtype), DT=dot_dtype(q.dtype),
-            num_warps=WARPS["intra_bwd"], **activation_args(act, q))
+            PREC=precision(q.dtype), DT=dot_dtype(q.dtype, q.device),
+            num_warps=WARPS["intra_bwd"], **gate.kernel_args(q))
     return dq, dk, dv, dg, dbeta
 
 
-def chunk_kda_bwd(q, k, v, g, beta, scale, hs, do, dht, has_h0, lay: ChunkLayout,
-                  act: FusedActivation | None = None):
+def chunk_kda_bwd(q, k, v, g, beta, scale, hs, do, dht, has_h0, lay: ChunkLayout, gate: GateSpec, overlap=True):
     """Flat [T,H,*] backward from the saved per-chunk states hs, the reverse pass beside the recomputed prepare
-    kernel when it is small enough (overlap.py). Returns dq, dk, dv, dg (fp32 under `act`), dbeta, dh0; under
-    `act` the gradients are with respect to the activated q, k, g and beta."""
+    kernel when it is small enough and `overlap` allows (overlap.py). Returns dq, dk, dv, dg (fp32 with fused
+    activations), dbeta, dh0; with fused activations the gradients are with respect to the activated q, k, g
+    and beta."""
     H, V = q.shape[1], v.shape[-1]
     BV = state_block(lay.n_seqs, H, V)  # as the forward's pass (same chains, same trade-off)
     terms = chunk_terms(q, v, lay.n_chunks, with_u=False)
-    ready = ready_flags(lay.n_chunks, H, math.prod(reverse_grid(lay, H, V, BV)), q.device)
+    ready = ready_flags(lay.n_chunks, H, math.prod(reverse_grid(lay, H, V, BV)), q.device) if overlap else None
     (dU, dhs, dh0), reverse = reverse_pass(terms, do, dht, has_h0, lay, BV, q.dtype, ready)
-    producer = functools.partial(launch_prepare, q, k, v, g, beta, scale, terms, lay.bwd_schedule, lay.n_chunks, act,
-                                 ready)
+    producer = functools.partial(launch_prepare, q, k, v, g, beta, scale, terms, lay.bwd_schedule, lay.n_chunks,
+                                 gate, ready)
     side_by_side(producer, reverse, ready)
     del terms, producer, reverse  # the intra kernel recomputes what it needs: free them before its outputs exist
-    return (*intra_backward(q, k, v, g, beta, scale, hs, dhs, do, dU, lay, act), dh0)
+    return (*intra_backward(q, k, v, g, beta, scale, hs, dhs, do, dU, lay, gate), dh0)

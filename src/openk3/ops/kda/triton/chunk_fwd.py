@@ -9,8 +9,17 @@ Kd = K e^G, Ki = K e^-G, Qd = scale Q e^G (Gamma ⊙ K, K / Gamma, Gamma ⊙ Q i
     state pass (one program per sequence, head and block of V columns; columns of S evolve independently):
         pv = U - W S,   O = Qd S + Aqk pv,   S <- Diag(gc) S + kg^T pv
 
-Every exponent but -G is <= 0; e^-G spans at most 15 gates (e^75 for K3's bound g >= -5), within fp32
-range. The anchor is the chunk's first token, never a later one, so outputs are causal to the bit.
+The pair products Kd Ki^T and Qd Ki^T carry e^(G_i - G_j), i > j, split into two factors, in one of two gate
+modes (constexpr HIER, chosen by `gate_mode` from the floor the caller declares for g):
+  bounded (a floor >= BOUNDED_GATE_MIN, K3's g >= -5): one anchor at the chunk start, Kd = K e^G and
+    Ki = K e^-G; e^-G spans at most 15 gates (e^82.5), within fp32 range. One product per pair matrix.
+  any gate (no floor, Kimi Linear's softplus gate): block-local anchors on four levels. At level s (8, 4, 2, 1)
+    the pairs with i in an odd block of s tokens and j in the block before it get K_i e^(sum of g over i's
+    block up to i) and K_j e^(sum of g over j's block after j): both exponents <= 0 whatever the gates, and
+    together exactly G_i - G_j. Four products per pair matrix. Per-token g is clamped at UNBOUNDED_FLOOR,
+    below which e^g is 0 in fp32 anyway, so block sums stay finite.
+Aqk's diagonal q_i . k_i has no decay and is summed directly. Every other exponent (e^G, e^(G_C - G)) is <= 0.
+Anchors are never later than the rows they serve, so outputs are causal to the bit.
 
 With a `FusedActivation` the kernels read the raw projections and gate logits instead and apply the
 activations on the fly (activations.py has the formulas): g from f, beta = sigmoid(b), and the L2 norms of the
@@ -20,7 +29,6 @@ K are accumulated raw and rescaled once the row norms are known: Diag(rk) P Diag
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +43,10 @@ WARPS = {"prepare": 2, "state": 4, "state_bwd": 4, "intra_bwd": 4}
 # registers per thread for the prepare kernel (127 uncapped): 10 programs per SM instead of 8, the same bits, 4%
 # faster on pre-activated and 14% on raw inputs on an H200; 80 and 64 were slower (bench/NOTES-kda.md run 18)
 PREPARE_MAX_REGISTERS = 96
+# the bounded mode's one anchor keeps e^-G of 15 gates inside fp32 (e^88.7) for per-token g >= this
+BOUNDED_GATE_MIN = -5.5
+# e^-110 underflows to 0 in fp32: clamping g there is invisible to fp32 arithmetic and keeps block sums finite
+UNBOUNDED_FLOOR = -110.0
 
 
 @triton.jit
@@ -72,9 +84,10 @@ def wy_inverse(P, b, i, j, PREC: tl.constexpr):
 
 @triton.jit
 def load_slice(q, k, g, A_log, dt_bias, rows, rmask, h, H, K: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
-               c0, ACT: tl.constexpr, G_MIN: tl.constexpr):
-    """Channels c0:c0+BS of one chunk: q and k as stored (raw under ACT), G = cumsum of the gate (padded rows
-    have g = 0, so G stays put) and G_C (G at the chunk's end). Under ACT the gate is computed from its logits."""
+               c0, ACT: tl.constexpr, G_MIN: tl.constexpr, G_FLOOR: tl.constexpr):
+    """Channels c0:c0+BS of one chunk: q and k as stored (raw under ACT), the gate g clamped at G_FLOOR (padded
+    rows have g = 0), G = its cumsum, G_C (G at the chunk's end) and where the clamp acted (those gates get no
+    gradient). Under ACT the gate is computed from its logits."""
     i = tl.arange(0, BT)[:, None]
     gg = _load_rows(g, rows, rmask, H, h, K, BS, c0)
     if ACT != 0:
@@ -83,9 +96,27 @@ def load_slice(q, k, g, A_log, dt_bias, rows, rmask, h, H, K: tl.constexpr, BT: 
         bias = tl.load(dt_bias + h * K + cols, mask=cols < K, other=0.0).to(tl.float32)
         gate = gate_activation(gg, a, bias[None, :], G_MIN, ACT == 2)[0]
         gg = tl.where(rmask[:, None] & (cols[None, :] < K), gate, 0.0)
+    clamped = gg < G_FLOOR
+    gg = tl.where(clamped, G_FLOOR, gg)
     G = tl.cumsum(gg, axis=0)
     GC = tl.sum(tl.where(i == BT - 1, G, 0.0), axis=0)
-    return _load_rows(q, rows, rmask, H, h, K, BS, c0), _load_rows(k, rows, rmask, H, h, K, BS, c0), G, GC
+    qq = _load_rows(q, rows, rmask, H, h, K, BS, c0)
+    return qq, _load_rows(k, rows, rmask, H, h, K, BS, c0), gg, G, GC, clamped
+
+
+@triton.jit
+def pair_factors(gg, G, level: tl.constexpr, i, j, BT: tl.constexpr, BS: tl.constexpr, HIER: tl.constexpr):
+    """(fi, fj, pairs): the pairs (i, j), i > j, taken at `level` get the decay e^(G_i - G_j) as fi[i] * fj[j],
+    both factors <= 1 in HIER mode (the module docstring); levels 0..3 in HIER mode, level 0 only otherwise."""
+    if HIER:
+        s: tl.constexpr = BT >> (level + 1)  # block size: 8, 4, 2, 1 for BT = 16
+        g3 = tl.reshape(gg, [BT // s, s, BS])
+        upto = tl.cumsum(g3, axis=1)  # sum over the block up to and including the row
+        after = tl.sum(g3, axis=1)[:, None, :] - upto  # sum over the rest of the block
+        pairs = (i // s == j // s + 1) & ((i // s) % 2 == 1)
+        return tl.exp(tl.reshape(upto, [BT, BS])), tl.exp(tl.reshape(after, [BT, BS])), pairs
+    else:
+        return tl.exp(G), tl.exp(-G), i > j
 
 
 @triton.jit
@@ -128,7 +159,8 @@ def signal_ready(ready, c, h, H):
 def _prepare_kernel(q, k, v, g, beta, A_log, dt_bias, sched, ready, W, U, QG, KG, AQK, GCX, scale,
                     H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                     BS: tl.constexpr, PREC: tl.constexpr,
-                    ACT: tl.constexpr, G_MIN: tl.constexpr, STORE_U: tl.constexpr):
+                    ACT: tl.constexpr, G_MIN: tl.constexpr, G_FLOOR: tl.constexpr, HIER: tl.constexpr,
+                    STORE_U: tl.constexpr):
     """The state-independent terms of one chunk, BS channels at a time: everything is per channel except
     the two products over K (accumulated) and T, so slices keep the register tiles small."""
     c, h, t0, t1 = scheduled_chunk(sched, H)
@@ -141,25 +173,31 @@ def _prepare_kernel(q, k, v, g, beta, A_log, dt_bias, sched, ready, W, U, QG, KG
     # 14% faster on an H200 than unrolling it to put every slice's loads in flight at once)
     P = tl.zeros([BT, BT], dtype=tl.float32)
     Aqk = tl.zeros([BT, BT], dtype=tl.float32)
+    qk = tl.zeros([BT], dtype=tl.float32)
     sq_q = tl.zeros([BT], dtype=tl.float32)
     sq_k = tl.zeros([BT], dtype=tl.float32)
     for c0 in range(0, K, BS):
-        qq, kk, G, GC = load_slice(q, k, g, A_log, dt_bias, rows, rmask, h, H, K, BT, BS, c0, ACT, G_MIN)
-        Ki = kk * tl.exp(-G)
-        P += tl.dot(kk * tl.exp(G), tl.trans(Ki), input_precision=PREC)
-        Aqk += tl.dot(qq * tl.exp(G), tl.trans(Ki), input_precision=PREC)
+        qq, kk, gg, G, GC, _ = load_slice(q, k, g, A_log, dt_bias, rows, rmask, h, H, K, BT, BS, c0, ACT, G_MIN,
+                                          G_FLOOR)
+        for lv in tl.static_range(4 if HIER else 1):
+            fi, fj, pairs = pair_factors(gg, G, lv, i, j, BT, BS, HIER)
+            Ki = kk * fj
+            P += tl.where(pairs, tl.dot(kk * fi, tl.trans(Ki), input_precision=PREC), 0.0)
+            Aqk += tl.where(pairs, tl.dot(qq * fi, tl.trans(Ki), input_precision=PREC), 0.0)
+        qk += tl.sum(qq * kk, axis=1)
         if ACT != 0:
             sq_q += tl.sum(qq * qq, axis=1)
             sq_k += tl.sum(kk * kk, axis=1)
     rq = inverse_norm(sq_q, ACT)
     rk = inverse_norm(sq_k, ACT)
-    Aqk = Aqk * (scale * rq)[:, None] * rk[None, :]
+    Aqk = (Aqk + tl.where(i == j, qk[:, None], 0.0)) * (scale * rq)[:, None] * rk[None, :]
     P = P * rk[:, None] * rk[None, :]
-    _store_rows(AQK, tl.where(i >= j, Aqk, 0.0), rows, rmask, H, h, BT, BT)
+    _store_rows(AQK, Aqk, rows, rmask, H, h, BT, BT)
     Tb = wy_inverse(P, b, i, j, PREC) * b[None, :]  # T Diag(beta)
     # pass 2 reloads each slice (cache hits) and writes its terms
     for c0 in range(0, K, BS):
-        qq, kk, G, GC = load_slice(q, k, g, A_log, dt_bias, rows, rmask, h, H, K, BT, BS, c0, ACT, G_MIN)
+        qq, kk, _, G, GC, _ = load_slice(q, k, g, A_log, dt_bias, rows, rmask, h, H, K, BT, BS, c0, ACT, G_MIN,
+                                         G_FLOOR)
         kk = kk * rk[:, None]
         eG = tl.exp(G)
         _store_rows(QG, qq * (scale * rq)[:, None] * eG, rows, rmask, H, h, K, BS, c0)
@@ -175,8 +213,8 @@ def _prepare_kernel(q, k, v, g, beta, A_log, dt_bias, sched, ready, W, U, QG, KG
 
 
 @triton.jit
-def _state_fwd_kernel(W, U, QG, KG, AQK, GCX, h0, ht, hs, o, cu, chunk_off,
-                      H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+def _state_fwd_kernel(W, U, QG, KG, AQK, GCX, h0, ht, hs, ckpt_slot, ckpt, o, cu, chunk_off,
+                      N, H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                       BK: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr,
                       SAVE_STATES: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
     n = tl.program_id(0)
@@ -201,6 +239,10 @@ def _state_fwd_kernel(W, U, QG, KG, AQK, GCX, h0, ht, hs, o, cu, chunk_off,
         rmask = rows < eos
         if SAVE_STATES:
             tl.store(hs + ((c0 + c) * H + h) * K * V + s_offs, S.to(hs.dtype.element_ty), mask=smask)
+        if ckpt_slot is not None:  # an fp32 checkpoint of the state after c * BT tokens
+            slot = tl.load(ckpt_slot + c)
+            if slot >= 0:
+                tl.store(ckpt + ((slot * N + n) * H + h).to(tl.int64) * K * V + s_offs, S, mask=smask)
         xk = (rows[:, None] * H + h) * K + ck[None, :]
         mk = rmask[:, None] & (ck[None, :] < K)
         w = tl.load(W + xk, mask=mk, other=0.0).to(dt)
@@ -224,10 +266,11 @@ def _pow2(x: int) -> int:
     return max(16, triton.next_power_of_2(x))
 
 
-def dot_dtype(dtype: torch.dtype):
+def dot_dtype(dtype: torch.dtype, device: torch.device):
     """Dtype of the stored chunk terms and state-pass operands: the inputs' 16-bit type; fp32 for fp32 inputs
-    and under the CPU interpreter (whose 16-bit dot products are broken and whose casts truncate)."""
-    if os.environ.get("TRITON_INTERPRET") == "1" or dtype == torch.float32:
+    and for CPU tensors, which the kernels see only under the Triton interpreter (whose 16-bit dot products are
+    broken and whose casts truncate)."""
+    if device.type == "cpu" or dtype == torch.float32:
         return tl.float32
     return tl.bfloat16 if dtype == torch.bfloat16 else tl.float16
 
@@ -250,26 +293,45 @@ def state_block(n_seqs: int, H: int, V: int) -> int:
 
 
 @dataclass(frozen=True)
-class FusedActivation:
-    """The activations the kernels apply to raw inputs (activations.py): K3's gate or Kimi Linear's."""
+class GateSpec:
+    """How the chunk kernels read g: already activated, or as logits with the activation fused in (activations.py:
+    K3's gate or Kimi Linear's, with q, k unnormalised and beta a logit); and the gate mode (the module
+    docstring): the floor g is clamped at and whether block-local anchors are needed. Built by `gate_spec`."""
 
-    A_log: torch.Tensor  # [H]
-    dt_bias: torch.Tensor  # [H*K] contiguous
-    kimi: bool
-    g_min: float
+    floor: float
+    hier: bool
+    A_log: torch.Tensor | None = None  # [H]; set: fused activations
+    dt_bias: torch.Tensor | None = None  # [H*K] contiguous
+    kimi: bool = False
+    g_min: float = 0.0  # K3 gate's bound (fused activations)
 
-    def kernel_args(self) -> dict:
-        return dict(A_log=self.A_log, dt_bias=self.dt_bias, ACT=2 if self.kimi else 1, G_MIN=self.g_min)
+    @property
+    def fused(self) -> bool:
+        return self.A_log is not None
+
+    def kernel_args(self, dummy: torch.Tensor) -> dict:
+        act = (2 if self.kimi else 1) if self.fused else 0
+        return dict(A_log=self.A_log if self.fused else dummy, dt_bias=self.dt_bias if self.fused else dummy,
+                    ACT=act, G_MIN=self.g_min, G_FLOOR=self.floor, HIER=self.hier)
 
 
-def activation_args(act: FusedActivation | None, dummy: torch.Tensor) -> dict:
-    return act.kernel_args() if act is not None else dict(A_log=dummy, dt_bias=dummy, ACT=0, G_MIN=0.0)
+def gate_spec(floor: float | None, A_log=None, dt_bias=None, kimi: bool = False, g_min: float = 0.0) -> GateSpec:
+    """The gate mode for a declared lower bound of g (None: none), with fused activations when A_log is given:
+    K3's fused gate is bounded by g_min itself, Kimi Linear's by nothing. Bounds >= BOUNDED_GATE_MIN take the
+    bounded mode (one anchor; g clamped at the bound); anything else the any-gate mode (clamped at
+    max(bound, UNBOUNDED_FLOOR))."""
+    if A_log is not None:
+        floor = None if kimi else g_min
+    hier = floor is None or floor < BOUNDED_GATE_MIN
+    clamp = UNBOUNDED_FLOOR if floor is None else max(float(floor), UNBOUNDED_FLOOR) if hier else float(floor)
+    return GateSpec(clamp, hier, A_log, dt_bias, kimi, float(g_min))
 
 
 def chunk_terms(q, v, n_chunks: int, with_u=True):
     """Empty W, U, QG, KG, AQK, GC for the prepare kernel (U None without `with_u`)."""
     T, H, K = q.shape
-    dt = {tl.float32: torch.float32, tl.bfloat16: torch.bfloat16, tl.float16: torch.float16}[dot_dtype(q.dtype)]
+    torch_dtypes = {tl.float32: torch.float32, tl.bfloat16: torch.bfloat16, tl.float16: torch.float16}
+    dt = torch_dtypes[dot_dtype(q.dtype, q.device)]
     W, QG, KG = (torch.empty(T, H, K, dtype=dt, device=q.device) for _ in range(3))
     U = torch.empty(T, H, v.shape[-1], dtype=dt, device=q.device) if with_u else None
     AQK = torch.empty(T, H, CHUNK, dtype=dt, device=q.device)
@@ -277,8 +339,7 @@ def chunk_terms(q, v, n_chunks: int, with_u=True):
     return W, U, QG, KG, AQK, GC
 
 
-def launch_prepare(q, k, v, g, beta, scale: float, terms, schedule, n_chunks: int,
-                   act: FusedActivation | None = None, ready=None):
+def launch_prepare(q, k, v, g, beta, scale: float, terms, schedule, n_chunks: int, gate: GateSpec, ready=None):
     """The prepare kernel on flat [T,H,*] inputs into `terms` (chunk_terms), chunks in `schedule` order,
     flagging each in `ready` when given."""
     T, H, K = q.shape
@@ -288,19 +349,22 @@ def launch_prepare(q, k, v, g, beta, scale: float, terms, schedule, n_chunks: in
         _prepare_kernel[(n_chunks * H,)](
             q, k, v, g, beta, sched=schedule, ready=ready, W=W, U=W if U is None else U, QG=QG, KG=KG, AQK=AQK,
             GCX=GC, scale=scale, H=H, K=K, V=V, BT=CHUNK, BS=slice_width(K, V), PREC=precision(q.dtype),
-            STORE_U=U is not None, num_warps=WARPS["prepare"], maxnreg=PREPARE_MAX_REGISTERS, **activation_args(act, q))
+            STORE_U=U is not None, num_warps=WARPS["prepare"], maxnreg=PREPARE_MAX_REGISTERS, **gate.kernel_args(q))
 
 
-def prepare(q, k, v, g, beta, scale: float, lay: ChunkLayout, act: FusedActivation | None = None, with_u=True):
+def prepare(q, k, v, g, beta, scale: float, lay: ChunkLayout, gate: GateSpec, with_u=True):
     """The prepare kernel alone (forward schedule, no flags); returns (W, U, QG, KG, AQK, GC)."""
     terms = chunk_terms(q, v, lay.n_chunks, with_u)
-    launch_prepare(q, k, v, g, beta, scale, terms, lay.fwd_schedule, lay.n_chunks, act)
+    launch_prepare(q, k, v, g, beta, scale, terms, lay.fwd_schedule, lay.n_chunks, gate)
     return terms
 
 
-def state_pass(terms, v, dtype, initial_state, output_final_state, lay: ChunkLayout, save_states):
+def state_pass(terms, v, dtype, initial_state, output_final_state, lay: ChunkLayout, save_states,
+               checkpoints: tuple[torch.Tensor, int] | None = None):
     """The forward state pass over a prepare kernel's `terms` (`dtype`: q's, which set the terms' precision).
-    Returns o (v's dtype), the final state (fp32 or None) and the state before every chunk (or None)."""
+    Returns o (v's dtype), the final state (fp32 or None), the state before every chunk (or None) and, with
+    `checkpoints` = (slot per chunk of a sequence, int32, -1 for none; number of slots), the fp32 states before
+    the chunks that have a slot, [slots, N, H, K, V] (or None)."""
     W, U, QG, KG, AQK, GC = terms
     T, H, K = W.shape
     V = v.shape[-1]
@@ -308,20 +372,24 @@ def state_pass(terms, v, dtype, initial_state, output_final_state, lay: ChunkLay
     o = torch.empty(T, H, V, dtype=v.dtype, device=v.device)
     ht = torch.empty(N, H, K, V, dtype=torch.float32, device=v.device) if output_final_state else None
     hs = torch.empty(max(lay.n_chunks, 1), H, K, V, dtype=W.dtype, device=v.device) if save_states else None
+    slots, ckpt = None, None
+    if checkpoints is not None:
+        slots, n_slots = checkpoints
+        ckpt = torch.empty(n_slots, N, H, K, V, dtype=torch.float32, device=v.device)
     BV = state_block(N, H, V)
     _state_fwd_kernel[(N, H, triton.cdiv(V, BV))](
-        W, U, QG, KG, AQK, GC, initial_state, ht, hs, o, lay.cu_seqlens, lay.chunk_offsets,
-        H=H, K=K, V=V, BT=CHUNK, BK=_pow2(K), BV=BV, HAS_H0=initial_state is not None,
-        STORE_FINAL=output_final_state, SAVE_STATES=save_states, PREC=precision(dtype), DT=dot_dtype(dtype),
+        W, U, QG, KG, AQK, GC, initial_state, ht, hs, slots, ckpt, o, lay.cu_seqlens, lay.chunk_offsets,
+        N=N, H=H, K=K, V=V, BT=CHUNK, BK=_pow2(K), BV=BV, HAS_H0=initial_state is not None,
+        STORE_FINAL=output_final_state, SAVE_STATES=save_states, PREC=precision(dtype), DT=dot_dtype(dtype, v.device),
         num_warps=WARPS["state"])
-    return o, ht, hs
+    return o, ht, hs, ckpt
 
 
 def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, lay: ChunkLayout, save_states,
-                  act: FusedActivation | None = None):
+                  gate: GateSpec, checkpoints: tuple[torch.Tensor, int] | None = None):
     """Flat [T,H,*] forward: the prepare kernel, then the state pass (side by side they were slower on an H200,
     1.30 against 0.74 ms at B1 T8192 H32: bench/NOTES-kda.md run 14). Returns o (v's dtype), final state (fp32
-    or None), per-chunk states (or None). With `act`, g and beta are the gate and beta logits and q, k are not
-    yet normalised."""
-    terms = prepare(q, k, v, g, beta, scale, lay, act)
-    return state_pass(terms, v, q.dtype, initial_state, output_final_state, lay, save_states)
+    or None), per-chunk states (or None) and the checkpoint states (`state_pass`). With fused activations in
+    `gate`, g and beta are the gate and beta logits and q, k are not yet normalised."""
+    terms = prepare(q, k, v, g, beta, scale, lay, gate)
+    return state_pass(terms, v, q.dtype, initial_state, output_final_state, lay, save_states, checkpoints)

@@ -13,18 +13,15 @@ before reading them (signal_ready in chunk_fwd.py, wait_ready in chunk_bwd.py). 
 and never waits, so nothing can deadlock, even where kernels run one at a time (CUDA_DEVICE_MAX_CONNECTIONS=1,
 profilers, a kernel module loaded while another kernel runs); the chain follows on a high-priority side stream,
 whose programs the GPU dispatches as soon as slots free up. Only chains with at most one program per SM run this
-way, so that they leave the producer most of the GPU. OPENK3_KDA_OVERLAP=0 turns it off.
+way, so that they leave the producer most of the GPU. `kda(..., overlap=False)` turns it off.
 Under the CPU interpreter the two run one after the other with the same flags (every poll finds them set).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
-
-ENABLED = os.environ.get("OPENK3_KDA_OVERLAP", "1") != "0"  # 0: always one pass after the other
 
 
 @functools.cache
@@ -40,7 +37,7 @@ def _side_stream(index: int) -> torch.cuda.Stream:
 def ready_flags(n_chunks: int, H: int, chain_programs: int, device: torch.device) -> torch.Tensor | None:
     """Zeroed per-(chunk, head) flags when the chain may run beside its producer, else None (one after the
     other, no flags)."""
-    if not ENABLED or n_chunks == 0 or (device.type == "cuda" and chain_programs > _sm_count(device.index or 0)):
+    if n_chunks == 0 or (device.type == "cuda" and chain_programs > _sm_count(device.index or 0)):
         return None
     return torch.zeros(n_chunks * H, dtype=torch.int32, device=device)
 
