@@ -210,9 +210,11 @@ def test_kda_returns_states_at_offsets(backend, offsets):
     stopped there; output and final state equal a plain call (chunk-aligned offsets in one pass, others by
     chained calls). The Triton kernels compute in fp32 (under the interpreter without CUDA)."""
     q, k, v, g, b, s0 = make_inputs(2, 53, 2, 16, 8, seed=22, state=True)
-    args = [x.float() for x in (q, k, v, g, b)]
-    o, final, states = kda(*args, initial_state=s0.float(), output_final_state=True, backend=backend,
+    dev = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    args = [x.float().to(dev) for x in (q, k, v, g, b)]
+    o, final, states = kda(*args, initial_state=s0.float().to(dev), output_final_state=True, backend=backend,
                            state_offsets=offsets)
+    o, final, states = o.cpu(), final.cpu(), [s.cpu() for s in states]
     ref_o, ref_final = kda_recurrent(q, k, v, g, b, initial_state=s0, output_final_state=True)
     assert len(states) == len(offsets) and all(s.dtype == torch.float32 for s in states)
     torch.testing.assert_close(o.double(), ref_o, rtol=1e-4, atol=1e-5)
