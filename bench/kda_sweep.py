@@ -128,8 +128,10 @@ def fla_runner():
     for name, module in list(sys.modules.items()):
         if name.startswith("fla."):
             for obj in vars(module).values():
-                if isinstance(obj, Autotuner):
-                    obj.configs = obj.configs[:1]
+                while hasattr(obj, "fn"):  # autotuners sit inside triton.heuristics wrappers
+                    if isinstance(obj, Autotuner):
+                        obj.configs = obj.configs[:1]
+                    obj = obj.fn
 
     def run(q, k, v, g, beta, cu):
         return chunk_kda(q, k, v, g, beta, initial_state=None, output_final_state=False,
