@@ -7,10 +7,10 @@ import torch
 
 from openk3.config import get_preset
 from openk3.model import K3ForCausalLM
+from openk3.sampling import SamplingParams, sample_token
 from openk3.serve.engine import Engine, EngineConfig
-from openk3.serve.sampling import SamplingParams, sample_token
 from openk3.serve.scheduler import QueueFull, SchedulerConfig
-from openk3.serve.tokenizer import ByteTokenizer
+from openk3.tokenizer import ByteTokenizer
 
 H = 16  # hash block of the tests' engines
 

@@ -195,7 +195,7 @@ def test_ckpt_loads_its_weights_and_tokenizer_json(tmp_path):
     from openk3.interop import save_pretrained
     from openk3.model import K3ForCausalLM
     from openk3.serve.command import build_engine
-    from openk3.serve.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+    from openk3.tokenizer import ByteTokenizer, TextTokenizer, load_tokenizer
 
     torch.manual_seed(1)
     cfg = get_preset(MODEL).with_overrides({"num_layers": 4, "mla_layers": [1, 3]})
@@ -220,6 +220,7 @@ def test_ckpt_loads_its_weights_and_tokenizer_json(tmp_path):
     finally:
         torch.set_num_threads(threads)
     assert same and name == tmp_path.name
-    assert isinstance(engine.tokenizer, HFTokenizer)
+    assert isinstance(engine.tokenizer, TextTokenizer)
     assert engine.stop_ids == {tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")}
     assert engine.tokenizer.encode("<|im_start|>") == [tok.token_to_id("<|im_start|>")]
+    assert tok.token_to_id("<|im_start|>") not in engine.tokenizer.encode_plain("<|im_start|>")

@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP API over the engine (FastAPI).
 
-POST /v1/completions, POST /v1/chat/completions (the chat template of `openk3.serve.tokenizer`), both with
+POST /v1/completions, POST /v1/chat/completions (the chat template of `openk3.tokenizer`), both with
 `stream: true` as server-sent events ending in `data: [DONE]`; GET /v1/models; GET /health (200 once the engine
 runs); GET /metrics (Prometheus text). `usage.prompt_tokens_details.cached_tokens` is the prefix-cache hit.
 Errors use OpenAI's shape {"error": {"message", "type", "param", "code"}}: 400 for malformed JSON, wrong types,
@@ -22,10 +22,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from openk3.sampling import SamplingParams
 from openk3.serve.engine import Engine, EngineLoop
-from openk3.serve.sampling import SamplingParams
 from openk3.serve.scheduler import QueueFull, RequestEvent
-from openk3.serve.tokenizer import render_chat
+from openk3.tokenizer import encode_chat
 
 MAX_BODY_BYTES = 8 << 20
 
@@ -123,11 +123,11 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
     async def completions(request: Request):
         body = await parse(request, CompletionBody, model_name)
         if isinstance(body.prompt, str):
-            prompt = engine.tokenizer.encode(body.prompt)
+            prompt = engine.tokenizer.encode_plain(body.prompt)
         elif body.prompt and all(isinstance(p, str) for p in body.prompt):
             if len(body.prompt) != 1:
                 raise APIError(400, "only one prompt per request is supported", "prompt")
-            prompt = engine.tokenizer.encode(body.prompt[0])
+            prompt = engine.tokenizer.encode_plain(body.prompt[0])
         else:
             prompt = list(body.prompt)
         return await generate(request, body, prompt, body.max_tokens, chat=False)
@@ -135,8 +135,8 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await parse(request, ChatBody, model_name)
-        text = render_chat([{"role": m.role, "content": m.text()} for m in body.messages])
-        return await generate(request, body, engine.tokenizer.encode(text),
+        prompt = encode_chat(engine.tokenizer, [{"role": m.role, "content": m.text()} for m in body.messages])
+        return await generate(request, body, prompt,
                               body.max_completion_tokens or body.max_tokens, chat=True)
 
     async def generate(request: Request, body: SamplingFields, prompt: list[int], max_tokens: int | None,

@@ -4,7 +4,7 @@
     openk3 serve --ckpt runs/tiny/step-000100 --port 8000
 
 The tokenizer is the checkpoint's tokenizer.json when it has one, else the byte-level fallback
-(`openk3.serve.tokenizer`). The prefix cache's hash block / page default to K3's ratio scaled to the context
+(`openk3.tokenizer`). The prefix cache's hash block / page default to K3's ratio scaled to the context
 (h=16, P=192 for toy contexts; h=512, P=6144 at 1M).
 """
 
@@ -23,14 +23,14 @@ def build_engine(args: argparse.Namespace):
     from openk3.model import K3ForCausalLM
     from openk3.serve.engine import Engine, EngineConfig
     from openk3.serve.scheduler import SchedulerConfig
-    from openk3.serve.tokenizer import load_tokenizer
+    from openk3.tokenizer import load_tokenizer
 
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if args.ckpt:
-        from openk3.generate import resolve_checkpoint
+        from openk3.checkpoints import resolve_checkpoint
         from openk3.interop import load_pretrained
 
         ckpt = resolve_checkpoint(args.ckpt)

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 import torch
 
 from openk3.cache import HybridCache, KDAState, MLAState, SequenceState
+from openk3.sampling import SamplingParams, sample_token
 from openk3.serve.prefix_cache import PrefixCache, PrefixCacheConfig
-from openk3.serve.sampling import SamplingParams, sample_token
 from openk3.serve.scheduler import Request, RequestEvent, Scheduler, SchedulerConfig
 
 log = logging.getLogger(__name__)
@@ -258,7 +258,7 @@ class Engine:
             reason = "stop"
         elif len(r.output) >= r.params.max_tokens or r.length >= self.model_config.max_seq_len:
             reason = "length"
-        text = self.tokenizer.decode([t for t in r.output if t not in self.stop_ids])
+        text = self.tokenizer.decode_plain([t for t in r.output if t not in self.stop_ids])
         cut = min((i for i in (text.find(s) for s in r.params.stop if s) if i >= 0), default=-1)
         if cut >= 0:
             text, reason = text[:cut], "stop"

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 import torch
 
 from openk3.cache import SequenceState
+from openk3.sampling import SamplingParams
 from openk3.serve.prefix_cache import Lease
-from openk3.serve.sampling import SamplingParams
 
 
 class QueueFull(RuntimeError):
