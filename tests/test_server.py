@@ -1,9 +1,6 @@
 """`openk3 serve` end to end: a real uvicorn server process on 127.0.0.1, driven by the official openai client."""
 
 import json
-import socket
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -11,46 +8,21 @@ import httpx
 import openai
 import pytest
 
+from serve_process import metric, serve_process
+
 MODEL = "k3-tiny"
 H = 16  # the default hash block for k3-tiny's context
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server():
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "openk3", "serve", "--preset", MODEL, "--host", "127.0.0.1",
-                             "--port", str(port), "--threads", "1", "--seed", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        assert proc.poll() is None, proc.stdout.read().decode()
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "the server did not become healthy"
-        time.sleep(0.3)
-    yield url
-    proc.terminate()
-    proc.wait(timeout=30)
+    with serve_process("--preset", MODEL, "--seed", "0") as url:
+        yield url
 
 
 @pytest.fixture
 def client(server):
     return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-def metric(server, name):
-    text = httpx.get(f"{server}/metrics").text
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(f"openk3_{name}"))
 
 
 def test_models_health_and_metrics(server, client):
