@@ -1,4 +1,8 @@
-"""`openk3 serve` end to end: a real uvicorn server process on 127.0.0.1, driven by the official openai client."""
+"""`openk3 serve` end to end: a real uvicorn server process on 127.0.0.1, driven by the official openai client.
+
+The server loads a k3-tiny checkpoint with O(1)-scale random weights, so its greedy text depends on the whole
+context and the cache-on / cache-off comparisons below (a hit vs the first miss, and against a second server
+with --no-prefix-cache) would catch a wrong restored state. Logits themselves are compared in test_engine.py."""
 
 import json
 import time
@@ -8,15 +12,20 @@ import httpx
 import openai
 import pytest
 
-from serve_process import metric, serve_process
+from serve_process import metric, o1_checkpoint, serve_process
 
 MODEL = "k3-tiny"
 H = 16  # the default hash block for k3-tiny's context
 
 
 @pytest.fixture(scope="module")
-def server():
-    with serve_process("--preset", MODEL, "--seed", "0") as url:
+def checkpoint(tmp_path_factory):
+    return o1_checkpoint(tmp_path_factory.mktemp("o1-k3-tiny"))
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+    with serve_process("--ckpt", checkpoint, "--model-name", MODEL) as (url, _):
         yield url
 
 
@@ -147,6 +156,31 @@ def test_bounded_concurrent_load(server, client):
         results = list(pool.map(ask, jobs))
     assert results == [expected[p] for p in jobs]
     assert metric(server, "queue_requests") == 0
+
+
+def test_a_server_without_prefix_cache_gives_the_same_replies(checkpoint, client):
+    """Multi-turn agent sessions: the cached server (hits from the second turn on) and a --no-prefix-cache server
+    answer every turn with the same greedy text."""
+    def session(c, s):
+        messages, replies, hits = [{"role": "system", "content": "You are a terse agent that calls tools."}], [], []
+        for turn in range(3):
+            messages.append({"role": "user" if turn == 0 else "tool", "content": f"session {s} result {turn}: ok"})
+            r = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0,
+                                          extra_body={"ignore_eos": True})
+            messages.append({"role": "assistant", "content": r.choices[0].message.content})
+            replies.append(r.choices[0].message.content)
+            hits.append(r.usage.prompt_tokens_details.cached_tokens)
+        return replies, hits
+
+    with serve_process("--ckpt", checkpoint, "--model-name", MODEL, "--no-prefix-cache") as (url, ready):
+        assert ready.startswith(f"openk3 serve: ready at {url}/v1 ") and "prefix cache off" in ready
+        off = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            on_runs = list(pool.map(lambda s: session(client, s), range(2)))
+            off_runs = list(pool.map(lambda s: session(off, s), range(2)))
+    assert [replies for replies, _ in on_runs] == [replies for replies, _ in off_runs]
+    assert all(hits[1] > 0 and hits[2] > hits[1] for _, hits in on_runs)
+    assert all(hits == [0, 0, 0] for _, hits in off_runs)
 
 
 def serve_args(*argv):

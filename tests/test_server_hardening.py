@@ -20,7 +20,7 @@ ERROR_KEYS = {"message", "type", "param", "code"}
 
 @pytest.fixture(scope="module")
 def server():
-    with serve_process("--preset", MODEL, "--seed", "0") as url:
+    with serve_process("--preset", MODEL, "--seed", "0") as (url, _):
         yield url
 
 
