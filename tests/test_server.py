@@ -5,6 +5,7 @@ context and the cache-on / cache-off comparisons below (a hit vs the first miss,
 with --no-prefix-cache) would catch a wrong restored state. Logits themselves are compared in test_engine.py."""
 
 import json
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -230,3 +231,30 @@ def test_ckpt_loads_its_weights_and_tokenizer_json(tmp_path):
     assert engine.stop_ids == {tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")}
     assert engine.tokenizer.encode("<|im_start|>") == [tok.token_to_id("<|im_start|>")]
     assert tok.token_to_id("<|im_start|>") not in engine.tokenizer.encode_plain("<|im_start|>")
+
+
+@pytest.fixture
+def busy_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield str(s.getsockname()[1])
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--port", "99999"], "--port"), (["--port", "-1"], "--port"), (["--port", "http"], "--port"),
+    (["--host", "not a host!"], "--host"), (["--host", "999.1.1.1"], "--host"),
+    (["--host", "192.0.2.1"], "--host"),  # a documentation address: valid, but not this machine's
+    (["--port", "BUSY"], "--port"),
+])
+def test_a_bad_address_fails_in_one_line_before_the_model_loads(argv, flag, busy_port, capsys, monkeypatch):
+    from openk3.cli import main
+    from openk3.serve import command
+
+    monkeypatch.setattr(command, "build_engine", lambda args: pytest.fail("the model loaded"))
+    try:
+        code = main(["serve", *[busy_port if a == "BUSY" else a for a in argv]])
+    except SystemExit as exc:  # argparse's own refusal
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("openk3 serve: error: ") and err.count("\n") == 1 and flag in err, err

@@ -9,7 +9,8 @@ model records KDA checkpoints every `checkpoint_every` hash blocks (1, the defau
 checkpoint at every boundary) in the same forward (`HybridCache.checkpoint_offsets`); decode passes every
 boundary one token at a time. Chunking and checkpoint offsets are the same whether or not the cache is on, so
 greedy output does not depend on it. `EngineLoop` runs steps on a background thread; `add_request` and `cancel` are
-thread-safe.
+thread-safe. Work that raises ends only the requests it was for (`_isolated`: one sequence's sampling and
+bookkeeping, or the forward a batch shares) with finish_reason "error"; the others keep running.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ class RequestEvent:
     rid: str
     text: str
     finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "cancelled"
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
