@@ -34,10 +34,10 @@ import torch
 
 from openk3.config import get_preset
 from openk3.model import K3ForCausalLM
+from openk3.sampling import SamplingParams
 from openk3.serve.engine import Engine, EngineConfig
-from openk3.serve.sampling import SamplingParams
 from openk3.serve.scheduler import SchedulerConfig
-from openk3.serve.tokenizer import ByteTokenizer
+from openk3.tokenizer import ByteTokenizer
 
 WORDS = ("read", "file", "grep", "patch", "test", "error", "line", "module", "config", "build", "cache", "token",
          "result", "agent", "tool", "call", "output", "diff", "commit", "check")

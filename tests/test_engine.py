@@ -1,16 +1,22 @@
-"""The continuous-batching engine with the K3 prefix cache, on a small random-init hybrid model (CPU)."""
+"""The continuous-batching engine with the K3 prefix cache, on a small random hybrid model (CPU).
+
+The model's weights are O(1)-scale (tests/random_weights.py), so its logits depend on the whole context; with the
+default init (std 0.02) greedy ids barely do. The cache-on / cache-off comparisons check every sampled logits row
+against a plain full forward of the same tokens, not only the ids."""
 
 import random
+from collections import defaultdict
 
 import pytest
 import torch
 
 from openk3.config import get_preset
 from openk3.model import K3ForCausalLM
+from openk3.sampling import TEMPERATURE_FLOOR, SamplingParams, sample_token
 from openk3.serve.engine import Engine, EngineConfig
-from openk3.serve.sampling import SamplingParams, sample_token
 from openk3.serve.scheduler import QueueFull, SchedulerConfig
-from openk3.serve.tokenizer import ByteTokenizer
+from openk3.tokenizer import ByteTokenizer
+from random_weights import randomise
 
 H = 16  # hash block of the tests' engines
 
@@ -22,8 +28,37 @@ def model():
     torch.manual_seed(0)
     cfg = get_preset("k3-tiny").with_overrides({"num_layers": 4, "mla_layers": [1, 3], "max_seq_len": 512,
                                                 "mtp_layers": 0})
-    yield K3ForCausalLM(cfg).eval()
+    model = K3ForCausalLM(cfg)
+    randomise(model, seed=0)
+    yield model.eval()
     torch.set_num_threads(threads)
+
+
+TOL = 1e-4  # fp32: chunking, batching and restored cache states change only the round-off
+
+
+def record_logits(engine) -> dict[str, list[torch.Tensor]]:
+    """Every logits row the engine samples from, by request id (wraps the engine's per-token `_accept`)."""
+    seen, accept = defaultdict(list), engine._accept
+
+    def recording(r, logits):
+        seen[r.rid].append(logits.detach().float().clone())
+        accept(r, logits)
+
+    engine._accept = recording
+    return seen
+
+
+@torch.no_grad()
+def reference_logits(model, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """[len(output), V]: the logits each output token was sampled from, by one full forward without a cache."""
+    logits = model(torch.tensor([prompt + output[:-1]])).logits[0]
+    return logits[len(prompt) - 1:]
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: float = TOL) -> None:
+    err = (actual - expected).abs().max().item()
+    assert err <= tol * max(1.0, expected.abs().max().item()), f"max |diff| {err}"
 
 
 def make_engine(model, prefix_cache=True, **kw):
@@ -42,7 +77,10 @@ def drain(engine, max_steps=10_000):
 
 def conversations(engine, sessions=3, turns=3, stagger=True, seed=0):
     """Agent-style sessions over a shared system prompt; each turn appends the reply and a tool result. Sessions
-    run concurrently; with `stagger`, session s starts s steps late so batches mix prefill and decode."""
+    run concurrently; with `stagger`, session s starts s steps late so batches mix prefill and decode. Returns
+    {(session, turn): ...} of outputs, cache hits, prompts and the sampled logits rows ([n_out, V])."""
+    seen = record_logits(engine)
+    logits = {}
     rng = random.Random(seed)
     tok = ByteTokenizer()
     system = tok.encode("system: you are a careful agent with tools. ")
@@ -58,15 +96,20 @@ def conversations(engine, sessions=3, turns=3, stagger=True, seed=0):
         drain(engine)
         for s, r in requests.items():
             outputs[s, turn], cached[s, turn], prompts[s, turn] = list(r.output), r.cached_tokens, r.prompt
+            logits[s, turn] = torch.stack(seen[r.rid])
             history[s] += r.output
-    return outputs, cached, prompts
+    return outputs, cached, prompts, logits
 
 
-def test_greedy_identical_with_and_without_prefix_cache_and_later_turns_hit(model):
+def test_logits_identical_with_and_without_prefix_cache_and_later_turns_hit(model):
     on = make_engine(model)
-    out_on, cached, prompts = conversations(on)
-    out_off, cached_off, _ = conversations(make_engine(model, prefix_cache=False))
+    out_on, cached, prompts, logits_on = conversations(on)
+    out_off, cached_off, _, logits_off = conversations(make_engine(model, prefix_cache=False))
     assert out_on == out_off
+    for key, logits in logits_on.items():  # every sampled row, both ways, equals a full forward of the same tokens
+        reference = reference_logits(model, prompts[key], out_on[key])
+        assert_close(logits, reference)
+        assert_close(logits_off[key], reference)
     assert all(c == 0 for c in cached_off.values())
     for (s, turn), c in cached.items():
         if turn > 0:  # the previous turn's prompt and reply (all but the last token, never fed) are reused
@@ -77,6 +120,11 @@ def test_greedy_identical_with_and_without_prefix_cache_and_later_turns_hit(mode
             assert c == H * (shared // H) > 0
     stats = on.prefix_cache.stats
     assert stats.hit_tokens == sum(cached.values()) and stats.queried_tokens > stats.hit_tokens
+    # the comparison has power: without the cached prefix the same tokens give logits far outside the tolerance
+    key = max(cached, key=cached.get)
+    prompt, out = prompts[key], out_on[key]
+    blind = reference_logits(model, prompt[cached[key]:], out)
+    assert (blind - logits_on[key]).abs().max() > 100 * TOL * logits_on[key].abs().max()
 
 
 def budget(model, pages, checkpoints):
@@ -87,11 +135,13 @@ def budget(model, pages, checkpoints):
 
 
 def test_greedy_identical_under_forced_eviction_with_host_tier(model):
-    baseline, _, _ = conversations(make_engine(model, prefix_cache=False), seed=1)
+    baseline, _, _, baseline_logits = conversations(make_engine(model, prefix_cache=False), seed=1)
     for host in (0, budget(model, 16, 64)):
         tight = make_engine(model, cache_bytes=budget(model, 5, 10), host_cache_bytes=host)  # < the sessions' chains
-        out, cached, _ = conversations(tight, seed=1)
+        out, cached, _, logits = conversations(tight, seed=1)
         assert out == baseline
+        for key, rows in logits.items():
+            assert_close(rows, baseline_logits[key])
         stats = tight.prefix_cache.stats
         assert (stats.demoted_pages if host else stats.evicted_pages) > 0
         assert all(used <= tight.prefix_cache.capacity(t) for t, used in enumerate(tight.prefix_cache.used))
@@ -102,6 +152,7 @@ def test_greedy_identical_under_forced_eviction_with_host_tier(model):
 
 def test_hit_is_the_shared_full_hash_blocks_only(model):
     engine = make_engine(model)
+    seen = record_logits(engine)
     tok = ByteTokenizer()
     a = tok.encode("x" * (5 * H + 3))
     engine.add_request(a, SamplingParams(max_tokens=2, temperature=0))
@@ -111,9 +162,11 @@ def test_hit_is_the_shared_full_hash_blocks_only(model):
     drain(engine)
     assert rb.cached_tokens == 3 * H
     fresh = make_engine(model, prefix_cache=False)
+    fresh_seen = record_logits(fresh)
     rf = fresh.add_request(b, SamplingParams(max_tokens=2, temperature=0))
     drain(fresh)
     assert rf.output == rb.output
+    assert_close(torch.stack(seen[rb.rid]), torch.stack(fresh_seen[rf.rid]))
 
 
 def test_sparser_checkpoints_keep_the_turn_boundary(model):
@@ -159,12 +212,15 @@ def test_max_tokens_stop_strings_and_seeded_sampling(model):
     assert len(greedy.output) == 12 and greedy.finish_reason == "length"
     assert top1.output == greedy.output
     assert seeded[0].output == seeded[1].output != seeded[2].output
+    # a stop string taken from the greedy text (two characters that are not a partial UTF-8 character's U+FFFD):
+    # the same request with it stops there and returns the text before its first occurrence
     text = greedy.text
-    stop = text[4:6] if len(text) >= 6 else None
-    if stop:
-        r = engine.add_request(prompt, SamplingParams(temperature=0, stop=[stop], **params))
-        drain(engine)
-        assert r.finish_reason == "stop" and r.text == text[: text.find(stop)]
+    cut = next(i for i in range(len(text) - 2, -1, -1) if "\ufffd" not in text[i:i + 2])
+    stop = text[cut:cut + 2]
+    r = engine.add_request(prompt, SamplingParams(temperature=0, stop=[stop], **params))
+    drain(engine)
+    assert r.finish_reason == "stop" and r.text == text[: text.find(stop)]
+    assert r.output == greedy.output[: len(r.output)]
 
 
 def test_streamed_deltas_reassemble_the_text(model):
@@ -212,3 +268,90 @@ def test_sampling_filters():
     assert draws == {1, 2}
     draws = {sample_token(logits, SamplingParams(temperature=1.0, top_p=0.01), gen) for _ in range(50)}
     assert draws == {1}
+
+
+def test_sampling_cannot_fail_for_valid_parameters():
+    """Temperatures below the floor are greedy (1e-40 overflowed fp32 before); NaN logits are never chosen;
+    extreme, infinite and half-precision logits give a valid id for every valid parameter combination."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.tensor([0.0, 3.0, 2.9, -1.0])
+    for t in (1e-40, 5e-324, TEMPERATURE_FLOOR / 2):
+        assert SamplingParams(temperature=t).greedy and sample_token(logits, SamplingParams(temperature=t), gen) == 1
+    assert not SamplingParams(temperature=TEMPERATURE_FLOOR).greedy
+    nan = torch.tensor([float("nan"), 1.0, float("nan"), 0.5])
+    assert {sample_token(nan, SamplingParams(temperature=t), gen) for t in (0, 1.0) for _ in range(50)} <= {1, 3}
+    assert sample_token(torch.tensor([1.0, float("inf"), 2.0]), SamplingParams(temperature=1.0), gen) == 1
+    rng = torch.Generator().manual_seed(1)
+    cases = [torch.full((7,), float("nan")), torch.full((7,), float("-inf")), torch.tensor([3e38, -3e38, 0.0]),
+             (torch.randn(33, generator=rng) * 1e4).half(), torch.randn(33, generator=rng).bfloat16()]
+    for case in cases:
+        for t in (0.0, 1e-30, TEMPERATURE_FLOOR, 0.7, 100.0):
+            for top_k, top_p in ((0, 1.0), (3, 1.0), (0, 1e-6), (2, 0.5)):
+                token = sample_token(case, SamplingParams(temperature=t, top_k=top_k, top_p=top_p), gen)
+                assert 0 <= token < case.numel()
+                assert not torch.isnan(case[token]) or torch.isnan(case).all()
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="temperature"):
+            SamplingParams(temperature=bad)
+
+
+POISON_SEED = 666  # requests with this seed fail inside the engine in the isolation test
+
+
+def test_a_failing_sequence_fails_alone(model, monkeypatch):
+    """A sequence whose sampling raises ends with "error" (its lease and state freed); every other request decoding
+    in the same steps finishes exactly as it does alone, and the engine keeps serving."""
+    from openk3.serve import engine as engine_module
+
+    def poisoned(logits, params, generator):
+        if params.seed == POISON_SEED:
+            raise RuntimeError("injected sampling failure")
+        return sample_token(logits, params, generator)
+
+    tok, params = ByteTokenizer(), dict(max_tokens=6, temperature=0, ignore_eos=True)
+    prompts = [tok.encode(f"request {i} shares the steps with a failing one") for i in range(3)]
+    alone = make_engine(model)
+    expected = [alone.add_request(p, SamplingParams(**params)) for p in prompts]
+    drain(alone)
+    monkeypatch.setattr(engine_module, "sample_token", poisoned)
+    engine, events = make_engine(model), []
+    bad = engine.add_request(tok.encode("this one fails"), SamplingParams(seed=POISON_SEED, **params),
+                             on_event=events.append)
+    good = [engine.add_request(p, SamplingParams(**params)) for p in prompts]
+    drain(engine)
+    assert bad.finish_reason == "error" and bad.state is None and bad.lease.released
+    assert events[-1].finished and events[-1].finish_reason == "error"
+    assert [r.output for r in good] == [r.output for r in expected]
+    assert all(r.finish_reason == "length" for r in good)
+    assert not any(p.locks for p in engine.prefix_cache.pages) and not engine.scheduler.running
+    again = engine.add_request(prompts[0], SamplingParams(**params))
+    drain(engine)
+    assert again.output == expected[0].output and again.cached_tokens > 0
+
+
+def test_a_failing_prefill_forward_fails_its_group_alone(model):
+    """A prefill forward that raises ends the requests of that forward ("error"); a request prefilled in another
+    forward of the same step, and one already decoding, finish as they do alone."""
+    tok, params = ByteTokenizer(), dict(max_tokens=4, temperature=0, ignore_eos=True)
+    poison = 7  # a byte no other prompt has
+
+    class FailsOnPoison(torch.nn.Module):
+        def forward(self, ids, **kw):
+            if (ids == poison).any():
+                raise RuntimeError("injected forward failure")
+            return model(ids, **kw)
+
+    decoding, short = tok.encode("already decoding"), tok.encode("a short prompt")
+    alone = make_engine(model)
+    expected = [alone.add_request(p, SamplingParams(**params)) for p in (decoding, short)]
+    drain(alone)
+    engine = make_engine(model)
+    engine.model = FailsOnPoison()
+    first = engine.add_request(decoding, SamplingParams(**params))
+    engine.step()
+    bad = engine.add_request(tok.encode("a much longer prompt \x07 than the other"), SamplingParams(**params))
+    second = engine.add_request(short, SamplingParams(**params))
+    drain(engine)
+    assert bad.finish_reason == "error" and bad.lease.released
+    assert [first.output, second.output] == [r.output for r in expected]
+    assert all(r.finish_reason == "length" for r in (first, second))

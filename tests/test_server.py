@@ -1,9 +1,11 @@
-"""`openk3 serve` end to end: a real uvicorn server process on 127.0.0.1, driven by the official openai client."""
+"""`openk3 serve` end to end: a real uvicorn server process on 127.0.0.1, driven by the official openai client.
+
+The server loads a k3-tiny checkpoint with O(1)-scale random weights, so its greedy text depends on the whole
+context and the cache-on / cache-off comparisons below (a hit vs the first miss, and against a second server
+with --no-prefix-cache) would catch a wrong restored state. Logits themselves are compared in test_engine.py."""
 
 import json
 import socket
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -11,46 +13,26 @@ import httpx
 import openai
 import pytest
 
+from serve_process import metric, o1_checkpoint, serve_process
+
 MODEL = "k3-tiny"
 H = 16  # the default hash block for k3-tiny's context
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return o1_checkpoint(tmp_path_factory.mktemp("o1-k3-tiny"))
 
 
 @pytest.fixture(scope="module")
-def server():
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "openk3", "serve", "--preset", MODEL, "--host", "127.0.0.1",
-                             "--port", str(port), "--threads", "1", "--seed", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        assert proc.poll() is None, proc.stdout.read().decode()
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "the server did not become healthy"
-        time.sleep(0.3)
-    yield url
-    proc.terminate()
-    proc.wait(timeout=30)
+def server(checkpoint):
+    with serve_process("--ckpt", checkpoint, "--model-name", MODEL) as (url, _):
+        yield url
 
 
 @pytest.fixture
 def client(server):
     return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-def metric(server, name):
-    text = httpx.get(f"{server}/metrics").text
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(f"openk3_{name}"))
 
 
 def test_models_health_and_metrics(server, client):
@@ -177,6 +159,31 @@ def test_bounded_concurrent_load(server, client):
     assert metric(server, "queue_requests") == 0
 
 
+def test_a_server_without_prefix_cache_gives_the_same_replies(checkpoint, client):
+    """Multi-turn agent sessions: the cached server (hits from the second turn on) and a --no-prefix-cache server
+    answer every turn with the same greedy text."""
+    def session(c, s):
+        messages, replies, hits = [{"role": "system", "content": "You are a terse agent that calls tools."}], [], []
+        for turn in range(3):
+            messages.append({"role": "user" if turn == 0 else "tool", "content": f"session {s} result {turn}: ok"})
+            r = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0,
+                                          extra_body={"ignore_eos": True})
+            messages.append({"role": "assistant", "content": r.choices[0].message.content})
+            replies.append(r.choices[0].message.content)
+            hits.append(r.usage.prompt_tokens_details.cached_tokens)
+        return replies, hits
+
+    with serve_process("--ckpt", checkpoint, "--model-name", MODEL, "--no-prefix-cache") as (url, ready):
+        assert ready.startswith(f"openk3 serve: ready at {url}/v1 ") and "prefix cache off" in ready
+        off = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            on_runs = list(pool.map(lambda s: session(client, s), range(2)))
+            off_runs = list(pool.map(lambda s: session(off, s), range(2)))
+    assert [replies for replies, _ in on_runs] == [replies for replies, _ in off_runs]
+    assert all(hits[1] > 0 and hits[2] > hits[1] for _, hits in on_runs)
+    assert all(hits == [0, 0, 0] for _, hits in off_runs)
+
+
 def serve_args(*argv):
     import argparse
 
@@ -195,7 +202,7 @@ def test_ckpt_loads_its_weights_and_tokenizer_json(tmp_path):
     from openk3.interop import save_pretrained
     from openk3.model import K3ForCausalLM
     from openk3.serve.command import build_engine
-    from openk3.serve.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+    from openk3.tokenizer import ByteTokenizer, TextTokenizer, load_tokenizer
 
     torch.manual_seed(1)
     cfg = get_preset(MODEL).with_overrides({"num_layers": 4, "mla_layers": [1, 3]})
@@ -220,6 +227,34 @@ def test_ckpt_loads_its_weights_and_tokenizer_json(tmp_path):
     finally:
         torch.set_num_threads(threads)
     assert same and name == tmp_path.name
-    assert isinstance(engine.tokenizer, HFTokenizer)
+    assert isinstance(engine.tokenizer, TextTokenizer)
     assert engine.stop_ids == {tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")}
     assert engine.tokenizer.encode("<|im_start|>") == [tok.token_to_id("<|im_start|>")]
+    assert tok.token_to_id("<|im_start|>") not in engine.tokenizer.encode_plain("<|im_start|>")
+
+
+@pytest.fixture
+def busy_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield str(s.getsockname()[1])
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--port", "99999"], "--port"), (["--port", "-1"], "--port"), (["--port", "http"], "--port"),
+    (["--host", "not a host!"], "--host"), (["--host", "999.1.1.1"], "--host"),
+    (["--host", "192.0.2.1"], "--host"),  # a documentation address: valid, but not this machine's
+    (["--port", "BUSY"], "--port"),
+])
+def test_a_bad_address_fails_in_one_line_before_the_model_loads(argv, flag, busy_port, capsys, monkeypatch):
+    from openk3.cli import main
+    from openk3.serve import command
+
+    monkeypatch.setattr(command, "build_engine", lambda args: pytest.fail("the model loaded"))
+    try:
+        code = main(["serve", *[busy_port if a == "BUSY" else a for a in argv]])
+    except SystemExit as exc:  # argparse's own refusal
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("openk3 serve: error: ") and err.count("\n") == 1 and flag in err, err

@@ -10,10 +10,10 @@ from openk3.config import get_preset
 from openk3.generate import generate_ids
 from openk3.interop import load_pretrained
 from openk3.model import K3ForCausalLM
-from openk3.serve.sampling import SamplingParams
+from openk3.sampling import SamplingParams
+from openk3.tokenizer import EOS, TextTokenizer, load_or_train
 from openk3.train.data import BatchStream, load_documents, split_documents, unigram_cross_entropy
 from openk3.train.schedule import WSDSchedule
-from openk3.train.tokenizer import EOS, TextTokenizer, load_or_train
 from train_tiny import TINY, make_corpus, one_thread
 
 STEPS = 4

@@ -2,18 +2,18 @@
 
 The prompt is prefilled once into `model.new_cache(1)`; every new token is one forward of a single position that
 appends to the cache (KDA states and MLA latents), so each step costs the same however long the text grows.
-Sampling (greedy / temperature / top-k / top-p, seeded) is the serving engine's `sample_token`.
+Sampling (greedy / temperature / top-k / top-p, seeded) is `openk3.sampling.sample_token`, as in serving.
 """
 
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from openk3.serve.sampling import SamplingParams, sample_token
+from openk3.checkpoints import resolve_checkpoint
+from openk3.sampling import SamplingParams, sample_token
 
 
 @torch.no_grad()
@@ -38,23 +38,9 @@ def generate_ids(model: nn.Module, prompt_ids: list[int], max_new_tokens: int, p
     return out
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory, or a training --out directory (its latest complete checkpoint)."""
-    from openk3.train.checkpoint import latest_checkpoint
-
-    path = Path(path)
-    if (path / "config.json").is_file():
-        return path
-    latest = latest_checkpoint(path)
-    if latest is None:
-        raise FileNotFoundError(f"{path} is neither a checkpoint (no config.json) nor a run directory with step-*/ "
-                                "checkpoints")
-    return latest
-
-
 def run_generate(args: argparse.Namespace) -> int:
     from openk3.interop import load_pretrained
-    from openk3.train.tokenizer import TextTokenizer
+    from openk3.tokenizer import TextTokenizer
 
     ckpt = resolve_checkpoint(args.ckpt)
     if args.tokenizer is None and not (ckpt / "tokenizer.json").is_file():

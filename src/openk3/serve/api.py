@@ -1,12 +1,18 @@
 """The OpenAI-compatible HTTP API over the engine (FastAPI).
 
-POST /v1/completions, POST /v1/chat/completions (the chat template of `openk3.serve.tokenizer`), both with
+POST /v1/completions, POST /v1/chat/completions (the chat template of `openk3.tokenizer`), both with
 `stream: true` as server-sent events ending in `data: [DONE]`; GET /v1/models; GET /health (200 once the engine
 runs); GET /metrics (Prometheus text). `usage.prompt_tokens_details.cached_tokens` is the prefix-cache hit.
-Errors use OpenAI's shape {"error": {"message", "type", "param", "code"}}: 400 for malformed JSON, wrong types,
-missing fields and out-of-range values, 404 for an unknown model, 413 for a prompt longer than the context (or
-an oversized body), 429 when the queue is full. A client that disconnects has its request cancelled, which frees
-its sequence.
+Errors use OpenAI's shape {"error": {"message", "type", "param", "code"}} (openk3.serve.schema): 400 for malformed
+JSON, wrong types, missing fields and out-of-range values, 404 for an unknown model or URL, 405 for a wrong
+method, 413 for a prompt longer than the context (or an oversized body), 429 when the queue is full, and 500 for
+a request whose own sequence failed in the engine (the others keep running; a stream ends with finish_reason
+"error" instead).
+
+Request text is encoded with `encode_plain` (special-token strings stay text: only the chat template inserts
+control tokens). Parsing, validation and tokenization run on a worker thread, never on the event loop, so
+/health and other requests are answered while a large body is tokenized. A client that disconnects, streaming
+or not, has its request cancelled at the engine's next step, which frees its sequence.
 """
 
 from __future__ import annotations
@@ -16,71 +22,17 @@ import json
 import time
 import uuid
 from contextlib import asynccontextmanager
-from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from openk3.serve.engine import Engine, EngineLoop
-from openk3.serve.sampling import SamplingParams
 from openk3.serve.scheduler import QueueFull, RequestEvent
-from openk3.serve.tokenizer import render_chat
+from openk3.serve.schema import APIError, ChatBody, CompletionBody, SamplingFields, parse_body, sampling_params
+from openk3.tokenizer import encode_chat
 
 MAX_BODY_BYTES = 8 << 20
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
-
-    def response(self) -> JSONResponse:
-        return JSONResponse({"error": {"message": self.message, "type": self.kind, "param": self.param,
-                                       "code": self.code}}, status_code=self.status)
-
-
-class StreamOptions(BaseModel):
-    include_usage: bool = False
-
-
-class SamplingFields(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-    model: str
-    max_tokens: int | None = None
-    temperature: float = Field(1.0, ge=0, le=100)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=1)
-    ignore_eos: bool = False
-
-
-class CompletionBody(SamplingFields):
-    prompt: str | list[int] | list[str]
-
-
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
-
-
-class Message(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart]
-
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-
-
-class ChatBody(SamplingFields):
-    messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = None
 
 
 def create_app(engine: Engine, model_name: str) -> FastAPI:
@@ -99,6 +51,13 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
     @app.exception_handler(APIError)
     async def api_error(_request: Request, exc: APIError) -> JSONResponse:
         return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def routing_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """404 / 405 from the router in OpenAI's shape (the 405 keeps its Allow header)."""
+        code = {404: "unknown_url", 405: "method_not_allowed"}.get(exc.status_code)
+        message = f"{exc.detail} ({request.method} {request.url.path})"
+        return APIError(exc.status_code, message, code=code).response(exc.headers)
 
     @app.exception_handler(Exception)
     async def internal_error(_request: Request, exc: Exception) -> JSONResponse:
@@ -119,29 +78,33 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
     async def metrics():
         return PlainTextResponse(prometheus_text(engine), media_type="text/plain; version=0.0.4")
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        body = await parse(request, CompletionBody, model_name)
+    def completion_request(raw: bytes) -> tuple[CompletionBody, list[int]]:
+        body = parse_body(raw, CompletionBody, model_name)
         if isinstance(body.prompt, str):
-            prompt = engine.tokenizer.encode(body.prompt)
-        elif body.prompt and all(isinstance(p, str) for p in body.prompt):
+            return body, engine.tokenizer.encode_plain(body.prompt)
+        if body.prompt and all(isinstance(p, str) for p in body.prompt):
             if len(body.prompt) != 1:
                 raise APIError(400, "only one prompt per request is supported", "prompt")
-            prompt = engine.tokenizer.encode(body.prompt[0])
-        else:
-            prompt = list(body.prompt)
-        return await generate(request, body, prompt, body.max_tokens, chat=False)
+            return body, engine.tokenizer.encode_plain(body.prompt[0])
+        return body, list(body.prompt)
+
+    def chat_request(raw: bytes) -> tuple[ChatBody, list[int]]:
+        body = parse_body(raw, ChatBody, model_name)
+        return body, encode_chat(engine.tokenizer, [{"role": m.role, "content": m.text()} for m in body.messages])
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body, prompt = await asyncio.to_thread(completion_request, await read_body(request))  # off the event loop
+        return await generate(request, body, prompt, body.max_tokens, "max_tokens", chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = await parse(request, ChatBody, model_name)
-        text = render_chat([{"role": m.role, "content": m.text()} for m in body.messages])
-        return await generate(request, body, engine.tokenizer.encode(text),
-                              body.max_completion_tokens or body.max_tokens, chat=True)
+        body, prompt = await asyncio.to_thread(chat_request, await read_body(request))
+        return await generate(request, body, prompt, *body.token_limit(), chat=True)
 
     async def generate(request: Request, body: SamplingFields, prompt: list[int], max_tokens: int | None,
-                       chat: bool):
-        params = sampling_params(body, max_tokens, engine.model_config.max_seq_len)
+                       max_tokens_param: str, chat: bool):
+        params = sampling_params(body, max_tokens, max_tokens_param, engine.model_config.max_seq_len)
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         submit = lambda event: loop.call_soon_threadsafe(events.put_nowait, event)
@@ -153,7 +116,7 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
             too_long = len(prompt) >= engine.model_config.max_seq_len
             raise APIError(413 if too_long else 400, str(exc), "messages" if chat else "prompt",
                            "context_length_exceeded" if too_long else None) from exc
-        reply = Reply(rid, model_name, chat, body.stream_options is not None and body.stream_options.include_usage)
+        reply = Reply(rid, model_name, chat, body.include_usage)
         if body.stream:
             return StreamingResponse(stream(events, reply, rid), media_type="text/event-stream")
         return await collect(request, events, reply, rid)
@@ -171,19 +134,26 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
             if not finished:  # the client went away mid-stream
                 engine.cancel(rid)
 
+    async def cancel_on_disconnect(request: Request, rid: str) -> None:
+        """Wait for the client to drop the connection (the body is read: the next ASGI message is the disconnect),
+        then cancel its request; the engine answers with a "cancelled" event at its next step."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        engine.cancel(rid)
+
     async def collect(request: Request, events: asyncio.Queue, reply: Reply, rid: str):
+        watcher = asyncio.create_task(cancel_on_disconnect(request, rid))
         text = []
-        while True:
-            try:
-                event: RequestEvent = await asyncio.wait_for(events.get(), timeout=0.5)
-            except TimeoutError:
-                if await request.is_disconnected():
-                    engine.cancel(rid)
-                    raise APIError(499, "the client closed the connection") from None
-                continue
-            text.append(event.text)
-            if event.finished:
-                break
+        try:
+            while True:
+                event: RequestEvent = await events.get()
+                text.append(event.text)
+                if event.finished:
+                    break
+        finally:
+            watcher.cancel()
+        if event.finish_reason == "cancelled":
+            raise APIError(499, "the client closed the connection")
         if event.finish_reason == "error":
             raise APIError(500, "the engine failed while running this request", kind="server_error")
         return reply.full("".join(text), event)
@@ -191,36 +161,15 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
     return app
 
 
-async def parse(request: Request, model: type[BaseModel], model_name: str) -> Any:
-    raw = await request.body()
-    if len(raw) > MAX_BODY_BYTES:
-        raise APIError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes", code="request_too_large")
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise APIError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from exc
-    if not isinstance(data, dict):
-        raise APIError(400, "the body must be a JSON object", code="invalid_json")
-    try:
-        body = model.model_validate(data)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        param = ".".join(str(p) for p in first["loc"]) or None
-        raise APIError(400, f"{param}: {first['msg']}", param, "invalid_value") from exc
-    if body.model != model_name:
-        raise APIError(404, f"the model {body.model!r} does not exist; this server serves {model_name!r}", "model",
-                       "model_not_found")
-    return body
-
-
-def sampling_params(body: SamplingFields, max_tokens: int | None, context: int) -> SamplingParams:
-    max_tokens = 16 if max_tokens is None else max_tokens
-    if not 1 <= max_tokens <= context:
-        raise APIError(400, f"max_tokens must be in [1, {context}], got {max_tokens}", "max_tokens",
-                       "invalid_value")
-    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                          seed=body.seed, stop=[s for s in stop if s], ignore_eos=body.ignore_eos)
+async def read_body(request: Request) -> bytes:
+    """The body, refused with 413 as soon as it passes MAX_BODY_BYTES (never held whole beyond that)."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise APIError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes", code="request_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 class Reply:

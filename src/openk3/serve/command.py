@@ -1,17 +1,24 @@
 """`openk3 serve`: the OpenAI-compatible server (FastAPI under uvicorn) over the continuous-batching engine.
 
     openk3 serve --preset k3-tiny --port 8000            # random-init weights (seeded): a demo / test server
-    openk3 serve --ckpt runs/tiny/step-000100 --port 8000
+    openk3 serve --ckpt runs/k3-tiny --port 8000         # a training run's latest checkpoint (or a step-* dir)
+
+Once it accepts requests it prints one line with the URL, the model and the prefix-cache settings. The host and
+port are checked (and the socket bound) before the model loads.
 
 The tokenizer is the checkpoint's tokenizer.json when it has one, else the byte-level fallback
-(`openk3.serve.tokenizer`). The prefix cache's hash block / page default to K3's ratio scaled to the context
+(`openk3.tokenizer`). The prefix cache's hash block / page default to K3's ratio scaled to the context
 (h=16, P=192 for toy contexts; h=512, P=6144 at 1M).
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
+import ipaddress
 import logging
+import re
+import socket
 from pathlib import Path
 
 
@@ -23,14 +30,14 @@ def build_engine(args: argparse.Namespace):
     from openk3.model import K3ForCausalLM
     from openk3.serve.engine import Engine, EngineConfig
     from openk3.serve.scheduler import SchedulerConfig
-    from openk3.serve.tokenizer import load_tokenizer
+    from openk3.tokenizer import load_tokenizer
 
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if args.ckpt:
-        from openk3.generate import resolve_checkpoint
+        from openk3.checkpoints import resolve_checkpoint
         from openk3.interop import load_pretrained
 
         ckpt = resolve_checkpoint(args.ckpt)
@@ -52,26 +59,90 @@ def build_engine(args: argparse.Namespace):
     return Engine(model, tokenizer, config), name
 
 
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound (not yet listening) before the model loads, so that an address that cannot be
+    served fails in a second with one line naming the flag; port 0 picks a free port."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except (socket.gaierror, UnicodeError) as exc:
+        raise ValueError(f"--host {host}: not an address of this machine ({exc})") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: a TIME_WAIT port is free
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        flag = "--port" if exc.errno in (errno.EADDRINUSE, errno.EACCES) else "--host"
+        raise ValueError(f"{flag}: cannot listen on {host} port {port}: {exc.strerror}") from None
+    return sock
+
+
+def ready_line(sock: socket.socket, name: str, engine) -> str:
+    """One line for the operator once the server accepts requests: the URL, the model and the cache settings."""
+    host, port = sock.getsockname()[:2]
+    url = f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
+    device = next(engine.model.parameters()).device
+    cache = engine.prefix_cache
+    if cache is None:
+        settings = "prefix cache off"
+    else:
+        c, mib = cache.config, lambda n: f"{n / (1 << 20):g} MiB" if n else "off"
+        settings = (f"prefix cache: hash block {c.hash_block}, page {c.page_size} tokens, device {mib(c.device_bytes)}"
+                    f", host {mib(c.host_bytes)}, disk {mib(c.disk_bytes) if c.disk_dir else 'off'}")
+    return f"openk3 serve: ready at {url} (model {name!r} on {device}; {settings})"
+
+
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from openk3.serve.api import create_app
 
+    sock = listen_socket(args.host, args.port)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine, name = build_engine(args)
-    uvicorn.run(create_app(engine, name), host=args.host, port=args.port, log_level=args.log_level)
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets)
+            if not self.should_exit:
+                print(ready_line(sock, name, engine), flush=True)
+
+    config = uvicorn.Config(create_app(engine, name), host=args.host, port=args.port, log_level=args.log_level)
+    Server(config).run(sockets=[sock])
     return 0
+
+
+def tcp_port(value: str) -> int:
+    if not value.isdigit() or int(value) > 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a TCP port (0-65535; 0 picks a free one)")
+    return int(value)
+
+
+HOST_NAME = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*\.?")
+
+
+def listen_host(value: str) -> str:
+    """An IP address or a syntactically valid host name (whether it is this machine's is checked at bind time)."""
+    try:
+        ipaddress.ip_address(value)
+        return value
+    except ValueError:
+        pass
+    if len(value) > 253 or not HOST_NAME.fullmatch(value) or value.replace(".", "").isdigit():
+        raise argparse.ArgumentTypeError(f"{value!r} is neither an IP address nor a host name")
+    return value
 
 
 def add_serve_parser(subparsers) -> None:
     p = subparsers.add_parser("serve", help="OpenAI-compatible server with the K3 hybrid prefix cache",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                              usage=argparse.SUPPRESS)  # a bad flag gets one line: "openk3 serve: error: ..."
     source = p.add_mutually_exclusive_group()
     source.add_argument("--preset", default="k3-tiny", help="random-init model of this preset (default k3-tiny)")
     source.add_argument("--ckpt", help="checkpoint directory (or a training run directory: its latest)")
     p.add_argument("--model-name", help="the name clients pass as `model` (default: preset or checkpoint dir)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", type=listen_host, default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=tcp_port, default=8000, help="TCP port (default 8000; 0: a free one)")
     p.add_argument("--seed", type=int, default=0, help="random-init weights and default sampling seeds")
     p.add_argument("--device", default=None, help="cpu / cuda (default: cuda when available)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")

@@ -9,7 +9,8 @@ model records KDA checkpoints every `checkpoint_every` hash blocks (1, the defau
 checkpoint at every boundary) in the same forward (`HybridCache.checkpoint_offsets`); decode passes every
 boundary one token at a time. Chunking and checkpoint offsets are the same whether or not the cache is on, so
 greedy output does not depend on it. `EngineLoop` runs steps on a background thread; `add_request` and `cancel` are
-thread-safe.
+thread-safe. Work that raises ends only the requests it was for (`_isolated`: one sequence's sampling and
+bookkeeping, or the forward a batch shares) with finish_reason "error"; the others keep running.
 """
 
 from __future__ import annotations
@@ -18,13 +19,14 @@ import itertools
 import logging
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 
 from openk3.cache import HybridCache, KDAState, MLAState, SequenceState
+from openk3.sampling import SamplingParams, sample_token
 from openk3.serve.prefix_cache import PrefixCache, PrefixCacheConfig
-from openk3.serve.sampling import SamplingParams, sample_token
 from openk3.serve.scheduler import Request, RequestEvent, Scheduler, SchedulerConfig
 
 log = logging.getLogger(__name__)
@@ -137,17 +139,21 @@ class Engine:
                 self._finish(r, "cancelled")
             admitted = self.scheduler.admit(self._locked_fraction())
         for r in admitted:
-            self._start(r)
+            with self._isolated([r]):
+                self._start(r)
         decoding = [r for r in self.scheduler.running if not r.prefilling]
         if decoding:
-            self._decode(decoding)
+            with self._isolated(decoding):
+                self._decode(decoding)
         for round_ in self.scheduler.prefill_rounds(self._chunk_end):
             alike: dict[tuple[int, tuple[int, ...]], list[Request]] = {}  # same chunk length and checkpoints
             for r in round_:
-                end = self._chunk_end(r, r.fed)
-                alike.setdefault((end - r.fed, self._checkpoint_offsets(r.fed, end)), []).append(r)
+                if r.finish_reason is None:  # not failed in an earlier round
+                    end = self._chunk_end(r, r.fed)
+                    alike.setdefault((end - r.fed, self._checkpoint_offsets(r.fed, end)), []).append(r)
             for group in alike.values():
-                self._prefill(group)
+                with self._isolated(group):
+                    self._prefill(group)
         self.metrics.steps += 1
 
     def _locked_fraction(self) -> float:
@@ -202,9 +208,10 @@ class Engine:
         ids = torch.tensor([[r.output[-1]] for r in requests], device=cache.lengths.device)
         logits = self.model(ids, cache=cache).logits[:, -1]
         for row, r in enumerate(requests):
-            r.fed += 1
-            self._register_blocks(r, r.fed - 1, cache, row)
-            self._accept(r, logits[row])
+            with self._isolated([r]):
+                r.fed += 1
+                self._register_blocks(r, r.fed - 1, cache, row)
+                self._accept(r, logits[row])
 
     def _release_decode_batch(self) -> None:
         """Give the sequences of the current decode batch their own states back (finished ones need none)."""
@@ -223,14 +230,15 @@ class Engine:
         cache.checkpoint_offsets = self._checkpoint_offsets(requests[0].fed, ends[0])
         logits = self.model(ids, cache=cache, logits_to_keep=1).logits[:, -1]
         for row, (r, end) in enumerate(zip(requests, ends)):
-            start, r.fed = r.fed, end
-            self._register_blocks(r, start, cache, row)
-            r.state = cache.extract(row)
-            if not r.prefilling:
-                r.first_token_at = time.perf_counter()
-                self.metrics.ttft_seconds_sum += r.first_token_at - r.arrival
-                self.metrics.ttft_count += 1
-                self._accept(r, logits[row])
+            with self._isolated([r]):
+                start, r.fed = r.fed, end
+                self._register_blocks(r, start, cache, row)
+                r.state = cache.extract(row)
+                if not r.prefilling:
+                    r.first_token_at = time.perf_counter()
+                    self.metrics.ttft_seconds_sum += r.first_token_at - r.arrival
+                    self.metrics.ttft_count += 1
+                    self._accept(r, logits[row])
 
     def _register_blocks(self, r: Request, start: int, cache: HybridCache, row: int) -> None:
         """Hand the hash blocks completed between `start` and `r.fed` to the prefix cache: their MLA latents, and
@@ -258,7 +266,7 @@ class Engine:
             reason = "stop"
         elif len(r.output) >= r.params.max_tokens or r.length >= self.model_config.max_seq_len:
             reason = "length"
-        text = self.tokenizer.decode([t for t in r.output if t not in self.stop_ids])
+        text = self.tokenizer.decode_plain([t for t in r.output if t not in self.stop_ids])
         cut = min((i for i in (text.find(s) for s in r.params.stop if s) if i >= 0), default=-1)
         if cut >= 0:
             text, reason = text[:cut], "stop"
@@ -287,13 +295,28 @@ class Engine:
     def _finish(self, r: Request, reason: str) -> None:
         r.finish_reason = reason
         if r.lease is not None:
-            if reason != "cancelled":
+            if reason not in ("cancelled", "error"):  # a turn that ended normally
                 self.prefix_cache.mark_turn_boundary(r.lease)
             self.prefix_cache.release(r.lease)
         r.state = None
         self.scheduler.remove(r)
         self.metrics.requests_finished[reason] = self.metrics.requests_finished.get(reason, 0) + 1
         self._emit(r, len(r.text), finished=True)
+
+    # ---- failure isolation --------------------------------------------------------------------------------
+    @contextmanager
+    def _isolated(self, requests: list[Request]):
+        """Run one piece of a step's work on `requests`: admitting one, one sequence's bookkeeping and sampling
+        after a forward, or a batched forward. If it raises, those requests alone end with finish_reason "error"
+        (the API answers 500 or ends the stream with it; their locks and states are freed) and the step goes on
+        for every other request. A forward's failure cannot be pinned on one row, so it ends its whole batch."""
+        try:
+            yield
+        except Exception:
+            log.exception("engine work on %s failed; ending it alone", ", ".join(r.rid for r in requests))
+            for r in requests:
+                if r.finish_reason is None:
+                    self._finish(r, "error")
 
     def fail_all(self, reason: str = "error") -> None:
         """After an unexpected exception in a step: end every request so that clients get an answer."""
@@ -330,5 +353,5 @@ class EngineLoop:
             try:
                 engine.step()
             except Exception:
-                log.exception("engine step failed; ending the running requests")
+                log.exception("engine step failed outside any request's work; ending every request")
                 engine.fail_all()

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 import torch
 
 from openk3.cache import SequenceState
+from openk3.sampling import SamplingParams
 from openk3.serve.prefix_cache import Lease
-from openk3.serve.sampling import SamplingParams
 
 
 class QueueFull(RuntimeError):
@@ -34,7 +34,7 @@ class RequestEvent:
     rid: str
     text: str
     finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "cancelled"
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0

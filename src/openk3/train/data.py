@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from openk3.train.tokenizer import TextTokenizer
+from openk3.tokenizer import TextTokenizer
 
 HELD_OUT_MODULUS = 20  # one document in 20 is held out
 MIN_DOCS_FOR_DOC_SPLIT = 20

@@ -26,6 +26,7 @@ from torch import nn
 
 from openk3.config import ModelConfig, get_preset
 from openk3.model import K3ForCausalLM
+from openk3.tokenizer import TextTokenizer, load_or_train
 from openk3.train import checkpoint as ckpt
 from openk3.train.args import DEFAULT_STEPS, TrainArgs
 from openk3.train.balance import RouterBalancer
@@ -50,7 +51,6 @@ from openk3.train.distributed import (
 )
 from openk3.train.optim import build_optimizer
 from openk3.train.schedule import WSDSchedule
-from openk3.train.tokenizer import TextTokenizer, load_or_train
 
 SAMPLE_PROMPT = "def "
 CLOSING_STEPS = 8  # the final evaluation, save and text sample cost about this many training steps
@@ -401,7 +401,7 @@ class Trainer:
 
     def _sample(self) -> str:
         from openk3.generate import generate_ids
-        from openk3.serve.sampling import SamplingParams
+        from openk3.sampling import SamplingParams
 
         params = SamplingParams(max_tokens=max(1, self.args.sample_tokens), temperature=0.8, top_k=50,
                                 seed=self.args.seed)

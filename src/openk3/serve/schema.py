@@ -1,0 +1,149 @@
+"""OpenAI request bodies: parsing and validation, and the error object every refusal uses.
+
+`parse_body` turns raw bytes into a validated body or raises `APIError` (a 4xx in OpenAI's shape
+{"error": {"message", "type", "param", "code"}} whose `param` names the offending field, dotted for nested
+ones: "messages.0.content", "stream_options.include_usage"). It refuses, with 400: bytes that are not JSON
+(invalid UTF-8, a syntax error, nesting deeper than Python's parser allows, an integer of more than 4300
+digits), a body that is not an object, a string holding a lone UTF-16 surrogate (valid JSON, but not text:
+"\\ud800"), a wrong type (no coercion: "5" is not 5, "yes" is not true), an out-of-range value; and with 404 a
+model this server does not serve. It runs on a worker thread with the tokenizer (api.py), never on the event
+loop.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Literal
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from openk3.sampling import SamplingParams
+
+SEED_RANGE = (-(1 << 63), (1 << 63) - 1)  # int64, as OpenAI's `seed`
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # json.loads pairs valid surrogates; what is left is not text
+SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # the only way one gets into strictly decoded UTF-8
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
+        return JSONResponse({"error": {"message": self.message, "type": self.kind, "param": self.param,
+                                       "code": self.code}}, status_code=self.status, headers=headers)
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+
+
+class SamplingFields(Strict):
+    model: str
+    max_tokens: int | None = None
+    temperature: float = Field(1.0, ge=0, le=100)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1, le=1)
+    ignore_eos: bool = False
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionBody(SamplingFields):
+    prompt: str | list[int] | list[str]
+
+
+class TextPart(Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatBody(SamplingFields):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+
+    def token_limit(self) -> tuple[int | None, str]:
+        """(the requested limit, the field it came from): max_completion_tokens wins over the older max_tokens."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
+
+
+def param_of(loc: tuple) -> str | None:
+    """The dotted field path of a pydantic error location without the tags it gives union members: "str",
+    "list[int]", a model's class name ("prompt.list[int].0" -> "prompt.0")."""
+    def is_tag(p) -> bool:
+        return isinstance(p, str) and (p in ("str", "int", "float", "bool") or "[" in p or p[:1].isupper())
+
+    return ".".join(str(p) for p in loc if not is_tag(p)) or None
+
+
+def lone_surrogate_path(data: Any) -> str | None:
+    """The dotted path of the first string value holding a lone surrogate, or None (iterative: any depth)."""
+    stack: list[tuple[Any, tuple]] = [(data, ())]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            if not value.isascii() and LONE_SURROGATE.search(value):
+                return ".".join(map(str, path)) or None
+        elif isinstance(value, (dict, list)):
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            stack.extend(reversed([(v, (*path, k)) for k, v in items if isinstance(v, (str, dict, list))]))
+    return None
+
+
+def parse_body(raw: bytes, model: type[SamplingFields], model_name: str) -> Any:
+    try:
+        text = raw.decode("utf-8")  # strict: json.loads(bytes) would let UTF-8-encoded surrogates through
+        data = json.loads(text)
+    except RecursionError:
+        raise APIError(400, "the body is nested too deeply to parse", code="invalid_json") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, too many digits
+        raise APIError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the body must be a JSON object", code="invalid_json")
+    if SURROGATE_ESCAPE.search(text) and (where := lone_surrogate_path(data)) is not None:
+        raise APIError(400, f"{where}: the string holds a lone UTF-16 surrogate, which is not valid Unicode", where,
+                       "invalid_value")
+    try:
+        body = model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = param_of(first["loc"])
+        raise APIError(400, f"{param}: {first['msg']}", param, "invalid_value") from None
+    if body.model != model_name:
+        raise APIError(404, f"the model {body.model!r} does not exist; this server serves {model_name!r}", "model",
+                       "model_not_found")
+    return body
+
+
+def sampling_params(body: SamplingFields, max_tokens: int | None, param: str, context: int) -> SamplingParams:
+    """The engine's parameters; `max_tokens` came from the field `param` (None: OpenAI's default of 16)."""
+    max_tokens = 16 if max_tokens is None else max_tokens
+    if not 1 <= max_tokens <= context:
+        raise APIError(400, f"{param} must be in [1, {context}], got {max_tokens}", param, "invalid_value")
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                          seed=body.seed, stop=[s for s in stop if s], ignore_eos=body.ignore_eos)

@@ -1,0 +1,214 @@
+"""Tokenizers for training, `openk3 generate` and serving, and the chat template.
+
+Two tokenizers with one interface:
+- `TextTokenizer`: a `tokenizer.json` (the `tokenizers` library). Training trains a byte-level BPE on first use
+  and caches it (`load_or_train`), or takes the user's file; checkpoints carry it. Byte-level means every byte
+  sequence is encodable (no unknown token) and decoding is exact. `<|endoftext|>` separates documents in the
+  training stream; `<|im_start|>` / `<|im_end|>` are reserved for the chat template.
+- `ByteTokenizer`: the fallback for a model without a tokenizer.json (e.g. a random-init preset): ids 0-255 are
+  the UTF-8 bytes, then 256 <|bos|>, 257 <|eos|>, 258 <|im_start|>, 259 <|im_end|> (a vocab of >= 260 needed).
+
+Control tokens: `encode(text)` turns the special-token strings in the text into their ids (text the operator
+writes: the training corpus, `openk3 generate --prompt`). `encode_plain(text)` never does: the strings stay
+plain characters. The server encodes everything a request carries with `encode_plain`, so a user cannot forge a
+chat turn by typing `<|im_start|>system`; only the chat template (`encode_chat`) inserts control tokens, by id.
+`decode_plain` drops control tokens from the text it returns (what a client sees). Both encoders run in time
+linear in the text.
+
+Chat template: every message is `<|im_start|>{role}\\n{content}<|im_end|>\\n`, then the prompt ends with
+`<|im_start|>assistant\\n`. The reply ends at <|im_end|> (or the end-of-sequence token). A tokenizer.json
+without the chat tokens gets the template as plain text.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+EOS = "<|endoftext|>"
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+CHAT_TOKENS = (IM_START, IM_END)
+STOP_TOKENS = (IM_END, "<|eos|>", EOS, "</s>", "[EOS]")  # whichever a tokenizer.json has end a reply
+
+
+class TextTokenizer:
+    """A `tokenizers.Tokenizer` with the calls training, generation and serving need."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self._plain = Tokenizer.from_str(tokenizer.to_str())  # a copy that reads special-token strings as text
+        self._plain.encode_special_tokens = True
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> TextTokenizer:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"tokenizer file {path} does not exist")
+        return cls(Tokenizer.from_file(str(path)))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size()
+
+    @property
+    def eos_id(self) -> int:
+        """The document separator of training (and the end of `openk3 generate`'s text)."""
+        eos = self.tokenizer.token_to_id(EOS)
+        if eos is None:
+            raise ValueError(f"tokenizer has no {EOS!r} token; openk3 needs it to separate documents")
+        return eos
+
+    @property
+    def stop_ids(self) -> set[int]:
+        return {i for i in map(self.special_id, STOP_TOKENS) if i is not None}
+
+    def special_id(self, name: str) -> int | None:
+        return self.tokenizer.token_to_id(name)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.tokenizer.encode_batch(texts)]
+
+    def encode_plain(self, text: str) -> list[int]:
+        return self._plain.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    def decode_plain(self, ids: Iterable[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def save(self, path: str | Path) -> None:
+        self.tokenizer.save(str(path))
+
+
+class ByteTokenizer:
+    BOS, EOS, IM_START_ID, IM_END_ID = 256, 257, 258, 259
+    SPECIALS = {"<|bos|>": BOS, "<|eos|>": EOS, IM_START: IM_START_ID, IM_END: IM_END_ID}
+    NAMES = {i: s for s, i in SPECIALS.items()}
+    SPLIT = re.compile("(" + "|".join(map(re.escape, SPECIALS)) + ")")  # one left-to-right scan
+    vocab_size = 260
+
+    @property
+    def stop_ids(self) -> set[int]:
+        return {self.EOS, self.IM_END_ID}
+
+    def special_id(self, name: str) -> int | None:
+        return self.SPECIALS.get(name)
+
+    def encode(self, text: str) -> list[int]:
+        """UTF-8 bytes; the special-token strings become their single ids."""
+        ids: list[int] = []
+        for i, piece in enumerate(self.SPLIT.split(text)):  # odd pieces are the matched specials
+            if i % 2:
+                ids.append(self.SPECIALS[piece])
+            else:
+                ids.extend(piece.encode("utf-8"))
+        return ids
+
+    def encode_plain(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Bytes to text with the special tokens written out; an incomplete UTF-8 tail shows as U+FFFD."""
+        parts, run = [], bytearray()
+        for i in ids:
+            if i < 256:
+                run.append(i)
+            else:
+                parts += [run.decode("utf-8", errors="replace"), self.NAMES[i]]
+                run = bytearray()
+        return "".join(parts) + run.decode("utf-8", errors="replace")
+
+    def decode_plain(self, ids: Sequence[int]) -> str:
+        """Bytes to text; special tokens are dropped; an incomplete UTF-8 tail shows as U+FFFD."""
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+def encode_chat(tokenizer: TextTokenizer | ByteTokenizer, messages: Sequence[dict[str, str]]) -> list[int]:
+    """The chat template (module docstring): control tokens by id, every role and content with `encode_plain`."""
+    def marker(name: str) -> list[int]:
+        token = tokenizer.special_id(name)
+        return tokenizer.encode_plain(name) if token is None else [token]
+
+    start, end, newline = marker(IM_START), marker(IM_END), tokenizer.encode_plain("\n")
+    ids: list[int] = []
+    for m in messages:
+        ids += start + tokenizer.encode_plain(f"{m['role']}\n{m['content']}") + end + newline
+    return ids + start + tokenizer.encode_plain("assistant\n")
+
+
+def load_tokenizer(ckpt_dir: str | Path | None, model_vocab: int) -> TextTokenizer | ByteTokenizer:
+    """Serving: the checkpoint's tokenizer.json when there is one, else the byte-level fallback."""
+    if ckpt_dir is not None and os.path.exists(os.path.join(ckpt_dir, "tokenizer.json")):
+        return TextTokenizer.from_file(os.path.join(ckpt_dir, "tokenizer.json"))
+    if model_vocab < ByteTokenizer.vocab_size:
+        raise ValueError(f"the byte-level tokenizer needs a vocab of >= {ByteTokenizer.vocab_size}, "
+                         f"the model has {model_vocab}")
+    return ByteTokenizer()
+
+
+# ---- training's BPE: trained on first use, cached by corpus hash and vocabulary size --------------------------
+
+def cache_dir() -> Path:
+    """Where trained tokenizers live: $OPENK3_CACHE, else $XDG_CACHE_HOME/openk3, else ~/.cache/openk3."""
+    if os.environ.get("OPENK3_CACHE"):
+        return Path(os.environ["OPENK3_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "openk3"
+
+
+def train_bpe(texts: list[str], vocab_size: int) -> TextTokenizer:
+    """Train a byte-level BPE of exactly `vocab_size` entries (fewer only if the corpus runs out of merges)."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=[EOS, *CHAT_TOKENS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return TextTokenizer(tok)
+
+
+def corpus_fingerprint(texts: list[str]) -> str:
+    h = hashlib.sha256()
+    for t in texts:
+        data = t.encode("utf-8", errors="surrogatepass")
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+    return h.hexdigest()[:16]
+
+
+def load_or_train(texts: list[str], vocab_size: int, path: str | Path | None = None,
+                  cache: Path | None = None) -> TextTokenizer:
+    """A user tokenizer.json when `path` is given, else the cached BPE for this corpus (trained if missing).
+
+    The vocabulary must fit the model's embedding table (`vocab_size`); a larger user tokenizer is an error.
+    """
+    if path is not None:
+        tok = TextTokenizer.from_file(path)
+        if tok.vocab_size > vocab_size:
+            raise ValueError(f"tokenizer {path} has {tok.vocab_size} tokens but the model's vocab_size is "
+                             f"{vocab_size}; use a smaller tokenizer or raise vocab_size with --config")
+        return tok
+    cache = cache if cache is not None else cache_dir() / "tokenizers"
+    target = cache / f"bpe-{vocab_size}-{corpus_fingerprint(texts)}.json"
+    if target.is_file():
+        return TextTokenizer.from_file(target)
+    tok = train_bpe(texts, vocab_size)
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(f".tmp{os.getpid()}")
+    tok.save(tmp)
+    os.replace(tmp, target)  # atomic: concurrent first runs never read a half-written file
+    return tok
