@@ -8,11 +8,11 @@ Sampling (greedy / temperature / top-k / top-p, seeded) is the serving engine's 
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import torch
 from torch import nn
 
+from openk3.checkpoints import resolve_checkpoint
 from openk3.serve.sampling import SamplingParams, sample_token
 
 
@@ -36,20 +36,6 @@ def generate_ids(model: nn.Module, prompt_ids: list[int], max_new_tokens: int, p
         logits = model(torch.tensor([[token]], device=device), cache=cache, logits_to_keep=1).logits[0, -1]
     model.train(was_training)
     return out
-
-
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory, or a training --out directory (its latest complete checkpoint)."""
-    from openk3.train.checkpoint import latest_checkpoint
-
-    path = Path(path)
-    if (path / "config.json").is_file():
-        return path
-    latest = latest_checkpoint(path)
-    if latest is None:
-        raise FileNotFoundError(f"{path} is neither a checkpoint (no config.json) nor a run directory with step-*/ "
-                                "checkpoints")
-    return latest
 
 
 def run_generate(args: argparse.Namespace) -> int:

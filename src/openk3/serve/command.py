@@ -30,7 +30,7 @@ def build_engine(args: argparse.Namespace):
     torch.manual_seed(args.seed)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if args.ckpt:
-        from openk3.generate import resolve_checkpoint
+        from openk3.checkpoints import resolve_checkpoint
         from openk3.interop import load_pretrained
 
         ckpt = resolve_checkpoint(args.ckpt)

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from openk3.checkpoints import CheckpointError
 from openk3.config import ModelConfig, get_preset
 from openk3.model import K3ForCausalLM
 from openk3.train import checkpoint as ckpt
@@ -230,8 +231,8 @@ class Trainer:
         load_full_state(self.model, self.optimizer, state["model"], state["optimizer"])
         trainer = state["trainer"]
         if trainer["world_size"] != self.world.size:
-            raise ckpt.CheckpointError(f"checkpoint {path} was saved by {trainer['world_size']} processes; resume "
-                                       f"with the same number (this run has {self.world.size})")
+            raise CheckpointError(f"checkpoint {path} was saved by {trainer['world_size']} processes; resume "
+                                  f"with the same number (this run has {self.world.size})")
         self.balancer.load_state_dict(trainer["balance_bias"])
         self.stream.load_state_dict(trainer["data"])
         ckpt.set_rng_state(trainer["rng"][self.world.rank])
