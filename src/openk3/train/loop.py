@@ -440,8 +440,13 @@ class Trainer:
                       f"(expected {_duration(self._expected_seconds)}); {keeps}", bar)
 
     def _say(self, message: str, bar) -> None:
-        if self.world.is_main:
-            print(message, file=sys.stderr if bar is not None else sys.stdout, flush=True)
+        """A line for the user, above the progress bar when there is one (which then redraws below it)."""
+        if not self.world.is_main:
+            return
+        if bar is not None:
+            bar.write(message, file=sys.stderr)
+        else:
+            print(message, flush=True)
 
     # ---- output ----------------------------------------------------------------------------------------------
     def _announce(self) -> None:
