@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -9,11 +10,13 @@ import textwrap
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
+from openk3.checkpoints import CheckpointError, latest_checkpoint, sha256_file, verify_checkpoint
 from openk3.config import get_preset
-from openk3.train.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, verify_checkpoint
+from openk3.train.checkpoint import load_checkpoint
 from openk3.train.loop import Trainer, train
 from train_tiny import TINY, make_corpus, one_thread, tiny_args
 
@@ -70,10 +73,66 @@ def test_checkpoint_holds_every_piece_of_state(uninterrupted):
     assert biases and all(b.abs().sum() > 0 for b in biases)  # Quantile Balancing has moved them
 
 
+def test_optimizer_and_trainer_state_hold_only_tensors_and_plain_types(uninterrupted):
+    _, _, full = uninterrupted
+    for name in ("optimizer.pt", "trainer.pt"):  # torch.load(weights_only=True) needs no allow-list for them
+        assert torch.serialization.get_unsafe_globals_in_checkpoint(full / f"step-{SAVE_AT:06d}" / name) == []
+
+
+def _rewrite_trainer_state(directory: Path, state: dict, format_version: int) -> None:
+    """Replace trainer.pt and re-sign it in the manifest (as a writer of that format would have)."""
+    torch.save(state, directory / "trainer.pt")
+    manifest = json.loads((directory / "manifest.json").read_text())
+    path = directory / "trainer.pt"
+    manifest["files"]["trainer.pt"] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+    manifest["format_version"] = format_version
+    (directory / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _format_1_rng(rng: dict) -> dict:
+    """An RNG entry as format 1 stored it: random.getstate() and np.random.get_state() as returned."""
+    py, npy = rng["python"], rng["numpy"]
+    return {**rng, "python": (py["version"], tuple(py["words"].tolist()), py["gauss"]),
+            "numpy": (npy["name"], npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"],
+                      npy["cached_gaussian"])}
+
+
+def test_a_format_1_checkpoint_still_resumes_exactly(uninterrupted):
+    root, data, full = uninterrupted
+    old = root / "format-1"
+    shutil.copytree(full / f"step-{SAVE_AT:06d}", old)
+    trainer = torch.load(old / "trainer.pt", weights_only=True)
+    _rewrite_trainer_state(old, {**trainer, "format_version": 1, "rng": [_format_1_rng(r) for r in trainer["rng"]]},
+                           format_version=1)
+    assert "numpy.ndarray" in torch.serialization.get_unsafe_globals_in_checkpoint(old / "trainer.pt")
+    resumed = root / "resumed-from-format-1"
+    Trainer(tiny_args(resumed, data, max_steps=STEPS, resume=str(old))).run()
+    ref, got = _losses(full), _losses(resumed)
+    assert sorted(got) == list(range(SAVE_AT + 1, STEPS + 1)) and all(got[s] == ref[s] for s in got)
+
+
+class _RunsCodeWhenUnpickled:
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_a_trainer_state_with_pickled_code_is_refused_unrun(uninterrupted, tmp_path):
+    _, _, full = uninterrupted
+    bad, marker = tmp_path / "bad", tmp_path / "code-ran"
+    shutil.copytree(full / f"step-{SAVE_AT:06d}", bad)
+    trainer = torch.load(bad / "trainer.pt", weights_only=True)
+    for version in (1, 2):
+        _rewrite_trainer_state(bad, {**trainer, "data": _RunsCodeWhenUnpickled(marker)}, format_version=version)
+        with pytest.raises(CheckpointError, match="trainer.pt holds objects that a safe load .* refuses"):
+            load_checkpoint(bad, CFG)
+        assert not marker.exists()
+
+
 def test_corrupted_checkpoint_fails_with_a_clear_message(uninterrupted, tmp_path):
     _, _, full = uninterrupted
-    import shutil
-
     bad = tmp_path / "bad"
     shutil.copytree(full / f"step-{SAVE_AT:06d}", bad)
     blob = bytearray((bad / "model.safetensors").read_bytes())
@@ -119,14 +178,14 @@ KILL_CHILD = textwrap.dedent("""
     tok = out / "tok.json"
     tok.write_text("{}")
     ckpt.save_checkpoint(out, 1, cfg, model.state_dict(), {"state": {}}, {"world_size": 1}, tok)
-    real_fsync = ckpt._fsync_file
+    real_fsync = ckpt.fsync_file
 
     def slow_fsync(path):  # the second save announces itself mid-write, then stalls until it is killed
         real_fsync(path)
         (out / "saving").write_text(str(path))
         time.sleep(60)
 
-    ckpt._fsync_file = slow_fsync
+    ckpt.fsync_file = slow_fsync
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)

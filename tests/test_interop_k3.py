@@ -94,7 +94,7 @@ def test_k3_layout_names_and_config_keys(tmp_path):
         p + "layers.1.self_attention_res_proj.weight": (1, D),
         p + "layers.1.self_attention_res_norm.weight": (D,),
         p + "layers.1.self_attn.q_conv1d.weight": (H * K, 1, cfg.kda.conv_kernel),
-        p + "layers.1.self_attn.A_log": (K,),  # H < K: zero tail
+        p + "layers.1.self_attn.A_log": (H,),  # one entry per KDA head (SPEC §9)
         p + "layers.1.self_attn.dt_bias": (H * K,),
         p + "layers.1.self_attn.g_proj.weight": (H * K, D),
         p + "layers.1.block_sparse_moe.routed_expert_down_proj.weight": (latent, D),
@@ -112,8 +112,7 @@ def test_k3_layout_names_and_config_keys(tmp_path):
     stored = load_file(tmp_path / "model.safetensors")
     for key, shape in want.items():
         assert tuple(stored[key].shape) == shape, key
-    a_log = stored[p + "layers.1.self_attn.A_log"]
-    assert torch.equal(a_log[:H], model.model.layers[1].self_attn.A_log) and not a_log[H:].any()
+    assert torch.equal(stored[p + "layers.1.self_attn.A_log"], model.model.layers[1].self_attn.A_log)
     assert not any(k.startswith(p + "layers.0.self_attention_res") for k in stored)
     assert not any(".mlp." in k for k in stored if ".layers.0." not in k)
 
@@ -132,6 +131,48 @@ def test_k3_directory_with_alternative_spellings_loads(tmp_path):
     back = load_pretrained(tmp_path)
     assert_identical(model, back)
     assert torch.equal(logits(model, cfg.vocab_size)[0], logits(back, cfg.vocab_size)[0])
+
+
+@pytest.mark.parametrize("stored_len", [2, 3, 32, 96])  # H = 2: exactly [H], and longer with a zero tail
+def test_k3_a_log_with_a_zero_tail_loads(tmp_path, stored_len):
+    cfg = tiny_k3(mtp_layers=0)
+    model = random_model(cfg, seed=9)
+    save_pretrained(model, tmp_path)
+    stored = load_file(tmp_path / "model.safetensors")
+    keys = [k for k in stored if k.endswith("self_attn.A_log")]
+    assert keys and all(stored[k].shape == (cfg.kda.num_heads,) for k in keys)
+    for k in keys:
+        stored[k] = torch.cat([stored[k], torch.zeros(stored_len - cfg.kda.num_heads)])
+    save_file(stored, tmp_path / "model.safetensors")
+    assert_identical(model, load_pretrained(tmp_path))
+
+
+@pytest.mark.parametrize("tail", [1e-30, -7.0, float("nan")])
+def test_k3_a_log_with_a_non_zero_tail_is_an_error_naming_it(tmp_path, tail):
+    cfg = tiny_k3(mtp_layers=0)
+    save_pretrained(random_model(cfg, seed=10), tmp_path)
+    stored = load_file(tmp_path / "model.safetensors")
+    key = "language_model.model.layers.1.self_attn.A_log"
+    H = cfg.kda.num_heads
+    stored[key] = torch.cat([stored[key], torch.zeros(5)])
+    stored[key][H + 3] = tail
+    save_file(stored, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=rf"^{key} has shape \[{H + 5}\] with non-zero entries past the first {H}"):
+        load_pretrained(tmp_path)
+
+
+def test_k3_a_log_shorter_than_the_heads_or_not_a_vector_is_listed(tmp_path):
+    cfg = tiny_k3(mtp_layers=0, kda={"num_heads": 4, "head_dim": 16})
+    save_pretrained(random_model(cfg, seed=11), tmp_path)
+    stored = load_file(tmp_path / "model.safetensors")
+    short, matrix = (f"language_model.model.layers.{i}.self_attn.A_log" for i in (1, 3))
+    stored[short] = stored[short][:3]
+    stored[matrix] = stored[matrix].view(1, 4)
+    save_file(stored, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match="wrong shape") as err:
+        load_pretrained(tmp_path)
+    message = str(err.value)
+    assert f"{short} expected [4] found [3]" in message and f"{matrix} expected [4] found [1, 4]" in message
 
 
 OPENK3_CONFIGS = {

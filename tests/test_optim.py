@@ -1,6 +1,8 @@
-"""Per-head Muon (SPEC §6): block splits, Newton-Schulz spectrum, and which parameters each rule owns."""
+"""Per-head Muon (SPEC §6): block splits, the batched Newton-Schulz against the per-block loop, its spectrum, and
+which parameters each rule owns."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -10,8 +12,10 @@ from openk3.train.optim import (
     MUON_MOMENTUM,
     MUON_RMS_SCALE,
     MuonAdamW,
+    build_optimizer,
     from_blocks,
-    muon_update,
+    muon_update_reference,
+    muon_updates,
     newton_schulz,
     to_blocks,
 )
@@ -69,7 +73,39 @@ def test_per_head_differs_from_whole_matrix_muon():
     """The split matters: orthogonalising the concatenation gives a different update."""
     torch.manual_seed(3)
     g = torch.randn(4 * 8, 16) * torch.arange(1, 33).unsqueeze(1)  # heads with very different gradient scales
-    assert not torch.allclose(muon_update(g, "rows:4"), muon_update(g, "whole"), atol=1e-3)
+    assert not torch.allclose(muon_update_reference(g, "rows:4"), muon_update_reference(g, "whole"), atol=1e-3)
+
+
+# blocks of one shape from several parameters and splits ([5, 7]: rows, cols, whole, experts), tall and wide blocks,
+# one block alone, a zero gradient, and gradients scaled far from 1
+BATCH_CASES = [
+    ("rows:3", (15, 7), 1.0), ("cols:2", (5, 14), 1e-20), ("whole", (5, 7), 1e15), ("experts", (3, 5, 7), 1.0),
+    ("rows:4", (4 * 9, 4), 1.0), ("experts", (2, 9, 4), 1e-3), ("whole", (9, 4), 0.0), ("cols:5", (11, 5 * 13), 1.0),
+    ("whole", (1, 6), 1.0), ("experts", (6, 3, 3), 1e3),
+]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_batched_muon_updates_equal_the_per_block_loop(seed):
+    torch.manual_seed(seed)
+    updates = [torch.randn(*shape) * scale for _, shape, scale in BATCH_CASES]
+    splits = [split for split, _, _ in BATCH_CASES]
+    batched = muon_updates(updates, splits)
+    for split, u, got in zip(splits, updates, batched):
+        want = muon_update_reference(u, split)
+        assert got.shape == u.shape and got.dtype == torch.float32
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=f"{split} {list(u.shape)}")
+    assert not batched[6].any()  # a zero gradient gives no update
+
+
+def test_newton_schulz_in_bf16_stays_close_to_fp32():
+    torch.manual_seed(6)
+    for shape in [(32, 64), (64, 32), (8, 16, 48)]:
+        g = torch.randn(*shape)
+        fp32, bf16 = newton_schulz(g), newton_schulz(g, dtype=torch.bfloat16)
+        assert bf16.dtype == torch.float32 and ((bf16 - fp32).norm() / fp32.norm()) < 0.03
+        sv = torch.linalg.svdvals(bf16)
+        assert sv.min() >= 0.5 and sv.max() <= 1.5, (sv.min(), sv.max())
 
 
 @pytest.mark.parametrize("split,shape", [("whole", (6, 10)), ("rows:3", (12, 5)), ("cols:2", (7, 8)),
@@ -110,18 +146,80 @@ def test_adamw_group_matches_torch_adamw():
     torch.testing.assert_close(ours.data, ref.data, rtol=1e-5, atol=1e-6)
 
 
+def _rules(model: nn.Module, optimizer: str = "muon") -> dict[int, str]:
+    opt = build_optimizer(model, lr=1e-3, weight_decay=0.1, optimizer=optimizer)
+    return {id(p): group["split"] if group["algorithm"] == "muon" else "adamw"
+            for group in opt.param_groups for p in group["params"]}
+
+
+def _intended_split(name: str, p: torch.Tensor, cfg) -> str:
+    """SPEC §6's blocks, written out by parameter name: KDA q/k/v by head rows and o_proj by head columns, MLA q and
+    kv_b by head rows, routed experts one at a time; embeddings, LM head, vectors and conv kernels AdamW."""
+    if "embed_tokens" in name or name == "lm_head.weight" or p.ndim < 2 or min(p.shape) == 1:
+        return "adamw"
+    layer = re.match(r"model\.layers\.(\d+)\.self_attn\.(\w+)\.weight$", name)
+    mtp = re.match(r"mtp\.\d+\.block\.self_attn\.(\w+)\.weight$", name)
+    if layer or mtp:
+        mla = int(layer.group(1)) in cfg.mla_layers if layer else True  # MTP blocks use MLA
+        proj = (layer or mtp).groups()[-1]
+        if mla and proj in ("q_proj", "q_b_proj", "kv_b_proj"):
+            return f"rows:{cfg.mla.num_heads}"
+        if not mla and proj in ("q_proj", "k_proj", "v_proj"):
+            return f"rows:{cfg.kda.num_heads}"
+        if not mla and proj == "o_proj":
+            return f"cols:{cfg.kda.num_heads}"
+    if re.search(r"\.mlp\.experts\.(gate_up_proj|down_proj)$", name):
+        return "experts"
+    assert p.ndim == 2, name
+    return "whole"
+
+
+@pytest.mark.parametrize("preset", ["k3-tiny", "kimi-linear-48b"])
+def test_every_matrix_of_the_presets_gets_its_intended_blocks(preset):
+    from openk3.config import get_preset
+    from openk3.model import K3ForCausalLM
+
+    cfg = get_preset(preset)
+    with torch.device("meta"):  # kimi-linear-48b's 48B parameters take no memory on the meta device
+        model = K3ForCausalLM(cfg)
+    rule = _rules(model)
+    params = dict(model.named_parameters())
+    assert len(rule) == len(params)
+    seen = set()
+    for name, p in params.items():
+        want = _intended_split(name, p, cfg)
+        assert rule[id(p)] == want, (name, list(p.shape))
+        seen.add(want.split(":")[0])
+    assert seen == {"adamw", "whole", "rows", "cols", "experts"}
+    assert set(_rules(model, "adamw").values()) == {"adamw"}
+
+
+def test_a_wrong_block_declaration_fails_naming_it():
+    class Declares(nn.Module):
+        def __init__(self, blocks):
+            super().__init__()
+            self.w = nn.Parameter(torch.zeros(4, 6))
+            self.e = nn.Parameter(torch.zeros(2, 4, 6))
+            self.blocks = blocks
+
+        def muon_blocks(self):
+            return self.blocks
+
+    with pytest.raises(ValueError, match="Declares.muon_blocks\\(\\) names 'v.weight', which is not a parameter"):
+        _rules(nn.Sequential(Declares({"v.weight": "rows:2", "e": "experts"})))
+    with pytest.raises(ValueError, match="unknown Muon split 'heads:2'"):
+        _rules(nn.Sequential(Declares({"w": "heads:2", "e": "experts"})))
+    with pytest.raises(ValueError, match="parameter 0.e \\[2, 4, 6\\] has more than two dimensions and no Muon split"):
+        _rules(nn.Sequential(Declares({"w": "rows:2"})))
+
+
 def test_k3_parameters_go_to_the_rule_and_split_the_spec_names():
     from openk3.config import get_preset
     from openk3.model import K3ForCausalLM
-    from openk3.train.optim import build_optimizer
 
     cfg = get_preset("k3-tiny")
     model = K3ForCausalLM(cfg)
-    opt = build_optimizer(model, lr=1e-3, weight_decay=0.1)
-    rule = {}
-    for group in opt.param_groups:
-        for p in group["params"]:
-            rule[id(p)] = group["split"] if group["algorithm"] == "muon" else "adamw"
+    rule = _rules(model)
     names = dict(model.named_parameters())
     kda_heads, mla_heads = cfg.kda.num_heads, cfg.mla.num_heads
     expected = {

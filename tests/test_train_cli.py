@@ -1,6 +1,9 @@
 """`openk3 train` and `openk3 generate` end to end on a tiny config, plus the pieces they are built from."""
 
+import dataclasses
 import json
+import re
+import shutil
 
 import pytest
 import torch
@@ -12,6 +15,7 @@ from openk3.interop import load_pretrained
 from openk3.model import K3ForCausalLM
 from openk3.sampling import SamplingParams
 from openk3.tokenizer import EOS, TextTokenizer, load_or_train
+from openk3.train.args import TrainArgs
 from openk3.train.data import BatchStream, load_documents, split_documents, unigram_cross_entropy
 from openk3.train.schedule import WSDSchedule
 from train_tiny import TINY, make_corpus, one_thread
@@ -145,7 +149,7 @@ def test_router_bias_is_never_an_optimizer_parameter():
     assert all(torch.equal(a, b) for a, b in zip(before, biases))
 
 
-def test_time_limit_shrinks_the_schedule_and_gives_steps_back(tmp_path, monkeypatch):
+def test_time_limit_shrinks_the_schedule_gives_steps_back_and_ignores_one_stall(tmp_path, monkeypatch):
     import time
 
     from openk3.train.loop import CLOSING_STEPS, FIT_WINDOW, Trainer
@@ -159,13 +163,105 @@ def test_time_limit_shrinks_the_schedule_and_gives_steps_back(tmp_path, monkeypa
     trainer.step = at
     trainer.created = time.perf_counter() - (limit - left)
     for _ in range(FIT_WINDOW):
-        trainer._fit_time_limit(step_s, None)
+        trainer._recent.append(step_s)
+        trainer._fit_time_limit(None)
     expected = at + int((left - CLOSING_STEPS * step_s) / step_s)
     assert expected - 1 <= trainer.schedule.total_steps <= expected
     assert trainer.schedule.total_steps - trainer.schedule.decay > at  # the decay still lies ahead, whole
+    fitted = trainer.schedule.total_steps
+    trainer._recent.append(44.0)  # one stalled step (the 2026-11-30 report) does not move the fit
+    trainer._fit_time_limit(None)
+    assert abs(trainer.schedule.total_steps - fitted) <= 1
     trainer.created = time.perf_counter()  # plenty of time again
-    trainer._fit_time_limit(step_s, None)
+    trainer._fit_time_limit(None)
     assert trainer.schedule.total_steps == requested
+
+
+def test_by_default_a_slow_machine_gets_a_warning_not_a_shorter_run(tmp_path, monkeypatch, capsys):
+    from openk3.train.loop import FIT_WINDOW, SLOW_RUN_SECONDS, Trainer
+    from train_tiny import tiny_args
+
+    monkeypatch.setenv("OPENK3_CACHE", str(tmp_path / "cache"))
+    assert TrainArgs().time_limit == 0  # off unless asked for
+    requested = 200
+    step_s = 1.2 * SLOW_RUN_SECONDS / requested  # projected 20% over the slow-run mark
+    with one_thread():
+        trainer = Trainer(tiny_args(tmp_path / "run", make_corpus(tmp_path / "d"), max_steps=requested))
+    capsys.readouterr()
+    for _ in range(FIT_WINDOW):
+        trainer._recent.append(step_s)
+        trainer._fit_time_limit(None)
+        trainer._watch_pace(None)
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 1 and out[0].startswith(f"warning: at {step_s:.2f} s/step the run is expected to take 12 min")
+    assert f"keeps its {requested} steps" in out[0]
+    for _ in range(FIT_WINDOW):  # the machine slows down: one more warning with the new expected duration
+        trainer._recent.append(3 * step_s)
+        trainer._watch_pace(None)
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 1 and out[0].startswith("warning: steps slowed to ") and "(expected 12 min" in out[0]
+    assert trainer.schedule.total_steps == requested
+
+
+@pytest.mark.parametrize("flag,value", [("--max-steps", "-1"), ("--max-steps", "0"), ("--batch-size", "0"),
+                                        ("--seq-len", "-4"), ("--lr", "0"), ("--lr", "nan"), ("--grad-clip", "0"),
+                                        ("--time-limit", "-5"), ("--save-every", "-1"), ("--weight-decay", "-0.1"),
+                                        ("--eval-every", "1.5"), ("--threads", "-1")])
+def test_impossible_values_fail_at_parse_time_naming_the_flag(flag, value, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", flag, value])
+    assert exit_.value.code == 2
+    assert f"openk3 train: error: argument {flag}: must be " in capsys.readouterr().err
+
+
+def test_train_args_in_code_are_checked_too():
+    with pytest.raises(ValueError, match="--batch-size must be at least 1, got 0"):
+        TrainArgs(batch_size=0)
+    with pytest.raises(ValueError, match="--warmup-frac must be at least 0 and at most 1, got 1.5"):
+        TrainArgs(warmup_frac=1.5)
+
+
+def test_help_shows_every_default(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = capsys.readouterr().out
+    blocks = {m.group(1): m.group(0) for m in re.finditer(r"^  (--[\w-]+).*?(?=^  -|\Z)", text, re.M | re.S)}
+    shown = 0
+    for f in dataclasses.fields(TrainArgs):
+        default = getattr(TrainArgs(), f.name)
+        flag = "--" + f.name.replace("_", "-")
+        if flag in blocks and default is not None and default is not False:
+            assert f"(default: {default})" in " ".join(blocks[flag].split()), flag
+            shown += 1
+    assert shown >= 15 and "(default: 300" in " ".join(blocks["--max-steps"].split())
+
+
+def test_a_new_run_into_another_runs_directory_is_refused(cli_run, capsys):
+    before = {p.name: p.stat().st_mtime_ns for p in cli_run.iterdir()}
+    metrics = (cli_run / "metrics.jsonl").read_text()
+    assert main(["train", "--out", str(cli_run), "--max-steps", "1", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {cli_run} already holds a training run (metrics.jsonl, summary.json, sample.txt" in err
+    assert f"continue it with --resume {cli_run / f'step-{STEPS:06d}'}" in err and "--overwrite" in err
+    assert {p.name: p.stat().st_mtime_ns for p in cli_run.iterdir()} == before
+    assert (cli_run / "metrics.jsonl").read_text() == metrics
+
+
+def test_resume_continues_in_place_and_overwrite_replaces_only_run_files(cli_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(cli_run, run)
+    (run / "notes.txt").write_text("mine")
+    common = ["--config", str(cli_run.parent / "tiny.json"), "--data", str(cli_run.parent / "data"), "--seq-len",
+              "32", "--batch-size", "4", "--out", str(run), "--no-progress", "--sample-tokens", "2"]
+    with pytest.MonkeyPatch.context() as mp, one_thread():
+        mp.setenv("OPENK3_CACHE", str(cli_run.parent / "cache"))
+        assert main(["train", *common, "--resume", str(run / "step-000002"), "--max-steps", str(STEPS)]) == 0
+        steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+        assert steps == list(range(1, STEPS + 1))  # the first two kept, the last two redone
+        assert main(["train", *common, "--max-steps", "1", "--overwrite"]) == 0
+    assert sorted(p.name for p in run.iterdir() if p.name.startswith("step-")) == ["step-000001"]
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1]
+    assert (run / "notes.txt").read_text() == "mine"
 
 
 def test_activation_checkpointing_gives_the_same_losses(tmp_path, monkeypatch):

@@ -39,8 +39,7 @@ def make_corpus(directory: Path) -> Path:
 
 def tiny_args(out: Path, data: Path, **changes) -> TrainArgs:
     settings = dict(overrides=TINY, data=str(data), out=str(out), seq_len=32, batch_size=4, max_steps=6,
-                    lr=1e-2, eval_every=3, eval_windows=4, sample_tokens=8, progress=False, plot=False,
-                    time_limit=0, threads=1)
+                    lr=1e-2, eval_every=3, eval_windows=4, sample_tokens=8, progress=False, plot=False, threads=1)
     settings.update(changes)
     return TrainArgs(**settings)
 

@@ -15,10 +15,13 @@ openk3's own names mirror HF transformers' in-memory KimiLinearForCausalLM (see 
   On load `mlp.` is accepted for `block_sparse_moe.` (Moonshot's original files name the dense FFN so).
 
 "k3": the released K3 layout, the text model under `language_model.` (SPEC §1). Same per-tensor layouts as the
-  hub (split convs, per-expert w1/w2/w3) except A_log, which public K3 ports report stored as a vector of
-  head_dim entries for 96 heads, tail-padded: here [max(H, head_dim)], the H values first, zeros after. The
-  dense FFN sits under `mlp.`, MoE under `block_sparse_moe.`, and these K3-only names (openk3 name -> file name,
-  under language_model.model.):
+  hub (split convs, per-expert w1/w2/w3) except A_log, written as a vector [H] (H = KDA heads). Sources (SPEC §9):
+  torchtitan's K3 state-dict adapter (torchtitan/models/kimi_k3/state_dict_adapter.py) maps `self_attn.A_log`
+  one-to-one onto its [num_heads] parameter, and a JAX port documents "K3 stores it as [H]"; another public
+  loader strips a zero tail past num_heads. So loading takes [H], or [n >= H] whose entries past H are all zero
+  (a non-zero tail is an error naming the tensor and its shape). No public reader of the released shard headers
+  was found that shows another shape. The dense FFN sits under `mlp.`, MoE under `block_sparse_moe.`, and these
+  K3-only names (openk3 name -> file name, under language_model.model.):
     layers.{i}.attn_res_{proj,norm}   -> layers.{i}.self_attention_res_{proj,norm}   AttnRes pseudo-query [1, D]
     layers.{i}.mlp_res_{proj,norm}    -> layers.{i}.mlp_res_{proj,norm}               and its RMSNorm weight [D]
     output_res_{proj,norm}            -> output_attn_res_{proj,norm}
@@ -60,11 +63,13 @@ _DENSE_PART = r"\.(gate_proj|up_proj|down_proj)\."
 
 @dataclass(frozen=True)
 class Entry:
-    """One openk3 tensor and the file tensors it becomes: split(t) -> [file tensors], join([...]) -> t."""
+    """One openk3 tensor and the file tensors it becomes: split(t) -> [file tensors], join([...]) -> t.
+    read_shape maps a stored tensor's shape to the shape it is read as (a tolerated variant -> the written one)."""
 
     keys: tuple[str, ...]
     split: Callable[[torch.Tensor], list[torch.Tensor]]
     join: Callable[[list[torch.Tensor]], torch.Tensor]
+    read_shape: Callable[[tuple[int, ...]], tuple[int, ...]] = tuple
 
 
 def _same(key: str) -> Entry:
@@ -95,9 +100,8 @@ def _entry(key: str, meta: torch.Tensor, cfg: ModelConfig, layout: str) -> Entry
                      lambda t: list(t.split(sizes)), lambda ts: torch.cat(ts))
     if name.endswith(".self_attn.A_log") and layout == "hub":  # [H] <-> [1, 1, H, 1]
         return Entry((name,), lambda t: [t.view(1, 1, -1, 1)], lambda ts: ts[0].reshape(-1))
-    if name.endswith(".self_attn.A_log"):  # [H] <-> [max(H, K)], zero tail
-        H, pad = meta.shape[0], max(0, cfg.kda_head_dim - meta.shape[0])
-        return Entry((name,), lambda t: [torch.nn.functional.pad(t, (0, pad))], lambda ts: ts[0][:H])
+    if name.endswith(".self_attn.A_log"):  # [H]; read also from [n >= H] with a zero tail (see the docstring)
+        return _k3_a_log(name, meta.shape[0])
     if name.endswith(".experts.gate_up_proj"):  # [E, 2I, D] <-> per expert w1 (gate) [I, D], w3 (up) [I, D]
         base, E, inter = name[: -len("gate_up_proj")], meta.shape[0], meta.shape[1] // 2
         keys = tuple(f"{base}{j}.{w}.weight" for j in range(E) for w in ("w1", "w3"))
@@ -108,6 +112,20 @@ def _entry(key: str, meta: torch.Tensor, cfg: ModelConfig, layout: str) -> Entry
         return Entry(tuple(f"{base}{j}.w2.weight" for j in range(E)), lambda t: list(t.unbind(0)),
                      lambda ts: torch.stack(ts))
     return _same(name)
+
+
+def _k3_a_log(name: str, heads: int) -> Entry:
+    def read_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+        return (heads,) if len(shape) == 1 and shape[0] >= heads else tuple(shape)
+
+    def join(ts: list[torch.Tensor]) -> torch.Tensor:
+        t = ts[0]
+        if t[heads:].any():
+            raise ValueError(f"{name} has shape {list(t.shape)} with non-zero entries past the first {heads} "
+                             f"(the KDA heads): expected [{heads}], or a longer vector whose tail is zero")
+        return t[:heads]
+
+    return Entry((name,), lambda t: [t], join, read_shape)
 
 
 def external_plan(state: dict[str, torch.Tensor], cfg: ModelConfig, layout: str) -> dict[str, Entry]:

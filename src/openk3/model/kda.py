@@ -85,6 +85,13 @@ class KimiDeltaAttention(KeepFp32, nn.Module):
             return self.conv1d.weight.squeeze(1)
         return torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]).squeeze(1)
 
+    def muon_blocks(self) -> dict[str, str]:
+        """Per-head Muon blocks (SPEC §6) of this layer's matrices, by parameter name: the q/k/v projections by
+        head rows ("rows:H"), o_proj by head columns ("cols:H"). The gates' matrices are orthogonalised whole."""
+        H = self.num_heads
+        return {"q_proj.weight": f"rows:{H}", "k_proj.weight": f"rows:{H}", "v_proj.weight": f"rows:{H}",
+                "o_proj.weight": f"cols:{H}"}
+
     def gate_logits(self, x: torch.Tensor) -> torch.Tensor:
         """x [B,T,D] -> f [B,T,H,K], the forget gate before its activation."""
         B, T, _ = x.shape

@@ -58,6 +58,13 @@ class GatedMLA(nn.Module):
         self.o_norm = RMSNorm(self.v_head_dim, eps=cfg.rms_eps) if m.output_norm else None
         self.o_proj = linear(H * self.v_head_dim, D, out_std(cfg))
 
+    def muon_blocks(self) -> dict[str, str]:
+        """Per-head Muon blocks (SPEC §6, "q and kv" for MLA), by parameter name: q_proj / q_b_proj ([q_nope |
+        q_slice] per head) and kv_b_proj ([k_nope | v] per head) by head rows. The down projections feed a latent
+        shared by all heads, and o_proj and g_proj stay whole."""
+        q = "q_proj.weight" if self.q_lora_rank is None else "q_b_proj.weight"
+        return {q: f"rows:{self.num_heads}", "kv_b_proj.weight": f"rows:{self.num_heads}"}
+
     def query(self, x: torch.Tensor) -> torch.Tensor:
         """x [B,T,D] -> q [B,T,H,n+r]."""
         q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))

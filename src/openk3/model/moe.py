@@ -75,6 +75,10 @@ class Experts(nn.Module):
         nn.init.normal_(self.down_proj, mean=0.0, std=out_std(cfg) if cfg.moe.latent_dim is None else cfg.init_std)
         self.act = _act(cfg)
 
+    def muon_blocks(self) -> dict[str, str]:
+        """Muon orthogonalises each expert's matrices on their own (SPEC §6): one block per expert."""
+        return {"gate_up_proj": "experts", "down_proj": "experts"}
+
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         return experts_forward(x, routing.indices, routing.weights, self.gate_up_proj, self.down_proj, self.act)
 

@@ -1,8 +1,14 @@
-"""Settings of a training run (the `openk3 train` options; no heavy imports, so the CLI parser stays fast)."""
+"""Settings of a training run (the `openk3 train` options; no heavy imports, so the CLI parser stays fast).
+
+Impossible values fail where they are given: `openk3 train` checks each flag as it parses it (`flag_type`), and
+TrainArgs checks every field when it is built in code; both name the flag and use the bounds in BOUNDS.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import argparse
+import math
+from dataclasses import dataclass, field, fields
 
 DEFAULT_STEPS = 300
 
@@ -24,6 +30,7 @@ class TrainArgs:
     grad_clip: float = 1.0
     seed: int = 0
     out: str = "runs/k3-tiny"
+    overwrite: bool = False  # replace another run's files in `out` (otherwise refused)
     save_every: int = 0  # 0: only at the end
     eval_every: int = 50
     eval_windows: int = 32
@@ -38,6 +45,62 @@ class TrainArgs:
     balance_gamma: float = 1e-3
     mtp_weight: float = 0.3
     sample_tokens: int = 120
-    time_limit: float = 540.0  # wall seconds for the whole run; the step count shrinks to fit (0: no limit)
+    time_limit: float = 0.0  # opt-in wall seconds for the whole run: the step count shrinks to fit; 0: off
     progress: bool = True
     plot: bool = True
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            problem = bound_problem(f.name, getattr(self, f.name))
+            if problem:
+                raise ValueError(f"{flag_name(f.name)} {problem}")
+
+
+@dataclass(frozen=True)
+class Bound:
+    low: float
+    low_inclusive: bool = True
+    high: float = math.inf
+
+    def problem(self, value: float) -> str | None:
+        ok = (value >= self.low if self.low_inclusive else value > self.low) and value <= self.high
+        if ok:  # NaN fails every comparison
+            return None
+        low = f"at least {self.low:g}" if self.low_inclusive else f"greater than {self.low:g}"
+        return f"must be {low}{'' if self.high == math.inf else f' and at most {self.high:g}'}, got {value!r}"
+
+
+BOUNDS = {
+    "seq_len": Bound(1), "batch_size": Bound(1), "max_steps": Bound(1), "lr": Bound(0, low_inclusive=False),
+    "weight_decay": Bound(0), "warmup_frac": Bound(0, high=1), "decay_frac": Bound(0, high=1),
+    "grad_clip": Bound(0, low_inclusive=False), "save_every": Bound(0), "eval_every": Bound(0),
+    "eval_windows": Bound(1), "threads": Bound(0), "balance_gamma": Bound(0), "mtp_weight": Bound(0),
+    "sample_tokens": Bound(0), "time_limit": Bound(0),
+}
+
+
+def flag_name(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def bound_problem(name: str, value) -> str | None:
+    """Why `value` is impossible for the setting `name` (None when it is fine or unbounded)."""
+    if name not in BOUNDS or value is None:
+        return None
+    return BOUNDS[name].problem(value)
+
+
+def flag_type(name: str, kind: type):
+    """An argparse `type` that parses a `kind` and rejects values outside BOUNDS[name] (argparse names the flag)."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {'an integer' if kind is int else 'a number'}, "
+                                             f"got {text!r}") from None
+        problem = bound_problem(name, value)
+        if problem:
+            raise argparse.ArgumentTypeError(problem)
+        return value
+
+    return parse

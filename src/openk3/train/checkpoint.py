@@ -1,4 +1,4 @@
-"""Training checkpoints you can trust: atomic, complete, verified on load.
+"""Training checkpoints you can trust: atomic, complete, verified on load, loaded without running pickled code.
 
 A checkpoint is a directory `step-NNNNNN/`:
   config.json + model.safetensors   the model in openk3.interop's K3 layout (`load_pretrained` reads it alone:
@@ -7,53 +7,43 @@ A checkpoint is a directory `step-NNNNNN/`:
   optimizer.pt                      optimizer state (Muon momenta, AdamW moments), keyed by parameter name
   trainer.pt                        step, schedule, data position, balancing biases, run settings, every RNG
                                     state (python, numpy, torch CPU and CUDA; one entry per data-parallel rank)
-  manifest.json                     size and sha256 of every file above; written last
+  manifest.json                     size and sha256 of every file above; written last (openk3.checkpoints)
 Atomic: everything is written into a hidden temporary directory beside the target, each file fsynced, then the
 directory is renamed into place (and the parent fsynced). A process killed mid-save leaves only the temporary
 directory, which loading never picks up; the previous checkpoint is untouched. On load the manifest is checked
 first, so a truncated or altered file fails with a message naming it instead of a tensor error later.
+
+Safe to load: optimizer.pt and trainer.pt hold only tensors and plain Python types (RNG states are converted to
+tensors), and are read with torch.load(weights_only=True), which builds nothing else. Checkpoints of format 1
+(before 2026-12) pickled numpy's RNG state as an ndarray: they are read with numpy's array type alone added to
+the allow-list, and converted on load.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
+import pickle
 import random
+import re
 import shutil
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from openk3.checkpoints import (
+    FORMAT_VERSION,
+    CheckpointError,
+    fsync_file,
+    step_dir_name,
+    verify_checkpoint,
+    write_manifest,
+)
 from openk3.config import ModelConfig
 from openk3.interop import config_from_json, load_pretrained, save_pretrained
 from openk3.interop.files import read_config
 from openk3.model import K3ForCausalLM
-
-FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that is missing, incomplete, corrupted, or does not match this run."""
-
-
-def step_dir_name(step: int) -> str:
-    return f"step-{step:06d}"
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _fsync_file(path: Path) -> None:
-    with path.open("rb") as f:
-        os.fsync(f.fileno())
 
 
 def _fsync_dir(path: Path) -> None:
@@ -88,16 +78,28 @@ def read_model_config(directory: str | Path) -> ModelConfig:
 
 # ---- save ------------------------------------------------------------------------------------------------------
 
+def _plain_rng(python_state: tuple, numpy_state: tuple) -> dict:
+    """random.getstate() and np.random.get_state() as tensors and plain types."""
+    version, words, gauss = python_state
+    name, keys, pos, has_gauss, cached_gaussian = numpy_state
+    return {"python": {"version": version, "words": torch.tensor(words, dtype=torch.int64), "gauss": gauss},
+            "numpy": {"name": name, "keys": torch.from_numpy(np.asarray(keys).astype(np.int64)), "pos": int(pos),
+                      "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)}}
+
+
 def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Every RNG's state as tensors and plain types (what torch.load(weights_only=True) reads back)."""
+    state = {**_plain_rng(random.getstate(), np.random.get_state()), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
 def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    py, npy = state["python"], state["numpy"]
+    random.setstate((py["version"], tuple(py["words"].tolist()), py["gauss"]))
+    np.random.set_state((npy["name"], npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"],
+                         npy["cached_gaussian"]))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -117,14 +119,9 @@ def save_checkpoint(out_dir: str | Path, step: int, cfg: ModelConfig, model_stat
     shutil.copyfile(tokenizer_file, tmp / "tokenizer.json")
     torch.save(optimizer_state, tmp / "optimizer.pt")
     torch.save({**trainer_state, "format_version": FORMAT_VERSION, "step": step}, tmp / "trainer.pt")
-    files = sorted(p.name for p in tmp.iterdir())
-    for name in files:
-        _fsync_file(tmp / name)
-    manifest = {"format_version": FORMAT_VERSION, "step": step,
-                "files": {name: {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
-                          for name in files}}
-    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
-    _fsync_file(tmp / MANIFEST)
+    for path in sorted(tmp.iterdir()):
+        fsync_file(path)
+    write_manifest(tmp, step)
     _fsync_dir(tmp)
     if final.exists():  # re-saving the same step: move the old one aside first, drop it after the swap
         old = out_dir / f".{final.name}.old-{os.getpid()}"
@@ -138,36 +135,6 @@ def save_checkpoint(out_dir: str | Path, step: int, cfg: ModelConfig, model_stat
 
 
 # ---- load ------------------------------------------------------------------------------------------------------
-
-def verify_checkpoint(directory: str | Path) -> dict:
-    """The manifest after checking every listed file's size and sha256; CheckpointError otherwise."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise CheckpointError(f"checkpoint {directory} does not exist")
-    manifest_path = directory / MANIFEST
-    if not manifest_path.is_file():
-        raise CheckpointError(f"checkpoint {directory} is incomplete: no {MANIFEST} (was the save interrupted?)")
-    try:
-        manifest = json.loads(manifest_path.read_text())
-        files = manifest["files"]
-    except (json.JSONDecodeError, KeyError) as e:
-        raise CheckpointError(f"checkpoint {directory} is corrupted: unreadable {MANIFEST} ({e})") from None
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"checkpoint {directory} has format version {manifest.get('format_version')}, "
-                              f"this openk3 reads version {FORMAT_VERSION}")
-    for name, meta in files.items():
-        path = directory / name
-        if not path.is_file():
-            raise CheckpointError(f"checkpoint {directory} is corrupted: {name} is missing")
-        size = path.stat().st_size
-        if size != meta["bytes"]:
-            raise CheckpointError(f"checkpoint {directory} is corrupted: {name} has {size} bytes, "
-                                  f"the manifest says {meta['bytes']}")
-        if _sha256(path) != meta["sha256"]:
-            raise CheckpointError(f"checkpoint {directory} is corrupted: {name} does not match its sha256 "
-                                  f"in {MANIFEST}")
-    return manifest
-
 
 def config_mismatch(saved: ModelConfig, current: ModelConfig) -> list[str]:
     a, b = saved.to_dict(), current.to_dict()
@@ -185,20 +152,32 @@ def load_checkpoint(directory: str | Path, cfg: ModelConfig) -> dict:
     config and `cfg` is a CheckpointError listing the differing fields.
     """
     directory = Path(directory)
-    verify_checkpoint(directory)
+    manifest = verify_checkpoint(directory)
     saved_cfg = read_model_config(directory)
     diffs = config_mismatch(saved_cfg, cfg)
     if diffs:
         raise CheckpointError(f"checkpoint {directory} was saved for a different model:\n  " + "\n  ".join(diffs))
-    return {
-        "model": load_pretrained(directory).state_dict(),
-        "optimizer": torch.load(directory / "optimizer.pt", weights_only=False),
-        "trainer": torch.load(directory / "trainer.pt", weights_only=False),
-    }
+    old_format = manifest["format_version"] == 1
+    trainer = _safe_load(directory / "trainer.pt", numpy_arrays=old_format)
+    if old_format:
+        trainer["rng"] = [{**rng, **_plain_rng(rng["python"], rng["numpy"])} for rng in trainer["rng"]]
+    return {"model": load_pretrained(directory).state_dict(), "optimizer": _safe_load(directory / "optimizer.pt"),
+            "trainer": trainer}
 
 
-def latest_checkpoint(out_dir: str | Path) -> Path | None:
-    """The highest complete step directory under out_dir (temporary directories are ignored)."""
-    out_dir = Path(out_dir)
-    steps = sorted(p for p in out_dir.glob("step-*") if p.is_dir() and (p / MANIFEST).is_file())
-    return steps[-1] if steps else None
+def _safe_load(path: Path, numpy_arrays: bool = False) -> dict:
+    """torch.load(weights_only=True): tensors and plain types only, nothing pickled is run. numpy_arrays adds
+    numpy's ndarray (and only what rebuilds one) to the allow-list, for format-1 trainer states."""
+    allowed = []
+    if numpy_arrays:
+        rebuild = np.zeros(1).__reduce__()[0]  # numpy's _reconstruct; pickled as numpy.core.* by numpy 1.x
+        allowed = [rebuild, (rebuild, "numpy.core.multiarray._reconstruct"), np.ndarray, np.dtype,
+                   type(np.dtype(np.uint32))]
+    try:
+        with torch.serialization.safe_globals(allowed):
+            return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as e:
+        reason = re.search(r"WeightsUnpickler error: (.*?)(\. |$)", str(e), re.MULTILINE)
+        raise CheckpointError(f"checkpoint {path.parent}: {path.name} holds objects that a safe load "
+                              "(torch.load(weights_only=True)) refuses, so openk3 did not write it "
+                              f"({reason.group(1) if reason else 'unreadable'}); it is not loaded") from None

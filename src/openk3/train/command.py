@@ -10,48 +10,71 @@ import argparse
 import dataclasses
 
 from openk3.config import PRESETS
-from openk3.train.args import DEFAULT_STEPS, TrainArgs
+from openk3.train.args import DEFAULT_STEPS, TrainArgs, flag_name, flag_type
+
+
+class _ShowDefaults(argparse.HelpFormatter):
+    """Every option's help ends with its default, except flags that are off and options without one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        unset = action.default is None or action.default is False or action.default is argparse.SUPPRESS
+        if not unset and action.option_strings and "%(default)" not in text:
+            text += " (default: %(default)s)"
+        return text
 
 
 def add_train_parser(subparsers) -> None:
     d = TrainArgs()
     p = subparsers.add_parser(
         "train", help="train a model (default: k3-tiny on the embedded stdlib corpus, a few minutes on CPU)",
+        formatter_class=_ShowDefaults,
         description="Train a K3-family model. With no arguments: k3-tiny on the running Python's standard library "
                     "sources, under 10 minutes on 2 CPU cores. Under torchrun: FSDP2 data parallel.")
-    p.add_argument("--preset", default=d.preset, choices=sorted(PRESETS))
-    p.add_argument("--config", default=None, metavar="FILE", help="JSON object of model-config overrides")
+
+    def number(name: str, kind: type, help: str, **kw) -> None:
+        p.add_argument(flag_name(name), type=flag_type(name, kind), default=getattr(d, name), help=help, **kw)
+
+    p.add_argument("--preset", default=d.preset, choices=sorted(PRESETS), help="model configuration")
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="JSON object of model-config overrides (default: none)")
     p.add_argument("--data", default=None, metavar="PATH",
                    help="text file, JSONL (a 'text' field per line) or directory (default: Python stdlib sources)")
     p.add_argument("--tokenizer", default=None, metavar="FILE",
                    help="a tokenizer.json (default: byte-level BPE trained on the data and cached)")
-    p.add_argument("--seq-len", type=int, default=d.seq_len)
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help="global batch (sequences per step)")
-    p.add_argument("--max-steps", type=int, default=None,
-                   help=f"optimizer steps (default {DEFAULT_STEPS}, or the resumed checkpoint's schedule)")
-    p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (Muon and AdamW)")
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
-    p.add_argument("--grad-clip", type=float, default=d.grad_clip)
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--out", default=d.out, metavar="DIR")
-    p.add_argument("--save-every", type=int, default=d.save_every, metavar="N", help="0: only at the end")
-    p.add_argument("--eval-every", type=int, default=d.eval_every, metavar="N")
-    p.add_argument("--resume", default=None, metavar="CKPT_DIR", help="a step-NNNNNN/ checkpoint directory")
+    number("seq_len", int, "tokens per training window")
+    number("batch_size", int, "global batch (sequences per step, all processes together)")
+    p.add_argument("--max-steps", type=flag_type("max_steps", int), default=None,
+                   help=f"optimizer steps (default: {DEFAULT_STEPS}, or the resumed checkpoint's schedule)")
+    number("lr", float, "peak learning rate (Muon and AdamW)")
+    number("weight_decay", float, "decoupled weight decay")
+    number("grad_clip", float, "gradient-norm clipping threshold")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of the initialisation, data order and sampling")
+    p.add_argument("--out", default=d.out, metavar="DIR",
+                   help="run directory; one that holds another run's files is refused unless --resume continues "
+                        "it or --overwrite replaces it")
+    p.add_argument("--overwrite", action="store_true",
+                   help="delete another run's files in --out (metrics, checkpoints, sample, plot) before starting")
+    number("save_every", int, "checkpoint every N steps (0: only at the end)", metavar="N")
+    number("eval_every", int, "held-out loss every N steps (0: only at the end)", metavar="N")
+    p.add_argument("--resume", default=None, metavar="CKPT_DIR", help="continue from a step-NNNNNN/ checkpoint")
     p.add_argument("--device", default=None, help="cpu / cuda (default: cuda when available)")
-    p.add_argument("--threads", type=int, default=d.threads,
-                   help="torch threads on CPU (0: auto: all cores, or 1 when the machine is already busy)")
+    number("threads", int, "torch threads on CPU (0: auto: all cores, or 1 when the machine is already busy)")
     p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16"],
                    help="autocast dtype (auto: bf16 on GPU, fp32 on CPU); parameters stay fp32")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
-    p.add_argument("--activation-checkpointing", action="store_true")
-    p.add_argument("--optimizer", default=d.optimizer, choices=["muon", "adamw"])
-    p.add_argument("--balance", default=d.balance, choices=["quantile", "sign", "none"])
-    p.add_argument("--balance-gamma", type=float, default=d.balance_gamma, help="sign-rule step")
-    p.add_argument("--mtp-weight", type=float, default=d.mtp_weight)
-    p.add_argument("--time-limit", type=float, default=d.time_limit, metavar="SECONDS",
-                   help="wall-time budget of the whole run; on a slower machine the step count shrinks to fit "
-                        "(the WSD decay moves with it); 0: no limit")
-    p.add_argument("--sample-tokens", type=int, default=d.sample_tokens, help="length of the final text sample")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute each token mixer and FFN in backward")
+    p.add_argument("--optimizer", default=d.optimizer, choices=["muon", "adamw"],
+                   help="per-head Muon for the matrices (AdamW for the rest), or AdamW for everything")
+    p.add_argument("--balance", default=d.balance, choices=["quantile", "sign", "none"],
+                   help="MoE router-bias balancing")
+    number("balance_gamma", float, "sign-rule step")
+    number("mtp_weight", float, "weight of the multi-token-prediction loss")
+    number("time_limit", float, "opt-in wall-time budget of the whole run: the step count shrinks to fit it and "
+                                "the WSD decay moves with it, so the model depends on the machine's speed "
+                                "(0: off, the run keeps its steps)", metavar="SECONDS")
+    number("sample_tokens", int, "length of the final text sample")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run_train)
 

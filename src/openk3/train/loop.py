@@ -13,6 +13,8 @@ import json
 import math
 import os
 import random
+import shutil
+import statistics
 import sys
 import time
 from collections import deque
@@ -24,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from openk3.checkpoints import CheckpointError, latest_checkpoint
 from openk3.config import ModelConfig, get_preset
 from openk3.model import K3ForCausalLM
 from openk3.tokenizer import TextTokenizer, load_or_train
@@ -54,7 +57,10 @@ from openk3.train.schedule import WSDSchedule
 
 SAMPLE_PROMPT = "def "
 CLOSING_STEPS = 8  # the final evaluation, save and text sample cost about this many training steps
-FIT_WINDOW = 20  # steps whose mean time predicts the rest of the run (--time-limit)
+FIT_WINDOW = 20  # steps whose median time predicts the rest of the run
+SLOW_RUN_SECONDS = 600  # the default run's budget on 2 CPU cores (README): a longer projection is a warning
+SLOWDOWN_FACTOR = 1.5  # warn once more when the projected duration grows by this factor during the run
+RUN_FILES = ("metrics.jsonl", "summary.json", "sample.txt", "loss.png", "tokenizer.json")  # besides step-*/
 
 
 def model_config(args: TrainArgs) -> ModelConfig:
@@ -163,6 +169,38 @@ def heldout_loss(model: nn.Module, windows: torch.Tensor, batch_size: int, devic
     return total / count
 
 
+def run_files(out: Path) -> list[Path]:
+    """What a training run leaves in its --out directory (metrics, summary, sample, plot, tokenizer, checkpoints)."""
+    if not out.is_dir():
+        return []
+    return [out / name for name in RUN_FILES if (out / name).exists()] + sorted(
+        p for p in out.glob("step-*") if p.is_dir())
+
+
+def claim_out_dir(out: Path, resume: str | None, overwrite: bool, delete: bool) -> None:
+    """Refuse to start a run in a directory that holds another run's files, so a typo loses nothing: continuing
+    it is --resume from one of its checkpoints, replacing it is --overwrite (its run files are deleted first, by
+    the process with `delete`; other files in the directory are left alone)."""
+    found = run_files(out)
+    if not found or (resume is not None and Path(resume).resolve().parent == out.resolve()):
+        return
+    if not overwrite:
+        latest = latest_checkpoint(out)
+        names = ", ".join(p.name + ("/" if p.is_dir() else "") for p in found[:4]) + (", ..." if found[4:] else "")
+        raise ValueError(f"--out {out} already holds a training run ({names}); "
+                         + (f"continue it with --resume {latest}, " if latest else "")
+                         + "choose another --out, or pass --overwrite to replace it")
+    for path in found if delete else []:
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+
+
+def _duration(seconds: float) -> str:
+    return f"{int(seconds // 60)} min {int(seconds % 60)} s"
+
+
 class Trainer:
     """Holds everything a run needs; `run()` trains to max_steps and returns the summary dict."""
 
@@ -172,6 +210,7 @@ class Trainer:
         self.out = Path(args.out)
         device_name = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.world = init_world("cuda" if device_name.startswith("cuda") else "cpu")
+        claim_out_dir(self.out, args.resume, args.overwrite, delete=self.world.is_main)
         self.device = resolve_device(args, self.world)
         if self.device.type == "cpu":
             torch.set_num_threads(cpu_threads(args.threads, self.world))
@@ -199,6 +238,8 @@ class Trainer:
         self.requested_steps = self.schedule.total_steps
         self._recent: deque[float] = deque(maxlen=FIT_WINDOW)
         self._announced_fit = False
+        self._expected_seconds: float | None = None
+        self._warned_slowdown = False
 
     # ---- setup -----------------------------------------------------------------------------------------------
     def _seed(self, seed: int) -> None:
@@ -230,8 +271,8 @@ class Trainer:
         load_full_state(self.model, self.optimizer, state["model"], state["optimizer"])
         trainer = state["trainer"]
         if trainer["world_size"] != self.world.size:
-            raise ckpt.CheckpointError(f"checkpoint {path} was saved by {trainer['world_size']} processes; resume "
-                                       f"with the same number (this run has {self.world.size})")
+            raise CheckpointError(f"checkpoint {path} was saved by {trainer['world_size']} processes; resume "
+                                  f"with the same number (this run has {self.world.size})")
         self.balancer.load_state_dict(trainer["balance_bias"])
         self.stream.load_state_dict(trainer["data"])
         ckpt.set_rng_state(trainer["rng"][self.world.rank])
@@ -318,7 +359,9 @@ class Trainer:
                 bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
             if args.save_every and self.step % args.save_every == 0 and self.step < self.schedule.total_steps:
                 self.save()
-            self._fit_time_limit(time.perf_counter() - step_started, bar)
+            self._recent.append(time.perf_counter() - step_started)
+            self._fit_time_limit(bar)
+            self._watch_pace(bar)
         if bar is not None:
             bar.close()
         if log is not None:
@@ -341,21 +384,20 @@ class Trainer:
         close_world(world)
         return summary
 
-    def _fit_time_limit(self, step_seconds: float, bar) -> None:
-        """Fit the schedule's length to --time-limit while its decay has not begun.
+    def _fit_time_limit(self, bar) -> None:
+        """Fit the schedule's length to --time-limit (opt-in) while its decay has not begun.
 
-        Projection: elapsed + remaining steps x (mean of the last FIT_WINDOW step times, evaluations and saves
-        included) + the closing work (held-out evaluation, save, text sample: about CLOSING_STEPS steps). The
-        length moves between step + 1 and the requested number of steps, so a slow patch on a shared machine
-        shortens the run and a fast one gives the steps back; the WSD decay moves with it. All ranks agree on the
-        numbers (means across processes).
+        Projection: elapsed + remaining steps x (median of the last FIT_WINDOW step times: one stall does not move
+        it) + the closing work (held-out evaluation, save, text sample: about CLOSING_STEPS steps). The length
+        moves between step + 1 and the requested number of steps, so a slow patch on a shared machine shortens
+        the run and a fast one gives the steps back; the WSD decay moves with it. All ranks agree on the numbers
+        (means across processes).
         """
-        self._recent.append(step_seconds)
         schedule = self.schedule
         if not self.args.time_limit or len(self._recent) < FIT_WINDOW // 2 or (
                 self.step >= schedule.total_steps - schedule.decay):
             return
-        per_step = mean_across(self.world, sum(self._recent) / len(self._recent), self.device)
+        per_step = mean_across(self.world, statistics.median(self._recent), self.device)
         elapsed = mean_across(self.world, time.perf_counter() - self.created, self.device)
         budget = self.args.time_limit - elapsed - CLOSING_STEPS * per_step
         total = min(self.requested_steps, self.step + max(1, int(budget / per_step)))
@@ -369,11 +411,42 @@ class Trainer:
         if bar is not None:
             bar.total = total
             bar.refresh()
-        if self.world.is_main and not self._announced_fit:
+        if not self._announced_fit:
             self._announced_fit = True
-            message = (f"--time-limit {a.time_limit:.0f}s: at {per_step:.2f} s/step the run is fitted to {total} "
-                       "steps (re-fitted as the speed changes; never above the requested steps)")
-            print(message, file=sys.stderr if bar is not None else sys.stdout, flush=True)
+            self._say(f"--time-limit {a.time_limit:.0f}s: at {per_step:.2f} s/step the run is fitted to {total} "
+                      "steps (re-fitted as the speed changes; never above the requested steps)", bar)
+
+    def _watch_pace(self, bar) -> None:
+        """Say once how long the run will take, as a warning when that is over SLOW_RUN_SECONDS, and warn again if
+        the machine then slows the projection by SLOWDOWN_FACTOR. Without --time-limit the run keeps its steps
+        whatever the pace (the same model on any machine), so a slow machine gets words, not a different model."""
+        if len(self._recent) < FIT_WINDOW // 2:
+            return
+        per_step = statistics.median(self._recent)
+        steps = self.schedule.total_steps
+        projected = time.perf_counter() - self.created + (steps - self.step + CLOSING_STEPS) * per_step
+        keeps = (f"it keeps its {steps} steps; --time-limit SECONDS would instead shorten the schedule to a "
+                 "budget (a different model)")
+        if self._expected_seconds is None:
+            self._expected_seconds = projected
+            line = f"at {per_step:.2f} s/step the run is expected to take {_duration(projected)} ({steps} steps)"
+            if projected > SLOW_RUN_SECONDS and not self.args.time_limit:
+                line = f"warning: {line}, over {SLOW_RUN_SECONDS // 60} min (a slow or busy machine?); {keeps}"
+            self._say(line, bar)
+        elif projected > SLOWDOWN_FACTOR * self._expected_seconds and not (
+                self._warned_slowdown or self.args.time_limit):
+            self._warned_slowdown = True
+            self._say(f"warning: steps slowed to {per_step:.2f} s: the run now needs about {_duration(projected)} "
+                      f"(expected {_duration(self._expected_seconds)}); {keeps}", bar)
+
+    def _say(self, message: str, bar) -> None:
+        """A line for the user, above the progress bar when there is one (which then redraws below it)."""
+        if not self.world.is_main:
+            return
+        if bar is not None:
+            bar.write(message, file=sys.stderr)
+        else:
+            print(message, flush=True)
 
     # ---- output ----------------------------------------------------------------------------------------------
     def _announce(self) -> None:

@@ -5,8 +5,9 @@ Muon step for a matrix parameter W with gradient G (momentum mu = 0.95, Nesterov
     O = NewtonSchulz5(U) per block;   W <- W (1 - lr wd) - lr * 0.2 sqrt(max(rows, cols)) * O
 where the rows/cols are the block's, and weight decay is decoupled and uses the unscaled lr.
 
-Blocks ("split" of a param group):
-  "whole"       the matrix as one block (every other 2-D hidden matrix: MLA q_a/kv_a/o/g, KDA gates, router, ...)
+Blocks ("split" of a param group), declared by the module that owns the weight in its `muon_blocks()` method
+({parameter name: split}; KDA, MLA and the routed experts have one), "whole" for every other matrix:
+  "whole"       the matrix as one block (MLA q_a/kv_a/o/g, KDA gates, router, dense FFN, shared experts, ...)
   "rows:H"      [H*d, in] cut into H blocks [d, in]: the output features of head h are rows h*d..(h+1)*d-1
   "cols:H"      [out, H*d] cut into H blocks [out, d]: an output projection reads head h from columns h*d..
   "experts"     [E, out, in] stacked expert weights, one block per expert
@@ -14,6 +15,11 @@ Why per head: each head is its own attention map, and orthogonalising the concat
 magnitudes (a head with large gradients takes the spectrum from the others). One block per head gives every head
 an orthogonal update of the same RMS, is more stable at scale, and is cheaper (H small Newton-Schulz iterations
 instead of one large one). Experts likewise: each expert is a separate FFN seen by different tokens.
+
+Speed: the blocks are independent, so one optimizer step stacks every block of the same shape (the heads and
+experts of one parameter and of every other parameter with blocks of that shape: all layers' q/k/v heads, all
+layers' experts) and runs one batched Newton-Schulz chain per shape (`muon_updates`), in bf16 on CUDA and fp32
+on CPU. `muon_update_reference` is the plain per-block loop it must equal.
 
 AdamW (betas 0.9/0.95) takes embeddings, the LM head, norms, every 1-D parameter, KDA's A_log and dt_bias, and
 depthwise conv kernels. The router's `e_score_correction_bias` is a buffer, not a parameter: no optimizer sees it
@@ -30,11 +36,6 @@ import math
 import torch
 from torch import nn
 
-from openk3.model.common import ShortConv
-from openk3.model.kda import KimiDeltaAttention
-from openk3.model.mla import GatedMLA
-from openk3.model.moe import Experts
-
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
 NS_STEPS = 5
 MUON_MOMENTUM = 0.95
@@ -43,17 +44,22 @@ ADAM_BETAS = (0.9, 0.95)
 ADAM_EPS = 1e-8
 
 
-def newton_schulz(g: torch.Tensor, steps: int = NS_STEPS) -> torch.Tensor:
-    """Approximate orthogonalisation U V^T of each matrix in a batch [..., r, c] (quintic iteration, fp32)."""
+def newton_schulz(g: torch.Tensor, steps: int = NS_STEPS, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Approximate orthogonalisation U V^T of each matrix in a batch [..., r, c] (quintic iteration), returned in
+    fp32. The normalisation is fp32; the iteration's matmuls run in `dtype` (bf16 keeps the singular values in
+    the iteration's band, as Muon's reference implementation runs it on GPUs)."""
     a, b, c = NS_COEFFS
     x = g.float()
     tall = x.shape[-2] > x.shape[-1]
     if tall:
         x = x.mT
     x = x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)  # spectral norm <= Frobenius norm <= 1
-    for _ in range(steps):
-        A = x @ x.mT
-        x = a * x + (b * A + c * A @ A) @ x
+    batch = x.shape[:-2]
+    x = x.reshape(-1, *x.shape[-2:]).to(dtype)
+    for _ in range(steps):  # x <- a x + (b A + c A A) x,  A = x x^T: three batched matmuls
+        A = torch.bmm(x, x.mT)
+        x = torch.baddbmm(x, torch.baddbmm(A, A, A, beta=b, alpha=c), x, beta=a)
+    x = x.float().reshape(*batch, *x.shape[-2:])
     return x.mT if tall else x
 
 
@@ -83,11 +89,41 @@ def from_blocks(blocks: torch.Tensor, split: str, shape: torch.Size) -> torch.Te
     return blocks.reshape(shape)
 
 
-def muon_update(update: torch.Tensor, split: str) -> torch.Tensor:
-    """Orthogonalised, RMS-matched update with the parameter's shape (no lr applied)."""
+def _rms_scale(block_shape: tuple[int, ...]) -> float:
+    return MUON_RMS_SCALE * math.sqrt(max(block_shape[-2], block_shape[-1]))
+
+
+def muon_update_reference(update: torch.Tensor, split: str) -> torch.Tensor:
+    """The specification of one parameter's update (no lr): each block orthogonalised on its own, one after the
+    other, in fp32, scaled by 0.2 sqrt(max(rows, cols)). `muon_updates` is the batched form of the same."""
     blocks = to_blocks(update, split)
-    scale = MUON_RMS_SCALE * math.sqrt(max(blocks.shape[-2], blocks.shape[-1]))
-    return from_blocks(newton_schulz(blocks) * scale, split, update.shape)
+    ortho = torch.stack([newton_schulz(block) for block in blocks])
+    return from_blocks(ortho * _rms_scale(blocks.shape), split, update.shape)
+
+
+def newton_schulz_dtype(device: torch.device) -> torch.dtype:
+    """bf16 matmuls on CUDA (tensor cores; Muon is insensitive to it), fp32 elsewhere (CPU bf16 is slow)."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def muon_updates(updates: list[torch.Tensor], splits: list[str],
+                 dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    """`muon_update_reference` for many parameters at once: the blocks of all of them are grouped by shape (tall
+    blocks transposed: Newton-Schulz commutes with transposition) and device, and each group is one batched
+    Newton-Schulz chain. dtype: the iteration's (None: by device)."""
+    blocks = [to_blocks(u, s) for u, s in zip(updates, splits, strict=True)]
+    tall = [b.shape[-2] > b.shape[-1] for b in blocks]
+    wide = [b.mT if t else b for b, t in zip(blocks, tall)]
+    groups: dict[tuple, list[int]] = {}
+    for i, b in enumerate(wide):
+        groups.setdefault((tuple(b.shape[1:]), b.device), []).append(i)
+    out: list[torch.Tensor | None] = [None] * len(blocks)
+    for (shape, device), members in groups.items():
+        stacked = torch.cat([wide[i] for i in members])
+        ortho = newton_schulz(stacked, dtype=dtype or newton_schulz_dtype(device)) * _rms_scale(shape)
+        for i, part in zip(members, ortho.split([wide[i].shape[0] for i in members]), strict=True):
+            out[i] = from_blocks(part.mT if tall[i] else part, splits[i], updates[i].shape)
+    return out
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
@@ -110,33 +146,38 @@ class MuonAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._muon_step([g for g in self.param_groups if g["algorithm"] == "muon"])
         for group in self.param_groups:
-            if group["algorithm"] == "muon":
-                self._muon_group(group)
-            else:
+            if group["algorithm"] != "muon":
                 self._adamw_group(group)
         return loss
 
-    def _muon_group(self, group: dict) -> None:
-        lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            state = self.state[p]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(p)
-            buf = state["momentum_buffer"]
-            buf.mul_(mu).add_(p.grad)
-            nesterov = p.grad.add(buf, alpha=mu)
+    def _muon_step(self, groups: list[dict]) -> None:
+        """Every Muon group at once: momentum per parameter, then one batched Newton-Schulz per block shape."""
+        todo: list[tuple[torch.Tensor, dict]] = []
+        updates, splits = [], []
+        for group in groups:
+            mu = group["momentum"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p)
+                buf = state["momentum_buffer"]
+                buf.mul_(mu).add_(p.grad)
+                nesterov = p.grad.add(buf, alpha=mu)
+                todo.append((p, group))
+                updates.append(nesterov.full_tensor() if _is_dtensor(p) else nesterov)
+                splits.append(group["split"])
+        for (p, group), update in zip(todo, muon_updates(updates, splits), strict=True):
+            update = update.to(p.dtype)
             if _is_dtensor(p):
                 from torch.distributed.tensor import distribute_tensor
 
-                full = muon_update(nesterov.full_tensor(), group["split"]).to(p.dtype)
-                update = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
-            else:
-                update = muon_update(nesterov, group["split"]).to(p.dtype)
-            p.mul_(1 - lr * wd)
-            p.add_(update, alpha=-lr)
+                update = distribute_tensor(update, p.device_mesh, p.placements, src_data_rank=None)
+            p.mul_(1 - group["lr"] * group["weight_decay"])
+            p.add_(update, alpha=-group["lr"])
 
     def _adamw_group(self, group: dict) -> None:
         lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
@@ -163,51 +204,48 @@ class MuonAdamW(torch.optim.Optimizer):
 EMBEDDING_NAMES = ("embed_tokens", "lm_head")  # AdamW with weight decay
 
 
-def _head_split(module: nn.Module | None, proj_name: str) -> str | None:
-    """The per-head split of an attention projection, or None when the matrix is orthogonalised whole.
+def muon_splits(model: nn.Module) -> dict[str, str]:
+    """{parameter name: split} from every module's `muon_blocks()`; ValueError for a name that is no parameter."""
+    params = dict(model.named_parameters())
+    splits = {}
+    for prefix, module in model.named_modules():
+        declare = getattr(module, "muon_blocks", None)
+        for leaf, split in (declare() if callable(declare) else {}).items():
+            name = f"{prefix}.{leaf}" if prefix else leaf
+            if name not in params:
+                raise ValueError(f"{type(module).__name__}.muon_blocks() names {leaf!r}, which is not a parameter "
+                                 f"of {prefix or 'the model'}")
+            if split not in ("whole", "experts"):
+                parse_head_split(split)
+            splits[name] = split
+    return splits
 
-    KDA: q/k/v projections produce H heads of head_dim rows; o_proj reads H heads of head_dim columns.
-    MLA: q_b_proj (q_proj without a q LoRA) produces per head [q_nope | q_slice]; kv_b_proj produces per head
-    [k_nope | v]. The MLA down projections (q_a, kv_a) feed a latent shared by all heads and stay whole, and so
-    does MLA's o_proj (SPEC §6 names q and kv for MLA). Gates (f_a/f_b, g_proj, b_proj) stay whole.
-    """
-    if isinstance(module, KimiDeltaAttention):
-        if proj_name in ("q_proj", "k_proj", "v_proj"):
-            return f"rows:{module.num_heads}"
-        if proj_name == "o_proj":
-            return f"cols:{module.num_heads}"
-    if isinstance(module, GatedMLA) and proj_name in ("q_b_proj", "q_proj", "kv_b_proj"):
-        return f"rows:{module.num_heads}"
-    return None
 
-
-def rule_for(name: str, p: torch.Tensor, modules: dict[str, nn.Module]) -> str:
+def rule_for(name: str, p: torch.Tensor, splits: dict[str, str]) -> str:
     """"adamw" (with weight decay), "adamw-plain" (without) or a Muon split for the parameter called `name`.
 
     AdamW without decay: every 1-D parameter (norm weights, A_log, dt_bias), depthwise conv kernels [C, 1, W] and
     the AttnRes pseudo-queries [1, D] (vectors stored as matrices). AdamW with decay: embeddings and the LM head.
-    Muon: stacked experts per expert, attention projections per head, every other 2-D matrix whole.
+    Muon: the split its module declares (`muon_splits`), else the matrix whole.
     """
-    owner_name, _, leaf = name.rpartition(".")
-    owner = modules.get(owner_name)
-    if p.ndim < 2 or isinstance(owner, ShortConv) or min(p.shape) == 1:
+    if p.ndim < 2 or min(p.shape) == 1:
         return "adamw-plain"
     if any(key in name for key in EMBEDDING_NAMES):
         return "adamw"
-    if isinstance(owner, Experts):
-        return "experts"
-    parent_name, _, proj_name = owner_name.rpartition(".")
-    return _head_split(modules.get(parent_name), proj_name) or "whole"
+    if name not in splits and p.ndim > 2:
+        raise ValueError(f"parameter {name} {list(p.shape)} has more than two dimensions and no Muon split: "
+                         "declare one in its module's muon_blocks()")
+    return splits.get(name, "whole")
 
 
 def param_groups(model: nn.Module, weight_decay: float, optimizer: str = "muon") -> list[dict]:
     """Parameter groups for MuonAdamW, one per Muon split and two for AdamW (with / without weight decay).
     optimizer="adamw" puts every parameter under AdamW (the baseline), keeping the decay choice."""
-    modules = dict(model.named_modules())
+    splits = muon_splits(model)
     buckets: dict[str, list] = {}
     for name, p in model.named_parameters():
         if p.requires_grad:
-            rule = rule_for(name, p, modules)
+            rule = rule_for(name, p, splits)
             if optimizer == "adamw" and not rule.startswith("adamw"):
                 rule = "adamw"
             buckets.setdefault(rule, []).append(p)
