@@ -99,7 +99,8 @@ def best_of(n, fn, *args):
 
 
 def test_byte_encoding_is_linear_in_the_special_token_count():
-    """4x the special strings take about 4x the time, not 16x (the old scan was quadratic: 32 s at 64k)."""
+    """4x the special strings take about 4x the time, not 16x (the old scan was quadratic: 32 s at 64k). Best of 5
+    with a slack of 8x + 50 ms: other processes on a 2-core machine must not fail it, a quadratic scan still does."""
     tok = ByteTokenizer()
-    short, long = (best_of(3, tok.encode, "<|eos|>" * n) for n in (16384, 65536))
-    assert long < 8 * short + 0.005, (short, long)
+    short, long = (best_of(5, tok.encode, "<|eos|>" * n) for n in (16384, 65536))
+    assert long < 8 * short + 0.05, (short, long)
