@@ -14,6 +14,7 @@ from typing import Any
 ACTIVATIONS = ("situ", "swiglu")
 KDA_GATES = ("k3", "kimi")
 KDA_OUTPUT_GATES = ("full", "lowrank")
+POS_EMB_INTERPOLATIONS = ("bilinear", "bicubic")
 
 
 @dataclass
@@ -65,6 +66,43 @@ class MoEConfig:
 
 
 @dataclass
+class VisionConfig:
+    """The MoonViT-V2-style vision tower and its projector (SPEC §12); defaults are K3's released sizes.
+
+    Tower: patch_size x patch_size RGB patches -> Linear -> + learned pos_emb_size^2 position table (interpolated
+    to the image's patch grid) -> num_layers pre-norm blocks (2D RoPE attention, tanh-GELU MLP) -> RMSNorm.
+    Projector: merge_size x merge_size space-to-depth -> Linear -> GELU (erf) -> Linear(-> hidden_size) -> RMSNorm.
+    image_token_id: the placeholder the prompt carries for every image token (163605 in the Kimi tokenizer).
+    max_pixels: preprocessing budget; an image is resized into it (openk3.images), a setting of openk3's.
+    """
+
+    num_layers: int = 27
+    hidden_size: int = 1024
+    num_heads: int = 12
+    head_dim: int = 128  # qkv width num_heads * head_dim (1536 in K3, not hidden_size)
+    intermediate_size: int = 4096
+    patch_size: int = 14
+    merge_size: int = 2
+    pos_emb_size: int = 64  # the learned table is pos_emb_size x pos_emb_size patches
+    pos_emb_interpolation: str = "bilinear"
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    projector_eps: float = 1e-5
+    image_token_id: int = 163605
+    max_pixels: int = 4096 * 14 * 14  # 4096 patches, 1024 image tokens
+
+    @property
+    def unit(self) -> int:
+        """Image sides are multiples of this: one merged token covers unit x unit pixels (28 in K3)."""
+        return self.patch_size * self.merge_size
+
+    @property
+    def merged_size(self) -> int:
+        """Width of a merged token entering the projector (merge_size^2 * hidden_size)."""
+        return self.merge_size ** 2 * self.hidden_size
+
+
+@dataclass
 class ModelConfig:
     name: str = "custom"
     vocab_size: int = 4096
@@ -85,6 +123,7 @@ class ModelConfig:
     tie_embeddings: bool = False
     max_seq_len: int = 4096
     init_std: float = 0.02
+    vision: VisionConfig | None = None  # None: a text-only model
 
     def __post_init__(self) -> None:
         self.mla_layers = tuple(int(i) for i in self.mla_layers)
@@ -156,6 +195,23 @@ class ModelConfig:
                 need(1 <= moe.latent_dim <= self.hidden_size, "moe.latent_dim",
                      f"in [1, hidden_size={self.hidden_size}] or None", moe.latent_dim)
 
+        vis = self.vision
+        if vis is not None:
+            for name in ("num_layers", "hidden_size", "num_heads", "intermediate_size", "patch_size", "merge_size",
+                         "pos_emb_size"):
+                need(getattr(vis, name) >= 1, f"vision.{name}", "a positive integer", getattr(vis, name))
+            need(vis.head_dim >= 4 and vis.head_dim % 4 == 0, "vision.head_dim",
+                 "a positive multiple of 4 (2D RoPE rotates x and y in interleaved pairs)", vis.head_dim)
+            need(vis.pos_emb_interpolation in POS_EMB_INTERPOLATIONS, "vision.pos_emb_interpolation",
+                 f"one of {POS_EMB_INTERPOLATIONS}", vis.pos_emb_interpolation)
+            need(vis.rope_theta > 0, "vision.rope_theta", "> 0", vis.rope_theta)
+            need(vis.norm_eps > 0 and vis.projector_eps > 0, "vision.norm_eps/vision.projector_eps", "> 0",
+                 (vis.norm_eps, vis.projector_eps))
+            need(0 <= vis.image_token_id < self.vocab_size, "vision.image_token_id",
+                 f"a token id in [0, vocab_size={self.vocab_size})", vis.image_token_id)
+            need(vis.max_pixels >= vis.unit ** 2, "vision.max_pixels",
+                 f">= {vis.unit ** 2} (one {vis.unit} x {vis.unit} image token)", vis.max_pixels)
+
     # ---- (de)serialisation ---------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -165,14 +221,14 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
         d = dict(d)
-        sub = {"kda": KDAConfig, "mla": MLAConfig, "moe": MoEConfig}
+        sub = {"kda": KDAConfig, "mla": MLAConfig, "moe": MoEConfig, "vision": VisionConfig}
         for key, sub_cls in sub.items():
             if key in d and isinstance(d[key], dict):
                 d[key] = _build(sub_cls, d[key], prefix=f"{key}.")
         return _build(cls, d)
 
     def with_overrides(self, overrides: dict[str, Any]) -> ModelConfig:
-        """A new config with fields replaced; nested sections (kda/mla/moe) merge key by key."""
+        """A new config with fields replaced; nested sections (kda/mla/moe/vision) merge key by key."""
         merged = self.to_dict()
         for key, value in overrides.items():
             if isinstance(value, dict) and isinstance(merged.get(key), dict):
@@ -193,7 +249,7 @@ def _build(cls, d: dict[str, Any], prefix: str = ""):
 # ---- presets -------------------------------------------------------------------------------------------------
 
 def _k3() -> ModelConfig:
-    """The released K3 text model (SPEC §1): 93 layers, MLA at 3, 7, ..., 91 and 92."""
+    """The released K3 (SPEC §1): 93 layers, MLA at 3, 7, ..., 91 and 92; the MoonViT-V2 tower (SPEC §12)."""
     return ModelConfig(
         name="k3",
         vocab_size=163840,
@@ -209,6 +265,7 @@ def _k3() -> ModelConfig:
         attn_res_block_size=12,
         mtp_layers=1,
         max_seq_len=1_048_576,
+        vision=VisionConfig(),
     )
 
 
@@ -248,6 +305,18 @@ def _k3_tiny() -> ModelConfig:
     )
 
 
+def _k3_tiny_vl() -> ModelConfig:
+    """A vision-language model that learns on a CPU: k3-tiny's widths at half the depth, a 512-token vocabulary
+    (the last id is the image placeholder) and a two-block vision tower 64 wide (`openk3 train --preset k3-tiny-vl`
+    trains it on the embedded synthetic shapes task, openk3.train.shapes)."""
+    cfg = _k3_tiny()
+    cfg.name, cfg.vocab_size, cfg.num_layers, cfg.mla_layers = "k3-tiny-vl", 512, 4, (3,)
+    cfg.vision = VisionConfig(num_layers=2, hidden_size=64, num_heads=4, head_dim=16, intermediate_size=256,
+                              pos_emb_size=16, image_token_id=511, max_pixels=168 * 168)
+    cfg.validate()
+    return cfg
+
+
 def _kimi_linear_48b() -> ModelConfig:
     """Kimi Linear 48B-A3B (HF `kimi_linear`): softplus gate, low-rank output gate, plain residuals, SwiGLU."""
     return ModelConfig(
@@ -275,6 +344,7 @@ PRESETS = {
     "k3": _k3,
     "k3-debug": _k3_debug,
     "k3-tiny": _k3_tiny,
+    "k3-tiny-vl": _k3_tiny_vl,
     "kimi-linear-48b": _kimi_linear_48b,
 }
 

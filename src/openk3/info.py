@@ -1,9 +1,10 @@
 """Parameter and cache accounting, and the `openk3 info` command.
 
 The model is built on the meta device (no memory), so even `k3` (2.8T parameters) is counted in a second.
-Headline totals exclude the MTP layers (reported separately). Activated parameters: everything except the routed
-experts a token does not use, i.e. routed experts count top_k / num_experts of their size. Embeddings and the LM
-head are included in both totals.
+Headline totals are the language model's (as the published 2.8T / 104B): the MTP layers and the vision tower with
+its projector (SPEC §12, `vision_tower.*` / `mm_projector.*`) are reported on lines of their own. Activated
+parameters: everything except the routed experts a token does not use, i.e. routed experts count top_k /
+num_experts of their size. Embeddings and the LM head are included in both totals.
 
 Cache accounting (per sequence): a KDA layer holds its recurrent state H*K*V in fp32 and its conv state
 (2HK+HV)*(W-1) in the activation dtype (bf16): constant in the sequence length. An MLA layer holds
@@ -36,9 +37,12 @@ def build_meta_model(cfg: ModelConfig):
 
 
 def component_of(name: str, cfg: ModelConfig) -> str:
-    """Which accounting bucket a parameter name belongs to ("mtp" for the MTP layers)."""
+    """Which accounting bucket a parameter name belongs to ("mtp", "vision_tower", "mm_projector" outside the
+    language model's totals)."""
     if name.startswith("mtp."):
         return "mtp"
+    if name.startswith(("vision_tower.", "mm_projector.")):
+        return name.split(".")[0]
     if name.startswith("model.embed_tokens."):
         return "embeddings"
     if name.startswith("lm_head."):
@@ -61,15 +65,19 @@ def component_of(name: str, cfg: ModelConfig) -> str:
 
 
 def count_parameters(cfg: ModelConfig) -> dict:
-    """{"total_params", "active_params", "breakdown": {component: count}, "mtp_params", "mtp_active_params"}."""
+    """{"total_params", "active_params", "breakdown": {component: count}, "mtp_params", "mtp_active_params",
+    "vision_params", "vision_breakdown": {"vision_tower", "mm_projector"}} (vision: 0 for a text-only model)."""
     model = build_meta_model(cfg)
     breakdown = dict.fromkeys(COMPONENTS, 0)
+    vision = {"vision_tower": 0, "mm_projector": 0}
     mtp = mtp_experts = 0
     for name, p in model.named_parameters():  # tied weights are listed once
         comp = component_of(name, cfg)
         if comp == "mtp":
             mtp += p.numel()
             mtp_experts += p.numel() if ".mlp.experts." in name else 0
+        elif comp in vision:
+            vision[comp] += p.numel()
         else:
             breakdown[comp] += p.numel()
     total = sum(breakdown.values())
@@ -83,6 +91,8 @@ def count_parameters(cfg: ModelConfig) -> dict:
         "breakdown": breakdown,
         "mtp_params": mtp,
         "mtp_active_params": mtp - round(mtp_experts * idle),
+        "vision_params": sum(vision.values()),
+        "vision_breakdown": vision,
     }
 
 
@@ -132,12 +142,16 @@ def format_report(rep: dict) -> str:
         f"model {rep['preset']}",
         f"  total parameters   {_num(total):>10}  ({total:,})",
         f"  active parameters  {_num(rep['active_params']):>10}  ({rep['active_params']:,})",
-        "  breakdown (MTP excluded from the totals):",
+        "  breakdown (MTP and vision excluded from the totals):",
     ]
     for comp, n in rep["breakdown"].items():
         if n:
             lines.append(f"    {comp:<12} {_num(n):>10}  {100 * n / total:6.2f}%")
     lines.append(f"    {'mtp':<12} {_num(rep['mtp_params']):>10}  (active {_num(rep['mtp_active_params'])})")
+    if rep["vision_params"]:
+        v = rep["vision_breakdown"]
+        lines.append(f"    {'vision':<12} {_num(rep['vision_params']):>10}  (tower {_num(v['vision_tower'])},"
+                     f" projector {_num(v['mm_projector'])}; every image token uses all of it)")
     c = rep["cache"]
     lines += [
         "  decode cache per sequence:",
@@ -169,7 +183,8 @@ def add_info_parser(subparsers) -> argparse.ArgumentParser:
         "info", help="parameter counts and decode-cache sizes of a preset (built on the meta device)",
         description="Print total / activated parameters, a per-component breakdown and the decode-cache size.",
     )
-    p.add_argument("--preset", default="k3-tiny", help="model preset (k3, k3-debug, k3-tiny, kimi-linear-48b)")
+    p.add_argument("--preset", default="k3-tiny", help="model preset (k3, k3-debug, k3-tiny, k3-tiny-vl, "
+                   "kimi-linear-48b)")
     p.add_argument("--json", action="store_true", help="also print the report as JSON on the last line")
     p.add_argument("--context", type=int, default=1 << 20, help="context length for the per-sequence cache size")
     p.set_defaults(func=run_info)

@@ -7,7 +7,14 @@ Two external families (SPEC-K3 §1):
   `latent_moe_use_norm`, `attn_res_block_size`, `linear_attn_config.gate_lower_bound` / `use_full_rank_gate`).
   Settings openk3 has and the released config does not (the KDA gate family, the fused-conv switch, the disputed
   MLA output norm, the eps of the MLA latent norms, the config's name) travel in an `openk3` sub-dict of
-  `text_config`; MTP depth uses DeepSeek-V3's `num_nextn_predict_layers`.
+  `text_config`; MTP depth uses DeepSeek-V3's `num_nextn_predict_layers`. The vision tower and projector
+  (SPEC §12) are the `vision_config` section with the released keys (`vt_hidden_size`, `vt_num_hidden_layers`,
+  `vt_num_attention_heads`, `qkv_hidden_size`, `vt_intermediate_size`, `patch_size`, `init_pos_emb_height` /
+  `_width`, `pos_emb_interpolation_mode`, `merge_kernel_size`, `projector_ln_eps`, the design switches
+  `norm_type: rmsnorm`, `mm_projector_type: patchmergerv2`, bias flags false, ...; key names and values as
+  NeMo AutoModel's KimiK3VisionConfig and torchtitan's MoonViTConfig carry the released ones) and the top-level
+  `media_placeholder_token_id`; openk3's own settings (the tower's norm eps, the RoPE base, the preprocessing
+  pixel budget) travel in `vision_config.openk3`. No `vision_config`: a text-only model.
 
 Both directions raise ValueError naming the field for anything openk3 cannot represent (or, when writing,
 anything the target family cannot express). Layer lists in `linear_attn_config` are 1-based; openk3's are 0-based.
@@ -17,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from openk3.config import KDAConfig, MLAConfig, ModelConfig, MoEConfig
+from openk3.config import KDAConfig, MLAConfig, ModelConfig, MoEConfig, VisionConfig
 
 _MISSING = object()
 
@@ -142,6 +149,61 @@ def _common(d: dict[str, Any], k3: bool) -> dict[str, Any]:
     )
 
 
+# the released design switches openk3 implements (SPEC §12); any other value is refused when reading
+_VISION_DESIGN = {
+    "pos_emb_type": "divided_fixed", "merge_type": "sd2_tpool", "mm_projector_type": "patchmergerv2",
+    "norm_type": "rmsnorm", "mlp_type": "mlp2", "activation_func": "gelu_pytorch_tanh", "projector_hidden_act": "gelu",
+    "attn_bias": False, "linear_bias": False, "patch_embed_proj_bias": False,
+}
+
+
+def _vision(d: dict[str, Any], text_hidden: int) -> VisionConfig | None:
+    """The top-level `vision_config` (with `media_placeholder_token_id`) -> VisionConfig, None when absent."""
+    v = d.get("vision_config")
+    if v is None:
+        return None
+    for key, value in _VISION_DESIGN.items():
+        _require(v.get(key, value) == value, f"vision_config.{key}", f"openk3 implements {value!r}, got {v[key]!r}")
+    size = v.get("init_pos_emb_height", 64)
+    _require(v.get("init_pos_emb_width", size) == size, "vision_config.init_pos_emb_width",
+             f"the position table must be square; height is {size}")
+    merge = list(v.get("merge_kernel_size", [2, 2]))
+    _require(len(merge) == 2 and merge[0] == merge[1], "vision_config.merge_kernel_size",
+             f"must be a square [m, m], got {merge}")
+    width, heads = int(_pick(v, "vt_hidden_size")), int(_pick(v, "vt_num_attention_heads"))
+    qkv = int(v.get("qkv_hidden_size") or width)
+    _require(qkv % heads == 0, "vision_config.qkv_hidden_size", f"{qkv} must divide into {heads} heads")
+    _require(v.get("mm_hidden_size", width) in (None, width), "vision_config.mm_hidden_size",
+             f"must equal vt_hidden_size={width}")
+    _require(v.get("text_hidden_size", text_hidden) == text_hidden, "vision_config.text_hidden_size",
+             f"must equal the text hidden_size={text_hidden}")
+    extra = v.get("openk3") or {}
+    return VisionConfig(
+        num_layers=int(_pick(v, "vt_num_hidden_layers")), hidden_size=width, num_heads=heads, head_dim=qkv // heads,
+        intermediate_size=int(_pick(v, "vt_intermediate_size")), patch_size=int(v.get("patch_size", 14)),
+        merge_size=int(merge[0]), pos_emb_size=int(size),
+        pos_emb_interpolation=str(v.get("pos_emb_interpolation_mode", "bilinear")),
+        rope_theta=float(extra.get("rope_theta", 10000.0)), norm_eps=float(extra.get("norm_eps", 1e-5)),
+        projector_eps=float(v.get("projector_ln_eps", 1e-5)),
+        image_token_id=int(_pick(d, "media_placeholder_token_id", default=v.get("media_placeholder_token_id", 163605))),
+        max_pixels=int(extra.get("max_pixels", VisionConfig.max_pixels)),
+    )
+
+
+def _vision_to_k3(vc: VisionConfig, text_hidden: int) -> dict[str, Any]:
+    return {
+        "model_type": "kimi_k3_vision", **_VISION_DESIGN,
+        "vt_num_hidden_layers": vc.num_layers, "vt_hidden_size": vc.hidden_size, "vt_num_attention_heads": vc.num_heads,
+        "qkv_hidden_size": vc.num_heads * vc.head_dim, "vt_intermediate_size": vc.intermediate_size,
+        "patch_size": vc.patch_size, "init_pos_emb_height": vc.pos_emb_size, "init_pos_emb_width": vc.pos_emb_size,
+        "init_pos_emb_time": 4, "pos_emb_interpolation_mode": vc.pos_emb_interpolation,
+        "merge_kernel_size": [vc.merge_size, vc.merge_size], "mm_hidden_size": vc.hidden_size,
+        "projector_ln_eps": vc.projector_eps, "text_hidden_size": text_hidden,
+        "media_placeholder_token_id": vc.image_token_id,
+        "openk3": {"norm_eps": vc.norm_eps, "rope_theta": vc.rope_theta, "max_pixels": vc.max_pixels},
+    }
+
+
 def config_from_hub(d: dict[str, Any]) -> ModelConfig:
     """A Kimi Linear `config.json` (as transformers writes it, or Moonshot's original) -> ModelConfig."""
     _require(_activation(d) == "swiglu", "hidden_act", "Kimi Linear's KDA conv uses hidden_act; only 'silu' matches")
@@ -175,6 +237,7 @@ def config_from_k3(d: dict[str, Any]) -> ModelConfig:
         situ_beta_up=float(t.get("activation_situ_linear_beta", 25.0)),
         attn_res_block_size=None if block is None else int(block),
         mtp_layers=int(t.get("num_nextn_predict_layers", 0) or 0),
+        vision=_vision(d, fields["hidden_size"]),
         **fields,
     )
 
@@ -243,6 +306,7 @@ def config_to_hub(cfg: ModelConfig) -> dict[str, Any]:
         "mtp_layers": (cfg.mtp_layers == 0, "0"),
         "tie_embeddings": (not cfg.tie_embeddings, "False"),
         "mla.norm_eps": (cfg.mla.norm_eps == 1e-6, "1e-6, transformers' fixed eps of the MLA latent norms"),
+        "vision": (cfg.vision is None, "None (Kimi Linear is text-only)"),
     }
     bad = [f"{name} (must be {allowed})" for name, (ok, allowed) in checks.items() if not ok]
     if bad:
@@ -279,4 +343,8 @@ def config_to_k3(cfg: ModelConfig) -> dict[str, Any]:
         "mla_output_norm": cfg.mla.output_norm,
         "mla_norm_eps": cfg.mla.norm_eps,
     }
-    return {"architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3", "text_config": t}
+    out = {"architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3", "text_config": t}
+    if cfg.vision is not None:
+        out["vision_config"] = _vision_to_k3(cfg.vision, cfg.hidden_size)
+        out["media_placeholder_token_id"] = cfg.vision.image_token_id
+    return out

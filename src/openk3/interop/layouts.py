@@ -34,6 +34,18 @@ openk3's own names mirror HF transformers' in-memory KimiLinearForCausalLM (see 
     (DeepSeek-V3 also stores copies of the embedding and LM head per MTP layer; openk3 shares them and does not.)
   lm_head -> language_model.lm_head. On load, layer 0's self_attention_res_{proj,norm} are accepted and dropped:
   layer 0's attention input is the embedding alone, a softmax over one source, so they cannot change anything.
+  The vision tower and projector (SPEC §12) sit at the top level under the names openk3 uses in memory:
+    vision_tower.patch_embed.proj.weight          [D, 3, p, p]  <- openk3's Linear [D, 3*p*p] (a Conv2d of stride p
+                                                                  in the file; its (c, y, x) flattening)
+    vision_tower.patch_embed.pos_emb.weight       [S, S, D]
+    vision_tower.encoder.blocks.{i}.{norm0,norm1}.weight, .wqkv.weight [3*H*K, D], .wo.weight [D, H*K],
+        .mlp.fc0.weight [I, D], .mlp.fc1.weight [D, I];   vision_tower.encoder.final_layernorm.weight
+    mm_projector.proj.0.weight [4D, 4D], mm_projector.proj.2.weight [hidden, 4D], mm_projector.post_norm.weight
+  Sources: the public K3 ports' vision code, which load the released files without renames: NeMo AutoModel
+  nemo_automodel/components/models/kimi_k3/vision.py (MoonViT3dPretrainedModel, PatchMergerMLPV2), torchtitan
+  torchtitan/models/kimi_k3/moonvit.py ("named to match the checkpoint"), SGLang
+  python/sglang/srt/models/kimi_k3_vl.py ("weight names match the checkpoint exactly"). The fixed sincos time
+  table of video (a non-persistent buffer there) is not stored, and openk3 has no video path.
 
 Tied embeddings: lm_head is not written (HF convention) and is re-tied on load.
 """
@@ -49,6 +61,7 @@ import torch
 from openk3.config import ModelConfig
 
 LAYOUTS = ("hub", "k3")
+VISION_PREFIXES = ("vision_tower.", "mm_projector.")
 
 _K3_RENAMES = [
     (r"\.attn_res_(proj|norm)\.", r".self_attention_res_\1."),
@@ -78,6 +91,8 @@ def _same(key: str) -> Entry:
 
 def _rename(key: str, cfg: ModelConfig, layout: str) -> str:
     """openk3 name -> file name, for tensors whose layout is unchanged."""
+    if key.startswith(VISION_PREFIXES):
+        return key
     if layout == "k3":
         mtp = re.match(r"^mtp\.(\d+)\.(block\.)?", key)
         if mtp:
@@ -93,6 +108,9 @@ def _rename(key: str, cfg: ModelConfig, layout: str) -> str:
 
 def _entry(key: str, meta: torch.Tensor, cfg: ModelConfig, layout: str) -> Entry:
     name = _rename(key, cfg, layout)
+    if name == "vision_tower.patch_embed.proj.weight":  # Linear [D, 3*p*p] <-> Conv2d [D, 3, p, p]
+        shape = (meta.shape[0], 3, cfg.vision.patch_size, cfg.vision.patch_size)
+        return Entry((name,), lambda t: [t.view(shape)], lambda ts: ts[0].reshape(shape[0], -1))
     if name.endswith(".self_attn.conv1d.weight"):  # fused q|k|v conv -> three convs
         base = name[: -len("conv1d.weight")]
         sizes = [meta.shape[0] // 3] * 3

@@ -1,5 +1,6 @@
 """The hybrid decoder: embedding, the KDA / MLA layer schedule with Block AttnRes (or plain pre-norm residuals),
-the final norm, the LM head and the multi-token-prediction layers."""
+the final norm, the LM head and the multi-token-prediction layers; with a vision config, the vision tower and
+projector whose image tokens replace the image placeholders of the input (SPEC §12)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from openk3.model.common import RMSNorm
 from openk3.model.kda import KimiDeltaAttention
 from openk3.model.mla import GatedMLA
 from openk3.model.moe import GLUMLP, MoE, TopkRouter
+from openk3.model.vision import ImageBatch, MMProjector, VisionTower
 
 
 class DecoderLayer(nn.Module):
@@ -69,9 +71,11 @@ class K3Model(nn.Module):
             self.output_res_proj, self.output_res_norm = pseudo_query(D), RMSNorm(D, eps=cfg.rms_eps)
         self.norm = RMSNorm(D, eps=cfg.rms_eps)
 
-    def forward(self, input_ids: torch.Tensor, cache: HybridCache | None = None) -> torch.Tensor:
-        """input_ids [B,T] -> the hidden state before the final norm [B,T,D]."""
-        h = self.embed_tokens(input_ids)
+    def forward(self, input_ids: torch.Tensor, cache: HybridCache | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [B,T] (or their embeddings, inputs_embeds [B,T,D]) -> the hidden state before the final norm
+        [B,T,D]."""
+        h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if self.block_size is None:
             for layer in self.layers:
                 h = layer(h, cache)
@@ -120,10 +124,15 @@ class K3ForCausalLM(nn.Module):
     """The K3 / Kimi Linear language model. Parameter names mirror HF's KimiLinearForCausalLM where the component is
     the same: model.embed_tokens, model.layers.{i}.{self_attn,mlp,input_layernorm,post_attention_layernorm}.*,
     model.norm, lm_head; K3 additions: model.layers.{i}.{attn_res,mlp_res}_{proj,norm}, model.output_res_*,
-    mtp.{k}.* (see the module docstrings for each projection's layout).
+    mtp.{k}.* (see the module docstrings for each projection's layout); with cfg.vision, vision_tower.* and
+    mm_projector.* (openk3.model.vision, the released names).
 
     `model(input_ids)` -> K3Output(logits, mtp_logits). `model(input_ids, cache=model.new_cache(B))` appends the
-    tokens to the cache's sequences (then mtp_logits is None)."""
+    tokens to the cache's sequences (then mtp_logits is None). Images: `model(ids, images=ImageBatch)` encodes
+    them and puts their tokens, in order, at the positions where ids hold cfg.vision.image_token_id (row-major over
+    the batch: one placeholder per image token, the prompt already expanded); `image_embeds=` [N, hidden] passes
+    tokens encoded beforehand (`encode_images`), e.g. the slice of a prompt's image tokens a prefill chunk holds.
+    Without either, placeholder ids embed like any token."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -135,6 +144,31 @@ class K3ForCausalLM(nn.Module):
         else:
             nn.init.normal_(self.lm_head.weight, mean=0.0, std=cfg.init_std)
         self.mtp = nn.ModuleList(MTPLayer(cfg, k) for k in range(cfg.mtp_layers)) if cfg.mtp_layers else None
+        if cfg.vision is not None:
+            self.vision_tower = VisionTower(cfg)
+            self.mm_projector = MMProjector(cfg)
+
+    def encode_images(self, images: ImageBatch) -> torch.Tensor:
+        """Packed images -> their image tokens [N, hidden] (image after image, each in raster order)."""
+        if self.config.vision is None:
+            raise ValueError(f"model {self.config.name!r} has no vision tower (config field 'vision' is None)")
+        return self.mm_projector(self.vision_tower(images), images.grid_hws)
+
+    def embed_inputs(self, input_ids: torch.Tensor, images: ImageBatch | None = None,
+                     image_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Token embeddings [B,T,D] with image tokens at the placeholder positions (see the class docstring)."""
+        h = self.model.embed_tokens(input_ids)
+        if images is not None:
+            if image_embeds is not None:
+                raise ValueError("pass images or image_embeds, not both")
+            image_embeds = self.encode_images(images)
+        if image_embeds is None:
+            return h
+        slots = input_ids == self.config.vision.image_token_id
+        if int(slots.sum()) != image_embeds.shape[0]:
+            raise ValueError(f"input_ids hold {int(slots.sum())} image placeholders "
+                             f"(id {self.config.vision.image_token_id}) for {image_embeds.shape[0]} image tokens")
+        return h.masked_scatter(slots.unsqueeze(-1), image_embeds.to(h.dtype))
 
     def new_cache(self, batch_size: int, capacity: int = 0) -> HybridCache:
         """An empty decode cache for `batch_size` sequences on this model's device and dtype."""
@@ -142,12 +176,14 @@ class K3ForCausalLM(nn.Module):
         return HybridCache.empty(self.config, batch_size, device=p.device, dtype=p.dtype, capacity=capacity)
 
     def forward(self, input_ids: torch.Tensor, cache: HybridCache | None = None, *, logits_to_keep: int = 0,
-                return_mtp: bool = True) -> K3Output:
+                return_mtp: bool = True, images: ImageBatch | None = None,
+                image_embeds: torch.Tensor | None = None) -> K3Output:
         """input_ids [B,T]. logits_to_keep > 0 computes logits for the last that many positions only."""
         B, T = input_ids.shape
         if cache is not None and cache.batch_size != B:
             raise ValueError(f"cache holds {cache.batch_size} sequences but input_ids has batch size {B}")
-        hidden = self.model(input_ids, cache)
+        embeds = self.embed_inputs(input_ids, images, image_embeds)
+        hidden = self.model(input_ids, cache, inputs_embeds=embeds)
         if cache is not None:
             cache.advance(T)
         kept = hidden[:, -logits_to_keep:] if logits_to_keep > 0 else hidden
@@ -159,7 +195,7 @@ class K3ForCausalLM(nn.Module):
             for k, layer in enumerate(self.mtp, start=1):
                 if T - k < 1:
                     break
-                h = layer(h[:, : T - k], self.model.embed_tokens(input_ids[:, k:]))
+                h = layer(h[:, : T - k], embeds[:, k:])
                 out.mtp_logits_all.append(self.lm_head(layer.norm(h)))
             out.mtp_logits = out.mtp_logits_all[0] if out.mtp_logits_all else None
         return out

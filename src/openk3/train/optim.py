@@ -201,7 +201,7 @@ class MuonAdamW(torch.optim.Optimizer):
 
 # ---- which parameter goes where ------------------------------------------------------------------------------
 
-EMBEDDING_NAMES = ("embed_tokens", "lm_head")  # AdamW with weight decay
+EMBEDDING_NAMES = ("embed_tokens", "lm_head", "pos_emb")  # AdamW with weight decay (pos_emb: the vision tower's)
 
 
 def muon_splits(model: nn.Module) -> dict[str, str]:
