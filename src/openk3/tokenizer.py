@@ -17,7 +17,8 @@ linear in the text.
 
 Chat template: every message is `<|im_start|>{role}\\n{content}<|im_end|>\\n`, then the prompt ends with
 `<|im_start|>assistant\\n`. The reply ends at <|im_end|> (or the end-of-sequence token). A tokenizer.json
-without the chat tokens gets the template as plain text.
+without the chat tokens gets the template as plain text. A content may also be a list of parts: text, or token
+ids inserted as given (an image's run of placeholder ids, openk3.serve.vision).
 """
 
 from __future__ import annotations
@@ -132,8 +133,9 @@ class ByteTokenizer:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
 
-def encode_chat(tokenizer: TextTokenizer | ByteTokenizer, messages: Sequence[dict[str, str]]) -> list[int]:
-    """The chat template (module docstring): control tokens by id, every role and content with `encode_plain`."""
+def encode_chat(tokenizer: TextTokenizer | ByteTokenizer, messages: Sequence[dict]) -> list[int]:
+    """The chat template (module docstring): control tokens by id, every role and text with `encode_plain`; a
+    content that is a list of parts takes its text parts as text and its id lists as they are."""
     def marker(name: str) -> list[int]:
         token = tokenizer.special_id(name)
         return tokenizer.encode_plain(name) if token is None else [token]
@@ -141,7 +143,15 @@ def encode_chat(tokenizer: TextTokenizer | ByteTokenizer, messages: Sequence[dic
     start, end, newline = marker(IM_START), marker(IM_END), tokenizer.encode_plain("\n")
     ids: list[int] = []
     for m in messages:
-        ids += start + tokenizer.encode_plain(f"{m['role']}\n{m['content']}") + end + newline
+        parts = [m["content"]] if isinstance(m["content"], str) else m["content"]
+        segments: list = []  # texts merged where adjacent (encoded as one text), id lists as they are
+        for part in [f"{m['role']}\n", *parts]:
+            if isinstance(part, str) and segments and isinstance(segments[-1], str):
+                segments[-1] += part
+            else:
+                segments.append(part)
+        body = [i for seg in segments for i in (tokenizer.encode_plain(seg) if isinstance(seg, str) else seg)]
+        ids += start + body + end + newline
     return ids + start + tokenizer.encode_plain("assistant\n")
 
 

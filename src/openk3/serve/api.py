@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API over the engine (FastAPI).
 
-POST /v1/completions, POST /v1/chat/completions (the chat template of `openk3.tokenizer`), both with
+POST /v1/completions, POST /v1/chat/completions (the chat template of `openk3.tokenizer`; `image_url` content
+parts with inline data: URLs for a model with a vision tower, openk3.serve.vision), both with
 `stream: true` as server-sent events ending in `data: [DONE]`; GET /v1/models; GET /health (200 once the engine
 runs); GET /metrics (Prometheus text). `usage.prompt_tokens_details.cached_tokens` is the prefix-cache hit.
 Errors use OpenAI's shape {"error": {"message", "type", "param", "code"}} (openk3.serve.schema): 400 for malformed
@@ -30,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from openk3.serve.engine import Engine, EngineLoop
 from openk3.serve.scheduler import QueueFull, RequestEvent
 from openk3.serve.schema import APIError, ChatBody, CompletionBody, SamplingFields, parse_body, sampling_params
+from openk3.serve.vision import chat_messages
 from openk3.tokenizer import encode_chat
 
 MAX_BODY_BYTES = 8 << 20
@@ -88,9 +90,10 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
             return body, engine.tokenizer.encode_plain(body.prompt[0])
         return body, list(body.prompt)
 
-    def chat_request(raw: bytes) -> tuple[ChatBody, list[int]]:
+    def chat_request(raw: bytes) -> tuple[ChatBody, list[int], list]:
         body = parse_body(raw, ChatBody, model_name)
-        return body, encode_chat(engine.tokenizer, [{"role": m.role, "content": m.text()} for m in body.messages])
+        messages, images = chat_messages(body, engine.model_config)  # image parts -> placeholder runs (vision.py)
+        return body, encode_chat(engine.tokenizer, messages), images
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -99,17 +102,17 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body, prompt = await asyncio.to_thread(chat_request, await read_body(request))
-        return await generate(request, body, prompt, *body.token_limit(), chat=True)
+        body, prompt, images = await asyncio.to_thread(chat_request, await read_body(request))
+        return await generate(request, body, prompt, *body.token_limit(), chat=True, images=images)
 
     async def generate(request: Request, body: SamplingFields, prompt: list[int], max_tokens: int | None,
-                       max_tokens_param: str, chat: bool):
+                       max_tokens_param: str, chat: bool, images: list | None = None):
         params = sampling_params(body, max_tokens, max_tokens_param, engine.model_config.max_seq_len)
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         submit = lambda event: loop.call_soon_threadsafe(events.put_nowait, event)
         try:
-            engine.add_request(prompt, params, rid=rid, on_event=submit)
+            engine.add_request(prompt, params, rid=rid, on_event=submit, images=images)
         except QueueFull as exc:
             raise APIError(429, str(exc), code="queue_full", kind="rate_limit_error") from exc
         except ValueError as exc:

@@ -8,7 +8,10 @@ blocks and ends at the prompt's last full hash block (the turn boundary) or at t
 model records KDA checkpoints every `checkpoint_every` hash blocks (1, the default, is SPEC §7's ideal: a
 checkpoint at every boundary) in the same forward (`HybridCache.checkpoint_offsets`); decode passes every
 boundary one token at a time. Chunking and checkpoint offsets are the same whether or not the cache is on, so
-greedy output does not depend on it. `EngineLoop` runs steps on a background thread; `add_request` and `cancel` are
+greedy output does not depend on it. Images (SPEC §12): a request may carry prepared images (openk3.images) whose
+placeholder runs are in its prompt; admission encodes those not inside the prefix hit, each prefill chunk passes
+the model the image tokens of the placeholders it holds, and the prefix cache keys the prompt by image content
+(`PromptImages.cache_prompt`). `EngineLoop` runs steps on a background thread; `add_request` and `cancel` are
 thread-safe. Work that raises ends only the requests it was for (`_isolated`: one sequence's sampling and
 bookkeeping, or the forward a batch shares) with finish_reason "error"; the others keep running.
 """
@@ -26,7 +29,7 @@ import torch
 
 from openk3.cache import HybridCache, KDAState, MLAState, SequenceState
 from openk3.sampling import SamplingParams, sample_token
-from openk3.serve.prefix_cache import PrefixCache, PrefixCacheConfig
+from openk3.serve.prefix_cache import PrefixCache, PrefixCacheConfig, image_keyed_tokens
 from openk3.serve.scheduler import Request, RequestEvent, Scheduler, SchedulerConfig
 
 log = logging.getLogger(__name__)
@@ -56,6 +59,44 @@ class EngineConfig:
         for name in ("checkpoint_every", "prefill_chunk_blocks"):
             if getattr(self, name) < 1:
                 raise ValueError(f"engine field {name!r} must be >= 1 hash block, got {getattr(self, name)}")
+
+
+@dataclass
+class PromptImages:
+    """A request's images: prepared (openk3.images.PreparedImage, prompt order), where each one's placeholder run
+    starts in the prompt, the prompt as the prefix cache keys it, and each image's tokens [n, hidden] once the
+    prefill first needs them (an image inside the prefix hit is never encoded)."""
+
+    prepared: list
+    starts: list[int]
+    cache_prompt: list[int]
+    embeds: list[torch.Tensor | None]
+
+    @classmethod
+    def locate(cls, prompt: list[int], image_token_id: int, prepared: list) -> PromptImages:
+        """ValueError unless the prompt holds, in order, one contiguous run of placeholders per image."""
+        cache_prompt = image_keyed_tokens(prompt, image_token_id, [(im.num_tokens, im.digest) for im in prepared])
+        slots = [i for i, t in enumerate(prompt) if t == image_token_id]
+        starts, seen = [], 0
+        for k, im in enumerate(prepared):
+            run = slots[seen:seen + im.num_tokens]
+            if run[-1] - run[0] != im.num_tokens - 1:
+                raise ValueError(f"the {im.num_tokens} placeholders of image {k} are not contiguous in the prompt")
+            starts.append(run[0])
+            seen += im.num_tokens
+        return cls(list(prepared), starts, cache_prompt, [None] * len(prepared))
+
+    def chunk_embeds(self, start: int, end: int, model: torch.nn.Module) -> list[torch.Tensor]:
+        """The image tokens of the placeholders in prompt positions [start, end), in order (`model` encodes an
+        image the first time a chunk reaches it)."""
+        out = []
+        for k, (s, im) in enumerate(zip(self.starts, self.prepared)):
+            lo, hi = max(start, s), min(end, s + im.num_tokens)
+            if lo < hi:
+                if self.embeds[k] is None:
+                    self.embeds[k] = model.encode_images(im.batch.to(next(model.parameters()).device))
+                out.append(self.embeds[k][lo - s:hi - s])
+        return out
 
 
 @dataclass
@@ -102,8 +143,9 @@ class Engine:
 
     # ---- the client side (thread-safe) --------------------------------------------------------------------
     def add_request(self, prompt: list[int], params: SamplingParams, rid: str | None = None,
-                    on_event=None) -> Request:
-        """Queue a request; raises ValueError for an unusable prompt and QueueFull when throttled."""
+                    on_event=None, images: list | None = None) -> Request:
+        """Queue a request; raises ValueError for an unusable prompt and QueueFull when throttled. `images`:
+        prepared images (openk3.images.PreparedImage) whose placeholder runs the prompt holds, in order."""
         limit = self.model_config.max_seq_len
         if not prompt:
             raise ValueError("the prompt is empty")
@@ -111,10 +153,14 @@ class Engine:
             raise ValueError(f"the prompt has {len(prompt)} tokens; the context holds {limit}")
         if max(prompt) >= self.model_config.vocab_size or min(prompt) < 0:
             raise ValueError(f"token ids must be in [0, {self.model_config.vocab_size})")
+        vision = self.model_config.vision
+        if images and vision is None:
+            raise ValueError(f"the model {self.model_config.name!r} has no vision tower: it cannot take images")
+        located = PromptImages.locate(list(prompt), vision.image_token_id, images) if vision is not None else None
         number = next(self._ids)
         seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + number
         request = Request(rid=rid or f"req-{number}", prompt=list(prompt), params=params, on_event=on_event,
-                          generator=torch.Generator().manual_seed(seed))
+                          generator=torch.Generator().manual_seed(seed), images=located if images else None)
         with self._lock:
             self.scheduler.submit(request)
             self.metrics.requests_received += 1
@@ -184,7 +230,7 @@ class Engine:
         r.state = self.empty_state.clone()
         if self.prefix_cache is None:
             return
-        r.lease = self.prefix_cache.acquire(r.prompt, max_hit=len(r.prompt) - 1)
+        r.lease = self.prefix_cache.acquire(self._cache_tokens(r), max_hit=len(r.prompt) - 1)
         hit = r.lease.hit_tokens
         if hit:
             kv = torch.cat(r.lease.hit_kv, dim=1)  # [n_mla, hit, latent]
@@ -194,6 +240,11 @@ class Engine:
             mla = {layer: MLAState(kv[j].clone()) for j, layer in enumerate(self.mla_layers)}
             r.state = SequenceState.assemble(hit, kda, mla)
             r.fed = r.cached_tokens = hit
+
+    @staticmethod
+    def _cache_tokens(r: Request) -> list[int]:
+        """The sequence as the prefix cache keys it: images by content (PromptImages.cache_prompt)."""
+        return (r.prompt if r.images is None else r.images.cache_prompt) + r.output
 
     # ---- forwards -----------------------------------------------------------------------------------------
     def _decode(self, requests: list[Request]) -> None:
@@ -228,7 +279,10 @@ class Engine:
         ends = [self._chunk_end(r, r.fed) for r in requests]
         ids = torch.tensor([r.prompt[r.fed:end] for r, end in zip(requests, ends)], device=cache.lengths.device)
         cache.checkpoint_offsets = self._checkpoint_offsets(requests[0].fed, ends[0])
-        logits = self.model(ids, cache=cache, logits_to_keep=1).logits[:, -1]
+        images = [e for r, end in zip(requests, ends) if r.images
+                  for e in r.images.chunk_embeds(r.fed, end, self.model)]
+        logits = self.model(ids, cache=cache, logits_to_keep=1,
+                            image_embeds=torch.cat(images) if images else None).logits[:, -1]
         for row, (r, end) in enumerate(zip(requests, ends)):
             with self._isolated([r]):
                 start, r.fed = r.fed, end
@@ -254,7 +308,7 @@ class Engine:
                 ckpt = {"conv": torch.stack([states[i].conv_state[row] for i in self.kda_layers]),
                         "recurrent": torch.stack([states[i].recurrent_state[row] for i in self.kda_layers])}
             turn_end = end <= len(r.prompt) < end + h  # the last boundary of the prompt ends the user's turn
-            self.prefix_cache.append(r.lease, r.tokens[end - h:end], kv, ckpt, turn_boundary=turn_end)
+            self.prefix_cache.append(r.lease, self._cache_tokens(r)[end - h:end], kv, ckpt, turn_boundary=turn_end)
 
     # ---- tokens, stops, events ----------------------------------------------------------------------------
     def _accept(self, r: Request, logits: torch.Tensor) -> None:
@@ -298,7 +352,7 @@ class Engine:
             if reason not in ("cancelled", "error"):  # a turn that ended normally
                 self.prefix_cache.mark_turn_boundary(r.lease)
             self.prefix_cache.release(r.lease)
-        r.state = None
+        r.state = r.images = None
         self.scheduler.remove(r)
         self.metrics.requests_finished[reason] = self.metrics.requests_finished.get(reason, 0) + 1
         self._emit(r, len(r.text), finished=True)

@@ -20,6 +20,12 @@ holds: an entry with no checkpoint at or below it is useless and is trimmed. Und
 checkpoints go first; turn-boundary checkpoints and the newest one of every chain (no checkpoint below it)
 are kept. Tiers: device -> host (optional) -> disk (optional, needs host); a tier's page is never in a
 higher tier than its ancestors, and hits are promoted back to the device tier before they are used.
+
+Images (SPEC §12): a prompt carries one placeholder id per image token, the same id for every image, so the
+tokens alone cannot tell two pictures apart. The cache is keyed by `image_keyed_tokens(prompt, ...)` instead: every
+placeholder of an image becomes the image's content key (a negative number from the hash of its pixels, never a
+token id), other tokens stay. A block holding image tokens then hits exactly when the same pictures sit at the same
+places after the same text, and the chained keys below need no change.
 """
 
 from __future__ import annotations
@@ -41,6 +47,24 @@ def chain_key(parent_key: bytes, tokens: Sequence[int]) -> bytes:
     digest = hashlib.blake2b(parent_key, digest_size=16)
     digest.update(b"".join(int(t).to_bytes(8, "little", signed=True) for t in tokens))
     return digest.digest()
+
+
+def image_keyed_tokens(tokens: Sequence[int], image_token_id: int, images: Sequence[tuple[int, bytes]]) -> list[int]:
+    """The prompt as the cache identifies it (module docstring). images: (token count, content digest) per image,
+    in prompt order; each image's count of placeholders, left to right, takes the key -1 - (digest's first 8 bytes
+    >> 1), which fits chain_key's signed 64-bit packing. ValueError if the placeholders and counts disagree."""
+    keys = [-1 - (int.from_bytes(digest[:8], "little") >> 1) for _, digest in images]
+    owner = [k for k, (count, _) in enumerate(images) for _ in range(count)]  # image of each placeholder, in order
+    out, seen = [], 0
+    for t in tokens:
+        if t == image_token_id:
+            if seen == len(owner):
+                raise ValueError(f"the prompt holds more image placeholders than its images' {len(owner)} tokens")
+            t, seen = keys[owner[seen]], seen + 1
+        out.append(int(t))
+    if seen != len(owner):
+        raise ValueError(f"the prompt holds {seen} image placeholders for {len(owner)} image tokens")
+    return out
 
 
 def nbytes_of(obj: Any) -> int:

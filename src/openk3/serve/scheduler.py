@@ -15,6 +15,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -57,6 +58,7 @@ class Request:
     finish_reason: str | None = None
     arrival: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
+    images: Any = None  # the prompt's images (openk3.serve.engine.PromptImages), None for a text prompt
 
     @property
     def prefilling(self) -> bool:

@@ -72,12 +72,23 @@ class TextPart(Strict):
     text: str
 
 
+class ImageURL(Strict):
+    url: str  # a data: URL (openk3.serve.vision checks it)
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; every image is resized into one budget
+
+
+class ImagePart(Strict):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class Message(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart]
+    content: str | list[TextPart | ImagePart]
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return self.content if isinstance(self.content, str) else "".join(
+            p.text for p in self.content if p.type == "text")
 
 
 class ChatBody(SamplingFields):

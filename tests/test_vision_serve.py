@@ -1,0 +1,175 @@
+"""Images in serving: the prefix cache keys image blocks by pixel content, the engine prefills image prompts in
+chunks (with and without a hit) exactly like one full forward, and a real server takes OpenAI image_url parts
+from the official client (prompt tokens grow with the image, a repeated image hits the cache) and refuses bad
+images with a 400 naming the field while it keeps serving."""
+
+import base64
+import io
+
+import httpx
+import openai
+import pytest
+import torch
+from PIL import Image
+
+from openk3.config import get_preset
+from openk3.images import prepare_image
+from openk3.model import K3ForCausalLM
+from openk3.sampling import SamplingParams
+from openk3.serve.engine import Engine, EngineConfig
+from openk3.serve.prefix_cache import image_keyed_tokens
+from openk3.serve.schema import APIError, ChatBody
+from openk3.serve.vision import chat_messages, image_from_url
+from openk3.tokenizer import ByteTokenizer, encode_chat
+from random_weights import randomise
+from serve_process import o1_checkpoint, serve_process
+
+MODEL = "k3-tiny-vl"
+H = 16  # the engines' hash block
+
+
+def picture(width: int, height: int, seed: int) -> Image.Image:
+    gen = torch.Generator().manual_seed(seed)
+    return Image.fromarray(torch.randint(0, 256, (height, width, 3), generator=gen, dtype=torch.uint8).numpy())
+
+
+def data_url(image: Image.Image, fmt: str = "PNG") -> str:
+    buf = io.BytesIO()
+    image.save(buf, format=fmt)
+    return f"data:image/{fmt.lower()};base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def chat(*parts, text: str = "Describe the picture.") -> list[dict]:
+    content = [{"type": "text", "text": text}] + [{"type": "image_url", "image_url": {"url": p}} for p in parts]
+    return [{"role": "user", "content": content}]
+
+
+# ---- the prefix cache's identity of an image -----------------------------------------------------------------
+
+def test_image_blocks_are_keyed_by_content_not_by_placeholder():
+    img = 9
+    prompt = [1, 2, img, img, img, 3, img, img, 4]
+    a, b = bytes(range(8)), bytes(range(1, 9))
+    keyed = image_keyed_tokens(prompt, img, [(3, a), (2, b)])
+    assert keyed[:2] == [1, 2] and keyed[5] == 3 and keyed[8] == 4
+    assert len(set(keyed[2:5])) == 1 and len(set(keyed[6:8])) == 1 and keyed[2] != keyed[6]
+    assert all(k < 0 for k in keyed[2:5] + keyed[6:8])  # never a token id
+    assert image_keyed_tokens(prompt, img, [(3, a), (2, b)]) == keyed  # stable
+    assert image_keyed_tokens(prompt, img, [(3, b), (2, a)])[2] == keyed[6]  # the key follows the content
+    for images in ([(3, a)], [(3, a), (3, b)], []):
+        with pytest.raises(ValueError, match="placeholders"):
+            image_keyed_tokens(prompt, img, images)
+    assert image_keyed_tokens([1, 2], img, []) == [1, 2]
+
+
+# ---- the engine ------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def vl_model():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    cfg = get_preset("k3-tiny-vl").with_overrides({"mtp_layers": 0, "max_seq_len": 512})
+    model = K3ForCausalLM(cfg)
+    randomise(model, seed=3)
+    yield model.eval()
+    torch.set_num_threads(threads)
+
+
+def image_request(model, tokenizer, images, text="Look at this picture, and at the next one, carefully:"):
+    cfg = model.config
+    prepared = [prepare_image(im, cfg.vision) for im in images]
+    content = [text] + [[cfg.vision.image_token_id] * p.num_tokens for p in prepared] + [" what is it?"]
+    return encode_chat(tokenizer, [{"role": "user", "content": content}]), prepared
+
+
+def run(engine, prompt, images, max_tokens=4):
+    request = engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
+                                 images=images)
+    while engine.has_work():
+        engine.step()
+    return request
+
+
+def test_engine_image_prompts_hit_by_content_and_match_a_full_forward(vl_model):
+    tok = ByteTokenizer()
+    engine = Engine(vl_model, tok, EngineConfig(hash_block=H, prefill_chunk_blocks=1))  # chunks cut images
+    cold = Engine(vl_model, tok, EngineConfig(prefix_cache=False, hash_block=H, prefill_chunk_blocks=3))
+    pic, other = picture(112, 56, seed=1), picture(112, 56, seed=2)  # 8 image tokens each
+    prompt, prepared = image_request(vl_model, tok, [pic, picture(56, 84, seed=3)])
+    first, again, no_cache = (run(e, prompt, prepared) for e in (engine, engine, cold))
+    with torch.no_grad():
+        full = vl_model(torch.tensor([prompt + first.output[:-1]]),
+                        images=type(prepared[0].batch).pack([p.batch for p in prepared])).logits[0]
+    greedy = full[len(prompt) - 1:, :tok.vocab_size].argmax(-1).tolist()  # the engine samples within the tokenizer
+    assert first.output == greedy == no_cache.output == again.output
+    assert first.cached_tokens == 0 and again.cached_tokens == H * ((len(prompt) - 1) // H)
+    # the same prompt with another picture of the same size: only the text before the images can hit
+    prompt2, prepared2 = image_request(vl_model, tok, [other, picture(56, 84, seed=3)])
+    assert prompt2 == prompt
+    changed = run(engine, prompt2, prepared2)
+    first_image = prompt.index(vl_model.config.vision.image_token_id)
+    assert changed.cached_tokens == H * (first_image // H) > 0
+    assert changed.output == run(cold, prompt2, prepared2).output
+
+
+def test_engine_refuses_placeholders_without_their_images(vl_model):
+    tok = ByteTokenizer()
+    engine = Engine(vl_model, tok, EngineConfig(hash_block=H))
+    prompt, prepared = image_request(vl_model, tok, [picture(56, 56, seed=4)])
+    for images, reason in (([], "placeholders"), (prepared * 2, "placeholders")):
+        with pytest.raises(ValueError, match=reason):
+            engine.add_request(prompt, SamplingParams(max_tokens=1), images=images)
+
+
+def test_images_for_a_text_model_and_remote_urls_are_refused_naming_the_field():
+    body = ChatBody.model_validate({"model": "m", "messages": chat(data_url(picture(28, 28, 0)))})
+    param = "messages.0.content.1.image_url.url"
+    with pytest.raises(APIError, match="no vision tower") as exc:
+        chat_messages(body, get_preset("k3-tiny"))
+    assert exc.value.status == 400 and exc.value.param == param
+    for url, reason in [("https://example.com/cat.png", "fetches nothing"), ("data:image/png,abc", "base64"),
+                        ("data:image/png;base64,not base64!", "does not decode")]:
+        with pytest.raises(APIError, match=reason) as exc:
+            image_from_url(url, get_preset("k3-tiny-vl"), param)
+        assert exc.value.status == 400 and exc.value.param == param
+
+
+# ---- a real server and the official client -----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    checkpoint = o1_checkpoint(tmp_path_factory.mktemp("o1-k3-tiny-vl"), preset="k3-tiny-vl")
+    with serve_process("--ckpt", checkpoint, "--model-name", MODEL) as (url, _):
+        yield url
+
+
+def test_openai_client_image_prompts_count_image_tokens_and_hit_the_cache(server):
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=120)
+    ask = lambda messages: client.chat.completions.create(  # noqa: E731
+        model=MODEL, messages=messages, max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
+    small, large = picture(56, 56, seed=5), picture(112, 84, seed=6)  # (2 x 2) and (3 x 4) image tokens
+    text_only = ask(chat()).usage.prompt_tokens
+    first = ask(chat(data_url(large)))
+    assert first.usage.prompt_tokens == text_only + 12 and ask(chat(data_url(small))).usage.prompt_tokens == \
+        text_only + 4
+    again = ask(chat(data_url(large, "WEBP")))  # lossy WebP: other pixels, so no hit past the text
+    same = ask(chat(data_url(large)))
+    assert same.usage.prompt_tokens_details.cached_tokens == H * ((first.usage.prompt_tokens - 1) // H) > 0
+    assert same.choices[0].message.content == first.choices[0].message.content
+    assert again.usage.prompt_tokens_details.cached_tokens < same.usage.prompt_tokens_details.cached_tokens
+
+
+@pytest.mark.parametrize("url, reason", [
+    ("http://example.com/a.png", "fetches nothing"),
+    ("data:image/png;base64," + base64.b64encode(b"hello, not an image").decode(), "not a readable image"),
+    (data_url(picture(30, 30, 7), "GIF"), "unsupported image format GIF"),
+    ("data:image/png;base64," + data_url(picture(64, 64, 8)).split(",")[1][:200], "corrupt"),
+    ("data:image/png;base64,@@@", "does not decode"),
+])
+def test_bad_images_get_a_400_naming_the_field_and_the_server_stays_up(server, url, reason):
+    body = {"model": MODEL, "messages": chat(url), "max_tokens": 1}
+    r = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "messages.0.content.1.image_url.url" and reason in error["message"]
+    assert httpx.get(f"{server}/health", timeout=10).json() == {"status": "ok"}
