@@ -28,6 +28,7 @@ from openk3.model.vision import (
     varlen_attention,
     varlen_attention_reference,
 )
+from train_tiny import one_thread
 
 # a small K3-shaped language model with a small tower: odd grid sizes everywhere below
 VL = {"vocab_size": 300, "hidden_size": 32, "num_layers": 4, "mla_layers": [3],
@@ -39,6 +40,12 @@ VL = {"vocab_size": 300, "hidden_size": 32, "num_layers": 4, "mla_layers": [3],
       "vision": {"num_layers": 2, "hidden_size": 24, "num_heads": 3, "head_dim": 8, "intermediate_size": 40,
                  "patch_size": 4, "pos_emb_size": 5, "image_token_id": 299, "max_pixels": 64 * 64}}
 IMG = 299
+
+
+@pytest.fixture(autouse=True, scope="module")
+def single_thread():
+    with one_thread():
+        yield
 
 
 def vl_config(**vision) -> ModelConfig:
@@ -261,16 +268,16 @@ def test_k3_preset_is_the_released_tower_and_info_reports_it(capsys):
     vc = get_preset("k3").vision
     assert (vc.num_layers, vc.hidden_size, vc.num_heads * vc.head_dim, vc.intermediate_size, vc.patch_size,
             vc.merge_size, vc.pos_emb_size, vc.image_token_id) == (27, 1024, 1536, 4096, 14, 2, 64, 163605)
-    c = count_parameters(get_preset("k3"))
+    assert main(["info", "--preset", "k3", "--json"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    c = json.loads(out[-1])
     D, Q, I = 1024, 1536, 4096
     block = 2 * D + D * 3 * Q + Q * D + 2 * D * I
     assert c["vision_breakdown"]["vision_tower"] == 3 * 14 * 14 * D + 64 * 64 * D + 27 * block + D
     assert c["vision_breakdown"]["mm_projector"] == (4 * D) ** 2 + 4 * D * 7168 + 7168
+    assert c["vision_params"] == sum(c["vision_breakdown"].values())
     assert 0.39e9 < c["vision_breakdown"]["vision_tower"] < 0.41e9  # "about 0.4B" (SPEC §12)
     assert c["total_params"] == sum(c["breakdown"].values())  # the language model's totals stay apart
-    assert main(["info", "--preset", "k3", "--json"]) == 0
-    out = capsys.readouterr().out.strip().splitlines()
-    assert json.loads(out[-1])["vision_params"] == c["vision_params"]
     assert any(line.split()[:1] == ["vision"] for line in out)
     assert count_parameters(get_preset("k3-tiny"))["vision_params"] == 0
 

@@ -23,8 +23,15 @@ from openk3.serve.vision import chat_messages, image_from_url
 from openk3.tokenizer import ByteTokenizer, encode_chat
 from random_weights import randomise
 from serve_process import o1_checkpoint, serve_process
+from train_tiny import one_thread
 
 MODEL = "k3-tiny-vl"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def single_thread():
+    with one_thread():
+        yield
 H = 16  # the engines' hash block
 
 
@@ -66,13 +73,10 @@ def test_image_blocks_are_keyed_by_content_not_by_placeholder():
 
 @pytest.fixture(scope="module")
 def vl_model():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     cfg = get_preset("k3-tiny-vl").with_overrides({"mtp_layers": 0, "max_seq_len": 512})
     model = K3ForCausalLM(cfg)
     randomise(model, seed=3)
-    yield model.eval()
-    torch.set_num_threads(threads)
+    return model.eval()
 
 
 def image_request(model, tokenizer, images, text="Look at this picture, and at the next one, carefully:"):

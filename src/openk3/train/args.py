@@ -21,7 +21,7 @@ class TrainArgs:
     data: str | None = None
     tokenizer: str | None = None
     seq_len: int = 128
-    batch_size: int = 8  # global (all data-parallel ranks together)
+    batch_size: int | None = None  # global (all data-parallel ranks together); None: the task's default (loop.py)
     max_steps: int | None = None  # None: the resumed checkpoint's schedule, else DEFAULT_STEPS
     lr: float = 3e-3
     weight_decay: float = 0.1

@@ -18,7 +18,7 @@ import statistics
 import sys
 import time
 from collections import deque
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
@@ -204,8 +204,11 @@ def _duration(seconds: float) -> str:
 class Trainer:
     """Holds everything a run needs; `run()` trains to max_steps and returns the summary dict."""
 
+    DEFAULT_BATCH = 8  # --batch-size when not given
+    DEFAULT_STEPS = DEFAULT_STEPS  # --max-steps when not given (and not resuming)
+
     def __init__(self, args: TrainArgs):
-        self.args = args
+        args = self.args = replace(args, batch_size=args.batch_size or self.DEFAULT_BATCH)
         self.created = time.perf_counter()  # the time limit counts from here: setup is part of the run
         self.out = Path(args.out)
         device_name = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -230,7 +233,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, args.lr, args.weight_decay, args.optimizer)
         self.balancer = RouterBalancer(self.model, args.balance, self.cfg.moe.top_k if self.cfg.moe else 1,
                                        args.balance_gamma)
-        self.schedule = WSDSchedule.for_run(args.lr, args.max_steps or DEFAULT_STEPS, args.warmup_frac,
+        self.schedule = WSDSchedule.for_run(args.lr, args.max_steps or self.DEFAULT_STEPS, args.warmup_frac,
                                             args.decay_frac)
         self.step = 0
         if args.resume:
@@ -302,18 +305,40 @@ class Trainer:
         barrier(self.world)
         return path
 
+    # ---- what the data decides (openk3.train.vision_loop.CaptionTrainer overrides these) -------------------------
+    BASELINE = "unigram baseline"  # the plot's name for self.unigram
+
+    def _next_batch(self) -> torch.Tensor:
+        """This rank's share of the next global batch, on the device."""
+        batch = self.stream.next()
+        per_rank = self.args.batch_size // self.world.size
+        return batch[self.world.rank * per_rank:(self.world.rank + 1) * per_rank].to(self.device)
+
+    def _losses(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+        return lm_losses(self.model, batch, self.args.mtp_weight)
+
+    def _batch_tokens(self, batch: torch.Tensor) -> int:
+        """Tokens of the global batch (for tokens_per_s)."""
+        return self.args.batch_size * self.args.seq_len
+
+    def _heldout(self) -> float:
+        return heldout_loss(self.model, self.eval_windows, max(1, self.args.batch_size // self.world.size),
+                            self.device, self.amp, self.world)
+
+    def _baseline_metrics(self) -> dict:
+        """summary.json's numbers to read the held-out loss against."""
+        return {"unigram_loss": self.unigram}
+
     # ---- the loop --------------------------------------------------------------------------------------------
     def train_step(self) -> dict:
         args = self.args
         lr = self.schedule(self.step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        batch = self.stream.next()
-        per_rank = args.batch_size // self.world.size
-        batch = batch[self.world.rank * per_rank:(self.world.rank + 1) * per_rank].to(self.device)
+        batch = self._next_batch()
         start = time.perf_counter()
         with torch.autocast(self.device.type, dtype=self.amp or torch.float32, enabled=self.amp is not None):
-            loss, lm, mtp = lm_losses(self.model, batch, args.mtp_weight)
+            loss, lm, mtp = self._losses(batch)
         loss.backward()
         norm = nn.utils.clip_grad_norm_(self.model.parameters(), args.grad_clip)
         grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a DTensor under FSDP
@@ -325,7 +350,7 @@ class Trainer:
         elapsed = time.perf_counter() - start
         self.step += 1
         record = {"step": self.step, "loss": mean_across(self.world, float(lm), self.device), "lr": lr,
-                  "grad_norm": grad_norm, "tokens_per_s": args.batch_size * args.seq_len / elapsed, "maxvio": maxvio}
+                  "grad_norm": grad_norm, "tokens_per_s": self._batch_tokens(batch) / elapsed, "maxvio": maxvio}
         if math.isfinite(mtp):  # NaN when the model has no MTP layer or --mtp-weight is 0
             record["mtp_loss"] = mean_across(self.world, mtp, self.device)
         return record
@@ -345,9 +370,7 @@ class Trainer:
             step_started = time.perf_counter()
             record = self.train_step()
             if args.eval_every and (self.step % args.eval_every == 0 or self.step == self.schedule.total_steps):
-                last_eval = heldout_loss(self.model, self.eval_windows, max(1, args.batch_size // world.size),
-                                         self.device, self.amp, world)
-                record["eval_loss"] = last_eval
+                last_eval = record["eval_loss"] = self._heldout()
             if not math.isfinite(record["loss"]):
                 raise FloatingPointError(f"loss became {record['loss']} at step {self.step}; lower --lr")
             if log is not None:
@@ -367,10 +390,9 @@ class Trainer:
         if log is not None:
             log.close()
         if last_eval is None:
-            last_eval = heldout_loss(self.model, self.eval_windows, max(1, args.batch_size // world.size),
-                                     self.device, self.amp, world)
+            last_eval = self._heldout()
         saved = self.save()
-        summary = {"steps": self.step, "heldout_loss": last_eval, "unigram_loss": self.unigram,
+        summary = {"steps": self.step, "heldout_loss": last_eval, **self._baseline_metrics(),
                    "train_seconds": time.perf_counter() - started, "checkpoint": str(saved) if saved else None}
         sample = self._sample()
         if world.is_main:
@@ -378,7 +400,7 @@ class Trainer:
             if args.plot and history:
                 from openk3.train.plots import plot_losses
 
-                plot_losses(history, self.out / "loss.png", self.unigram)
+                plot_losses(history, self.out / "loss.png", self.unigram, self.BASELINE)
             (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
             self._report(summary, sample)
         close_world(world)
@@ -489,4 +511,9 @@ class Trainer:
 
 
 def train(args: TrainArgs) -> dict:
+    """A text model trains on the corpus; a model with a vision tower on the embedded shapes task."""
+    if model_config(args).vision is not None:
+        from openk3.train.vision_loop import CaptionTrainer
+
+        return CaptionTrainer(args).run()
     return Trainer(args).run()

@@ -1,4 +1,5 @@
-"""loss.png: training loss per step (raw and smoothed), held-out loss, the unigram baseline, and MaxVio."""
+"""loss.png: training loss per step (raw and smoothed), held-out loss, the baseline (unigram, or text-only for the
+vision task), and MaxVio."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ def smooth(values: list[float], span: int) -> list[float]:
     return out
 
 
-def plot_losses(history: list[dict], path: Path, unigram: float | None = None) -> None:
+def plot_losses(history: list[dict], path: Path, unigram: float | None = None, label: str = "unigram baseline") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -32,7 +33,7 @@ def plot_losses(history: list[dict], path: Path, unigram: float | None = None) -
     if evals:
         ax.plot(*zip(*evals), "o-", color="tab:orange", label="held-out")
     if unigram is not None:
-        ax.axhline(unigram, color="gray", ls="--", label=f"unigram baseline {unigram:.2f}")
+        ax.axhline(unigram, color="gray", ls="--", label=f"{label} {unigram:.2f}")
     ax.set(xlabel="step", ylabel="cross-entropy (nats/token)", title="loss")
     ax.legend()
     if layers:

@@ -1,0 +1,161 @@
+"""`openk3 train` for a model with a vision tower: the training loop of openk3.train.loop on the embedded shapes
+task (openk3.train.shapes) instead of text.
+
+What changes (the `Trainer` hooks): batches are captioned pictures (images packed into one ImageBatch, token rows
+right-padded, loss on the caption tokens only), the held-out loss is over 256 held-out scenes' captions, and the run
+ends with the held-out caption accuracy (greedy captions decoded with the model's cache after the image: per
+attribute and exact match of all four) beside the text-only baseline, the best any model that cannot see the image
+can do (shapes.AttributePrior). Everything else (optimizer, schedule, balancing, checkpoints, --resume, FSDP,
+progress, time limit) is the text loop's. --data and --tokenizer do not apply; --seq-len is not used (a sequence
+is as long as its image's tokens plus the caption).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from openk3.train.loop import Trainer
+from openk3.train.shapes import (
+    IGNORE,
+    AttributePrior,
+    CaptionBatch,
+    SceneStream,
+    caption_tokenizer,
+    held_out_scenes,
+    make_batch,
+    scene,
+    score,
+)
+
+HELD_OUT_SCENES = 256
+PRIOR_SCENES = 4096  # training scenes whose attribute frequencies make the text-only baseline
+EVAL_BATCH = 64
+
+
+def caption_losses(model: nn.Module, batch: CaptionBatch, mtp_weight: float) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                     float]:
+    """(total loss, caption CE, MTP CE) for a caption batch; MTP position t predicts target t+1 (IGNORE kept)."""
+    want_mtp = mtp_weight > 0 and getattr(model.config, "mtp_layers", 0) > 0
+    out = model(batch.inputs, images=batch.images, return_mtp=want_mtp)
+    lm = F.cross_entropy(out.logits.flatten(0, 1).float(), batch.targets.flatten(), ignore_index=IGNORE)
+    if not want_mtp or out.mtp_logits is None:
+        return lm, lm.detach(), float("nan")
+    mtp = F.cross_entropy(out.mtp_logits.flatten(0, 1).float(), batch.targets[:, 1:].flatten(), ignore_index=IGNORE)
+    return lm + mtp_weight * mtp, lm.detach(), float(mtp.detach())
+
+
+@torch.no_grad()
+def greedy_captions(model: nn.Module, batch: CaptionBatch, num_words: int) -> list[list[int]]:
+    """The model's greedy continuation (num_words tokens) of each row's prompt (everything before the caption), with
+    the decode cache: one prefill of prompt + image, then one token per step. Rows must share the prompt length."""
+    starts = {int((row != IGNORE).nonzero()[0]) for row in batch.targets}
+    if len(starts) != 1:
+        raise ValueError(f"greedy_captions needs rows of one prompt length, got {sorted(starts)}")
+    start = starts.pop() + 1
+    cache = model.new_cache(len(batch.scenes))
+    logits = model(batch.inputs[:, :start], cache=cache, images=batch.images, logits_to_keep=1).logits[:, -1]
+    out = [logits.argmax(-1)]
+    for _ in range(num_words - 1):
+        out.append(model(out[-1].unsqueeze(1), cache=cache, logits_to_keep=1).logits[:, -1].argmax(-1))
+    return torch.stack(out, dim=1).tolist()
+
+
+class CaptionTrainer(Trainer):
+    BASELINE = "text-only baseline"
+    DEFAULT_BATCH = 16  # captioned images per step
+    DEFAULT_STEPS = 800  # 12,800 images: about 90% of held-out captions exactly right (bench/RESULTS.md)
+
+    def _setup_data(self) -> None:
+        args, vc = self.args, self.cfg.vision
+        for flag, value in (("--data", args.data), ("--tokenizer", args.tokenizer)):
+            if value is not None:
+                raise ValueError(f"{flag}: preset {self.cfg.name!r} has a vision tower and trains on the embedded "
+                                 "shapes task, which has its own data and tokenizer")
+        self.tokenizer = caption_tokenizer()
+        if not self.tokenizer.vocab_size <= vc.image_token_id < self.cfg.vocab_size:
+            raise ValueError(f"config field 'vision.image_token_id' must be in [{self.tokenizer.vocab_size}, "
+                             f"vocab_size={self.cfg.vocab_size}) for the shapes task's {self.tokenizer.vocab_size}-word"
+                             f" tokenizer, got {vc.image_token_id}")
+        self.stream = SceneStream(args.seed, args.batch_size)
+        self.held_out = held_out_scenes(HELD_OUT_SCENES)
+        by_canvas: dict[tuple[int, int], list] = {}
+        for s in self.held_out:
+            by_canvas.setdefault(s.canvas, []).append(s)
+        self.eval_batches = [make_batch(group[i:i + EVAL_BATCH], self.tokenizer, vc)  # one prompt length each
+                             for group in by_canvas.values() for i in range(0, len(group), EVAL_BATCH)]
+        self.prior = AttributePrior([scene(args.seed, i) for i in range(PRIOR_SCENES)])
+        self.unigram = self.prior.loss(self.held_out)  # the plotted baseline
+        self.train_tokens = 0
+
+    def _next_batch(self) -> CaptionBatch:
+        scenes = self.stream.next(self.world.rank, self.world.size)
+        return make_batch(scenes, self.tokenizer, self.cfg.vision).to(self.device)
+
+    def _losses(self, batch: CaptionBatch) -> tuple[torch.Tensor, torch.Tensor, float]:
+        return caption_losses(self.model, batch, self.args.mtp_weight)
+
+    def _batch_tokens(self, batch: CaptionBatch) -> int:
+        return batch.inputs.numel() * self.world.size
+
+    def _heldout(self) -> float:
+        """Mean CE per caption token over the held-out scenes (every rank evaluates all of them)."""
+        self.model.eval()
+        total = count = 0
+        with torch.no_grad():
+            for batch in self.eval_batches:
+                batch = batch.to(self.device)
+                with torch.autocast(self.device.type, dtype=self.amp or torch.float32, enabled=self.amp is not None):
+                    logits = self.model(batch.inputs, images=batch.images, return_mtp=False).logits
+                total += float(F.cross_entropy(logits.flatten(0, 1).float(), batch.targets.flatten(),
+                                               ignore_index=IGNORE, reduction="sum"))
+                count += int((batch.targets != IGNORE).sum())
+        self.model.train()
+        return total / count
+
+    def accuracy(self) -> dict[str, float]:
+        """Held-out greedy-caption accuracy: per attribute and "exact" (all four right)."""
+        self.model.eval()
+        hits = []
+        words = len(self.held_out[0].words)
+        for batch in self.eval_batches:
+            with torch.autocast(self.device.type, dtype=self.amp or torch.float32, enabled=self.amp is not None):
+                predicted = greedy_captions(self.model, batch.to(self.device), words)
+            for s, ids in zip(batch.scenes, predicted):
+                hits.append([a == b for a, b in zip(self.tokenizer.encode(s.caption), ids)])
+        self.model.train()
+        return score(hits)
+
+    def _baseline_metrics(self) -> dict:
+        return {"text_only_loss": self.unigram, "caption_accuracy": self.accuracy(),
+                "text_only_accuracy": self.prior.accuracy(self.held_out)}
+
+    def _sample(self) -> str:
+        """Captions of the first held-out scene of each canvas size: truth -> the model's greedy caption."""
+        self.model.eval()
+        lines = []
+        firsts = {s.canvas: s for s in reversed(self.held_out)}.values()
+        for s in firsts:
+            first = make_batch([s], self.tokenizer, self.cfg.vision).to(self.device)
+            ids = greedy_captions(self.model, first, len(first.scenes[0].words))[0]
+            lines.append(f"{first.scenes[0].caption:<32} -> {self.tokenizer.decode_plain(ids)}")
+        self.model.train()
+        return "\n".join(lines) + "\n"
+
+    def _announce(self) -> None:
+        n = sum(p.numel() for p in self.model.parameters())
+        print(f"openk3 train: {self.cfg.name} ({n / 1e6:.2f}M parameters, vision tower and projector included) on "
+              f"the shapes task, {self.schedule.total_steps} steps x {self.args.batch_size} captioned images, "
+              f"{HELD_OUT_SCENES} held-out scenes, optimizer={self.args.optimizer}, device={self.device}"
+              f"{f' ({torch.get_num_threads()} threads)' if self.device.type == 'cpu' else ''}, "
+              f"processes={self.world.size}, out={self.out}", flush=True)
+
+    def _report(self, summary: dict, sample: str) -> None:
+        acc, base = summary["caption_accuracy"], summary["text_only_accuracy"]
+        print(f"\nheld-out caption loss {summary['heldout_loss']:.3f} nats/token vs text-only baseline "
+              f"{summary['text_only_loss']:.3f} ({summary['steps']} steps, {summary['train_seconds']:.0f} s)")
+        print("held-out accuracy (greedy captions)   " + "  ".join(f"{k} {v:.1%}" for k, v in acc.items()))
+        print("text-only baseline (attribute prior)  " + "  ".join(f"{k} {v:.1%}" for k, v in base.items()))
+        print(f"checkpoint: {summary['checkpoint']}\nsample ({self.out / 'sample.txt'}):\n{sample}", flush=True)
+
