@@ -84,7 +84,7 @@ class VisionConfig:
     patch_size: int = 14
     merge_size: int = 2
     pos_emb_size: int = 64  # the learned table is pos_emb_size x pos_emb_size patches
-    pos_emb_interpolation: str = "bilinear"
+    pos_emb_interpolation: str = "bilinear"  # K3's released pos_emb_interpolation_mode (NeMo's, torchtitan's configs)
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     projector_eps: float = 1e-5
@@ -307,11 +307,11 @@ def _k3_tiny() -> ModelConfig:
 
 def _k3_tiny_vl() -> ModelConfig:
     """A vision-language model that learns on a CPU: k3-tiny's widths at half the depth, a 512-token vocabulary
-    (the last id is the image placeholder) and a two-block vision tower 64 wide (`openk3 train --preset k3-tiny-vl`
-    trains it on the embedded synthetic shapes task, openk3.train.shapes)."""
+    (the last id is the image placeholder) and a two-block vision tower 128 wide (`openk3 train --preset
+    k3-tiny-vl` trains it on the embedded synthetic shapes task, openk3.train.shapes)."""
     cfg = _k3_tiny()
     cfg.name, cfg.vocab_size, cfg.num_layers, cfg.mla_layers = "k3-tiny-vl", 512, 4, (3,)
-    cfg.vision = VisionConfig(num_layers=2, hidden_size=64, num_heads=4, head_dim=16, intermediate_size=256,
+    cfg.vision = VisionConfig(num_layers=2, hidden_size=128, num_heads=4, head_dim=32, intermediate_size=512,
                               pos_emb_size=16, image_token_id=511, max_pixels=168 * 168)
     cfg.validate()
     return cfg

@@ -94,7 +94,8 @@ def interpolate_positions(table: torch.Tensor, h: int, w: int, mode: str) -> tor
     """The learned position table [S, S, D] resized to an h x w grid -> [h*w, D] (align_corners=False)."""
     if (h, w) == tuple(table.shape[:2]):
         return table.flatten(0, 1)
-    grid = F.interpolate(table.permute(2, 0, 1).unsqueeze(0).float(), size=(h, w), mode=mode, align_corners=False)
+    grid = F.interpolate(table.permute(2, 0, 1).unsqueeze(0).to(acc_dtype(table.dtype)), size=(h, w), mode=mode,
+                         align_corners=False)
     return grid[0].permute(1, 2, 0).reshape(h * w, -1).to(table.dtype)
 
 
@@ -118,7 +119,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     by_length: dict[int, list[int]] = {}
     for start, end in zip(bounds[:-1], bounds[1:]):
         by_length.setdefault(end - start, []).append(start)
-    if len(by_length) == 1 and len(bounds) == 2:  # one image: plain attention
+    if len(bounds) == 2:  # one image: plain attention
         return F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)).transpose(0, 1)
     rows, outs = [], []
     for n, starts in by_length.items():
