@@ -21,13 +21,15 @@ import re
 import socket
 from pathlib import Path
 
+from openk3.cli_options import add_kda_options
+
 
 def build_engine(args: argparse.Namespace):
     """The model, tokenizer and engine the arguments describe; returns (engine, model name)."""
     import torch
 
     from openk3.config import get_preset
-    from openk3.model import K3ForCausalLM
+    from openk3.model import K3ForCausalLM, configure_kda
     from openk3.serve.engine import Engine, EngineConfig
     from openk3.serve.scheduler import SchedulerConfig
     from openk3.tokenizer import load_tokenizer
@@ -46,6 +48,7 @@ def build_engine(args: argparse.Namespace):
     else:
         model = K3ForCausalLM(get_preset(args.preset)).to(device)
         name, ckpt_dir = args.model_name or args.preset, None
+    configure_kda(model, backend=args.kda_backend, overlap=args.kda_overlap)
     tokenizer = load_tokenizer(ckpt_dir, model.config.vocab_size)
     config = EngineConfig(
         prefix_cache=not args.no_prefix_cache, hash_block=args.hash_block, page_size=args.page_size,
@@ -161,4 +164,5 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--max-queue", type=int, default=1024, help="waiting requests before 429s")
     p.add_argument("--prefill-tokens", type=int, default=256, help="prefill token budget per engine step")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    add_kda_options(p)
     p.set_defaults(func=run_serve)

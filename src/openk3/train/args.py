@@ -44,6 +44,8 @@ class TrainArgs:
     balance: str = "quantile"
     balance_gamma: float = 1e-3
     mtp_weight: float = 0.3
+    kda_backend: str = "auto"  # model.kda.configure_kda: "auto" lets ops.kda.resolve_backend choose per call
+    kda_overlap: bool = True
     sample_tokens: int = 120
     time_limit: float = 0.0  # opt-in wall seconds for the whole run: the step count shrinks to fit; 0: off
     progress: bool = True

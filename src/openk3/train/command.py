@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from openk3.cli_options import add_kda_options
 from openk3.config import PRESETS
 from openk3.train.args import DEFAULT_STEPS, TrainArgs, flag_name, flag_type
 
@@ -76,6 +77,7 @@ def add_train_parser(subparsers) -> None:
                                 "(0: off, the run keeps its steps)", metavar="SECONDS")
     number("sample_tokens", int, "length of the final text sample")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_kda_options(p)
     p.set_defaults(func=run_train)
 
 

@@ -28,7 +28,7 @@ from torch import nn
 
 from openk3.checkpoints import CheckpointError, latest_checkpoint
 from openk3.config import ModelConfig, get_preset
-from openk3.model import K3ForCausalLM
+from openk3.model import K3ForCausalLM, configure_kda
 from openk3.tokenizer import TextTokenizer, load_or_train
 from openk3.train import checkpoint as ckpt
 from openk3.train.args import DEFAULT_STEPS, TrainArgs
@@ -221,6 +221,7 @@ class Trainer:
         self._seed(args.seed)
         self._setup_data()
         self.model = K3ForCausalLM(self.cfg).to(self.device)
+        configure_kda(self.model, backend=args.kda_backend, overlap=args.kda_overlap)
         if args.activation_checkpointing:
             enable_activation_checkpointing(self.model)
         if self.world.distributed:
