@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from openk3.cache import SequenceState
 from openk3.serve.prefix_cache import Lease
 from openk3.serve.sampling import SamplingParams
 
@@ -48,7 +47,7 @@ class Request:
     on_event: Callable[[RequestEvent], None] | None = None
     output: list[int] = field(default_factory=list)
     fed: int = 0  # tokens the model has consumed: the sequence's cache length
-    state: SequenceState | None = None  # the sequence's decode state between forwards
+    slot: int | None = None  # its KDA state-pool slot and block-table row while it runs
     lease: Lease | None = None
     generator: torch.Generator | None = None
     cached_tokens: int = 0
@@ -76,7 +75,7 @@ class SchedulerConfig:
     max_running: int = 32
     max_queue: int = 1024
     max_live_tokens: int = 1 << 17
-    prefill_tokens_per_step: int = 256
+    prefill_tokens_per_step: int = 256  # CPU default; `default_prefill_tokens` gives the GPU's
     max_locked_fraction: float = 0.9
 
     def __post_init__(self) -> None:
