@@ -473,6 +473,8 @@ class PrefixCache:
         size = self.config.page_bytes + page.checkpoint_bytes()
         if not self._make_room(DEVICE, size) or (self.store is not None and not self.store.num_free):
             return False
+        if page not in self.pages:  # its entries were trimmed as useless while room was made (their checkpoints
+            return False  # were below, in a later page of the chain that the room-making evicted)
         self._move(page, DEVICE)
         self.stats.promoted_pages += 1
         return True

@@ -36,9 +36,9 @@ def graph_buckets(max_batch: int) -> list[int]:
     return sizes + [max_batch]
 
 
-def split_kv(batch: int, sms: int = 132) -> int:
-    """Split-KV programs per sequence for a decode batch: about two programs per SM in all, at most 16."""
-    return max(1, min(16, 2 * sms // batch))
+def split_kv(batch: int, processors: int) -> int:
+    """Split-KV programs per sequence for a decode batch: about two programs per SM (or CPU core), at most 16."""
+    return max(1, min(16, 2 * processors // batch))
 
 
 class ModelRunner:
@@ -57,12 +57,14 @@ class ModelRunner:
         self.graph_error: str | None = None
         cfg = model.config
         self.kda_layers, self.mla_layers = sorted(cfg.kda_layers), sorted(cfg.mla_layers)
+        gpu = self.device.type == "cuda"
+        self.processors = torch.cuda.get_device_properties(self.device).multi_processor_count if gpu else 1
 
     # ---- decode ------------------------------------------------------------------------------------------------
     def _batch(self, size: int) -> DecodeBatch:
         return DecodeBatch(slots=self.inputs[1, :size], lengths=self.inputs[2, :size], latents=self.pages.pages,
                            tables=self.tables.tables, conv=self.states.conv, recurrent=self.states.recurrent,
-                           kernels=self.kernels, num_splits=split_kv(size))
+                           kernels=self.kernels, num_splits=split_kv(size, self.processors))
 
     def _forward(self, size: int) -> torch.Tensor:
         return decode_logits(self.model, self.inputs[0, :size], self._batch(size))
