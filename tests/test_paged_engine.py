@@ -148,3 +148,19 @@ def test_hits_share_pages_by_reference_and_copy_only_a_page_being_written(model)
     greedy = SamplingParams(max_tokens=40, temperature=0)
     for r in (first, second, third):
         assert r.output == generate_ids(model, r.prompt, 40, greedy)
+
+
+def test_prefill_spends_exactly_the_step_budget(model):
+    """The chunk that reaches the budget is cut there, whatever the hash block (the block-aligned baseline of
+    bench/serve.py prefills with the same budget per step as K3's policy)."""
+    for h in (H, 4 * H):
+        engine = Engine(model, ByteTokenizer(), EngineConfig(
+            hash_block=h, page_size=4 * H, prefix_cache=False,
+            scheduler=SchedulerConfig(max_running=4, prefill_tokens_per_step=40)))
+        requests = [engine.add_request([5] * n, SamplingParams(max_tokens=2)) for n in (70, 23, 100)]
+        fed = []
+        while any(r.prefilling for r in requests):
+            before = sum(min(r.fed, len(r.prompt)) for r in requests)
+            engine.step()
+            fed.append(sum(min(r.fed, len(r.prompt)) for r in requests) - before)
+        assert fed == [40] * 4 + [193 - 160]

@@ -4,10 +4,13 @@ only the slots and pages it addresses."""
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from openk3.cache.paged import BlockTables, PagePool
 from openk3.cache.state_pool import StatePool
 from openk3.model import K3ForCausalLM
+from openk3.ops import moe as moe_ops
+from openk3.ops.activations import swiglu
 from openk3.serve.runner import ModelRunner, graph_buckets
 from test_model_decode import CONFIGS, randomize
 
@@ -93,3 +96,67 @@ def test_graph_buckets_cover_every_batch_size():
     assert graph_buckets(1) == [1]
     assert graph_buckets(64) == [1, 2, 4, 8, 16, 32, 64]
     assert graph_buckets(48) == [1, 2, 4, 8, 16, 32, 48]
+
+
+class HostSyncs(TorchDispatchMode):
+    """Records what would make a CUDA stream wait for the host (and so break CUDA-graph capture): ops that read a
+    device value on the host, and Python reading a tensor's value (tolist, item, bool, int, float)."""
+
+    SYNCING = ("aten::_local_scalar_dense", "aten::nonzero", "aten::is_nonzero", "aten::equal")
+    READS = ("tolist", "item", "__bool__", "__int__", "__float__", "__index__")
+
+    def __init__(self, monkeypatch):
+        super().__init__()
+        self.seen = []
+        for name in self.READS:
+            original = getattr(torch.Tensor, name)
+
+            def read(tensor, *args, _original=original, _name=name):
+                if self.active:
+                    self.seen.append(_name)
+                return _original(tensor, *args)
+
+            monkeypatch.setattr(torch.Tensor, name, read)
+        self.active = False
+
+    def __enter__(self):
+        self.active = True
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self.active = False
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._schema.name in self.SYNCING:
+            self.seen.append(func._schema.name)
+        return func(*args, **(kwargs or {}))
+
+
+def dense_grouped_glu_mlp(x_sorted, counts, gate_up, down, act):
+    """A host-sync-free stand-in for `grouped_glu_mlp` (each row gathers its expert's weights)."""
+    expert = torch.repeat_interleave(torch.arange(len(counts)), counts, output_size=x_sorted.shape[0])
+    gate, up = torch.einsum("md,mod->mo", x_sorted, gate_up[expert]).chunk(2, dim=-1)
+    return torch.einsum("mi,moi->mo", act(gate, up), down[expert])
+
+
+def test_gpu_decode_step_never_waits_for_the_host(monkeypatch):
+    """The Triton decode path has no host synchronisation apart from the expert matmuls of `grouped_glu_mlp`
+    (today's loop reads the group sizes on the host; a grouped GEMM drops in with the same signature): with a
+    sync-free stand-in for it, one decode step issues no op that would wait for the host, so it can be captured."""
+    x, counts = torch.randn(7, 6), torch.tensor([3, 0, 4])
+    gate_up, down = torch.randn(3, 10, 6), torch.randn(3, 6, 5)
+    torch.testing.assert_close(dense_grouped_glu_mlp(x, counts, gate_up, down, swiglu),
+                               moe_ops.grouped_glu_mlp(x, counts, gate_up, down, swiglu))
+    torch.manual_seed(0)
+    model = randomize(K3ForCausalLM(CONFIGS["k3-small-mla-first"]()), seed=3)
+    runner = make_runner(model, "triton")
+    runner.tables.set(1, [runner.pages.alloc(), runner.pages.alloc()])
+    runner.inputs[1, :2] = torch.tensor([1, runner.states.padding_slot])
+    with torch.no_grad(), HostSyncs(monkeypatch) as syncs:
+        runner._forward(2)
+    assert "tolist" in syncs.seen  # today's loop reads the group sizes: the detector sees it
+    monkeypatch.setattr(moe_ops, "grouped_glu_mlp", dense_grouped_glu_mlp)
+    with torch.no_grad(), HostSyncs(monkeypatch) as syncs:
+        logits = runner._forward(2)
+    assert syncs.seen == [] and torch.isfinite(logits).all()

@@ -42,6 +42,11 @@ def build_engine(args: argparse.Namespace):
     else:
         model = K3ForCausalLM(get_preset(args.preset)).to(device)
         name, ckpt_dir = args.model_name or args.preset, None
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(args.dtype)
+    if args.dtype == "auto" and device.type == "cuda":
+        dtype = torch.bfloat16
+    if dtype is not None:
+        model = model.to(dtype)
     tokenizer = load_tokenizer(ckpt_dir, model.config.vocab_size)
     config = EngineConfig(
         prefix_cache=not args.no_prefix_cache, hash_block=args.hash_block, page_size=args.page_size,
@@ -86,6 +91,8 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0, help="random-init weights and default sampling seeds")
     p.add_argument("--device", default=None, help="cpu / cuda (default: cuda when available)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="weights and caches (auto: bfloat16 on a GPU, else as built or stored)")
     p.add_argument("--no-prefix-cache", action="store_true", help="disable the hybrid prefix cache")
     p.add_argument("--hash-block", type=int, default=None, help="tokens per hash block h (default: by context)")
     p.add_argument("--page-size", type=int, default=None, help="tokens per physical page P (default 12 h)")

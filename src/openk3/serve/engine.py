@@ -183,13 +183,12 @@ class Engine:
         if decoding:
             self._isolated(decoding, self._decode, decoding)
         for round_ in self.scheduler.prefill_rounds(self._chunk_end):
-            alike: dict[tuple[int, tuple[int, ...]], list[Request]] = {}  # same chunk length and checkpoints
-            for r in round_:
+            alike: dict[tuple[int, tuple[int, ...]], list[tuple[Request, int]]] = {}  # same length and checkpoints
+            for r, end in round_:
                 if r.finish_reason is None:
-                    end = self._chunk_end(r, r.fed)
-                    alike.setdefault((end - r.fed, self._checkpoint_offsets(r.fed, end)), []).append(r)
+                    alike.setdefault((end - r.fed, self._checkpoint_offsets(r.fed, end)), []).append((r, end))
             for group in alike.values():
-                self._isolated(group, self._prefill, group)
+                self._isolated([r for r, _ in group], self._prefill, group)
         self.metrics.steps += 1
 
     def _isolated(self, requests: list[Request], work, *args) -> None:
@@ -281,10 +280,10 @@ class Engine:
             self._register_blocks(r, r.fed - 1)
             self._accept(r, token)
 
-    def _prefill(self, requests: list[Request]) -> None:
-        """The next chunk (same length for all) of each request's prompt."""
-        ends = [self._chunk_end(r, r.fed) for r in requests]
-        for r, end in zip(requests, ends):
+    def _prefill(self, chunks: list[tuple[Request, int]]) -> None:
+        """The next chunk (same length for all) of each request's prompt: (request, end of its chunk)."""
+        requests, ends = [r for r, _ in chunks], [end for _, end in chunks]
+        for r, end in chunks:
             self._ensure_pages(r, end)
         offsets = self._checkpoint_offsets(requests[0].fed, ends[0])
         logits, checkpoints = self.runner.prefill([r.prompt[r.fed:end] for r, end in zip(requests, ends)],
