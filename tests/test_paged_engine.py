@@ -164,3 +164,24 @@ def test_prefill_spends_exactly_the_step_budget(model):
             engine.step()
             fed.append(sum(min(r.fed, len(r.prompt)) for r in requests) - before)
         assert fed == [40] * 4 + [193 - 160]
+
+
+def test_a_full_pool_evicts_cached_pages_and_a_request_that_cannot_fit_fails_alone(model):
+    """Pool pressure: new pages come from evicting (or demoting to the host tier) unlocked cached pages, outputs
+    stay exact; a request that needs more pages than the pool has ends with "error" and the others run on."""
+    rng = random.Random(3)
+    prompts = [[rng.randrange(90) for _ in range(n)] for n in (100, 40, 120, 70, 100)]
+    greedy = SamplingParams(max_tokens=10, temperature=0)
+    for host in (0, 1 << 20):
+        engine = make_engine(model, kv_pages=1 + 2 * 3, cache_bytes=1 << 20, host_cache_bytes=host,
+                             scheduler=SchedulerConfig(max_running=2, prefill_tokens_per_step=48))
+        requests = run(engine, prompts, 10, stagger=3)
+        assert all(r.output == generate_ids(model, r.prompt, 10, greedy) for r in requests)
+        stats = engine.prefix_cache.stats
+        assert (stats.demoted_pages if host else stats.evicted_pages) > 0
+    engine = make_engine(model, kv_pages=3, scheduler=SchedulerConfig(max_running=2, prefill_tokens_per_step=48))
+    (big,) = run(engine, [prompts[2]], 10)  # 120 + 10 tokens need 3 pages; the pool has 2
+    (small,) = run(engine, [prompts[1]], 10)
+    assert big.finish_reason == "error" and small.finish_reason == "length"
+    assert small.output == generate_ids(model, small.prompt, 10, greedy)
+    assert engine.pages.num_free + sum(p.phys is not None for p in engine.prefix_cache.pages) == 2

@@ -13,7 +13,10 @@ latents. A prefill chunk covers up to `prefill_chunk_blocks` hash blocks and end
 block (the turn boundary) or at the prompt's end; inside it the model records KDA checkpoints every
 `checkpoint_every` hash blocks in the same forward; decode passes every boundary one token at a time. Chunking and
 checkpoint offsets are the same whether or not the cache is on, so greedy output does not depend on it. A failure
-in one sequence's work ends that sequence (reason "error"), not the others. `EngineLoop` runs steps on a
+in one sequence's work ends that sequence (reason "error"), not the others. There is no preemption: a sequence
+that finds every page in use after the cache's unlocked pages are evicted ends with "error"; the default pool
+(`kv_pages`) holds the scheduler's `max_live_tokens` plus a partial page per running sequence plus the cache, so
+only a smaller `kv_pages` can get there. `EngineLoop` runs steps on a
 background thread; `add_request` and `cancel` are thread-safe.
 """
 
@@ -179,13 +182,13 @@ class Engine:
             admitted = self.scheduler.admit(self._locked_fraction())
         for r in admitted:
             self._isolated([r], self._start, r)
-        decoding = [r for r in self.scheduler.running if not r.prefilling and r.finish_reason is None]
+        decoding = [r for r in self.scheduler.running if not r.prefilling and self._has_pages(r, r.fed + 1)]
         if decoding:
             self._isolated(decoding, self._decode, decoding)
         for round_ in self.scheduler.prefill_rounds(self._chunk_end):
             alike: dict[tuple[int, tuple[int, ...]], list[tuple[Request, int]]] = {}  # same length and checkpoints
             for r, end in round_:
-                if r.finish_reason is None:
+                if self._has_pages(r, end):
                     alike.setdefault((end - r.fed, self._checkpoint_offsets(r.fed, end)), []).append((r, end))
             for group in alike.values():
                 self._isolated([r for r, _ in group], self._prefill, group)
@@ -232,8 +235,14 @@ class Engine:
             raise PoolExhausted(f"all {self.pages.num_pages} latent pages are in use by running sequences")
         return pid
 
+    def _has_pages(self, r: Request, tokens: int) -> bool:
+        """Give a live sequence pages for its first `tokens` positions; False if it is over (or fails for want of
+        pages: then it alone ends)."""
+        if r.finish_reason is None:
+            self._isolated([r], self._ensure_pages, r, tokens)
+        return r.finish_reason is None
+
     def _ensure_pages(self, r: Request, tokens: int) -> None:
-        """Give the sequence pages for its first `tokens` positions."""
         while len(self.tables.pages[r.slot]) * self.page_size < tokens:
             self.tables.append(r.slot, self._alloc_page())
 
@@ -270,9 +279,7 @@ class Engine:
 
     # ---- forwards -----------------------------------------------------------------------------------------
     def _decode(self, requests: list[Request]) -> None:
-        """One token for every decoding sequence."""
-        for r in requests:
-            self._ensure_pages(r, r.fed + 1)
+        """One token for every decoding sequence (their pages are in place)."""
         logits = self.runner.decode([r.output[-1] for r in requests], [r.slot for r in requests],
                                     [r.fed for r in requests])
         for r, token in zip(requests, self._sample(requests, logits)):
@@ -283,8 +290,6 @@ class Engine:
     def _prefill(self, chunks: list[tuple[Request, int]]) -> None:
         """The next chunk (same length for all) of each request's prompt: (request, end of its chunk)."""
         requests, ends = [r for r, _ in chunks], [end for _, end in chunks]
-        for r, end in chunks:
-            self._ensure_pages(r, end)
         offsets = self._checkpoint_offsets(requests[0].fed, ends[0])
         logits, checkpoints = self.runner.prefill([r.prompt[r.fed:end] for r, end in zip(requests, ends)],
                                                   [r.slot for r in requests], [r.fed for r in requests], offsets)
