@@ -5,7 +5,8 @@
 1. Starts `openk3 serve --preset k3-debug --device cuda` as a real process (bf16, CUDA graphs, up to 64 running
    sequences), waits for /health and reads the CUDA-graph capture time from its log.
 2. Decode: C = 1, 8, 32, 64 concurrent clients, each one /v1/completions of 128 new tokens (`ignore_eos`, greedy)
-   from its own short prompt; wall-clock tokens per second over all clients (after one warm-up request).
+   from its own 16-token prompt; wall-clock tokens per second over all clients (after a short warm-up round at
+   the same C).
 3. TTFT of a 12k-token prompt: a streamed completion, time to the first chunk (median of three fresh prompts).
 4. GPU memory in use with the server loaded (nvidia-smi, the whole card, minus what was used before it started).
 5. The multi-turn agent trace of bench/serve.py (its code, run in this process on the same GPU engine with the
@@ -252,9 +253,10 @@ def main() -> None:
     try:
         startup = server.wait_healthy(timeout=600)
         capture = server.capture_seconds()
-        asyncio.run(decode_rate(server.url, args.preset, 1, 4, vocab, seed=99))  # warm-up
-        rates = {c: asyncio.run(decode_rate(server.url, args.preset, c, args.new_tokens, vocab, seed=c))
-                 for c in args.concurrency}
+        rates = {}
+        for c in args.concurrency:  # a short warm-up at each batch size compiles its prefill shapes
+            asyncio.run(decode_rate(server.url, args.preset, c, 4, vocab, seed=1000 + c))
+            rates[c] = asyncio.run(decode_rate(server.url, args.preset, c, args.new_tokens, vocab, seed=c))
         rng = random.Random(7)
         ttfts = [asyncio.run(ttft(server.url, args.preset, [rng.randrange(vocab) for _ in range(args.ttft_tokens)]))
                  for _ in range(3)]
