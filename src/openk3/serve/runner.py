@@ -85,11 +85,13 @@ class ModelRunner:
                     self._forward(size)
             torch.cuda.current_stream().wait_stream(side)
             pool = torch.cuda.graph_pool_handle()
-            for size in reversed(self.buckets):  # largest first: the smaller graphs reuse its memory
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    out = self._forward(size)
-                self.graphs[size] = (graph, out)
+            # the outer stream context puts the current stream back even when a failed capture leaves early
+            with torch.cuda.stream(torch.cuda.current_stream()):
+                for size in reversed(self.buckets):  # largest first: the smaller graphs reuse its memory
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        out = self._forward(size)
+                    self.graphs[size] = (graph, out)
             torch.cuda.synchronize()
         except RuntimeError as err:
             self.graphs.clear()
