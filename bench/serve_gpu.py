@@ -94,9 +94,11 @@ class Server:
     def text(self) -> str:
         return Path(self.log.name).read_text(errors="replace")
 
-    def capture_seconds(self) -> float | None:
-        found = re.search(r"captured in ([0-9.]+) s", self.text())
-        return float(found.group(1)) if found else None
+    def graphs(self) -> tuple[float | None, str]:
+        """(CUDA-graph capture seconds or None, the server's line about its graphs)."""
+        line = next((x for x in self.text().splitlines() if "CUDA graphs" in x), "no CUDA graphs line in the log")
+        found = re.search(r"captured in ([0-9.]+) s", line)
+        return (float(found.group(1)) if found else None), line
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -252,7 +254,7 @@ def main() -> None:
     server = Server(args, device)
     try:
         startup = server.wait_healthy(timeout=600)
-        capture = server.capture_seconds()
+        capture, graphs_line = server.graphs()
         rates = {}
         for c in args.concurrency:  # a short warm-up at each batch size compiles its prefill shapes
             asyncio.run(decode_rate(server.url, args.preset, c, 4, vocab, seed=1000 + c))
@@ -272,7 +274,7 @@ def main() -> None:
             for c in args.concurrency]
     result = {
         "rows": rows, "ttft_12k_s": statistics.median(ttfts), "ttft_long_prompt_tokens": args.ttft_tokens,
-        "ttft_runs_s": ttfts, "server_startup_s": startup, "cuda_graph_capture_s": capture,
+        "ttft_runs_s": ttfts, "server_startup_s": startup, "cuda_graph_capture_s": capture, "cuda_graphs": graphs_line,
         "gpu_memory_mib": memory, "agent_trace": trace, "peer": peer_info, "bench_wall_s": total,
         "info": {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name() if device == "cuda"
                  else platform.processor() or platform.machine(), "torch": torch.__version__,
@@ -290,7 +292,7 @@ def main() -> None:
     for row in rows:
         print(f"{row['concurrency']:>7} {row['tok_per_s']:>13.1f} {row['peer_tok_per_s']:>10.1f} "
               f"{row['speedup']:>7.1f}x")
-    graphs = f"{capture:.2f} s" if capture is not None else "none (see the server log)"
+    graphs = f"{capture:.2f} s" if capture is not None else f"none ({graphs_line})"
     mem = f"{memory / 1024:.2f} GiB" if memory is not None else "n/a"
     print(f"TTFT of a {args.ttft_tokens}-token prompt: {result['ttft_12k_s'] * 1000:.1f} ms (median of 3); "
           f"server start-up {startup:.1f} s; CUDA-graph capture {graphs}; GPU memory {mem}")
