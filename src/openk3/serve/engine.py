@@ -70,9 +70,11 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
-        for name in ("checkpoint_every", "prefill_chunk_blocks", "kv_pages"):
+        for name in ("checkpoint_every", "prefill_chunk_blocks"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"engine field {name!r} must be >= 1, got {getattr(self, name)}")
+        if self.kv_pages is not None and self.kv_pages < 2:
+            raise ValueError(f"engine field 'kv_pages' must be >= 2 (one is the null page), got {self.kv_pages}")
         if self.kernels not in ("auto", "triton", "torch"):
             raise ValueError(f"engine field 'kernels' must be auto, triton or torch, got {self.kernels!r}")
 
