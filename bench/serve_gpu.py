@@ -9,8 +9,9 @@
    the same C).
 3. TTFT of a 12k-token prompt: a streamed completion, time to the first chunk (median of three fresh prompts).
 4. GPU memory in use with the server loaded (nvidia-smi, the whole card, minus what was used before it started).
-5. The multi-turn agent trace of bench/serve.py (its code, run in this process on the same GPU engine with the
-   K3 prefix cache and with the block-aligned baseline): reused tokens against the ideal, and TTFT.
+5. In this process, on the same GPU engine: the decode step (CUDA graphs, and eager) teacher-forced against the
+   model's forward (logits difference, argmax agreement); then the multi-turn agent trace of bench/serve.py (its
+   code) with the K3 prefix cache and with the block-aligned baseline: reused tokens against the ideal, and TTFT.
 6. The peer: transformers' KimiLinearForCausalLM with k3-debug's dimensions (Kimi Linear's softplus gate, low-rank
    output gate, plain residuals, full-width MoE), bf16, fla's kernels when fla is importable, generate() of 128
    new tokens at batch = the same client counts, no HTTP.
@@ -47,7 +48,9 @@ sys.path.insert(0, str(BENCH))
 import serve as trace_bench  # noqa: E402  (bench/serve.py: the agent trace and its policies)
 from openk3.config import get_preset  # noqa: E402
 from openk3.model import K3ForCausalLM  # noqa: E402
-from openk3.serve.engine import default_block_sizes  # noqa: E402
+from openk3.serve.engine import Engine, EngineConfig, default_block_sizes  # noqa: E402
+from openk3.serve.scheduler import SchedulerConfig  # noqa: E402
+from openk3.serve.tokenizer import ByteTokenizer  # noqa: E402
 
 
 def free_port() -> int:
@@ -74,7 +77,7 @@ class Server:
         self.log = tempfile.NamedTemporaryFile("w+", prefix="openk3-serve-", suffix=".log", delete=False)
         cmd = [sys.executable, "-m", "openk3", "serve", "--preset", args.preset, "--device", device,
                "--port", str(self.port), "--max-running", str(max(args.concurrency)),
-               "--cache-mb", str(args.cache_mb), "--log-level", "warning"]
+               "--cache-mb", str(args.cache_mb), "--log-level", "warning"] + (["--threads", "1"] if args.smoke else [])
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
 
@@ -142,17 +145,47 @@ async def ttft(url: str, model: str, prompt: list[int]) -> float:
     return first
 
 
+def decode_consistency(model, batch: int = 3, prompt: int = 40, steps: int = 16) -> dict:
+    """Teacher-forced decode through the engine's runner, with CUDA graphs (3 rows run in the 4-row graph: one
+    padding row) and eagerly, against the model's full forward: max |logits difference| / max |logits| and the
+    share of positions whose argmax agrees."""
+    gen = torch.Generator().manual_seed(5)
+    seqs = torch.randint(0, model.config.vocab_size, (batch, prompt + steps), generator=gen)
+    with torch.no_grad():
+        want = model(seqs.to(next(model.parameters()).device)).logits[:, prompt - 1:-1].float()
+    out = {}
+    for graphs in (True, False):
+        engine = Engine(model, ByteTokenizer(), EngineConfig(prefix_cache=False, cuda_graphs=graphs,
+                                                             scheduler=SchedulerConfig(max_running=4)))
+        slots = [engine.states.alloc() for _ in range(batch)]
+        for slot in slots:
+            engine.tables.set(slot, [engine.pages.alloc() for _ in range(-(-(prompt + steps) // engine.page_size))])
+        with torch.no_grad():
+            rows = [[engine.runner.prefill([seq[:prompt].tolist()], [slot], [0])[0][0]] for seq, slot in zip(seqs,
+                                                                                                               slots)]
+            for t in range(steps - 1):
+                logits = engine.runner.decode(seqs[:, prompt + t].tolist(), slots, [prompt + t] * batch)
+                for b in range(batch):
+                    rows[b].append(logits[b])
+        got = torch.stack([torch.stack(r) for r in rows]).float()
+        key = "graphs" if engine.runner.graphs else "eager"
+        out[key] = {"max_rel_diff": ((got - want).abs().max() / want.abs().max()).item(),
+                    "argmax_agree": (got.argmax(-1) == want.argmax(-1)).float().mean().item()}
+    return out
+
+
 def agent_trace(args: argparse.Namespace, device: str, dtype: torch.dtype) -> dict:
-    """bench/serve.py's trace through the engine on this device: the K3 policy and the block-aligned baseline."""
+    """bench/serve.py's trace through the engine on this device: the K3 policy and the block-aligned baseline;
+    first, the decode step checked against the model's forward."""
     torch.manual_seed(0)
     model = K3ForCausalLM(get_preset(args.preset)).to(device=device, dtype=dtype).eval()
+    out = {"decode_vs_forward": decode_consistency(model)}
     h, P = default_block_sizes(model.config.max_seq_len)
     targs = argparse.Namespace(hash_block=h, page_size=P, cache_mb=args.cache_mb, sparse_every=4,
                                prefill_tokens=args.prefill_tokens, max_tokens=args.trace_new_tokens,
                                turns=args.trace_turns)
     trace = trace_bench.build_trace(0, args.trace_sessions, args.trace_turns, args.trace_system_tokens,
                                     tuple(args.trace_tool_tokens))
-    out = {}
     for policy in ("k3", "baseline"):
         res = trace_bench.run_policy(model, policy, trace, targs)
         out[policy] = {"reused_tokens": res["reused_tokens"], "ideal_tokens": res["ideal_tokens"],
@@ -239,6 +272,8 @@ def main() -> None:
     if not args.smoke and not torch.cuda.is_available():
         sys.exit("bench/serve_gpu.py: error: needs a CUDA GPU (torch sees none); --smoke runs it on the CPU")
     device = "cpu" if args.smoke else "cuda"
+    if args.smoke:
+        torch.set_num_threads(1)  # toy matmuls: one thread each for the bench and the server is much faster
     dtype = torch.float32 if args.smoke else torch.bfloat16
     small = dict(preset="k3-tiny", concurrency=[1, 4], new_tokens=8, ttft_tokens=600, trace_sessions=3,
                  trace_turns=3, trace_system_tokens=100, trace_tool_tokens=(8, 24), trace_new_tokens=6, cache_mb=64,
@@ -286,6 +321,8 @@ def main() -> None:
         json.dump(result, fh, indent=1)
 
     k3, base = trace["k3"], trace["baseline"]
+    checks = "; ".join(f"{mode}: max |diff| / max |logit| {c['max_rel_diff']:.2e}, argmax agrees "
+                       f"{c['argmax_agree']:.1%}" for mode, c in trace["decode_vs_forward"].items())
     print(f"\nopenk3 serve ({args.preset}, {result['info']['device']}) vs HF KimiLinearForCausalLM.generate() "
           f"(fla {peer_info['fla']}), {args.new_tokens} new tokens per client, greedy")
     print(f"{'clients':>7} {'openk3 tok/s':>13} {'HF tok/s':>10} {'speedup':>8}")
@@ -296,6 +333,7 @@ def main() -> None:
     mem = f"{memory / 1024:.2f} GiB" if memory is not None else "n/a"
     print(f"TTFT of a {args.ttft_tokens}-token prompt: {result['ttft_12k_s'] * 1000:.1f} ms (median of 3); "
           f"server start-up {startup:.1f} s; CUDA-graph capture {graphs}; GPU memory {mem}")
+    print(f"decode step vs the model's forward (teacher-forced, {args.preset}): {checks}")
     print(f"agent trace: K3 reuses {k3['reuse_of_ideal']:.1%} of ideal ({k3['reused_tokens']} tokens, TTFT mean "
           f"{k3['ttft_mean_s'] * 1000:.1f} ms); block-aligned baseline {base['reuse_of_ideal']:.1%} "
           f"(TTFT mean {base['ttft_mean_s'] * 1000:.1f} ms); bench {total:.0f} s; json: {args.json}")
