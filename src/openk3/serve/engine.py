@@ -100,8 +100,8 @@ class Engine:
         self.model_config = mc = model.config
         self.tokenizer = tokenizer
         self.config = config = config or EngineConfig()
-        weight = next(model.parameters())
-        device, dtype = weight.device, model.model.embed_tokens.weight.dtype
+        embed = model.model.embed_tokens.weight
+        device, dtype = embed.device, embed.dtype
         gpu = device.type == "cuda"
         default_h, _ = default_block_sizes(mc.max_seq_len)
         h = self.hash_block = config.hash_block or default_h
@@ -114,8 +114,8 @@ class Engine:
 
         n_mla = len(mc.mla_layers)
         width = mc.mla.kv_lora_rank + mc.mla.qk_rope_head_dim
-        page_bytes = max(1, n_mla * P * width * weight.element_size())
-        cache_pages = config.cache_bytes // page_bytes if config.prefix_cache else 0
+        page_bytes = max(1, n_mla * P * width * embed.element_size())
+        cache_pages = config.cache_bytes // page_bytes if config.prefix_cache and n_mla else 0
         num_pages = config.kv_pages or 1 + sched.max_running + -(-sched.max_live_tokens // P) + cache_pages
         self.pages = PagePool(n_mla, num_pages, P, width, dtype=dtype, device=device)
         self.tables = BlockTables(sched.max_running, -(-mc.max_seq_len // P), device=device)
@@ -126,7 +126,7 @@ class Engine:
         self.runner.capture()
 
         self.prefix_cache = PrefixCache(PrefixCacheConfig(
-            hash_block=h, page_size=P, page_bytes=self.pages.page_bytes,
+            hash_block=h, page_size=P, page_bytes=page_bytes,
             device_bytes=config.cache_bytes, host_bytes=config.host_cache_bytes,
             disk_dir=config.disk_cache_dir, disk_bytes=config.disk_cache_bytes, device=str(device),
         ), store=self.pages) if config.prefix_cache else None
