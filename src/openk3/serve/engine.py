@@ -26,6 +26,7 @@ import itertools
 import logging
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -183,25 +184,32 @@ class Engine:
                 self._finish(r, "cancelled")
             admitted = self.scheduler.admit(self._locked_fraction())
         for r in admitted:
-            self._isolated([r], self._start, r)
+            with self._isolated([r]):
+                self._start(r)
         decoding = [r for r in self.scheduler.running if not r.prefilling and self._has_pages(r, r.fed + 1)]
         if decoding:
-            self._isolated(decoding, self._decode, decoding)
+            with self._isolated(decoding):
+                self._decode(decoding)
         for round_ in self.scheduler.prefill_rounds(self._chunk_end):
             alike: dict[tuple[int, tuple[int, ...]], list[tuple[Request, int]]] = {}  # same length and checkpoints
             for r, end in round_:
-                if self._has_pages(r, end):
+                if self._has_pages(r, end):  # (and not failed in an earlier round)
                     alike.setdefault((end - r.fed, self._checkpoint_offsets(r.fed, end)), []).append((r, end))
             for group in alike.values():
-                self._isolated([r for r, _ in group], self._prefill, group)
+                with self._isolated([r for r, _ in group]):
+                    self._prefill(group)
         self.metrics.steps += 1
 
-    def _isolated(self, requests: list[Request], work, *args) -> None:
-        """Run one piece of work; if it raises, only the requests it was for end (reason "error")."""
+    @contextmanager
+    def _isolated(self, requests: list[Request]):
+        """Run one piece of a step's work on `requests`: admitting one, giving one pages, one sequence's sampling
+        and bookkeeping after a forward, or a batched forward. If it raises, those requests alone end with
+        finish_reason "error" (their pages, slot and locks are freed) and the step goes on for every other request.
+        A forward's failure cannot be pinned on one row, so it ends its whole batch."""
         try:
-            work(*args)
+            yield
         except Exception:
-            log.exception("engine work for %d request(s) failed; ending them", len(requests))
+            log.exception("engine work on %s failed; ending it alone", ", ".join(r.rid for r in requests))
             for r in requests:
                 if r.finish_reason is None:
                     self._finish(r, "error")
@@ -241,7 +249,8 @@ class Engine:
         """Give a live sequence pages for its first `tokens` positions; False if it is over (or fails for want of
         pages: then it alone ends)."""
         if r.finish_reason is None:
-            self._isolated([r], self._ensure_pages, r, tokens)
+            with self._isolated([r]):
+                self._ensure_pages(r, tokens)
         return r.finish_reason is None
 
     def _ensure_pages(self, r: Request, tokens: int) -> None:
@@ -284,10 +293,13 @@ class Engine:
         """One token for every decoding sequence (their pages are in place)."""
         logits = self.runner.decode([r.output[-1] for r in requests], [r.slot for r in requests],
                                     [r.fed for r in requests])
-        for r, token in zip(requests, self._sample(requests, logits)):
-            r.fed += 1
-            self._register_blocks(r, r.fed - 1)
-            self._accept(r, token)
+        sample = self._sampler(requests, logits)
+        for row, r in enumerate(requests):
+            with self._isolated([r]):
+                token = sample(row)
+                r.fed += 1
+                self._register_blocks(r, r.fed - 1)
+                self._accept(r, token)
 
     def _prefill(self, chunks: list[tuple[Request, int]]) -> None:
         """The next chunk (same length for all) of each request's prompt: (request, end of its chunk)."""
@@ -295,16 +307,16 @@ class Engine:
         offsets = self._checkpoint_offsets(requests[0].fed, ends[0])
         logits, checkpoints = self.runner.prefill([r.prompt[r.fed:end] for r, end in zip(requests, ends)],
                                                   [r.slot for r in requests], [r.fed for r in requests], offsets)
-        done = [row for row, end in enumerate(ends) if end == len(requests[row].prompt)]
-        tokens = dict(zip(done, self._sample([requests[row] for row in done], logits[done]))) if done else {}
+        sample = self._sampler(requests, logits)
         for row, (r, end) in enumerate(zip(requests, ends)):
-            start, r.fed = r.fed, end
-            self._register_blocks(r, start, checkpoints, row)
-            if row in tokens:
-                r.first_token_at = time.perf_counter()
-                self.metrics.ttft_seconds_sum += r.first_token_at - r.arrival
-                self.metrics.ttft_count += 1
-                self._accept(r, tokens[row])
+            with self._isolated([r]):
+                start, r.fed = r.fed, end
+                self._register_blocks(r, start, checkpoints, row)
+                if not r.prefilling:
+                    r.first_token_at = time.perf_counter()
+                    self.metrics.ttft_seconds_sum += r.first_token_at - r.arrival
+                    self.metrics.ttft_count += 1
+                    self._accept(r, sample(row))
 
     def _register_blocks(self, r: Request, start: int, checkpoints: dict | None = None, row: int = 0) -> None:
         """Hand the hash blocks completed between `start` and `r.fed` to the prefix cache: the page holding their
@@ -324,14 +336,14 @@ class Engine:
             self.prefix_cache.append(r.lease, r.tokens[end - h:end], None, ckpt, turn_boundary=turn_end, page=page)
 
     # ---- tokens, stops, events ----------------------------------------------------------------------------
-    def _sample(self, requests: list[Request], logits: torch.Tensor) -> list[int]:
-        """One token per row; greedy rows take the argmax on the device, the rest sample on the CPU from one copy
-        of the batch's logits."""
+    def _sampler(self, requests: list[Request], logits: torch.Tensor):
+        """row -> the row's next token. An all-greedy batch takes one argmax on the device (one small copy to the
+        host); otherwise the batch's logits come to the CPU in one copy and each row samples when asked."""
         logits = logits[:, : self.vocab_limit]
         if all(r.params.greedy for r in requests):
-            return logits.argmax(-1).tolist()
+            return logits.argmax(-1).tolist().__getitem__
         host = logits.float().cpu()
-        return [sample_token(host[row], r.params, r.generator) for row, r in enumerate(requests)]
+        return lambda row: sample_token(host[row], requests[row].params, requests[row].generator)
 
     def _accept(self, r: Request, token: int) -> None:
         r.output.append(token)
