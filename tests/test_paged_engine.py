@@ -185,3 +185,28 @@ def test_a_full_pool_evicts_cached_pages_and_a_request_that_cannot_fit_fails_alo
     assert big.finish_reason == "error" and small.finish_reason == "length"
     assert small.output == generate_ids(model, small.prompt, 10, greedy)
     assert engine.pages.num_free + sum(p.phys is not None for p in engine.prefix_cache.pages) == 2
+
+
+def test_a_failing_sequence_fails_alone_and_gives_back_its_pages(model, monkeypatch):
+    from openk3.serve import engine as engine_module
+
+    real = engine_module.sample_token
+
+    def poisoned(logits, params, generator):
+        if params.seed == 666:
+            raise RuntimeError("injected sampling failure")
+        return real(logits, params, generator)
+
+    monkeypatch.setattr(engine_module, "sample_token", poisoned)
+    engine = make_engine(model, prefix_cache=False)
+    free = engine.pages.num_free
+    prompts = prompts_with_shared_prefixes(model.config.vocab_size)[:3]
+    bad = engine.add_request(prompts[0], SamplingParams(max_tokens=6, temperature=1.0, seed=666))
+    good = [engine.add_request(p, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)) for p in prompts]
+    while engine.has_work():
+        engine.step()
+    assert bad.finish_reason == "error" and bad.slot is None
+    for r in good:
+        assert r.finish_reason == "length" and r.output == generate_ids(model, r.prompt, 6, SamplingParams(
+            temperature=0))
+    assert engine.pages.num_free == free and engine.states.num_free == engine.states.num_slots
