@@ -130,8 +130,7 @@ def test_logits_identical_with_and_without_prefix_cache_and_later_turns_hit(mode
 def budget(model, pages, checkpoints):
     """Bytes of `pages` physical pages and `checkpoints` KDA checkpoints of the test engines."""
     probe = make_engine(model)
-    kda_bytes = sum(s.nbytes() for s in probe.empty_state.kda_states().values())
-    return pages * probe.prefix_cache.config.page_bytes + checkpoints * kda_bytes
+    return pages * probe.prefix_cache.config.page_bytes + checkpoints * probe.checkpoint_bytes
 
 
 def test_greedy_identical_under_forced_eviction_with_host_tier(model):
@@ -194,7 +193,7 @@ def test_cancellation_frees_the_sequence_and_its_locks(model):
     assert r in engine.scheduler.running and any(p.locks for p in engine.prefix_cache.pages)
     engine.cancel(r.rid)
     engine.step()
-    assert r.finish_reason == "cancelled" and r.state is None and r.lease.released
+    assert r.finish_reason == "cancelled" and r.slot is None and r.lease.released
     assert r not in engine.scheduler.running and events[-1].finished
     drain(engine)
     assert other.finish_reason == "length"

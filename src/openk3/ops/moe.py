@@ -50,7 +50,8 @@ def group_by_expert(indices: torch.Tensor, num_experts: int) -> tuple[torch.Tens
     """indices [N,k] -> (order [N*k]: flat (token, slot) ids sorted by expert, counts [E] tokens per expert)."""
     flat = indices.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    # scatter_add, not bincount: bincount reads the max index on the host (a sync that CUDA graphs cannot capture)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
     return order, counts
 
 

@@ -5,7 +5,7 @@ Admission auto-throttles (SPEC §6, the rollout engine's rule, applied to servin
 - running requests: at most `max_running` sequences are live, and their tokens stay under `max_live_tokens`;
 - cache utilisation: while more than `max_locked_fraction` of the prefix cache's device tier is locked by
   running sequences, new ones wait (they could neither hit nor write without thrashing).
-Each step then runs every decoding sequence (one token each) and spends up to `prefill_tokens_per_step` on
+Each step then runs every decoding sequence (one token each) and spends at most `prefill_tokens_per_step` on
 prefill chunks, oldest requests first; requests join and leave only between steps.
 """
 
@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from openk3.cache import SequenceState
 from openk3.sampling import SamplingParams
 from openk3.serve.prefix_cache import Lease
 
@@ -48,7 +47,7 @@ class Request:
     on_event: Callable[[RequestEvent], None] | None = None
     output: list[int] = field(default_factory=list)
     fed: int = 0  # tokens the model has consumed: the sequence's cache length
-    state: SequenceState | None = None  # the sequence's decode state between forwards
+    slot: int | None = None  # its KDA state-pool slot and block-table row while it runs
     lease: Lease | None = None
     generator: torch.Generator | None = None
     cached_tokens: int = 0
@@ -76,7 +75,7 @@ class SchedulerConfig:
     max_running: int = 32
     max_queue: int = 1024
     max_live_tokens: int = 1 << 17
-    prefill_tokens_per_step: int = 256
+    prefill_tokens_per_step: int = 256  # CPU default; `default_prefill_tokens` gives the GPU's
     max_locked_fraction: float = 0.9
 
     def __post_init__(self) -> None:
@@ -113,21 +112,22 @@ class Scheduler:
             admitted.append(request)
         return admitted
 
-    def prefill_rounds(self, chunk_end: Callable[[Request, int], int]) -> list[list[Request]]:
-        """Prefill work of one step: rounds of (request, one chunk each), oldest first, within the token budget.
-        A request may get several chunks (one per round) when few are prefilling."""
+    def prefill_rounds(self, chunk_end: Callable[[Request, int], int]) -> list[list[tuple[Request, int]]]:
+        """Prefill work of one step: rounds of (request, end of its next chunk), oldest first, exactly within the
+        token budget (the chunk that reaches the budget is cut there). A request may get several chunks (one per
+        round) when few are prefilling."""
         budget, fed = self.config.prefill_tokens_per_step, {}
-        rounds: list[list[Request]] = []
+        rounds: list[list[tuple[Request, int]]] = []
         while budget > 0:
             this_round = []
             for r in self.running:
                 pos = fed.get(r, r.fed)
                 if pos >= len(r.prompt) or budget <= 0:
                     continue
-                n = chunk_end(r, pos) - pos
-                fed[r] = pos + n
-                budget -= n
-                this_round.append(r)
+                end = min(chunk_end(r, pos), pos + budget)
+                fed[r] = end
+                budget -= end - pos
+                this_round.append((r, end))
             if not this_round:
                 break
             rounds.append(this_round)
