@@ -38,14 +38,20 @@ TOL = 1e-4  # fp32: chunking, batching and restored cache states change only the
 
 
 def record_logits(engine) -> dict[str, list[torch.Tensor]]:
-    """Every logits row the engine samples from, by request id (wraps the engine's per-token `_accept`)."""
-    seen, accept = defaultdict(list), engine._accept
+    """Every logits row the engine samples a token from, by request id (wraps the engine's `_sampler`: a row is
+    recorded when its token is drawn)."""
+    seen, sampler = defaultdict(list), engine._sampler
 
-    def recording(r, logits):
-        seen[r.rid].append(logits.detach().float().clone())
-        accept(r, logits)
+    def recording(requests, logits):
+        draw = sampler(requests, logits)
 
-    engine._accept = recording
+        def sample(row):
+            seen[requests[row].rid].append(logits[row].detach().float().clone())
+            return draw(row)
+
+        return sample
+
+    engine._sampler = recording
     return seen
 
 
@@ -314,11 +320,12 @@ def test_a_failing_sequence_fails_alone(model, monkeypatch):
     drain(alone)
     monkeypatch.setattr(engine_module, "sample_token", poisoned)
     engine, events = make_engine(model), []
-    bad = engine.add_request(tok.encode("this one fails"), SamplingParams(seed=POISON_SEED, **params),
+    bad = engine.add_request(tok.encode("this one fails"),  # sampled (greedy rows never reach sample_token)
+                             SamplingParams(seed=POISON_SEED, **{**params, "temperature": 0.8}),
                              on_event=events.append)
     good = [engine.add_request(p, SamplingParams(**params)) for p in prompts]
     drain(engine)
-    assert bad.finish_reason == "error" and bad.state is None and bad.lease.released
+    assert bad.finish_reason == "error" and bad.slot is None and bad.lease.released
     assert events[-1].finished and events[-1].finish_reason == "error"
     assert [r.output for r in good] == [r.output for r in expected]
     assert all(r.finish_reason == "length" for r in good)
@@ -334,18 +341,19 @@ def test_a_failing_prefill_forward_fails_its_group_alone(model):
     tok, params = ByteTokenizer(), dict(max_tokens=4, temperature=0, ignore_eos=True)
     poison = 7  # a byte no other prompt has
 
-    class FailsOnPoison(torch.nn.Module):
-        def forward(self, ids, **kw):
-            if (ids == poison).any():
-                raise RuntimeError("injected forward failure")
-            return model(ids, **kw)
-
     decoding, short = tok.encode("already decoding"), tok.encode("a short prompt")
     alone = make_engine(model)
     expected = [alone.add_request(p, SamplingParams(**params)) for p in (decoding, short)]
     drain(alone)
     engine = make_engine(model)
-    engine.model = FailsOnPoison()
+    prefill = engine.runner.prefill
+
+    def fails_on_poison(chunks, *args):
+        if any(poison in chunk for chunk in chunks):
+            raise RuntimeError("injected forward failure")
+        return prefill(chunks, *args)
+
+    engine.runner.prefill = fails_on_poison
     first = engine.add_request(decoding, SamplingParams(**params))
     engine.step()
     bad = engine.add_request(tok.encode("a much longer prompt \x07 than the other"), SamplingParams(**params))
