@@ -237,8 +237,9 @@ def test_a_request_whose_sequence_fails_gets_500_and_the_others_200(monkeypatch)
             time.sleep(0.05)
         body = {"model": MODEL, "prompt": "hello", "max_tokens": 4, "ignore_eos": True, "temperature": 0}
         with ThreadPoolExecutor(max_workers=4) as pool:
-            bad = pool.submit(post, url, "/v1/completions", {**body, "seed": 666})
-            bad_stream = pool.submit(post, url, "/v1/completions", {**body, "seed": 666, "stream": True})
+            poisoned_body = {**body, "seed": 666, "temperature": 0.8}  # sampled: greedy rows never reach sample_token
+            bad = pool.submit(post, url, "/v1/completions", poisoned_body)
+            bad_stream = pool.submit(post, url, "/v1/completions", {**poisoned_body, "stream": True})
             good = [pool.submit(post, url, "/v1/completions", body) for _ in range(2)]
             bad, bad_stream, good = bad.result(), bad_stream.result(), [g.result() for g in good]
         assert bad.status_code == 500 and bad.json()["error"]["type"] == "server_error"
