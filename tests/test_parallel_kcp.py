@@ -1,13 +1,13 @@
 """KDA context parallel and MLA under context parallel against one process, in 2 and 4 real processes (gloo).
 
-Each rank holds a contiguous slice of one packed stream; its outputs, its input gradients (every rank, not only the
-last) and the parameter gradients summed over the ranks must equal the single-process layer run on each document
-alone: to 1e-10 in fp64 for the layers (exact up to rounding; in fp32 the cancelling sum of dt_bias's gradient
-alone differs by up to ~1e-5 between any two summation orders), to 1e-5 in fp32 for the whole model. The layouts cover the traps of SPEC §10: a document crossing 2 and 3 rank boundaries, a
-document boundary exactly at a rank boundary, ranks holding fewer than W-1 = 3 tokens (so a conv halo comes from
-two earlier ranks), a rank lying wholly inside a document. The whole tiny model (KDA + MLA + MoE + Block AttnRes +
-MTP) through `parallelize_cp` and `cp_lm_losses` must give the single-process loss, every parameter gradient and
-the routers' balancing statistics.
+Layers: each rank holds a contiguous slice of one packed stream; its outputs, its input gradients (every rank, not
+only the last) and the parameter gradients summed over the ranks must equal the single-process layer run on each
+document alone, to 1e-10 in fp64 (exact up to rounding; in fp32 the cancelling sum that is dt_bias's gradient
+alone moves by up to ~1e-5 between two summation orders). The layouts cover the traps of SPEC §10: a document
+crossing 2 and 3 rank boundaries, a document boundary exactly at a rank boundary, ranks holding fewer than W-1 = 3
+tokens (so a conv halo comes from two earlier ranks), a rank lying wholly inside a document.
+Model: the whole tiny model (KDA + MLA + MoE + Block AttnRes + MTP) through `parallelize_cp` and `cp_lm_losses`
+gives the single-process loss, every parameter gradient and the routers' balancing statistics, to 1e-5 in fp32.
 """
 
 import math
@@ -128,13 +128,14 @@ def _model_worker(rank, world):
     assert_close(step[0, -1], plain[0, 5], 1e-4, "decode through the wrapped model")
 
 
-def test_kcp_and_mla_layers_two_processes():
-    run_ranks(_layers_worker, 2)
+def _two_process_worker(rank, world):
+    _layers_worker(rank, world)
+    _model_worker(rank, world)
+
+
+def test_kcp_mla_and_the_model_two_processes():
+    run_ranks(_two_process_worker, 2)
 
 
 def test_kcp_and_mla_layers_four_processes():
     run_ranks(_layers_worker, 4)
-
-
-def test_context_parallel_model_matches_one_process():
-    run_ranks(_model_worker, 2)

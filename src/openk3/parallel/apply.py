@@ -6,9 +6,10 @@ Layout of N processes (torchrun): rank = dp_index * cp + cp_index.
   - data parallel: N / cp indices, each taking batch_size / (N / cp) windows of the global batch;
   - expert parallel: groups of ep consecutive ranks split the routed experts (each rank of a group holds different
     tokens, whether they differ by data-parallel or context-parallel index);
-  - FSDP2 shards every parameter over all N ranks (they all hold the same model), except the routed experts, which
-    are sharded over the N / ep ranks that hold the same experts; their reduction divides by N, not N / ep, because
-    each one's gradient already sums the ep ranks of its group.
+  - FSDP2 shards every parameter over all N ranks (they all hold the same model) and averages its gradient over
+    them, except the routed experts, which are sharded over the N / ep ranks that hold the same experts and averaged
+    over those; the expert-parallel forward has already divided their gradient (a sum over the ep ranks of the
+    group) by ep, so it too ends up the mean over all N ranks.
 So the loss and every gradient are those of one process on the same global batch, whatever the layout.
 """
 
@@ -67,7 +68,7 @@ class Parallel:
         return batch[index * per:(index + 1) * per]
 
 
-def apply_fsdp(model: nn.Module, mesh, expert_mesh, world: int) -> None:
+def apply_fsdp(model: nn.Module, mesh, expert_mesh) -> None:
     """FSDP2 units: each token mixer and FFN of a decoder layer, each MTP layer's block, the root; expert-parallel
     experts are their own units on `expert_mesh` (module docstring)."""
     from torch.distributed.fsdp import fully_shard
@@ -79,8 +80,6 @@ def apply_fsdp(model: nn.Module, mesh, expert_mesh, world: int) -> None:
     def shard(module: nn.Module) -> None:
         for experts in expert_modules(module).values():
             fully_shard(experts, mesh=expert_mesh)
-            experts.set_gradient_divide_factor(float(world))
-            experts.set_force_sum_reduction_for_comms(True)  # a plain sum, then the division (gloo has no PREMUL_SUM)
         fully_shard(module, mesh=mesh)
 
     for layer in model.model.layers:
@@ -115,5 +114,5 @@ def parallelize(model: nn.Module, dims: ParallelDims, rank: int, device_type: st
     if dims.cp > 1:
         cp_mesh = init_device_mesh(device_type, (dims.dp, dims.cp), mesh_dim_names=("dp", "cp"))
         cp = parallelize_cp(model, cp_mesh["cp"].get_group(), activation_checkpointing=activation_checkpointing)
-    apply_fsdp(model, mesh, expert_mesh, dims.world)
+    apply_fsdp(model, mesh, expert_mesh)
     return Parallel(dims, rank, cp)

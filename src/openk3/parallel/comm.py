@@ -56,25 +56,25 @@ def _all_to_all(x: torch.Tensor, recv: list[int], send: list[int], group) -> tor
 
 class _Exchange(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, splits, group, anchor, *tensors):
+    def forward(ctx, splits, group, num_anchors, *tensors):
         ctx.splits, ctx.group = splits, group
-        ctx.anchor = None if anchor is None else (anchor.shape, anchor.dtype, anchor.device)
-        return tuple(_all_to_all(x, recv, send, group) for x, (send, recv) in zip(tensors, splits))
+        ctx.anchors = [(a.shape, a.dtype, a.device) for a in tensors[:num_anchors]]
+        return tuple(_all_to_all(x, recv, send, group) for x, (send, recv) in zip(tensors[num_anchors:], splits))
 
     @staticmethod
     def backward(ctx, *grads):
         back = [_all_to_all(g, send, recv, ctx.group) for g, (send, recv) in zip(grads, ctx.splits)]
-        anchor = None if ctx.anchor is None else torch.zeros(ctx.anchor[0], dtype=ctx.anchor[1], device=ctx.anchor[2])
-        return (None, None, anchor, *back)
+        zeros = [torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.anchors]
+        return (None, None, None, *zeros, *back)
 
 
 def exchange(items: list[tuple[torch.Tensor, list[int], list[int]]], group,
-             anchor: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+             anchors: tuple[torch.Tensor, ...] = ()) -> tuple[torch.Tensor, ...]:
     """all_to_all_single for each (tensor, rows sent to each rank, rows received from each rank), one autograd
     node. A tensor's rows are grouped by destination rank; the result's rows are grouped by source rank.
 
-    Every rank must reach the node's backward, or the others wait in its collective. `anchor` (given a zero
-    gradient) links the node to an earlier one whose outputs this rank may not otherwise use, e.g. the rows it
-    received when it received none."""
+    Every rank must reach the node's backward, or the others wait in its collective. `anchors` (each given a zero
+    gradient) are tensors this rank may not otherwise use but whose backward must run, e.g. the rows it received
+    when it received none, or expert weights no row used this step (so every rank has a gradient to reduce)."""
     splits = tuple((list(send), list(recv)) for _, send, recv in items)
-    return _Exchange.apply(splits, group, anchor, *(x for x, _, _ in items))
+    return _Exchange.apply(splits, group, len(anchors), *anchors, *(x for x, _, _ in items))

@@ -34,12 +34,18 @@ from openk3.parallel.planner import PLANNERS, EPPlan
 
 @dataclass(frozen=True)
 class ExpertParallel:
-    """The group the experts are split over, this rank's index in it, and the planner ("balanced" | "static")."""
+    """The group the experts are split over, this rank's index in it, and the planner ("balanced" | "static").
+
+    average_gradients: an expert's gradient sums the loss terms of every rank of the group; divide it by the group
+    size, so that it is the mean over the group's ranks as data parallelism takes it for every other parameter
+    (training: each rank's loss is its own mean, and FSDP averages over the ranks that hold the same experts).
+    Off, the gradient is that of the sum of the ranks' losses."""
 
     group: object
     rank: int
     size: int
     planner: str = "balanced"
+    average_gradients: bool = False
 
     def __post_init__(self) -> None:
         if self.planner not in PLANNERS:
@@ -54,7 +60,20 @@ def _rows_per_rank(seg_rank: np.ndarray, rows: np.ndarray, ranks: int) -> list[i
     return np.bincount(seg_rank, weights=rows, minlength=ranks).astype(np.int64).tolist()
 
 
-def _replica_weights(experts, plan: EPPlan, ep: ExpertParallel):
+class _ScaleGradient(torch.autograd.Function):
+    """Identity forward; backward multiplies the gradient by `factor`."""
+
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
+def _replica_weights(gate_up: torch.Tensor, down: torch.Tensor, plan: EPPlan, ep: ExpertParallel):
     """What this rank sends (its experts that other ranks replicate, grouped by destination) and receives (its
     replicas, by ascending expert id = by home rank, then slot)."""
     m = plan.experts_per_rank
@@ -64,14 +83,13 @@ def _replica_weights(experts, plan: EPPlan, ep: ExpertParallel):
         send_local += mine
         send_counts.append(len(mine))
     recv_counts = np.bincount(plan.replicas(ep.rank) // m, minlength=ep.size).tolist()
-    flat = torch.cat([experts.gate_up_proj.flatten(1), experts.down_proj.flatten(1)], dim=1)  # [m, P]
+    flat = torch.cat([gate_up.flatten(1), down.flatten(1)], dim=1)  # [m, P]
     send = flat[torch.tensor(send_local, dtype=torch.long, device=flat.device)]
     return send, send_counts, recv_counts
 
 
-def _slot_weights(experts, received: torch.Tensor | None, m: int):
+def _slot_weights(gate_up: torch.Tensor, down: torch.Tensor, received: torch.Tensor | None, m: int):
     """gate_up [slots, 2I, D], down [slots, D, I]: own experts, then the received replicas, zero-padded to m."""
-    gate_up, down = experts.gate_up_proj, experts.down_proj
     if received is None:
         return gate_up, down
     padded = torch.cat([received, received.new_zeros(m - received.shape[0], received.shape[1])])
@@ -91,6 +109,9 @@ def ep_experts_forward(experts: Experts, ep: ExpertParallel, x: torch.Tensor, ro
     plan = PLANNERS[ep.planner](counts)
     slots = plan.slot_expert.shape[1]
     device = x.device
+    gate_up, down = experts.gate_up_proj, experts.down_proj
+    if ep.average_gradients:
+        gate_up, down = _ScaleGradient.apply(gate_up, 1 / R), _ScaleGradient.apply(down, 1 / R)
 
     # rows sorted by expert are cut into segments in plan order; send them grouped by (destination, slot)
     mine = torch.from_numpy(plan.seg_rows[rank]).to(device)
@@ -107,7 +128,7 @@ def ep_experts_forward(experts: Experts, ep: ExpertParallel, x: torch.Tensor, ro
     items = [(x[rows // K], send_counts, recv_counts)]
     has_replicas = slots > m and bool((plan.slot_expert[:, m:] >= 0).any())  # the same answer on every rank
     if has_replicas:
-        items.append(_replica_weights(experts, plan, ep))
+        items.append(_replica_weights(gate_up, down, plan, ep))
     received = exchange(items, ep.group)
     x_recv = received[0]
 
@@ -115,10 +136,11 @@ def ep_experts_forward(experts: Experts, ep: ExpertParallel, x: torch.Tensor, ro
     recv_slot = torch.from_numpy(np.repeat(np.tile(plan.seg_slot[to_me], R), from_each.reshape(-1))).to(device)
     by_slot = torch.argsort(recv_slot, stable=True)
     slot_counts = torch.bincount(recv_slot, minlength=slots)
-    gate_up, down = _slot_weights(experts, received[1] if has_replicas else None, m)
-    y_sorted = grouped_glu_mlp(x_recv[by_slot], slot_counts, gate_up, down, experts.act)
+    slot_gate_up, slot_down = _slot_weights(gate_up, down, received[1] if has_replicas else None, m)
+    y_sorted = grouped_glu_mlp(x_recv[by_slot], slot_counts, slot_gate_up, slot_down, experts.act)
     y_recv = y_sorted[torch.argsort(by_slot)]
-    (y,) = exchange([(y_recv, recv_counts, send_counts)], ep.group, anchor=x_recv)  # x_recv may be empty here
+    # anchors: this rank may have received no rows, or used some of its experts for none
+    (y,) = exchange([(y_recv, recv_counts, send_counts)], ep.group, anchors=(x_recv, slot_gate_up, slot_down))
     experts.rows_computed = int(x_recv.shape[0])  # S x K under the balanced planner (tests check it)
 
     acc = acc_dtype(x.dtype)
@@ -145,9 +167,10 @@ def expert_modules(model: torch.nn.Module) -> dict[str, Experts]:
     return {name: m for name, m in model.named_modules() if getattr(m, "expert_parallel", None) is not None}
 
 
-def parallelize_ep(model: torch.nn.Module, group, *, planner: str = "balanced") -> None:
-    """Split every MoE layer's routed experts over `group` (decoder and MTP layers alike)."""
-    ep = ExpertParallel(group, dist.get_rank(group), dist.get_world_size(group), planner)
+def parallelize_ep(model: torch.nn.Module, group, *, planner: str = "balanced", average_gradients: bool = True) -> None:
+    """Split every MoE layer's routed experts over `group` (decoder and MTP layers alike); `ExpertParallel` explains
+    `average_gradients` (the training default)."""
+    ep = ExpertParallel(group, dist.get_rank(group), dist.get_world_size(group), planner, average_gradients)
     for module in list(model.modules()):
         if isinstance(module, Experts):
             shard_experts(module, ep)

@@ -41,3 +41,6 @@ class TrainArgs:
     time_limit: float = 540.0  # wall seconds for the whole run; the step count shrinks to fit (0: no limit)
     progress: bool = True
     plot: bool = True
+    cp: int = 1  # context-parallel ranks per data-parallel index (openk3.parallel; data parallel = processes / cp)
+    ep: int = 1  # expert-parallel group size
+    ep_planner: str = "balanced"  # "balanced" (MoonEP: S x K rows per rank) or "static" (every row to its home rank)
