@@ -38,11 +38,15 @@ def check_plan(plan, counts):
     assigned = np.zeros_like(counts)
     np.add.at(assigned.T, plan.seg_expert, plan.seg_rows.T)
     np.testing.assert_array_equal(assigned, counts)
-    # segments sorted by expert, the home segment first, then replicas by destination
-    assert (np.diff(plan.seg_expert) >= 0).all()
-    for e in range(E):
-        ranks = plan.seg_rank[plan.seg_expert == e]
-        assert ranks[0] == e // m and (np.diff(ranks[1:]) > 0).all() and (ranks[1:] != e // m).all()
+    # the E home segments, then the replica segments sorted by (expert, destination), never the home rank
+    np.testing.assert_array_equal(plan.seg_expert[:E], np.arange(E))
+    np.testing.assert_array_equal(plan.seg_rank[:E], np.arange(E) // m)
+    replica = np.stack([plan.seg_expert[E:], plan.seg_rank[E:]])
+    assert (np.lexsort(replica[::-1]) == np.arange(replica.shape[1])).all()
+    assert (replica[1] != replica[0] // m).all() and len({tuple(c) for c in replica.T}) == replica.shape[1]
+    fill = plan.by_expert()  # sorted by expert, each expert's home segment first
+    assert (np.diff(plan.seg_expert[fill]) >= 0).all()
+    np.testing.assert_array_equal(fill[np.searchsorted(plan.seg_expert[fill], np.arange(E))], np.arange(E))
     # each segment sits in the slot that holds its expert
     np.testing.assert_array_equal(plan.slot_expert[plan.seg_rank, plan.seg_slot], plan.seg_expert)
     np.testing.assert_array_equal(plan.slot_expert[:, :m], np.arange(E).reshape(R, m))
@@ -97,7 +101,7 @@ def test_worked_example():
     np.testing.assert_array_equal(plan.rows_received(), [4, 4])
     np.testing.assert_array_equal(plan.replicas(1), [0])
     # expert 0's 5 rows (3 from rank 0, then 2 from rank 1): the first 2 stay home, the last 3 go to rank 1
-    home, moved = np.flatnonzero(plan.seg_expert == 0)
+    home, moved = np.flatnonzero(plan.seg_expert == 0)  # home segment first
     np.testing.assert_array_equal(plan.seg_rows[:, home], [2, 0])
     np.testing.assert_array_equal(plan.seg_rows[:, moved], [1, 2])
 

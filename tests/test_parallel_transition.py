@@ -6,7 +6,12 @@ import torch
 
 from openk3.ops.gates import k3_gate
 from openk3.ops.kda import kda
-from openk3.ops.kda.transition import compose_maps, kda_transition, kda_transition_reference
+from openk3.ops.kda.transition import (
+    compose_maps,
+    kda_transition,
+    kda_transition_chunked,
+    kda_transition_reference,
+)
 from openk3.parallel.layout import SequenceSplit
 
 
@@ -26,13 +31,29 @@ def rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
 
 
-@pytest.mark.parametrize("T, chunk", [(1, 16), (15, 16), (16, 16), (17, 16), (37, 8), (70, 16)])
+@pytest.mark.parametrize("T, chunk", [(1, 16), (16, 16), (17, 16), (37, 8)])
 @pytest.mark.parametrize("gate", ["random", "floor", "near0", "unbounded"])
-def test_chunked_transition_equals_token_by_token(T, chunk, gate):
+def test_transition_equals_token_by_token(T, chunk, gate):
+    """The chunk-map form, and the augmented-state KDA pass (here on the recurrent backend), in fp64."""
     k, v, g, beta = inputs(2, T, 2, 8, 5, seed=T + chunk, gate=gate)
-    S, M = kda_transition(k, v, g, beta, chunk_size=chunk)
     S_ref, M_ref = kda_transition_reference(k, v, g, beta)
-    assert rel(S, S_ref) < 1e-12 and (M - M_ref).abs().max() < 1e-12
+    for S, M in (kda_transition_chunked(k, v, g, beta, chunk_size=chunk), kda_transition(k, v, g, beta,
+                                                                                         backend="recurrent")):
+        assert rel(S, S_ref) < 1e-12 and (M - M_ref).abs().max() < 1e-12
+
+
+def test_transition_on_the_triton_backend():
+    """The augmented-state pass on the Triton kernels (the interpreter on CPU), fp32, values and gradients."""
+    pytest.importorskip("triton")
+    k, v, g, beta = inputs(1, 37, 2, 16, 16, seed=5, gate="near0", dtype=torch.float32)
+    leaves = [t.clone().requires_grad_() for t in (k, v, g, beta)]
+    wS, wM = torch.randn(1, 2, 16, 16), torch.randn(1, 2, 16, 16)
+    results = []
+    for fn in (lambda *a: kda_transition(*a, backend="triton"), kda_transition_reference):
+        S, M = fn(*leaves)
+        results.append((S, M, *torch.autograd.grad((S * wS).sum() + (M * wM).sum(), leaves)))
+    for a, b in zip(*results):
+        assert rel(a.detach(), b.detach()) < 1e-4
 
 
 @pytest.mark.parametrize("T", [5, 33])
@@ -42,13 +63,13 @@ def test_transition_is_kda_as_an_affine_map(T):
     S0 = torch.randn(1, 3, 4, 6, dtype=torch.float64)
     q = torch.randn_like(k)
     _, final = kda(q, k, v, g, beta, initial_state=S0, output_final_state=True, backend="recurrent")
-    S, M = kda_transition(k, v, g, beta)
+    S, M = kda_transition_chunked(k, v, g, beta)
     assert rel(M @ S0 + S, final) < 1e-12
 
     leaves = [t.clone().requires_grad_() for t in (k, v, g, beta)]
     wS, wM = torch.randn_like(S), torch.randn_like(M)
     grads = []
-    for fn in (kda_transition, kda_transition_reference):
+    for fn in (kda_transition_chunked, kda_transition_reference):
         S, M = fn(*leaves)
         grads.append(torch.autograd.grad((S * wS).sum() + (M * wM).sum(), leaves))
     for a, b in zip(*grads):
@@ -57,10 +78,11 @@ def test_transition_is_kda_as_an_affine_map(T):
 
 def test_bf16_inputs_keep_the_chain_in_fp32():
     k, v, g, beta = inputs(1, 300, 2, 16, 16, seed=0, gate="near0", dtype=torch.bfloat16)
-    S, M = kda_transition(k, v, g, beta)
-    assert S.dtype == M.dtype == torch.float32
     S_ref, M_ref = kda_transition_reference(*(t.double() for t in (k, v, g, beta)))
-    assert rel(S.double(), S_ref) < 1e-5 and rel(M.double(), M_ref) < 1e-5
+    for backend in ("chunked", "recurrent"):
+        S, M = kda_transition(k, v, g, beta, backend=backend)
+        assert S.dtype == M.dtype == torch.float32
+        assert rel(S.double(), S_ref) < 1e-5 and rel(M.double(), M_ref) < 1e-5
 
 
 def test_compose_maps_in_order():

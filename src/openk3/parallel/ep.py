@@ -113,9 +113,10 @@ def ep_experts_forward(experts: Experts, ep: ExpertParallel, x: torch.Tensor, ro
     if ep.average_gradients:
         gate_up, down = _ScaleGradient.apply(gate_up, 1 / R), _ScaleGradient.apply(down, 1 / R)
 
-    # rows sorted by expert are cut into segments in plan order; send them grouped by (destination, slot)
-    mine = torch.from_numpy(plan.seg_rows[rank]).to(device)
-    seg_key = torch.from_numpy(plan.seg_rank * slots + plan.seg_slot).to(device)
+    # rows sorted by expert fill the segments in `by_expert` order; send them grouped by (destination, slot)
+    fill = plan.by_expert()
+    mine = torch.from_numpy(plan.seg_rows[rank, fill]).to(device)
+    seg_key = torch.from_numpy((plan.seg_rank * slots + plan.seg_slot)[fill]).to(device)
     by_expert = torch.argsort(flat, stable=True)
     row_key = torch.repeat_interleave(seg_key, mine)
     rows = by_expert[torch.argsort(row_key, stable=True)]  # flat (token, k) ids in send order

@@ -7,10 +7,11 @@ Per KDA layer and rank r (the token layout is a `SequenceSplit`):
               a rank holding fewer than W-1 tokens is fine). Backward: the gathered rows' gradients are summed
               over the ranks and each rank adds its share to its last inputs' gradients (`comm.gather_rows`).
   state fold  If r's last local sequence goes on past r, r computes that sequence's affine map from a zero
-              state, (S_ext, M) with S_end = M S_0 + S_ext (`ops.kda.transition`, fp32). One all-gather of
-              [S_ext | M]; a rank whose first sequence began earlier folds S <- M_j S + S_ext_j over the ranks j
-              that hold the rest of it (`SequenceSplit.state_chain`): its true initial state. Then the ordinary
-              KDA runs on the local tokens (`openk3.ops.kda.kda`, any backend; its other sequences start at 0).
+              state, (S_ext, M) with S_end = M S_0 + S_ext (`ops.kda.transition` on the layer's backend, fp32).
+              One all-gather of [S_ext | M]; a rank whose first sequence began earlier folds S <- M_j S + S_ext_j
+              over the ranks j that hold the rest of it (`SequenceSplit.state_chain`): its true initial state.
+              Then the ordinary KDA runs on the local tokens (`openk3.ops.kda.kda`, any backend; its other
+              sequences start at 0).
   backward    `_StateFold.backward` gets every rank's initial-state gradient dS_in (one all-gather) and walks the
               later ranks of r's last sequence backwards: T = dS_in[j] + M_j^T T over the ranks it spans, the
               terminal state gradient of r's last sequence. Then dS_ext = T and dM = T S_0^T (S_0 = r's initial
@@ -99,7 +100,7 @@ def kcp_kda(q, k, v, g, beta, split: SequenceSplit, rank: int, group, *, scale=N
     acc = torch.float64 if k.dtype == torch.float64 else torch.float32
     if split.continues_to(rank):
         a = split.tail_start(rank)
-        S_ext, M = kda_transition(k[:, a:], v[:, a:], g[:, a:], beta[:, a:])
+        S_ext, M = kda_transition(k[:, a:], v[:, a:], g[:, a:], beta[:, a:], backend=backend)
         S_ext, M = S_ext[0], M[0]
     else:
         S_ext = k.new_zeros(H, K, V, dtype=acc)

@@ -6,9 +6,11 @@ source rank and then by the source's own order, into consecutive segments, one p
 
     segment j: expert seg_expert[j] on rank seg_rank[j] in slot seg_slot[j]; seg_rows[s, j] of its rows from s.
 
-Segments are sorted by expert, and for one expert the home segment comes first, then the replica segments by
-destination rank. A rank has 2m slots: slots [0, m) hold its own experts (slot i: expert r m + i), slots [m, 2m)
-the replicas it computes this step, by ascending expert id (-1 when empty): `slot_expert` [R, 2m].
+Segment e (e < E) is expert e's home segment; the replica segments follow, sorted by (expert, destination rank).
+Within one expert the rows are cut home segment first, then the replica segments in that order, so a stable sort
+of the segments by expert (`EPPlan.by_expert`) gives the order in which a source's rows, sorted by expert, fill
+them. A rank has 2m slots: slots [0, m) hold its own experts (slot i: expert r m + i), slots [m, 2m) the replicas
+it computes this step, by ascending expert id (-1 when empty): `slot_expert` [R, 2m].
 
 `plan_static`: every row goes home (plain expert parallelism; the load follows the routing).
 `plan_balanced`: MoonEP's planner; every rank receives exactly cap[d] rows, cap = total / R spread as evenly as
@@ -43,6 +45,10 @@ class EPPlan:
     @property
     def num_ranks(self) -> int:
         return self.slot_expert.shape[0]
+
+    def by_expert(self) -> np.ndarray:
+        """Segment indices in the order a source's rows, sorted by expert, fill them (module docstring)."""
+        return np.argsort(self.seg_expert, kind="stable")
 
     def rows_received(self) -> np.ndarray:
         """[R] rows each rank computes."""
@@ -124,45 +130,38 @@ def plan_balanced(counts: np.ndarray) -> EPPlan:
     stay = load.tolist()
     pieces = _split_quotas(moves, stay, m)
 
-    # slots: replicas on each destination by ascending expert id
     p_expert = np.array([p[0] for p in pieces], dtype=np.int64)
     p_rank = np.array([p[1] for p in pieces], dtype=np.int64)
     p_rows = np.array([p[2] for p in pieces], dtype=np.int64)
+    # pieces sorted by (expert, destination): the order they take an expert's rows after its home segment
+    order = np.lexsort((p_rank, p_expert))
+    p_expert, p_rank, p_rows = p_expert[order], p_rank[order], p_rows[order]
+    # slots: each destination's replicas by ascending expert id
     by_dest = np.lexsort((p_expert, p_rank))
     p_slot = np.empty(len(pieces), dtype=np.int64)
-    first = np.searchsorted(p_rank[by_dest], p_rank[by_dest], side="left")
-    p_slot[by_dest] = m + np.arange(len(pieces)) - first
+    p_slot[by_dest] = m + np.arange(len(pieces)) - np.searchsorted(p_rank[by_dest], p_rank[by_dest])
     slot_expert = np.full((R, 2 * m), -1, dtype=np.int64)
     slot_expert[:, :m] = np.arange(E).reshape(R, m)
     slot_expert[p_rank, p_slot] = p_expert
 
-    # segments sorted by expert, home first, then replicas by destination
     experts = np.arange(E)
     seg_expert = np.concatenate([experts, p_expert])
-    order = np.lexsort((np.concatenate([np.zeros(E, dtype=np.int64), p_rank + 1]), seg_expert))
-    where = np.empty_like(order)
-    where[order] = np.arange(len(order))  # sorted position of home segment e (index e) and of piece i (E + i)
-    seg_expert = seg_expert[order]
-    seg_rank = np.concatenate([experts // m, p_rank])[order]
-    seg_slot = np.concatenate([experts % m, p_slot])[order]
-
+    seg_rank = np.concatenate([experts // m, p_rank])
+    seg_slot = np.concatenate([experts % m, p_slot])
     # step 4: an expert without replicas keeps all its rows home; for a replicated one, source s holds rows
-    # [lo, hi) of the expert's rows, the home segment is [0, stay) and the pieces follow in segment order
-    seg_rows = np.empty((R, len(order)), dtype=np.int64)
-    seg_rows[:, where[:E]] = counts
+    # [lo, hi) of the expert's rows, the home segment is [0, stay) and the pieces follow
+    seg_rows = np.empty((R, E + len(pieces)), dtype=np.int64)
+    seg_rows[:, :E] = counts
     if pieces:
         replicated = np.unique(p_expert)
         hi = np.cumsum(counts[:, replicated], axis=0)
         lo = hi - counts[:, replicated]
         stay = np.asarray(stay, dtype=np.int64)
-        seg_rows[:, where[replicated]] = np.clip(np.minimum(hi, stay[replicated]) - lo, 0, None)
-        by_expert = np.lexsort((p_rank, p_expert))  # pieces in segment order
-        e = p_expert[by_expert]
-        before = np.cumsum(p_rows[by_expert]) - p_rows[by_expert]
-        a = stay[e] + before - before[np.searchsorted(e, e)]
-        col = np.searchsorted(replicated, e)
-        rows = np.minimum(hi[:, col], a + p_rows[by_expert]) - np.maximum(lo[:, col], a)
-        seg_rows[:, where[E + by_expert]] = np.clip(rows, 0, None)
+        seg_rows[:, replicated] = np.clip(np.minimum(hi, stay[replicated]) - lo, 0, None)
+        before = np.cumsum(p_rows) - p_rows
+        a = stay[p_expert] + before - before[np.searchsorted(p_expert, p_expert)]
+        col = np.searchsorted(replicated, p_expert)
+        seg_rows[:, E:] = np.clip(np.minimum(hi[:, col], a + p_rows) - np.maximum(lo[:, col], a), 0, None)
     return EPPlan(slot_expert, seg_expert, seg_rank, seg_slot, seg_rows, m)
 
 

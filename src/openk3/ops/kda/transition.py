@@ -20,11 +20,16 @@ A = StrictTril(Diag(beta) (Gamma ⊙ K)(K / Gamma)^T):
 
 so the chunk's map is M_c = Diag(gamma_C) - K_end^T W and b_c = K_end^T U. (SPEC §10 writes M_c with fla's
 naming, "Diag(gamma_C) - (Gamma ⊙ K)^T W": fla's W carries the decay to the chunk end that K_end carries here.)
-The chunk maps are computed for all chunks at once and composed pairwise, (M2, b2) ∘ (M1, b1) = (M2 M1, M2 b1 + b2),
-in log2(chunks) batched steps rather than a loop over chunks. Everything is fp32 (fp64 for fp64 inputs): the
-chain of M's loses accuracy quickly in bf16 (fla #740). Zero padding to a multiple of C is the identity map
-(k = v = g = beta = 0), and the pairwise decays exp(G_i - G_j), i >= j, are formed as in chunked.py, so unbounded
-gates are safe too.
+`kda_transition_chunked` computes the chunk maps for all chunks at once and composes them pairwise,
+(M2, b2) ∘ (M1, b1) = (M2 M1, M2 b1 + b2), in log2(chunks) batched steps rather than a loop over chunks. Zero padding
+to a multiple of C is the identity map (k = v = g = beta = 0), and the pairwise decays exp(G_i - G_j), i >= j, are
+formed as in chunked.py, so unbounded gates are safe too. Its memory is that of the pairwise decays, C times k's.
+
+Because each column of the state evolves on its own, the map is also the final state of one ordinary KDA pass over
+an augmented state: with values [v | 0] ([T, V+K]) from S_0 = [0 | I], the final state is [S_ext | M]. `kda_transition`
+takes that route on any backend but "chunked" (the Triton kernels on a GPU: no extra memory beyond a KDA pass, and
+its backward is the kernels' own), and the chunk-map form on "chunked". Either way the chain is fp32 (fp64 for fp64
+inputs): M loses accuracy quickly in bf16 (fla #740).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from openk3.ops.kda import kda, resolve_backend
 from openk3.ops.kda.chunked import CHUNK_SIZE
 
 
@@ -88,7 +94,7 @@ def compose_maps(M: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.
     return M.squeeze(-3), b.squeeze(-3)
 
 
-def kda_transition(
+def kda_transition_chunked(
     k: torch.Tensor,
     v: torch.Tensor,
     g: torch.Tensor,
@@ -96,9 +102,7 @@ def kda_transition(
     *,
     chunk_size: int = CHUNK_SIZE,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The affine map of KDA over each row of k, g [B,T,H,K], v [B,T,H,V], beta [B,T,H] (activated, as `kda`
-    takes them): (S_ext [B,H,K,V], M [B,H,K,K]) with S_end = M S_0 + S_ext. fp32 (fp64 for fp64 inputs);
-    differentiable. T = 0 gives the identity map."""
+    """`kda_transition` in the chunk-map form (module docstring), in plain PyTorch."""
     B, T, H, K = k.shape
     V = v.shape[-1]
     acc = _acc(k.dtype)
@@ -116,4 +120,28 @@ def kda_transition(
     return S.reshape(B, H, K, V), M.reshape(B, H, K, K)
 
 
-__all__ = ["kda_transition", "kda_transition_reference", "compose_maps"]
+def kda_transition(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The affine map of KDA over each row of k, g [B,T,H,K], v [B,T,H,V], beta [B,T,H] (activated, as `kda`
+    takes them): (S_ext [B,H,K,V], M [B,H,K,K]) with S_end = M S_0 + S_ext. fp32 (fp64 for fp64 inputs);
+    differentiable. T = 0 gives the identity map. `backend` as in `openk3.ops.kda.kda`."""
+    name = resolve_backend(backend, k.device)
+    if name == "chunked" or k.shape[1] == 0:
+        return kda_transition_chunked(k, v, g, beta)
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    acc = _acc(k.dtype)
+    eye = torch.eye(K, dtype=acc, device=k.device).expand(B, H, K, K)
+    start = torch.cat([eye.new_zeros(B, H, K, V), eye], dim=-1)  # [0 | I]
+    values = torch.cat([v, v.new_zeros(B, T, H, K)], dim=-1)  # [v | 0]
+    _, final = kda(k, k, values, g, beta, initial_state=start, output_final_state=True, backend=name)  # q: unused
+    return final[..., :V], final[..., V:]
+
+
+__all__ = ["kda_transition", "kda_transition_chunked", "kda_transition_reference", "compose_maps"]
