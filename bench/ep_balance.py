@@ -12,7 +12,8 @@ rank does the same work; the step waits for the slowest rank):
              periodically from statistics, then used on a fresh step; an expert's rows are split evenly over its
              replicas;
   balanced   MoonEP's online planner (`plan_balanced`) on the step's own table: exactly S x K rows per rank; its
-             planning time per step (one MoE layer), median over the steps, and the most replicas on one rank.
+             planning time per step (one MoE layer; wall and CPU time of the thread, medians over the steps: on a
+             shared machine the wall time includes waiting for a core), and the most replicas on one rank.
 Routing distributions (expert popularity p; each token picks K distinct experts, so an expert's share of a token's
 picks is capped at 1: inclusion probabilities pi = min(1, c p) with sum K, rows drawn multinomially per rank):
   uniform, zipf-1.0 / zipf-1.5 (p ~ 1 / rank^s over a random expert order), hot-expert (one expert chosen by half
@@ -116,15 +117,16 @@ def simulate(dist: str, ranks: int, tokens: int, steps: int, seed: int) -> dict:
     drift = dist.endswith("-drift")
     history = sum(draw_counts(p, ranks, tokens, rng, drift).sum(0) for _ in range(HISTORY_STEPS)) / HISTORY_STEPS
     replicas, owners = eplb_placement(history, ranks)
-    static, eplb, eplb_oracle, balanced, times, most_replicas = [], [], [], [], [], 0
+    static, eplb, eplb_oracle, balanced, times, cpu_times, most_replicas = [], [], [], [], [], [], 0
     for _ in range(steps):
         counts = draw_counts(p, ranks, tokens, rng, drift)
         static.append(imbalance(plan_static(counts).rows_received()))
         eplb.append(imbalance(eplb_rows(counts, replicas, owners, ranks)))
         eplb_oracle.append(imbalance(eplb_rows(counts, *eplb_placement(counts.sum(0), ranks), ranks)))
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         plan = plan_balanced(counts)
         times.append(time.perf_counter() - start)
+        cpu_times.append(time.thread_time() - cpu)
         rows = plan.rows_received()
         assert (rows == tokens * TOP_K).all(), "the balanced planner must give every rank S x K rows"
         balanced.append(imbalance(rows))
@@ -135,6 +137,7 @@ def simulate(dist: str, ranks: int, tokens: int, steps: int, seed: int) -> dict:
             "eplb_same_step": float(np.mean(eplb_oracle)),
             "balanced": float(np.mean(balanced)), "balanced_worst": float(np.max(balanced)),
             "plan_ms_median": 1e3 * float(np.median(times)), "plan_ms_max": 1e3 * float(np.max(times)),
+            "plan_cpu_ms_median": 1e3 * float(np.median(cpu_times)),
             "max_replicas_per_rank": int(most_replicas), "replica_slots": EXPERTS // ranks}
 
 
@@ -186,18 +189,22 @@ def main() -> None:
     print(f"\n{EXPERTS} experts, top-{TOP_K}, {args.tokens_per_rank} tokens per rank, {args.steps} steps: max / mean "
           "rows per rank (mean over steps; worst in brackets)\n")
     print("| ranks | routing | static | EPLB (history) | EPLB (same step) | balanced | plan ms (median / max) | "
-          "replicas per rank (max / slots) |")
-    print("|---|---|---|---|---|---|---|---|")
+          "plan CPU ms | replicas per rank (max / slots) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['ranks']} | {r['distribution']} | {r['static']:.2f} ({r['static_worst']:.2f}) | "
               f"{r['eplb']:.2f} ({r['eplb_worst']:.2f}) | {r['eplb_same_step']:.2f} | "
               f"{r['balanced']:.2f} ({r['balanced_worst']:.2f}) | {r['plan_ms_median']:.2f} / {r['plan_ms_max']:.2f} "
-              f"| {r['max_replicas_per_rank']} / {r['replica_slots']} |")
+              f"| {r['plan_cpu_ms_median']:.2f} | {r['max_replicas_per_rank']} / {r['replica_slots']} |")
     routers = router_tables(args.router_ckpt) if args.router_ckpt else []
     if routers:
-        print("\n| ranks | MoE layer | tokens per rank | static | balanced |\n|---|---|---|---|---|")
-        for r in routers:
-            print(f"| {r['ranks']} | {r['layer']} | {r['tokens_per_rank']} | {r['static']:.2f} | {r['balanced']:.2f} |")
+        print(f"\nrouters of {args.router_ckpt} on held-out windows, all MoE layers (per layer in the JSON)\n")
+        print("| ranks | tokens per rank | static (mean / worst layer) | balanced (worst layer) |\n|---|---|---|---|")
+        for ranks in sorted({r["ranks"] for r in routers}):
+            rs = [r for r in routers if r["ranks"] == ranks]
+            static = [r["static"] for r in rs]
+            print(f"| {ranks} | {rs[0]['tokens_per_rank']} | {np.mean(static):.2f} / {max(static):.2f} | "
+                  f"{max(r['balanced'] for r in rs):.2f} |")
     result = {"experts": EXPERTS, "top_k": TOP_K, "simulated": rows, "router_ckpt": args.router_ckpt,
               "routers": routers, "machine": platform.machine(), "python": platform.python_version(),
               "date": time.strftime("%Y-%m-%d")}

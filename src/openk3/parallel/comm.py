@@ -15,6 +15,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+# torch 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single; the GPU machines run torch 2.11
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 def all_gather_padded(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
     """Rows of every rank (rank r holds sizes[r] rows of x's trailing shape), concatenated; no autograd."""
@@ -22,7 +25,7 @@ def all_gather_padded(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
     padded = x.new_zeros(width, *x.shape[1:])
     padded[: x.shape[0]] = x
     out = x.new_empty(len(sizes) * width, *x.shape[1:])
-    dist.all_gather_single(out, padded.contiguous(), group=group)
+    _all_gather_single(out, padded.contiguous(), group=group)
     out = out.view(len(sizes), width, *x.shape[1:])
     return torch.cat([out[r, :n] for r, n in enumerate(sizes)])
 

@@ -62,7 +62,7 @@ class EPPlan:
 
 def _check(counts: np.ndarray) -> tuple[int, int, int]:
     counts = np.asarray(counts)
-    if counts.ndim != 2 or counts.dtype.kind not in "iu" or (counts < 0).any():
+    if counts.ndim != 2 or counts.dtype.kind not in "iu" or (counts.size and counts.min() < 0):
         raise ValueError(f"counts must be a non-negative integer table [ranks, experts], got {counts.dtype} "
                          f"{counts.shape}")
     R, E = counts.shape
