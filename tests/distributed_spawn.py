@@ -1,7 +1,9 @@
-"""Shared by the multi-process tests: run a function in N real processes joined by a gloo group, with a deadline.
+"""Shared by the multi-process tests: run a function in N real processes joined by a gloo group, with deadlines.
 
-A hang (a collective one rank never reaches) fails the test at the deadline instead of stalling the suite: the
-processes this helper started are terminated, and the gloo timeout ends any collective left waiting.
+A hang (a collective that some rank never joins) fails within a minute: the group's timeout is COLLECTIVE_S, so
+the waiting ranks raise and the test fails with their error. RUN_S bounds the whole run as a backstop (a hang
+outside a collective); the processes this helper started are then terminated. It is generous because a 4-process
+run on 2 shared cores can take 40 s without hanging.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-DEADLINE_S = 60.0
+COLLECTIVE_S = 60.0
+RUN_S = 180.0
 
 
 def free_port() -> int:
@@ -27,14 +30,14 @@ def free_port() -> int:
 def _entry(rank: int, fn, world: int, port: int, args: tuple) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=DEADLINE_S))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=COLLECTIVE_S))
     try:
         fn(rank, world, *args)
     finally:
         dist.destroy_process_group()
 
 
-def run_ranks(fn, world: int, *args, deadline: float = DEADLINE_S) -> None:
+def run_ranks(fn, world: int, *args, deadline: float = RUN_S) -> None:
     """fn(rank, world, *args) in `world` spawned processes (fn must be importable: defined at module level)."""
     context = mp.start_processes(_entry, args=(fn, world, free_port(), args), nprocs=world, join=False,
                                  start_method="spawn")

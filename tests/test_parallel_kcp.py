@@ -20,8 +20,9 @@ from openk3.config import ModelConfig
 from openk3.model import K3ForCausalLM
 from openk3.model.kda import KimiDeltaAttention
 from openk3.model.mla import GatedMLA
+from openk3.ops.kda import kda
 from openk3.parallel import SequenceSplit, cp_lm_losses, parallelize_cp
-from openk3.parallel.kcp import kda_layer_forward
+from openk3.parallel.kcp import kcp_kda, kda_layer_forward
 from openk3.parallel.mla import mla_layer_forward
 from openk3.train.loop import lm_losses
 from train_tiny import TINY
@@ -109,8 +110,7 @@ def _model_worker(rank, world):
     cp = parallelize_cp(model, dist.group.WORLD)
     loss_cp, lm_cp, mtp_cp = cp_lm_losses(model, batch, 0.3, cp)
     loss_cp.backward()
-    mean = lambda v: torch.tensor(float(v)).mul(1 / world).reshape(1)
-    values = torch.cat([mean(loss_cp), mean(lm_cp), mean(mtp_cp)])
+    values = torch.tensor([float(loss_cp.detach()), float(lm_cp), mtp_cp]) / world
     dist.all_reduce(values)
     assert_close(values, torch.tensor([float(loss), float(lm), mtp]), TOL, f"rank {rank}: losses")
     for name, p in model.named_parameters():
@@ -128,9 +128,29 @@ def _model_worker(rank, world):
     assert_close(step[0, -1], plain[0, 5], 1e-4, "decode through the wrapped model")
 
 
+def _triton_worker(rank, world):
+    """kcp_kda on the Triton kernels (the interpreter on CPU) against one process's chunked KDA, fp32."""
+    split = SequenceSplit((0, 5, 24), (0, 13, 24))  # rank 0's second document continues on rank 1
+    gen = torch.Generator().manual_seed(5)
+    q, k = torch.randn(1, 24, 1, 16, generator=gen), torch.randn(1, 24, 1, 16, generator=gen)
+    q, k = q / q.norm(dim=-1, keepdim=True), k / k.norm(dim=-1, keepdim=True)
+    v, g = torch.randn(1, 24, 1, 16, generator=gen), -0.1 * torch.rand(1, 24, 1, 16, generator=gen)
+    beta, weight = torch.rand(1, 24, 1, generator=gen), torch.randn(1, 24, 1, 16, generator=gen)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, g, beta)]
+    out, _ = kda(*leaves, cu_seqlens=torch.tensor(split.cu_seqlens), backend="chunked")
+    expected = (out, *torch.autograd.grad((out * weight).sum(), leaves))
+    lo, hi = split.bounds[rank], split.bounds[rank + 1]
+    local = [t[:, lo:hi].clone().requires_grad_() for t in (q, k, v, g, beta)]
+    out = kcp_kda(*local, split, rank, dist.group.WORLD, backend="triton")
+    got = (out, *torch.autograd.grad((out * weight[:, lo:hi]).sum(), local))
+    for name, a, b in zip(("o", "dq", "dk", "dv", "dg", "dbeta"), got, expected):
+        assert_close(a.detach(), b[:, lo:hi].detach(), 1e-4, f"triton backend, rank {rank}: {name}")
+
+
 def _two_process_worker(rank, world):
     _layers_worker(rank, world)
     _model_worker(rank, world)
+    _triton_worker(rank, world)
 
 
 def test_kcp_mla_and_the_model_two_processes():

@@ -142,7 +142,7 @@ def ep_experts_forward(experts: Experts, ep: ExpertParallel, x: torch.Tensor, ro
     y_recv = y_sorted[torch.argsort(by_slot)]
     # anchors: this rank may have received no rows, or used some of its experts for none
     (y,) = exchange([(y_recv, recv_counts, send_counts)], ep.group, anchors=(x_recv, slot_gate_up, slot_down))
-    experts.rows_computed = int(x_recv.shape[0])  # S x K under the balanced planner (tests check it)
+    experts.rows_computed = int(x_recv.shape[0])  # S x K under the balanced planner (read by tests and benchmarks)
 
     acc = acc_dtype(x.dtype)
     out = torch.zeros(N, y.shape[-1], dtype=acc, device=device)
