@@ -27,20 +27,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, fn, world: int, port: int, args: tuple) -> None:
+def _entry(rank: int, fn, world: int, port: int, collective_s: float, args: tuple) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=COLLECTIVE_S))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=collective_s))
     try:
         fn(rank, world, *args)
     finally:
         dist.destroy_process_group()
 
 
-def run_ranks(fn, world: int, *args, deadline: float = RUN_S) -> None:
+def run_ranks(fn, world: int, *args, deadline: float = RUN_S, collective_s: float = COLLECTIVE_S) -> None:
     """fn(rank, world, *args) in `world` spawned processes (fn must be importable: defined at module level)."""
-    context = mp.start_processes(_entry, args=(fn, world, free_port(), args), nprocs=world, join=False,
-                                 start_method="spawn")
+    context = mp.start_processes(_entry, args=(fn, world, free_port(), collective_s, args), nprocs=world,
+                                 join=False, start_method="spawn")
     stop = time.monotonic() + deadline
     try:
         while not context.join(timeout=1.0):
