@@ -17,7 +17,7 @@ FLOORS = {  # top-level module or package -> floor
     "ops": 0, "config": 0, "checkpoints": 0, "sampling": 0, "tokenizer": 0,
     "cache": 1,
     "model": 2,
-    "interop": 3, "cli_options": 3,
+    "interop": 3, "cli_options": 3, "parallel": 3,
     "generate": 4, "info": 4,
     "train": 5, "serve": 5,
     "cli": 6, "__main__": 7,

@@ -26,7 +26,7 @@ from openk3.model.mla import GatedMLA
 from openk3.ops.attention import mla_attention_absorbed
 from openk3.ops.conv import causal_conv1d_step
 from openk3.ops.kda import kda, resolve_backend
-from openk3.ops.norms import acc_dtype, rms_norm
+from openk3.ops.norms import acc_dtype
 from openk3.ops.paged_mla import paged_mla_decode, paged_positions
 
 KERNELS = ("triton", "torch")
@@ -78,10 +78,7 @@ def kda_decode_step(layer: KimiDeltaAttention, x: torch.Tensor, j: int, batch: D
         q, k, g, beta = layer.activate(q, k, x, backend)
         o, state_pool[batch.slots] = kda(q, k, v, g, beta, initial_state=state_pool[batch.slots],
                                          output_final_state=True, backend=backend, gate_min=layer.gate_min())
-    acc = acc_dtype(x.dtype)
-    gate = layer.out_gate(x).view(B, 1, H, K)
-    o = rms_norm(o.to(acc), layer.o_norm.weight, layer.o_norm.eps) * torch.sigmoid(gate.to(acc))
-    return layer.o_proj(o.to(x.dtype).reshape(B, 1, H * K))
+    return layer.output(x, o)
 
 
 def mla_decode_step(layer: GatedMLA, x: torch.Tensor, j: int, batch: DecodeBatch) -> torch.Tensor:

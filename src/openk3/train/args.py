@@ -50,6 +50,9 @@ class TrainArgs:
     time_limit: float = 0.0  # opt-in wall seconds for the whole run: the step count shrinks to fit; 0: off
     progress: bool = True
     plot: bool = True
+    cp: int = 1  # context-parallel ranks per data-parallel index (openk3.parallel; data parallel = processes / cp)
+    ep: int = 1  # expert-parallel group size
+    ep_planner: str = "balanced"  # "balanced" (MoonEP: S x K rows per rank) or "static" (every row to its home rank)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -77,7 +80,7 @@ BOUNDS = {
     "weight_decay": Bound(0), "warmup_frac": Bound(0, high=1), "decay_frac": Bound(0, high=1),
     "grad_clip": Bound(0, low_inclusive=False), "save_every": Bound(0), "eval_every": Bound(0),
     "eval_windows": Bound(1), "threads": Bound(0), "balance_gamma": Bound(0), "mtp_weight": Bound(0),
-    "sample_tokens": Bound(0), "time_limit": Bound(0),
+    "sample_tokens": Bound(0), "time_limit": Bound(0), "cp": Bound(1), "ep": Bound(1),
 }
 
 

@@ -1,7 +1,7 @@
 """`openk3 train`: argparse front end of the training loop (defaults from TrainArgs).
 
-Under torchrun (`torchrun --nproc-per-node N -m openk3 train ...`) the same command runs FSDP2 data parallel;
---batch-size is the global batch.
+Under torchrun (`torchrun --nproc-per-node N -m openk3 train ...`) the same command runs FSDP2 data parallel, with
+--cp / --ep adding context and expert parallelism (openk3.parallel); --batch-size is the global batch.
 """
 
 from __future__ import annotations
@@ -78,6 +78,13 @@ def add_train_parser(subparsers) -> None:
     number("sample_tokens", int, "length of the final text sample")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_kda_options(p)
+    p.add_argument("--cp", type=flag_type("cp", int), default=d.cp, metavar="C",
+                   help="context parallel: C processes share each window group as one packed stream (KDA KCP, MLA "
+                        "latent all-gather); data parallel is the rest of the processes")
+    p.add_argument("--ep", type=flag_type("ep", int), default=d.ep, metavar="E",
+                   help="expert parallel: the routed experts split over groups of E processes")
+    p.add_argument("--ep-planner", default=d.ep_planner, choices=["balanced", "static"],
+                   help="balanced: MoonEP replicas, exactly S x K rows per rank; static: every row to its expert")
     p.set_defaults(func=run_train)
 
 

@@ -29,6 +29,7 @@ from torch import nn
 from openk3.checkpoints import CheckpointError, latest_checkpoint
 from openk3.config import ModelConfig, get_preset
 from openk3.model import K3ForCausalLM, configure_kda
+from openk3.parallel import ParallelDims, cp_lm_losses, parallelize
 from openk3.tokenizer import TextTokenizer, load_or_train
 from openk3.train import checkpoint as ckpt
 from openk3.train.args import DEFAULT_STEPS, TrainArgs
@@ -44,13 +45,13 @@ from openk3.train.data import (
 from openk3.train.distributed import (
     World,
     barrier,
+    clip_grad_norm,
     close_world,
     full_model_state,
     full_optimizer_state,
     init_world,
     load_full_state,
     mean_across,
-    shard_model,
 )
 from openk3.train.optim import build_optimizer
 from openk3.train.schedule import WSDSchedule
@@ -215,8 +216,8 @@ class Trainer:
         if self.device.type == "cpu":
             torch.set_num_threads(cpu_threads(args.threads, self.world))
         self.amp = autocast_dtype(args, self.device)
-        if args.batch_size % self.world.size:
-            raise ValueError(f"--batch-size {args.batch_size} (global) must divide by the {self.world.size} ranks")
+        self.dims = ParallelDims(self.world.size, args.cp, args.ep)
+        self.dims.check_batch(args.batch_size)
         self.cfg = model_config(args)
         self._seed(args.seed)
         self._setup_data()
@@ -224,8 +225,8 @@ class Trainer:
         configure_kda(self.model, backend=args.kda_backend, overlap=args.kda_overlap)
         if args.activation_checkpointing:
             enable_activation_checkpointing(self.model)
-        if self.world.distributed:
-            shard_model(self.model)
+        self.parallel = parallelize(self.model, self.dims, self.world.rank, self.device.type,
+                                    ep_planner=args.ep_planner, activation_checkpointing=args.activation_checkpointing)
         if args.compile:
             self.model.compile()
         self.optimizer = build_optimizer(self.model, args.lr, args.weight_decay, args.optimizer)
@@ -273,7 +274,7 @@ class Trainer:
         trainer = state["trainer"]
         if trainer["world_size"] != self.world.size:
             raise CheckpointError(f"checkpoint {path} was saved by {trainer['world_size']} processes; resume "
-                                  f"with the same number (this run has {self.world.size})")
+                                  f"with the same number, under any --cp / --ep (this run has {self.world.size})")
         self.balancer.load_state_dict(trainer["balance_bias"])
         self.stream.load_state_dict(trainer["data"])
         ckpt.set_rng_state(trainer["rng"][self.world.rank])
@@ -309,15 +310,15 @@ class Trainer:
         lr = self.schedule(self.step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        batch = self.stream.next()
-        per_rank = args.batch_size // self.world.size
-        batch = batch[self.world.rank * per_rank:(self.world.rank + 1) * per_rank].to(self.device)
+        batch = self.parallel.data_rows(self.stream.next()).to(self.device)
         start = time.perf_counter()
         with torch.autocast(self.device.type, dtype=self.amp or torch.float32, enabled=self.amp is not None):
-            loss, lm, mtp = lm_losses(self.model, batch, args.mtp_weight)
+            if self.parallel.cp is not None:
+                loss, lm, mtp = cp_lm_losses(self.model, batch, args.mtp_weight, self.parallel.cp)
+            else:
+                loss, lm, mtp = lm_losses(self.model, batch, args.mtp_weight)
         loss.backward()
-        norm = nn.utils.clip_grad_norm_(self.model.parameters(), args.grad_clip)
-        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a DTensor under FSDP
+        grad_norm = clip_grad_norm(self.model, args.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         maxvio = self.balancer.step()
@@ -479,8 +480,12 @@ class Trainer:
 
         params = SamplingParams(max_tokens=max(1, self.args.sample_tokens), temperature=0.8, top_k=50,
                                 seed=self.args.seed)
+        # under expert parallelism every forward is collective and the ranks' logits may differ in the last bit:
+        # all ranks generate the full length (the same number of forwards), cut at the stop token afterwards
+        eos = self.tokenizer.eos_id
         ids = generate_ids(self.model, self.tokenizer.encode(SAMPLE_PROMPT), self.args.sample_tokens, params,
-                           {self.tokenizer.eos_id}, self.device)
+                           set() if self.dims.ep > 1 else {eos}, self.device)
+        ids = ids[:ids.index(eos)] if eos in ids else ids
         return SAMPLE_PROMPT + self.tokenizer.decode(ids)
 
     def _report(self, summary: dict, sample: str) -> None:
