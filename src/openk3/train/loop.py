@@ -29,6 +29,7 @@ from torch import nn
 from openk3.checkpoints import CheckpointError, latest_checkpoint
 from openk3.config import ModelConfig, get_preset
 from openk3.model import K3ForCausalLM
+from openk3.quant.qat import enable_qat
 from openk3.tokenizer import TextTokenizer, load_or_train
 from openk3.train import checkpoint as ckpt
 from openk3.train.args import DEFAULT_STEPS, TrainArgs
@@ -221,6 +222,8 @@ class Trainer:
         self._seed(args.seed)
         self._setup_data()
         self.model = K3ForCausalLM(self.cfg).to(self.device)
+        if args.qat:  # before checkpointing, sharding and compile; checkpoints keep the fp32 master weights
+            enable_qat(self.model, args.qat)
         if args.activation_checkpointing:
             enable_activation_checkpointing(self.model)
         if self.world.distributed:
@@ -454,6 +457,7 @@ class Trainer:
         print(f"openk3 train: {self.cfg.name} ({n / 1e6:.2f}M parameters), {self.train_tokens:,} training tokens, "
               f"{self.schedule.total_steps} steps x {self.args.batch_size} x {self.args.seq_len} tokens, "
               f"optimizer={self.args.optimizer}, balance={self.args.balance}, device={self.device}"
+              f"{f', qat={self.args.qat} (checkpoints hold the full-precision weights)' if self.args.qat else ''}"
               f"{f' ({torch.get_num_threads()} threads)' if self.device.type == 'cpu' else ''}, "
               f"processes={self.world.size}, out={self.out}", flush=True)
 
