@@ -17,6 +17,7 @@ FLOORS = {  # top-level module or package -> floor
     "ops": 0, "config": 0, "checkpoints": 0, "sampling": 0, "tokenizer": 0,
     "cache": 1,
     "model": 2,
+    "quant": 2.5,
     "interop": 3, "cli_options": 3, "parallel": 3,
     "generate": 4, "info": 4,
     "train": 5, "serve": 5,

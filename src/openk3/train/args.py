@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field, fields
 
 DEFAULT_STEPS = 300
+QAT_FORMATS = ("mxfp4",)  # openk3.quant.qat.enable_qat's formats (not imported: this module stays light)
 
 
 @dataclass
@@ -46,6 +47,7 @@ class TrainArgs:
     mtp_weight: float = 0.3
     kda_backend: str = "auto"  # model.kda.configure_kda: "auto" lets ops.kda.resolve_backend choose per call
     kda_overlap: bool = True
+    qat: str | None = None  # "mxfp4": fake-quantize the routed experts in the forward (openk3.quant.qat)
     sample_tokens: int = 120
     time_limit: float = 0.0  # opt-in wall seconds for the whole run: the step count shrinks to fit; 0: off
     progress: bool = True
@@ -59,6 +61,8 @@ class TrainArgs:
             problem = bound_problem(f.name, getattr(self, f.name))
             if problem:
                 raise ValueError(f"{flag_name(f.name)} {problem}")
+        if self.qat not in (None, *QAT_FORMATS):
+            raise ValueError(f"--qat must be one of {QAT_FORMATS}, got {self.qat!r}")
 
 
 @dataclass(frozen=True)

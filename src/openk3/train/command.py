@@ -11,7 +11,7 @@ import dataclasses
 
 from openk3.cli_options import add_kda_options
 from openk3.config import PRESETS
-from openk3.train.args import DEFAULT_STEPS, TrainArgs, flag_name, flag_type
+from openk3.train.args import DEFAULT_STEPS, QAT_FORMATS, TrainArgs, flag_name, flag_type
 
 
 class _ShowDefaults(argparse.HelpFormatter):
@@ -72,6 +72,9 @@ def add_train_parser(subparsers) -> None:
                    help="MoE router-bias balancing")
     number("balance_gamma", float, "sign-rule step")
     number("mtp_weight", float, "weight of the multi-token-prediction loss")
+    p.add_argument("--qat", default=None, choices=QAT_FORMATS,
+                   help="quantization-aware training: the routed experts run on fake-quantized MXFP4 weights and "
+                        "MXFP8 inputs (straight-through gradients); checkpoints keep the full-precision weights")
     number("time_limit", float, "opt-in wall-time budget of the whole run: the step count shrinks to fit it and "
                                 "the WSD decay moves with it, so the model depends on the machine's speed "
                                 "(0: off, the run keeps its steps)", metavar="SECONDS")

@@ -30,6 +30,7 @@ from openk3.checkpoints import CheckpointError, latest_checkpoint
 from openk3.config import ModelConfig, get_preset
 from openk3.model import K3ForCausalLM, configure_kda
 from openk3.parallel import ParallelDims, cp_lm_losses, parallelize
+from openk3.quant.qat import enable_qat
 from openk3.tokenizer import TextTokenizer, load_or_train
 from openk3.train import checkpoint as ckpt
 from openk3.train.args import DEFAULT_STEPS, TrainArgs
@@ -223,6 +224,8 @@ class Trainer:
         self._setup_data()
         self.model = K3ForCausalLM(self.cfg).to(self.device)
         configure_kda(self.model, backend=args.kda_backend, overlap=args.kda_overlap)
+        if args.qat:  # before checkpointing, sharding and compile; checkpoints keep the fp32 master weights
+            enable_qat(self.model, args.qat)
         if args.activation_checkpointing:
             enable_activation_checkpointing(self.model)
         self.parallel = parallelize(self.model, self.dims, self.world.rank, self.device.type,
@@ -456,6 +459,7 @@ class Trainer:
         print(f"openk3 train: {self.cfg.name} ({n / 1e6:.2f}M parameters), {self.train_tokens:,} training tokens, "
               f"{self.schedule.total_steps} steps x {self.args.batch_size} x {self.args.seq_len} tokens, "
               f"optimizer={self.args.optimizer}, balance={self.args.balance}, device={self.device}"
+              f"{f', qat={self.args.qat} (checkpoints hold the full-precision weights)' if self.args.qat else ''}"
               f"{f' ({torch.get_num_threads()} threads)' if self.device.type == 'cpu' else ''}, "
               f"processes={self.world.size}, out={self.out}", flush=True)
 
