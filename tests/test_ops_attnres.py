@@ -92,7 +92,8 @@ def two_phase_case(N, B, T, D, Q, seed, dtype, scale=1.0):
 
 def two_phase_all(blocks, partial, w, r, eps=1e-5):
     mixed = attn_res_blocks(blocks, r * w, eps)
-    return torch.stack([attn_res_merge(mixed, q, partial, r[q] * w[q], eps) for q in range(w.shape[0])])
+    return torch.stack([attn_res_merge(mixed.mix[..., q, :], mixed.lse[..., q], partial, r[q] * w[q], eps)
+                        for q in range(w.shape[0])])
 
 
 def one_phase_all(blocks, partial, w, r, eps=1e-5):
@@ -143,7 +144,8 @@ def test_two_phase_extremes():
     assert torch.equal(got[0, 0, 0], partial[0, 0])
     half = partial.bfloat16()
     mixed = attn_res_blocks(blocks, r * w)
-    out = attn_res_merge(mixed, 0, half, r[0] * w[0], dtype=torch.promote_types(torch.float32, half.dtype))
+    out = attn_res_merge(mixed.mix[..., 0, :], mixed.lse[..., 0], half, r[0] * w[0],
+                         dtype=torch.promote_types(torch.float32, half.dtype))
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, attn_res(blocks + [half], w[0], r[0]), rtol=1e-5, atol=1e-3)
 
@@ -151,7 +153,7 @@ def test_two_phase_extremes():
 class OnePhaseStream:
     """The block bookkeeping before the two-phase form: every AttnRes is the plain softmax over blocks + [partial]."""
 
-    def __init__(self, embedding, block_size, epochs):
+    def __init__(self, embedding, block_size, epochs, phases):
         self.blocks, self.partial, self.block_size = [], embedding, block_size
 
     def _mix(self, proj, norm):

@@ -62,12 +62,14 @@ class BlockStream:
     """The (blocks, partial) state of Block AttnRes while the decoder layers run, computed in two phases over the
     `epochs` of queries (`attn_res_epochs`); each call names the query it expects, as a check on the plan."""
 
-    def __init__(self, embedding: torch.Tensor, block_size: int, epochs: list[list[Query]]):
+    def __init__(self, embedding: torch.Tensor, block_size: int, epochs: list[list[Query]],
+                 phases: tuple = (attn_res_blocks, attn_res_merge)):
         self.blocks: list[torch.Tensor] = []
         self.partial = embedding
         self.block_size = block_size
         self._epochs = epochs
         self._eps = epochs[0][0][1].eps
+        self._phase1, self._phase2 = phases  # the ops, or their torch.compile'd versions (compile_blocks)
 
     def _open_epoch(self) -> None:
         """Phase 1 for the epoch that starts now that `blocks` grew."""
@@ -77,7 +79,7 @@ class BlockStream:
         w = torch.stack([proj.weight[0] for proj, _ in self._queries]).to(acc)
         r = torch.stack([norm.weight for _, norm in self._queries]).to(acc)
         self._q = r * w  # [Q, D]
-        self._mix = attn_res_blocks(self.blocks, self._q, self._eps)
+        self._mix = self._phase1(self.blocks, self._q, self._eps)
         self._next = 0
 
     def _merge(self, proj: nn.Linear, norm: RMSNorm) -> torch.Tensor:
@@ -87,7 +89,8 @@ class BlockStream:
             raise RuntimeError("Block AttnRes ran its sublayers in another order than attn_res_epochs planned")
         self._next += 1
         dtype = torch.promote_types(self._blocks_dtype, self.partial.dtype)
-        return attn_res_merge(self._mix, q, self.partial, self._q[q], self._eps, dtype)
+        mix, lse = self._mix.mix[..., q, :], self._mix.lse[..., q]
+        return self._phase2(mix, lse, self.partial, self._q[q], self._eps, dtype)
 
     def attn_input(self, layer_idx: int, proj: nn.Linear | None, norm: RMSNorm | None) -> torch.Tensor:
         """Steps 1-2: the attention sublayer's input; opens a block when layer_idx % block_size == 0."""

@@ -16,6 +16,7 @@ from openk3.model.common import RMSNorm
 from openk3.model.kda import KimiDeltaAttention
 from openk3.model.mla import GatedMLA
 from openk3.model.moe import GLUMLP, MoE, TopkRouter
+from openk3.ops.attnres import attn_res_blocks, attn_res_merge
 
 
 class DecoderLayer(nn.Module):
@@ -67,6 +68,7 @@ class K3Model(nn.Module):
         self.block_size = cfg.attn_res_block_size
         if self.block_size is not None:
             self.output_res_proj, self.output_res_norm = pseudo_query(D), RMSNorm(D, eps=cfg.rms_eps)
+            self.attn_res_phases = (attn_res_blocks, attn_res_merge)  # compile_blocks swaps in compiled versions
         self.norm = RMSNorm(D, eps=cfg.rms_eps)
 
     def forward(self, input_ids: torch.Tensor, cache: HybridCache | None = None) -> torch.Tensor:
@@ -77,7 +79,7 @@ class K3Model(nn.Module):
                 h = layer(h, cache)
             return h
         epochs = attn_res_epochs(self.layers, (self.output_res_proj, self.output_res_norm), self.block_size)
-        stream = BlockStream(h, self.block_size, epochs)
+        stream = BlockStream(h, self.block_size, epochs, self.attn_res_phases)
         for layer in self.layers:
             layer.forward_block(stream, cache)
         return stream.output(self.output_res_proj, self.output_res_norm)

@@ -47,15 +47,14 @@ def attn_res_blocks(blocks: list[torch.Tensor], queries: torch.Tensor, eps: floa
     return BlockMix(p.transpose(-1, -2) @ vf, scores.logsumexp(-2))
 
 
-def attn_res_merge(blocks: BlockMix, q: int, partial: torch.Tensor, query: torch.Tensor, eps: float = 1e-5,
-                   dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Phase 2: AttnRes over the block sums + [partial] for query q (query [D] = r_q * w_q, row q of phase 1's
-    queries). In the merged softmax the partial sum (score s) weighs e^s / (e^s + e^lse) and the blocks together
-    e^lse / (e^s + e^lse), shared as in their own mix: a softmax over the two logits (s, lse), taken as a softmax
-    so that neither weight is formed as 1 minus the other (which loses a tiny weight, and its gradient, to
-    rounding). Returns `dtype` (default: the partial sum's)."""
-    pf = partial.to(blocks.mix.dtype)
+def attn_res_merge(mix: torch.Tensor, lse: torch.Tensor, partial: torch.Tensor, query: torch.Tensor,
+                   eps: float = 1e-5, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Phase 2: AttnRes over the block sums + [partial] for one query: mix [..., D] and lse [...] are its row of
+    phase 1 (`BlockMix.mix[..., q, :]`, `BlockMix.lse[..., q]`), query [D] = r_q * w_q. In the merged softmax the
+    partial sum (score s) weighs e^s / (e^s + e^lse) and the blocks together e^lse / (e^s + e^lse), shared as in
+    their own mix: a softmax over the two logits (s, lse), so that neither weight is formed as 1 minus the other
+    (which loses a tiny weight, and its gradient, to rounding). Returns `dtype` (default: the partial sum's)."""
+    pf = partial.to(mix.dtype)
     s = (pf @ query.to(pf.dtype)) * torch.rsqrt(pf.pow(2).mean(-1) + eps)  # [...]
-    weights = torch.stack([s, blocks.lse[..., q]], dim=-1).softmax(-1).unsqueeze(-2)  # [..., 1, 2]
-    out = weights[..., 0] * pf + weights[..., 1] * blocks.mix[..., q, :]
-    return out.to(dtype or partial.dtype)
+    weights = torch.stack([s, lse], dim=-1).softmax(-1).unsqueeze(-2)  # [..., 1, 2]
+    return (weights[..., 0] * pf + weights[..., 1] * mix).to(dtype or partial.dtype)
