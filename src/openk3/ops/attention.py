@@ -57,6 +57,16 @@ def fused_sdpa_choice(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
     return torch._fused_sdp_choice(q, k, v, is_causal=True)
 
 
+def padded_v_for_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
+    """v zero-padded to q's head dim when torch would run neither flash nor cuDNN on (q, k, v) but would run one of
+    them on the padded tensors; None otherwise (the rule `causal_sdpa` applies in eager mode)."""
+    dk, dv = q.shape[-1], v.shape[-1]
+    if dv >= dk or fused_sdpa_choice(q, k, v) in FUSED:
+        return None
+    padded = F.pad(v, (0, dk - dv))
+    return padded if fused_sdpa_choice(q, k, padded) in FUSED else None
+
+
 def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                 pad_v: bool | None = None) -> torch.Tensor:
     """Causal softmax attention through torch SDPA. q, k [B,H,T,dk]; v [B,H,T,dv] -> [B,H,T,dv].
@@ -64,17 +74,15 @@ def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     MLA has dk = n + r (192 in K3) > dv (128). Flash attention needs one head dim for q, k and v; cuDNN takes 192 /
     128 forward and backward on sm90 (cuDNN >= 9.11), and torch tries it first on an H200 when its cuDNN is newer
     than 9.15; otherwise torch takes memory-efficient attention (fused too, slower than flash) on a GPU and its
-    math fallback (T x T scores) on a CPU. pad_v=None (auto, eager mode): when torch would pick neither flash nor
-    cuDNN, v is zero-padded to dk if that lets flash run (GPU: 20% more attention FLOPs at 192 / 128; CPU: its
-    flash kernel, 3x faster than the math fallback at T 1024); the padded output columns are dropped.
-    pad_v=True / False forces the choice. `python bench/train.py gpu` prints the choice and times both."""
-    dk, dv = q.shape[-1], v.shape[-1]
-    padded = None
-    if pad_v or (pad_v is None and dv < dk and not torch.compiler.is_compiling()
-                 and fused_sdpa_choice(q, k, v) not in FUSED):
-        padded = F.pad(v, (0, dk - dv))
-        if pad_v is None and fused_sdpa_choice(q, k, padded) not in FUSED:
-            padded = None
+    math fallback (T x T scores) on a CPU. pad_v=None (auto, eager mode): `padded_v_for_flash` (GPU: flash at 20%
+    more attention FLOPs for 192 / 128; CPU: its flash kernel, 3x faster than the math fallback at T 1024); the
+    padded output columns are dropped. pad_v=True / False forces it. `python bench/train.py gpu` prints the
+    choice and times both."""
+    dv = v.shape[-1]
+    if pad_v is None:
+        padded = None if torch.compiler.is_compiling() else padded_v_for_flash(q, k, v)
+    else:
+        padded = F.pad(v, (0, q.shape[-1] - dv)) if pad_v else None
     if padded is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     return F.scaled_dot_product_attention(q, k, padded, is_causal=True, scale=scale)[..., :dv]
