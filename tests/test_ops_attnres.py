@@ -8,6 +8,7 @@ import torch
 
 from openk3.config import get_preset
 from openk3.model import K3ForCausalLM, transformer
+from openk3.model.attnres import BlockStream
 from openk3.ops.attnres import attn_res, attn_res_blocks, attn_res_merge
 
 
@@ -180,8 +181,9 @@ class OnePhaseStream:
 
 
 def test_model_two_phase_matches_one_phase(monkeypatch):
-    """K3Model with the two-phase stream vs the one-phase stream: logits and every parameter's gradient to fp32
-    rounding (block size 3 over 7 layers: three epochs, the last one short)."""
+    """K3Model with the two-phase stream (planned: one phase 1 per block; unplanned: one per AttnRes, as a caller
+    that builds BlockStream(h, block_size) gets) vs the one-phase stream: logits and every parameter's gradient to
+    fp32 rounding (block size 3 over 7 layers: three epochs, the last one short)."""
     cfg = get_preset("k3-tiny").with_overrides({"attn_res_block_size": 3, "num_layers": 7, "mla_layers": [2, 6],
                                                 "mtp_layers": 0})
     torch.manual_seed(0)
@@ -193,16 +195,17 @@ def test_model_two_phase_matches_one_phase(monkeypatch):
             elif "_res_norm" in name:
                 p.uniform_(0.5, 1.5)
     ids = torch.randint(0, cfg.vocab_size, (2, 9))
+    unplanned = lambda h, block_size, epochs, phases: BlockStream(h, block_size)
     runs = []
-    for stream in (None, OnePhaseStream):
-        if stream is not None:
-            monkeypatch.setattr(transformer, "BlockStream", stream)
+    for stream in (transformer.BlockStream, unplanned, OnePhaseStream):
+        monkeypatch.setattr(transformer, "BlockStream", stream)
         model.zero_grad()
         logits = model(ids).logits
         logits.float().logsumexp(-1).sum().backward()
         runs.append((logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
-    (a, ga), (b, gb) = runs
-    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    assert ga.keys() == gb.keys()
-    for name in ga:
-        torch.testing.assert_close(ga[name], gb[name], rtol=1e-4, atol=1e-5, msg=name)
+    (a, ga) = runs[-1]
+    for b, gb in runs[:-1]:
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+        assert ga.keys() == gb.keys()
+        for name in ga:
+            torch.testing.assert_close(gb[name], ga[name], rtol=1e-4, atol=1e-5, msg=name)

@@ -60,37 +60,46 @@ def attn_res_epochs(layers, output: Query, block_size: int) -> list[list[Query]]
 
 class BlockStream:
     """The (blocks, partial) state of Block AttnRes while the decoder layers run, computed in two phases over the
-    `epochs` of queries (`attn_res_epochs`); each call names the query it expects, as a check on the plan."""
+    `epochs` of queries (`attn_res_epochs`); each call names the query it expects, as a check on the plan. Without
+    a plan (epochs=None) every AttnRes runs phase 1 for itself alone: the same values, for callers that step the
+    layers one token at a time and gain nothing from batching the queries."""
 
-    def __init__(self, embedding: torch.Tensor, block_size: int, epochs: list[list[Query]],
+    def __init__(self, embedding: torch.Tensor, block_size: int, epochs: list[list[Query]] | None = None,
                  phases: tuple = (attn_res_blocks, attn_res_merge)):
         self.blocks: list[torch.Tensor] = []
         self.partial = embedding
         self.block_size = block_size
         self._epochs = epochs
-        self._eps = epochs[0][0][1].eps
         self._phase1, self._phase2 = phases  # the ops, or their torch.compile'd versions (compile_blocks)
 
     def _open_epoch(self) -> None:
-        """Phase 1 for the epoch that starts now that `blocks` grew."""
-        self._queries = self._epochs[len(self.blocks) - 1]
+        """Phase 1 for the epoch that starts now that `blocks` grew (with a plan: for all its queries at once)."""
         self._blocks_dtype = functools.reduce(torch.promote_types, (b.dtype for b in self.blocks))
+        self._queries = self._epochs[len(self.blocks) - 1] if self._epochs is not None else None
+        if self._queries is not None:
+            self._q = self._query_matrix(self._queries)  # [Q, D]
+            self._mix = self._phase1(self.blocks, self._q, self._queries[0][1].eps)
+            self._next = 0
+
+    def _query_matrix(self, queries: list[Query]) -> torch.Tensor:
+        """[Q, D]: each query's norm weight times its pseudo-query, in the fp32 (fp64) compute dtype."""
         acc = acc_dtype(self._blocks_dtype)
-        w = torch.stack([proj.weight[0] for proj, _ in self._queries]).to(acc)
-        r = torch.stack([norm.weight for _, norm in self._queries]).to(acc)
-        self._q = r * w  # [Q, D]
-        self._mix = self._phase1(self.blocks, self._q, self._eps)
-        self._next = 0
+        w = torch.stack([proj.weight[0] for proj, _ in queries]).to(acc)
+        return torch.stack([norm.weight for _, norm in queries]).to(acc) * w
 
     def _merge(self, proj: nn.Linear, norm: RMSNorm) -> torch.Tensor:
         """Phase 2 for the next query of the epoch, which must be (proj, norm)."""
+        dtype = torch.promote_types(self._blocks_dtype, self.partial.dtype)
+        if self._queries is None:
+            q_vec = self._query_matrix([(proj, norm)])
+            mixed = self._phase1(self.blocks, q_vec, norm.eps)
+            return self._phase2(mixed.mix[..., 0, :], mixed.lse[..., 0], self.partial, q_vec[0], norm.eps, dtype)
         q = self._next
         if q >= len(self._queries) or self._queries[q][0] is not proj or self._queries[q][1] is not norm:
             raise RuntimeError("Block AttnRes ran its sublayers in another order than attn_res_epochs planned")
         self._next += 1
-        dtype = torch.promote_types(self._blocks_dtype, self.partial.dtype)
         mix, lse = self._mix.mix[..., q, :], self._mix.lse[..., q]
-        return self._phase2(mix, lse, self.partial, self._q[q], self._eps, dtype)
+        return self._phase2(mix, lse, self.partial, self._q[q], norm.eps, dtype)
 
     def attn_input(self, layer_idx: int, proj: nn.Linear | None, norm: RMSNorm | None) -> torch.Tensor:
         """Steps 1-2: the attention sublayer's input; opens a block when layer_idx % block_size == 0."""

@@ -57,7 +57,7 @@ def group_by_expert(indices: torch.Tensor, num_experts: int) -> tuple[torch.Tens
     """indices [N,k] -> (order [N*k]: flat (token, slot) ids sorted by expert, counts [E] tokens per expert)."""
     flat = indices.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    # not torch.bincount: on CUDA it reads the largest index on the host to size its output
+    # scatter_add, not bincount: bincount reads the max index on the host (a sync that CUDA graphs cannot capture)
     counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
     return order, counts
 
