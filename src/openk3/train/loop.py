@@ -29,6 +29,7 @@ from torch import nn
 from openk3.checkpoints import CheckpointError, latest_checkpoint
 from openk3.config import ModelConfig, get_preset
 from openk3.model import K3ForCausalLM, configure_kda
+from openk3.model.compile import compile_blocks
 from openk3.parallel import ParallelDims, cp_lm_losses, parallelize
 from openk3.quant.qat import enable_qat
 from openk3.tokenizer import TextTokenizer, load_or_train
@@ -228,10 +229,10 @@ class Trainer:
             enable_qat(self.model, args.qat)
         if args.activation_checkpointing:
             enable_activation_checkpointing(self.model)
+        if args.compile:  # per block, after checkpointing and before sharding, as torchtitan orders them
+            compile_blocks(self.model)
         self.parallel = parallelize(self.model, self.dims, self.world.rank, self.device.type,
                                     ep_planner=args.ep_planner, activation_checkpointing=args.activation_checkpointing)
-        if args.compile:
-            self.model.compile()
         self.optimizer = build_optimizer(self.model, args.lr, args.weight_decay, args.optimizer)
         self.balancer = RouterBalancer(self.model, args.balance, self.cfg.moe.top_k if self.cfg.moe else 1,
                                        args.balance_gamma)
