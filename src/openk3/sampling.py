@@ -68,6 +68,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < TEMPERATURE_FLOOR or self.top_k == 1
 
+    @property
+    def plain(self) -> bool:
+        """No logit bias, no penalties, no logprobs: the raw logits decide (a greedy pick is their argmax)."""
+        return not (self.logit_bias or self.presence_penalty or self.frequency_penalty) and self.logprobs is None
+
 
 def choice_seed(seed: int, index: int) -> int:
     """The seed of choice `index` of a request with `seed` (OpenAI's `n`): choice 0 uses the seed itself, so n = 1
