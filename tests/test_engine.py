@@ -308,10 +308,10 @@ def test_a_failing_sequence_fails_alone(model, monkeypatch):
     in the same steps finishes exactly as it does alone, and the engine keeps serving."""
     from openk3.serve import engine as engine_module
 
-    def poisoned(logits, params, generator):
+    def poisoned(logits, params, generator, previous=()):
         if params.seed == POISON_SEED:
             raise RuntimeError("injected sampling failure")
-        return sample_token(logits, params, generator)
+        return sample_token(logits, params, generator, previous)
 
     tok, params = ByteTokenizer(), dict(max_tokens=6, temperature=0, ignore_eos=True)
     prompts = [tok.encode(f"request {i} shares the steps with a failing one") for i in range(3)]
@@ -362,3 +362,21 @@ def test_a_failing_prefill_forward_fails_its_group_alone(model):
     assert bad.finish_reason == "error" and bad.lease.released
     assert [first.output, second.output] == [r.output for r in expected]
     assert all(r.finish_reason == "length" for r in (first, second))
+
+
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_choices_after_a_leader_reuse_its_prefill(model, prefix_cache):
+    """Choices of one request (`after`): with the prefix cache on, the followers wait until their leader has
+    prefilled and then hit the prompt's full hash blocks; without it they start at once. Either way each choice's
+    greedy output is the leader's (same prompt, same parameters)."""
+    engine = make_engine(model, prefix_cache=prefix_cache)
+    prompt = ByteTokenizer().encode("choices share one prompt of a few hash blocks, " * 2)
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    leader = engine.add_request(prompt, params)
+    followers = [engine.add_request(prompt, params, after=leader) for _ in range(2)]
+    engine.step()
+    admitted = [r in engine.scheduler.running for r in followers]
+    assert admitted == [not prefix_cache] * 2  # admission comes before the step's prefill
+    drain(engine)
+    assert all(r.output == leader.output for r in followers) and leader.cached_tokens == 0
+    assert [r.cached_tokens for r in followers] == [H * ((len(prompt) - 1) // H) if prefix_cache else 0] * 2

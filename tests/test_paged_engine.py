@@ -192,10 +192,10 @@ def test_a_failing_sequence_fails_alone_and_gives_back_its_pages(model, monkeypa
 
     real = engine_module.sample_token
 
-    def poisoned(logits, params, generator):
+    def poisoned(logits, params, generator, previous=()):
         if params.seed == 666:
             raise RuntimeError("injected sampling failure")
-        return real(logits, params, generator)
+        return real(logits, params, generator, previous)
 
     monkeypatch.setattr(engine_module, "sample_token", poisoned)
     engine = make_engine(model, prefix_cache=False)

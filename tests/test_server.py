@@ -104,7 +104,7 @@ def test_sse_wire_format_ends_with_done(server):
     ({"model": MODEL, "prompt": "x", "max_tokens": 10**9}, 400, "max_tokens"),
     ({"model": MODEL, "prompt": "x", "temperature": "hot"}, 400, "temperature"),
     ({"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p"),
-    ({"model": MODEL, "prompt": "x", "n": 3}, 400, "n"),
+    ({"model": MODEL, "prompt": "x", "n": 129}, 400, "n"),
     ({"model": MODEL, "prompt": "x" * 5000}, 413, "prompt"),
     ({"model": "gpt-4o", "prompt": "x"}, 404, "model"),
 ])

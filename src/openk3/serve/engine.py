@@ -33,10 +33,11 @@ import torch
 
 from openk3.cache.paged import BlockTables, PagePool
 from openk3.cache.state_pool import StatePool
-from openk3.sampling import SamplingParams, sample_token
+from openk3.sampling import SamplingParams, sample_token, token_logprobs
 from openk3.serve.prefix_cache import PrefixCache, PrefixCacheConfig
 from openk3.serve.runner import ModelRunner
 from openk3.serve.scheduler import Request, RequestEvent, Scheduler, SchedulerConfig
+from openk3.serve.stop_strings import first_stop, held_back
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +88,6 @@ class EngineMetrics:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     steps: int = 0
-    ttft_seconds_sum: float = 0.0
-    ttft_count: int = 0
 
 
 class PoolExhausted(RuntimeError):
@@ -147,8 +146,11 @@ class Engine:
 
     # ---- the client side (thread-safe) --------------------------------------------------------------------
     def add_request(self, prompt: list[int], params: SamplingParams, rid: str | None = None,
-                    on_event=None) -> Request:
-        """Queue a request; raises ValueError for an unusable prompt and QueueFull when throttled."""
+                    on_event=None, after: Request | None = None) -> Request:
+        """Queue a request; raises ValueError for an unusable prompt and QueueFull when throttled. `after`: an
+        earlier request with the same prompt (another choice of one API request, OpenAI's `n`); with the prefix
+        cache on, this one is admitted once that one has prefilled, so it hits the prompt's cached blocks instead of
+        prefilling them again."""
         limit = self.model_config.max_seq_len
         if not prompt:
             raise ValueError("the prompt is empty")
@@ -159,7 +161,8 @@ class Engine:
         number = next(self._ids)
         seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + number
         request = Request(rid=rid or f"req-{number}", prompt=list(prompt), params=params, on_event=on_event,
-                          generator=torch.Generator().manual_seed(seed))
+                          generator=torch.Generator().manual_seed(seed),
+                          after=after if self.prefix_cache is not None else None)
         with self._lock:
             self.scheduler.submit(request)
             self.metrics.requests_received += 1
@@ -314,8 +317,6 @@ class Engine:
                 self._register_blocks(r, start, checkpoints, row)
                 if not r.prefilling:
                     r.first_token_at = time.perf_counter()
-                    self.metrics.ttft_seconds_sum += r.first_token_at - r.arrival
-                    self.metrics.ttft_count += 1
                     self._accept(r, sample(row))
 
     def _register_blocks(self, r: Request, start: int, checkpoints: dict | None = None, row: int = 0) -> None:
@@ -337,13 +338,23 @@ class Engine:
 
     # ---- tokens, stops, events ----------------------------------------------------------------------------
     def _sampler(self, requests: list[Request], logits: torch.Tensor):
-        """row -> the row's next token. An all-greedy batch takes one argmax on the device (one small copy to the
-        host); otherwise the batch's logits come to the CPU in one copy and each row samples when asked."""
+        """row -> the row's next token (its logprobs, when asked for, are queued for the next event). A batch whose
+        rows are all greedy with nothing to adjust or report takes one argmax on the device (one small copy to the
+        host); otherwise the batch's logits come to the CPU in one copy and each row samples when asked, with the
+        tokens it generated so far for the penalties."""
         logits = logits[:, : self.vocab_limit]
-        if all(r.params.greedy for r in requests):
+        if all(r.params.greedy and r.params.plain for r in requests):
             return logits.argmax(-1).tolist().__getitem__
         host = logits.float().cpu()
-        return lambda row: sample_token(host[row], requests[row].params, requests[row].generator)
+
+        def sample(row: int) -> int:
+            r = requests[row]
+            token = sample_token(host[row], r.params, r.generator, r.output)
+            if r.params.logprobs is not None:
+                r.logprobs.append(token_logprobs(host[row], token, r.params.logprobs))
+            return token
+
+        return sample
 
     def _accept(self, r: Request, token: int) -> None:
         r.output.append(token)
@@ -354,7 +365,7 @@ class Engine:
         elif len(r.output) >= r.params.max_tokens or r.length >= self.model_config.max_seq_len:
             reason = "length"
         text = self.tokenizer.decode_plain([t for t in r.output if t not in self.stop_ids])
-        cut = min((i for i in (text.find(s) for s in r.params.stop if s) if i >= 0), default=-1)
+        cut = first_stop(text, r.params.stop)
         if cut >= 0:
             text, reason = text[:cut], "stop"
         r.text = text
@@ -365,19 +376,15 @@ class Engine:
 
     def _sendable(self, r: Request) -> int:
         """How much of the text is final: hold back a partial UTF-8 character and a possible stop-string start."""
-        n = len(r.text.rstrip("\ufffd"))
-        for s in r.params.stop:
-            for k in range(min(len(s) - 1, n), 0, -1):
-                if r.text[:n].endswith(s[:k]):
-                    n = min(n, len(r.text[:n]) - k)
-                    break
-        return max(n, r.sent)
+        text = r.text.rstrip("\ufffd")
+        return max(len(text) - held_back(text, r.params.stop), r.sent)
 
     def _emit(self, r: Request, upto: int, finished: bool = False) -> None:
         delta, r.sent = r.text[r.sent:upto], upto
+        logprobs, r.logprobs = r.logprobs, []
         if r.on_event is not None:
             r.on_event(RequestEvent(r.rid, delta, finished, r.finish_reason, len(r.prompt), len(r.output),
-                                    r.cached_tokens))
+                                    r.cached_tokens, logprobs))
 
     def _finish(self, r: Request, reason: str) -> None:
         r.finish_reason = reason

@@ -5,8 +5,10 @@ Admission auto-throttles (SPEC §6, the rollout engine's rule, applied to servin
 - running requests: at most `max_running` sequences are live, and their tokens stay under `max_live_tokens`;
 - cache utilisation: while more than `max_locked_fraction` of the prefix cache's device tier is locked by
   running sequences, new ones wait (they could neither hit nor write without thrashing).
-Each step then runs every decoding sequence (one token each) and spends at most `prefill_tokens_per_step` on
-prefill chunks, oldest requests first; requests join and leave only between steps.
+A request with a leader (`after`: another choice of the same API request) waits at the head of the queue until its
+leader has prefilled, so that it finds the prompt in the prefix cache. Each step then runs every decoding sequence
+(one token each) and spends at most `prefill_tokens_per_step` on prefill chunks, oldest requests first; requests
+join and leave only between steps.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from openk3.sampling import SamplingParams
+from openk3.sampling import SamplingParams, TokenLogprob
 from openk3.serve.prefix_cache import Lease
 
 
@@ -28,7 +30,9 @@ class QueueFull(RuntimeError):
 
 @dataclass
 class RequestEvent:
-    """What a client sees after a step: new text (stop strings and partial UTF-8 held back) and the outcome."""
+    """What a client sees after a step: new text (stop strings and partial UTF-8 held back), the logprobs of the
+    tokens sampled since the last event (when asked for; aligned with the text by the API), the outcome and the
+    time it was sent (for the latency histograms)."""
 
     rid: str
     text: str
@@ -37,6 +41,8 @@ class RequestEvent:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    at: float = field(default_factory=time.perf_counter)
 
 
 @dataclass(eq=False)
@@ -56,6 +62,8 @@ class Request:
     finish_reason: str | None = None
     arrival: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # sampled since the last event, not yet sent
+    after: Request | None = None  # admitted only once this request (same prompt) has prefilled
 
     @property
     def prefilling(self) -> bool:
@@ -103,6 +111,9 @@ class Scheduler:
         cfg, admitted = self.config, []
         live = self.live_tokens()
         while self.waiting and len(self.running) < cfg.max_running and locked_fraction <= cfg.max_locked_fraction:
+            leader = self.waiting[0].after
+            if leader is not None and leader.finish_reason is None and leader.prefilling:
+                break  # it would prefill the prompt its leader is about to put in the prefix cache
             need = len(self.waiting[0].prompt) + self.waiting[0].params.max_tokens
             if self.running and live + need > cfg.max_live_tokens:
                 break
