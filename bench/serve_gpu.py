@@ -294,14 +294,17 @@ def main() -> None:
         for c in args.concurrency:  # a short warm-up at each batch size compiles its prefill shapes
             asyncio.run(decode_rate(server.url, args.preset, c, 4, vocab, seed=1000 + c))
             rates[c] = asyncio.run(decode_rate(server.url, args.preset, c, args.new_tokens, vocab, seed=c))
+            print(f"decode, {c} clients: {rates[c]:.1f} tok/s", flush=True)  # kept if a later step is cut short
         rng = random.Random(7)
         ttfts = [asyncio.run(ttft(server.url, args.preset, [rng.randrange(vocab) for _ in range(args.ttft_tokens)]))
                  for _ in range(3)]
+        print(f"TTFT of a {args.ttft_tokens}-token prompt: {[round(t, 4) for t in ttfts]} s", flush=True)
         after = gpu_memory_used_mib() if device == "cuda" else None
     finally:
         server.stop()
     memory = after - before if after is not None and before is not None else None
     trace = agent_trace(args, device, dtype)
+    print(f"agent trace: {json.dumps(trace)}", flush=True)
     peer, peer_info = peer_rates(args, device, dtype)
     total = time.perf_counter() - t0
 
