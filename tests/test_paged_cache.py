@@ -153,6 +153,59 @@ def check_references(cache, pool, running) -> None:
         assert cache.used[tier] <= cache.capacity(tier)
 
 
+def check_structure(cache, running) -> None:
+    """The cache's own invariants (module docstring): no empty page, a page never in a higher tier than its parent,
+    bytes accounted per tier, and every running lease's tail registered with the whole chain up to it locked by
+    that lease on the device tier (a chain a lease appends after never loses an entry or a page)."""
+    used = [0, 0, 0]
+    for page in cache.pages:
+        assert page.entries and all(e.page is page for e in page.entries)
+        assert page.parent_page is None or (page.parent_page in cache.pages and page.tier >= page.parent_page.tier)
+        used[page.tier] += cache.config.page_bytes + page.checkpoint_bytes()
+    assert used == cache.used
+    for seq in running:
+        lease = seq.lease
+        assert lease.pages <= cache.pages, "a lease locks a page the cache has freed"
+        entry = lease.tail
+        while entry is not None:
+            level = cache.roots if entry.parent is None else entry.parent.children
+            assert level.get(entry.key) is entry and entry in entry.page.entries
+            assert entry.page in lease.pages and entry.page.tier == DEVICE
+            entry = entry.parent
+
+
+def test_append_onto_a_cached_block_survives_the_room_made_for_its_checkpoint():
+    """A sequence re-appends a cached block that has no checkpoint of its own and lives only for the checkpoint in
+    the page below it; storing the new checkpoint needs room, and the room-making evicts that page below. The
+    block must stay registered (pinned as the sequence's tail before room is made), not be trimmed as useless out
+    of a page the sequence has locked, which left the page freed while locked, the checkpoint's bytes counted for
+    an unregistered entry and the next append failing on the emptied page."""
+    pool = PagePool(1, 8, 2, 1, dtype=torch.float64)
+    ckpt_bytes = 8  # one float64: what Sequence.write_block stores
+    cfg = PrefixCacheConfig(hash_block=1, page_size=2, page_bytes=pool.page_bytes,
+                            device_bytes=3 * pool.page_bytes + 2 * ckpt_bytes)
+    cache, oracle, tokens = PrefixCache(cfg, store=pool), Oracle(), [1, 2, 3, 4, 5]
+    first = Sequence(cache, pool, tokens, max_hit=0)
+    for checkpoint in (False, True, False, False, True):  # pages [1 2*] [3 4] [5*]: the device tier is full
+        assert first.write_block(oracle, checkpoint)
+    first.finish()
+    assert cache.used[DEVICE] == cache.capacity(DEVICE)
+
+    second = Sequence(cache, pool, tokens, max_hit=2)  # hits at block 2, then writes block 3 with a checkpoint
+    assert second.lease.hit_tokens == 2
+    assert second.write_block(oracle, checkpoint=True)
+    assert cache.stats.evicted_pages == 1  # the page of block 5 made the room
+    chain = cache.match(tokens)
+    assert len(chain) == 3 and chain[-1] is second.lease.tail and chain[-1].checkpoint is not None
+    check_references(cache, pool, [second])
+    check_structure(cache, [second])
+    assert second.write_block(oracle, checkpoint=False)
+    check_structure(cache, [second])
+    second.finish()
+    cache.evict(cache.used[DEVICE])
+    assert not cache.pages and pool.num_free == pool.num_pages - 1
+
+
 OPS = st.lists(st.tuples(st.sampled_from(["start", "start", "write", "write", "write", "finish", "evict"]),
                          st.integers(0, 7), st.integers(0, 40), st.booleans()), min_size=20, max_size=70)
 
@@ -185,6 +238,7 @@ def test_paged_prefix_cache_random_operations(ops, seed, tiers):
             elif op == "evict":
                 cache.evict(min(amount * 8, cache.used[DEVICE]))
             check_references(cache, pool, running)
+            check_structure(cache, running)
         for seq in running:
             seq.finish()
         check_references(cache, pool, [])

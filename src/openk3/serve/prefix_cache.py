@@ -16,7 +16,9 @@ state). Hits are multiples of h, never required to be multiples of P.
 Locks: a `Lease` (one per running sequence) locks every page on its chain, the pages it hit and the page it
 writes. Eviction takes the least recently used unlocked page that has no child page in its own tier, and
 moves the page's KV together with its checkpoints: a checkpoint never outlives its KV. The reverse also
-holds: an entry with no checkpoint at or below it is useless and is trimmed. Under memory pressure mid-turn
+holds: an entry with no checkpoint at or below it is useless and is trimmed, even on a locked page (a lock keeps a
+page from eviction, not its entries from trimming), unless a lease pins it as the tail it appends after: the
+pin keeps the entry and, through it, the chain above it. Under memory pressure mid-turn
 checkpoints go first; turn-boundary checkpoints and the newest one of every chain (no checkpoint below it)
 are kept. Tiers: device -> host (optional) -> disk (optional, needs host); a tier's page is never in a
 higher tier than its ancestors, and hits are promoted back to the device tier before they are used.
@@ -261,7 +263,7 @@ class PrefixCache:
         if entry is None:
             phys = page
             page = self._writable_page(lease, parent, phys)
-            if not self._make_room(DEVICE, ckpt_bytes + (0 if page else self.config.page_bytes)):
+            if page is None and not self._make_room(DEVICE, self.config.page_bytes):
                 lease.detached = True
                 return False
             page = page or self._new_page(lease, parent, phys)
@@ -270,13 +272,17 @@ class PrefixCache:
             level[key] = entry
             page.entries.append(entry)
             self.stats.inserted_blocks += 1
-        elif not self._lock_and_promote(lease, [entry]) or (
-                entry.checkpoint is None and checkpoint is not None and not self._make_room(DEVICE, ckpt_bytes)):
+        elif not self._lock_and_promote(lease, [entry]):
             lease.detached = True
             return False
+        # Pin the entry before making room for its checkpoint: room-making evicts pages below it and trims every
+        # entry left without a checkpoint at or below it that nothing pins, locked page or not.
         self._move_tail(lease, entry)
         entry.page.last_used = next(self._clock)
         if checkpoint is not None and entry.checkpoint is None:
+            if not self._make_room(DEVICE, ckpt_bytes):
+                lease.detached = True
+                return False
             self._set_checkpoint(entry, Checkpoint(checkpoint, ckpt_bytes, turn_boundary))
         elif entry.checkpoint is not None and turn_boundary:
             entry.checkpoint.turn_boundary = True
