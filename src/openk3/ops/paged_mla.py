@@ -9,6 +9,7 @@ Layout (R = kv_lora_rank, r = the 64-wide "rope" slice in K3, stored and used un
   out        [N,H,R] fp32   p . latent (the caller applies W_UV: the output absorption)
 Scores are scale * (q . [latent | k_slice]), softmax over the sequence's positions.
 
+fp32 pools take exact fp32 products (input_precision "ieee"; tf32 would cost 1e-3), 16-bit pools the tensor cores.
 The kernel splits the positions ("flash decoding"): program (n, split, head block) walks one contiguous share of
 sequence n with an online softmax and writes its partial output and log-sum-exp; `combine_splits` merges them.
 A split with an empty share writes lse = -inf and weighs nothing. `num_splits` is a launch constant, so the
@@ -73,7 +74,7 @@ def paged_mla_decode(q: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, 
             q.contiguous(), pool, tables, rows.to(torch.int32), lengths.to(torch.int32), out, lse, scale, H,
             tables.stride(0), P=pool.shape[1], R=R, RS=r, BLOCK_R=triton.next_power_of_2(R),
             BLOCK_RS=max(16, triton.next_power_of_2(max(r, 1))), BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N,
-            NUM_SPLITS=num_splits, num_warps=4)
+            NUM_SPLITS=num_splits, PREC="ieee" if pool.dtype == torch.float32 else "tf32", num_warps=4)
     return combine_splits(out, lse) if num_splits > 1 else out[:, 0]
 
 
@@ -83,7 +84,7 @@ if triton is not None:
     def _paged_mla_decode_kernel(q, pool, tables, rows, lengths, out, lse, scale, H, table_stride,
                                 P: tl.constexpr, R: tl.constexpr, RS: tl.constexpr, BLOCK_R: tl.constexpr,
                                 BLOCK_RS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                                NUM_SPLITS: tl.constexpr):
+                                NUM_SPLITS: tl.constexpr, PREC: tl.constexpr):
         n = tl.program_id(0)
         split = tl.program_id(1)
         heads = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -113,13 +114,13 @@ if triton is not None:
             base = (page * P + pos % P) * D
             kv = tl.load(pool + base[:, None] + cr[None, :], mask=pm[:, None] & (cr[None, :] < R), other=0.0)
             kpe = tl.load(pool + base[:, None] + R + cs[None, :], mask=pm[:, None] & (cs[None, :] < RS), other=0.0)
-            s = tl.dot(q_lat, tl.trans(kv)) + tl.dot(q_pe, tl.trans(kpe))  # [BLOCK_H, BLOCK_N] fp32
+            s = tl.dot(q_lat, tl.trans(kv), input_precision=PREC) + tl.dot(q_pe, tl.trans(kpe), input_precision=PREC)
             s = tl.where(pm[None, :], s * scale, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, axis=1))
             alpha = tl.exp(m - m_new)
             p = tl.exp(s - m_new[:, None])
             denom = denom * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv)
+            acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv, input_precision=PREC)
             m = m_new
 
         live = denom > 0
