@@ -7,6 +7,8 @@ import torch
 from openk3.ops.attention import mla_attention_absorbed
 from openk3.ops.paged_mla import combine_splits, paged_mla_decode, paged_mla_decode_reference
 
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # without CUDA the kernel runs under TRITON_INTERPRET=1
+
 
 def paged_setup(lengths, page_size, latent_dim, slice_dim, heads, seed, spare_pages=3, dtype=torch.float32):
     """Random latents for each sequence scattered over randomly permuted physical pages (page 0 unused), block
@@ -25,7 +27,8 @@ def paged_setup(lengths, page_size, latent_dim, slice_dim, heads, seed, spare_pa
         tables[rows[i], :k] = torch.tensor(pages, dtype=torch.int32)
         contiguous.append(torch.cat([pool[p] for p in pages])[:n])
     q = torch.randn(len(lengths), heads, width, generator=g).to(dtype) * 2
-    return q, pool, tables, rows, torch.tensor(lengths), contiguous
+    to = lambda t: t.to(DEV)
+    return to(q), to(pool), to(tables), to(rows), to(torch.tensor(lengths)), [to(c) for c in contiguous]
 
 
 @pytest.mark.parametrize("splits", [1, 3, 8])
@@ -56,7 +59,8 @@ def test_reference_is_the_absorbed_attention_of_the_last_position():
     H, n, r, v, R = 3, 8, 4, 6, 12
     lengths = [1, 9, 20]
     g = torch.Generator().manual_seed(3)
-    _, pool, tables, rows, lens, contiguous = paged_setup(lengths, 8, R, r, H, seed=4)
+    _, pool, tables, rows, lens, contiguous = (x.cpu() if torch.is_tensor(x) else [c.cpu() for c in x]
+                                               for x in paged_setup(lengths, 8, R, r, H, seed=4))
     kv_b = torch.randn(H * (n + v), R, generator=g) / R**0.5
     q_full = torch.randn(len(lengths), H, n + r, generator=g)
     w = kv_b.view(H, n + v, R)
