@@ -17,7 +17,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from openk3.tokenizer import ByteTokenizer, encode_chat
-from serve_process import metric, o1_checkpoint, serve_process
+from serve_process import metric
 
 MODEL = "k3-tiny"
 H = 16  # the hash block of k3-tiny's context
@@ -26,14 +26,8 @@ LOGPROB_TOL = 2e-3  # fp32: the engine's chunked prefill and cached decode again
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return o1_checkpoint(tmp_path_factory.mktemp("o1-k3-tiny"))
-
-
-@pytest.fixture(scope="module")
-def server(checkpoint):
-    with serve_process("--ckpt", checkpoint, "--model-name", MODEL) as (url, _):
-        yield url
+def server(o1_server):
+    return o1_server
 
 
 @pytest.fixture
@@ -42,12 +36,12 @@ def client(server):
 
 
 @pytest.fixture(scope="module")
-def model(checkpoint):
+def model(o1_checkpoint_dir):
     from openk3.interop import load_pretrained
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield load_pretrained(checkpoint).eval()
+    yield load_pretrained(o1_checkpoint_dir).eval()
     torch.set_num_threads(threads)
 
 

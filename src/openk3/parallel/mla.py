@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from openk3.ops.attention import mla_expand_kv
-from openk3.ops.norms import acc_dtype
 from openk3.parallel.comm import gather_rows
 from openk3.parallel.layout import SequenceSplit
 
@@ -45,10 +44,4 @@ def mla_layer_forward(layer, x: torch.Tensor, split: SequenceSplit, rank: int, g
     kv_all = gather_rows(layer.latent(x)[0], [split.size(r) for r in range(split.num_ranks)], rank, group)
     o = mla_attention_documents(q[0], kv_all, layer.kv_b_proj.weight, split, rank, nope_dim=layer.nope_dim,
                                 v_dim=layer.v_head_dim, scale=layer.scale).unsqueeze(0)
-    if layer.o_norm is not None:
-        o = layer.o_norm(o)
-    if layer.g_proj is not None:
-        gate = layer.g_proj(x).view(B, L, layer.num_heads, layer.v_head_dim)
-        acc = acc_dtype(x.dtype)
-        o = (o.to(acc) * torch.sigmoid(gate.to(acc))).to(x.dtype)
-    return layer.o_proj(o.reshape(B, L, layer.num_heads * layer.v_head_dim))
+    return layer.output(x, o)
