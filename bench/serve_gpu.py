@@ -77,7 +77,8 @@ class Server:
         self.log = tempfile.NamedTemporaryFile("w+", prefix="openk3-serve-", suffix=".log", delete=False)
         cmd = [sys.executable, "-m", "openk3", "serve", "--preset", args.preset, "--device", device,
                "--port", str(self.port), "--max-running", str(max(args.concurrency)),
-               "--cache-mb", str(args.cache_mb), "--log-level", "warning"] + (["--threads", "1"] if args.smoke else [])
+               "--cache-mb", str(args.cache_mb), "--log-level", "warning",
+               "--dtype", "float32" if args.smoke else args.dtype] + (["--threads", "1"] if args.smoke else [])
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
 
@@ -265,6 +266,8 @@ def main() -> None:
     ap.add_argument("--trace-system-tokens", type=int, default=1500)
     ap.add_argument("--trace-tool-tokens", type=int, nargs=2, default=(64, 256))
     ap.add_argument("--trace-new-tokens", type=int, default=64)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="the server's and the peer's weights (the 2026-12-01 numbers: bfloat16)")
     ap.add_argument("--smoke", action="store_true", help="run every step on the CPU at toy sizes")
     out_dir = os.environ.get("OUT", str(BENCH))
     ap.add_argument("--json", default=os.path.join(out_dir, "serve_gpu.json"))
@@ -274,7 +277,7 @@ def main() -> None:
     device = "cpu" if args.smoke else "cuda"
     if args.smoke:
         torch.set_num_threads(1)  # toy matmuls: one thread each for the bench and the server is much faster
-    dtype = torch.float32 if args.smoke else torch.bfloat16
+    dtype = torch.float32 if args.smoke else getattr(torch, args.dtype)
     small = dict(preset="k3-tiny", concurrency=[1, 4], new_tokens=8, ttft_tokens=600, trace_sessions=3,
                  trace_turns=3, trace_system_tokens=100, trace_tool_tokens=(8, 24), trace_new_tokens=6, cache_mb=64,
                  prefill_tokens=256)
