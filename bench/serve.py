@@ -16,6 +16,8 @@ Policies, all in the same run over the same trace (greedy output is identical ac
 - k3-sparse: the same with KDA checkpoints every `--sparse-every` hash blocks during prefill (plus the turn
   boundary): fewer, larger prefill chunks (faster on a CPU) for hits that may fall back to a coarser boundary.
 - none: no prefix cache (the TTFT / throughput reference).
+Every policy prefills the same number of tokens per engine step (`--prefill-tokens`: the scheduler cuts the chunk
+that reaches the budget), so the TTFT and throughput columns compare caching, not scheduling.
 Ideal reuse of a request: every full hash block (of h) of its prompt shared with a request that finished before
 it was submitted (capped at the prompt length minus one, since the last prompt token must run to give logits).
 """

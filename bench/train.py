@@ -1,17 +1,23 @@
 """Training-step benchmarks.
 
-  python bench/train.py gpu   [--steps 20 --warmup 5 --batch-size 8 --seq-len 4096 --peak-tflops 989] [--profile]
-      CUDA only. k3-debug in bf16 autocast (MTP weight 0.3) without and with activation checkpointing, beside a
-      dense pre-norm transformer (torch SDPA causal attention, SwiGLU) with the same active parameter count, all
-      with AdamW so the models are compared, plus k3-debug with per-head Muon for the optimizer's cost; one run.
-      Reports tokens/s, model FLOP utilisation and torch.cuda.max_memory_allocated per configuration.
-      --profile: one k3-debug AdamW step under torch.profiler instead, the top operators by GPU time.
+  python bench/train.py gpu   [--steps 10 --warmup 3 --batch-size 8 --seq-len 4096 --peak-tflops 989] [--profile]
+                              [--no-compile]
+      CUDA only (without it: a one-line error). k3-debug in bf16 autocast (MTP weight 0.3) eager, with activation
+      checkpointing and with compile_blocks (torch.compile per block; the warm-up steps include compiling), beside
+      a dense pre-norm transformer (torch SDPA causal attention, SwiGLU) with the same active parameter count and
+      the same tokens, all with AdamW so the models are compared, plus k3-debug with per-head Muon for the
+      optimizer's cost; one run. Reports step time, tokens/s, model FLOP utilisation and
+      torch.cuda.max_memory_allocated per row; then the top 10 kernels of one profiled k3-debug AdamW step with
+      their share of its kernel time, and k3-debug's MLA attention alone (which SDPA kernel torch picks with v as
+      it is and zero-padded to the q/k head dim, and the time of each). Estimated at 3-5 minutes on an H200.
+      --profile: also print torch.profiler's full operator table.
   python bench/train.py cpu   [--steps 3 --batch-size 2 --seq-len 256 --threads N]
       One training step (forward + backward + loss) of a small Kimi Linear-shaped model in openk3 beside HF
       transformers' KimiLinearForCausalLM holding the same weights (written by openk3.interop in the hub layout,
       read by transformers' from_pretrained; its pure-PyTorch KDA path). Checks the logits agree first.
 
-Each prints a Markdown table and writes bench/train_<mode>.json.
+Each prints Markdown tables (the results table last) and writes bench/train_<mode>.json (gpu rows: model,
+optimizer, variant, step_ms, mfu, peak_gib, tokens_per_s, warmup_s).
 
 Model FLOPs per token (for MFU), counted for forward + backward (x3 of forward):
   6 * (active matmul parameters: everything except the embedding table, with routed experts counted top_k /
@@ -24,6 +30,8 @@ Model FLOPs per token (for MFU), counted for forward + backward (x3 of forward):
 from __future__ import annotations
 
 import argparse
+import gc
+import importlib
 import json
 import math
 import platform
@@ -34,10 +42,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend
 
 from openk3.config import ModelConfig, get_preset
 from openk3.info import count_parameters
 from openk3.model import K3ForCausalLM
+from openk3.model.compile import compile_blocks
+from openk3.ops.attention import causal_sdpa, fused_sdpa_choice, padded_v_for_flash
 from openk3.train.loop import enable_activation_checkpointing, lm_losses
 from openk3.train.optim import build_optimizer
 
@@ -109,12 +120,17 @@ def dense_flops_per_token(model: DenseLM, seq_len: int) -> float:
     return 6 * matmul + 6 * (seq_len / 2) * 2 * dim * len(model.blocks)
 
 
-# ---- GPU --------------------------------------------------------------------------------------------------------
+# ---- GPU ----
 
-def time_steps(step, steps: int, warmup: int) -> float:
+DEVICE = "cuda"  # tests point the GPU run at the CPU (with stand-ins for torch.cuda) to check its logic
+
+def time_steps(step, steps: int, warmup: int) -> tuple[float, float]:
+    """(seconds per timed step, seconds of the warm-up steps, which include any compilation)."""
+    start_warmup = time.perf_counter()
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
+    warmup_s = time.perf_counter() - start_warmup
     start = torch.cuda.Event(enable_timing=True)
     end = torch.cuda.Event(enable_timing=True)
     start.record()
@@ -122,14 +138,14 @@ def time_steps(step, steps: int, warmup: int) -> float:
         step()
     end.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1000 / steps
+    return start.elapsed_time(end) / 1000 / steps, warmup_s
 
 
 def k3_train_step(model, opt, batch):
     """One bf16-autocast training step of the k3 model on a fresh batch (LM + MTP loss)."""
 
     def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
             loss, _, _ = lm_losses(model, batch(), mtp_weight=0.3)
         loss.backward()
         opt.step()
@@ -138,90 +154,185 @@ def k3_train_step(model, opt, batch):
     return step
 
 
-def k3_result(cfg: ModelConfig, checkpointing: bool, optimizer: str, args: argparse.Namespace, batch) -> dict:
+K3_VARIANTS = {  # variant -> (activation checkpointing, compile_blocks)
+    "eager": (False, False),
+    "act. ckpt": (True, False),
+    "compile": (False, True),
+}
+
+
+def build_k3(cfg: ModelConfig, variant: str, optimizer: str):
     torch.manual_seed(0)
-    model = K3ForCausalLM(cfg).to("cuda")
+    model = K3ForCausalLM(cfg).to(DEVICE)
+    checkpointing, compiled = K3_VARIANTS[variant]
     if checkpointing:
         enable_activation_checkpointing(model)
-    opt = build_optimizer(model, lr=1e-4, weight_decay=0.1, optimizer=optimizer)
+    if compiled:
+        compile_blocks(model)
+    return model, build_optimizer(model, lr=1e-4, weight_decay=0.1, optimizer=optimizer)
 
-    k3_step = k3_train_step(model, opt, batch)
-    torch.cuda.reset_peak_memory_stats()
-    seconds = time_steps(k3_step, args.steps, args.warmup)
+
+def result_row(model: str, optimizer: str, variant: str, seconds: float, warmup_s: float, flops_per_token: float,
+               args: argparse.Namespace) -> dict:
     tokens = args.batch_size * args.seq_len
-    flops = k3_flops_per_token(cfg, args.seq_len) * tokens / seconds
-    return {"model": "k3-debug" + (" + act. ckpt" if checkpointing else ""), "optimizer": optimizer,
-            "seconds": seconds,
-            "tokens_per_s": tokens / seconds, "mfu": flops / (args.peak_tflops * 1e12),
-            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30}
+    return {"model": model, "optimizer": optimizer, "variant": variant, "step_ms": seconds * 1e3,
+            "tokens_per_s": tokens / seconds, "mfu": flops_per_token * tokens / seconds / (args.peak_tflops * 1e12),
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "warmup_s": warmup_s}
 
 
-def profile_k3_step(cfg: ModelConfig, batch, rows: int = 30) -> None:
-    """Where a k3-debug training step spends GPU time: torch.profiler's operators, sorted by their total."""
+def k3_result(cfg: ModelConfig, variant: str, optimizer: str, args: argparse.Namespace, batch) -> dict:
+    model, opt = build_k3(cfg, variant, optimizer)
+    torch.cuda.reset_peak_memory_stats()
+    seconds, warmup_s = time_steps(k3_train_step(model, opt, batch), args.steps, args.warmup)
+    return result_row(cfg.name, optimizer, variant, seconds, warmup_s, k3_flops_per_token(cfg, args.seq_len), args)
+
+
+def dense_result(cfg: ModelConfig, args: argparse.Namespace, batch) -> dict:
+    torch.manual_seed(0)
+    dense, meta = dense_like(cfg)
+    dense = dense.to(DEVICE)
+    opt = torch.optim.AdamW(dense.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
+
+    def step():
+        ids = batch()
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            logits = dense(ids[:, :-1])
+        F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten()).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    torch.cuda.reset_peak_memory_stats()
+    seconds, warmup_s = time_steps(step, args.steps, args.warmup)
+    return result_row(f"dense SDPA (ffn {meta['ffn']}, same active params)", "adamw", "eager", seconds, warmup_s,
+                      dense_flops_per_token(dense, args.seq_len), args)
+
+
+def top_kernels(prof, rows: int = 10, device_type=None) -> list[dict]:
+    """The `rows` kernels with the most device time in a torch.profiler run, each with its share of all the
+    device time the profile saw (`device_type`: the profiler's DeviceType of the kernels; CUDA by default)."""
+    from torch.autograd import DeviceType
+
+    device_type = DeviceType.CUDA if device_type is None else device_type
+    attr = "self_cpu_time_total" if device_type == DeviceType.CPU else "self_device_time_total"
+    time_of = lambda e: getattr(e, attr)  # microseconds
+    kernels = [e for e in prof.key_averages() if e.device_type == device_type]
+    total = sum(time_of(e) for e in kernels) or 1.0
+    kernels.sort(key=time_of, reverse=True)
+    return [{"kernel": e.key, "ms": time_of(e) / 1e3, "share": time_of(e) / total, "calls": e.count}
+            for e in kernels[:rows]]
+
+
+def profile_k3_step(cfg: ModelConfig, batch, full_tables: bool) -> dict:
+    """One k3 AdamW step (eager) under torch.profiler, after two warm-up steps: the top 10 kernels."""
     from torch.profiler import ProfilerActivity, profile
 
-    torch.manual_seed(0)
-    model = K3ForCausalLM(cfg).to("cuda")
-    opt = build_optimizer(model, lr=1e-4, weight_decay=0.1, optimizer="adamw")
-
+    model, opt = build_k3(cfg, "eager", "adamw")
     step = k3_train_step(model, opt, batch)
     for _ in range(2):
         step()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    start = time.perf_counter()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
+    with profile(activities=activities) as prof:
         step()
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=60))
-    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=60))
+    wall_ms = (time.perf_counter() - start) * 1e3
+    if full_tables:
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=60))
+    kernels = top_kernels(prof)
+    device_ms = sum(k["ms"] for k in top_kernels(prof, rows=10**9))
+    return {"step_wall_ms_profiled": wall_ms, "device_ms": device_ms, "top_kernels": kernels}
+
+
+def mla_attention_timing(cfg: ModelConfig, args: argparse.Namespace, reps: int = 10) -> dict:
+    """The k3 model's MLA attention alone (causal SDPA, bf16, forward + backward) with v as it is and zero-padded to
+    the q/k head dim: which kernel torch picks for each, and the time of each (ms)."""
+    m = cfg.mla
+    B, T, H = args.batch_size, args.seq_len, m.num_heads
+    dk, dv = m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim
+    make = lambda d: torch.randn(B, T, H, d, device=DEVICE, dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
+    q, k, v = make(dk), make(dk), make(dv)
+    grad_out = torch.randn(B, H, T, dv, device=DEVICE, dtype=torch.bfloat16)
+    out = {"auto_pads_v": padded_v_for_flash(q, k, v) is not None}
+    for pad in (False, True):
+        vv = F.pad(v, (0, dk - dv)) if pad else v
+        name = "padded" if pad else "unpadded"
+        out[f"{name}_backend"] = SDPBackend(fused_sdpa_choice(q, k, vv)).name
+
+        def run(pad=pad):
+            causal_sdpa(q, k, v, dk**-0.5, pad_v=pad).backward(grad_out)
+
+        out[f"{name}_ms"] = time_steps(run, reps, 3)[0] * 1e3
+    return out
+
+
+def print_results(env: dict, results: list[dict], profile: dict, mla: dict) -> None:
+    print(f"{env}\n\nMLA attention (B x H x T = {env['batch']} x {env['mla_heads']} x {env['seq_len']}, fwd+bwd): "
+          f"v as is -> {mla['unpadded_backend']} {mla['unpadded_ms']:.2f} ms; v padded -> {mla['padded_backend']} "
+          f"{mla['padded_ms']:.2f} ms; the model pads: {mla['auto_pads_v']}")
+    print(f"\nProfile of one {env['preset']} AdamW step: {profile['device_ms']:.1f} ms of kernel time "
+          f"(wall {profile['step_wall_ms_profiled']:.1f} ms under the profiler)\n\n| kernel | ms | share | calls |"
+          "\n|---|---|---|---|")
+    for k in profile["top_kernels"]:
+        print(f"| {k['kernel'][:90]} | {k['ms']:.1f} | {k['share']:.1%} | {k['calls']} |")
+    print("\n| model | optimizer | variant | step (ms) | tokens/s | MFU | peak memory (GiB) | warm-up (s) |\n"
+          "|---|---|---|---|---|---|---|---|")
+    for r in results:
+        if "error" in r:
+            print(f"| {r['model']} | {r['optimizer']} | {r['variant']} | failed: {r['error']} | | | | |")
+            continue
+        print(f"| {r['model']} | {r['optimizer']} | {r['variant']} | {r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} "
+              f"| {r['mfu']:.1%} | {r['peak_gib']:.2f} | {r['warmup_s']:.1f} |")
+
+
+def free_gpu() -> None:
+    """Release the last row's model and optimizer (compiled code holds on to them until Dynamo is reset), so each
+    row's peak memory is its own."""
+    torch._dynamo.reset()
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def gpu(args: argparse.Namespace) -> list[dict]:
     if not torch.cuda.is_available():
         raise SystemExit("bench/train.py gpu needs a CUDA device")
-    device = torch.device("cuda")
-    cfg = get_preset("k3-debug")
-    tokens = args.batch_size * args.seq_len
-    results = []
+    cfg = get_preset(args.preset)
 
     def batch() -> torch.Tensor:
-        return torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len + 1), device=device)
+        return torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len + 1), device=DEVICE)
 
-    if args.profile:
-        profile_k3_step(cfg, batch)
-        return results
-
-    for checkpointing, optimizer in ((False, "adamw"), (True, "adamw"), (False, "muon")):
-        results.append(k3_result(cfg, checkpointing, optimizer, args, batch))
-        torch.cuda.empty_cache()
-
-    torch.manual_seed(0)
-    dense, meta = dense_like(cfg)
-    dense = dense.to(device)
-    dense_opt = torch.optim.AdamW(dense.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
-
-    def dense_step():
-        ids = batch()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            logits = dense(ids[:, :-1])
-        F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten()).backward()
-        dense_opt.step()
-        dense_opt.zero_grad(set_to_none=True)
-
-    torch.cuda.reset_peak_memory_stats()
-    seconds = time_steps(dense_step, args.steps, args.warmup)
-    flops = dense_flops_per_token(dense, args.seq_len) * tokens / seconds
-    results.append({"model": f"dense SDPA (ffn {meta['ffn']}, same active params)", "optimizer": "adamw",
-                    "seconds": seconds,
-                    "tokens_per_s": tokens / seconds, "mfu": flops / (args.peak_tflops * 1e12),
-                    "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30})
-    env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "batch": args.batch_size,
-           "seq_len": args.seq_len, "peak_tflops": args.peak_tflops}
-    (HERE / "train_gpu.json").write_text(json.dumps({"env": env, "results": results}, indent=1))
-    print(f"{env}\n\n| model | optimizer | step (ms) | tokens/s | MFU | peak memory (GiB) |\n|---|---|---|---|---|---|")
-    for r in results:
-        print(f"| {r['model']} | {r['optimizer']} | {r['seconds'] * 1e3:.1f} | {r['tokens_per_s']:,.0f} "
-              f"| {r['mfu']:.1%} | {r['peak_mem_gib']:.2f} |")
+    results = []
+    rows = [("eager", "adamw"), ("act. ckpt", "adamw"), ("eager", "muon")]
+    rows += [] if args.no_compile else [("compile", "adamw")]
+    for variant, optimizer in rows:
+        try:
+            results.append(k3_result(cfg, variant, optimizer, args, batch))
+        except Exception as e:  # compiling can fail on some torch / triton pair: keep the other rows
+            if variant != "compile":
+                raise
+            results.append({"model": cfg.name, "optimizer": optimizer, "variant": variant,
+                            "error": f"{type(e).__name__}: {e}".splitlines()[0][:200]})
+        free_gpu()
+    results.append(dense_result(cfg, args, batch))
+    free_gpu()
+    profile = profile_k3_step(cfg, batch, args.profile)
+    free_gpu()
+    mla = mla_attention_timing(cfg, args)
+    env = {"gpu": torch.cuda.get_device_name(), "preset": args.preset, "torch": torch.__version__,
+           "cudnn": torch.backends.cudnn.version(), "triton": _version("triton"), "batch": args.batch_size,
+           "seq_len": args.seq_len, "mla_heads": cfg.mla.num_heads, "steps": args.steps, "warmup": args.warmup,
+           "peak_tflops": args.peak_tflops}
+    (HERE / "train_gpu.json").write_text(json.dumps({"env": env, "results": results, "profile": profile,
+                                                     "mla_attention": mla}, indent=1))
+    print_results(env, results, profile, mla)
     return results
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.import_module(package).__version__
+    except ImportError:
+        return None
 
 
 # ---- CPU: openk3 vs HF transformers ----------------------------------------------------------------------------
@@ -295,12 +406,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="training-step benchmarks (see the module docstring)")
     sub = parser.add_subparsers(dest="mode", required=True)
     g = sub.add_parser("gpu")
-    g.add_argument("--steps", type=int, default=20)
-    g.add_argument("--warmup", type=int, default=5)
+    g.add_argument("--steps", type=int, default=10)
+    g.add_argument("--warmup", type=int, default=3)
     g.add_argument("--batch-size", type=int, default=8)
     g.add_argument("--seq-len", type=int, default=4096)
     g.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the GPU (H100/H200 SXM)")
-    g.add_argument("--profile", action="store_true", help="profile one k3-debug step instead of the comparison")
+    g.add_argument("--profile", action="store_true", help="also print torch.profiler's full operator table")
+    g.add_argument("--no-compile", action="store_true", help="leave out the compile_blocks row (its warm-up compiles)")
+    g.add_argument("--preset", default="k3-debug", help="the k3 model (the dense baseline is sized to match it)")
     c = sub.add_parser("cpu")
     c.add_argument("--steps", type=int, default=3)
     c.add_argument("--batch-size", type=int, default=2)

@@ -2,9 +2,28 @@
 
 import os
 
+import pytest
 import torch
 
 # Triton's interpreter must be chosen before triton is first imported: without a GPU, the Triton kernels run on
 # CPU tensors under TRITON_INTERPRET=1 (tests/test_kda_triton.py). On a CUDA machine they compile for the GPU.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="module")
+def o1_checkpoint_dir(tmp_path_factory) -> str:
+    """A k3-tiny checkpoint with O(1)-scale random weights, per test module (tests/serve_process.py)."""
+    from serve_process import o1_checkpoint
+
+    return o1_checkpoint(tmp_path_factory.mktemp("o1-k3-tiny"))
+
+
+@pytest.fixture(scope="module")
+def o1_server(o1_checkpoint_dir):
+    """A real `openk3 serve` process over `o1_checkpoint_dir` per test module, model name "k3-tiny"; yields its
+    base URL."""
+    from serve_process import serve_process
+
+    with serve_process("--ckpt", o1_checkpoint_dir, "--model-name", "k3-tiny") as (url, _):
+        yield url

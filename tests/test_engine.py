@@ -38,14 +38,20 @@ TOL = 1e-4  # fp32: chunking, batching and restored cache states change only the
 
 
 def record_logits(engine) -> dict[str, list[torch.Tensor]]:
-    """Every logits row the engine samples from, by request id (wraps the engine's per-token `_accept`)."""
-    seen, accept = defaultdict(list), engine._accept
+    """Every logits row the engine samples a token from, by request id (wraps the engine's `_sampler`: a row is
+    recorded when its token is drawn)."""
+    seen, sampler = defaultdict(list), engine._sampler
 
-    def recording(r, logits):
-        seen[r.rid].append(logits.detach().float().clone())
-        accept(r, logits)
+    def recording(requests, logits):
+        draw = sampler(requests, logits)
 
-    engine._accept = recording
+        def sample(row):
+            seen[requests[row].rid].append(logits[row].detach().float().clone())
+            return draw(row)
+
+        return sample
+
+    engine._sampler = recording
     return seen
 
 
@@ -130,8 +136,7 @@ def test_logits_identical_with_and_without_prefix_cache_and_later_turns_hit(mode
 def budget(model, pages, checkpoints):
     """Bytes of `pages` physical pages and `checkpoints` KDA checkpoints of the test engines."""
     probe = make_engine(model)
-    kda_bytes = sum(s.nbytes() for s in probe.empty_state.kda_states().values())
-    return pages * probe.prefix_cache.config.page_bytes + checkpoints * kda_bytes
+    return pages * probe.prefix_cache.config.page_bytes + checkpoints * probe.checkpoint_bytes
 
 
 def test_greedy_identical_under_forced_eviction_with_host_tier(model):
@@ -194,7 +199,7 @@ def test_cancellation_frees_the_sequence_and_its_locks(model):
     assert r in engine.scheduler.running and any(p.locks for p in engine.prefix_cache.pages)
     engine.cancel(r.rid)
     engine.step()
-    assert r.finish_reason == "cancelled" and r.state is None and r.lease.released
+    assert r.finish_reason == "cancelled" and r.slot is None and r.lease.released
     assert r not in engine.scheduler.running and events[-1].finished
     drain(engine)
     assert other.finish_reason == "length"
@@ -303,10 +308,10 @@ def test_a_failing_sequence_fails_alone(model, monkeypatch):
     in the same steps finishes exactly as it does alone, and the engine keeps serving."""
     from openk3.serve import engine as engine_module
 
-    def poisoned(logits, params, generator):
+    def poisoned(logits, params, generator, previous=()):
         if params.seed == POISON_SEED:
             raise RuntimeError("injected sampling failure")
-        return sample_token(logits, params, generator)
+        return sample_token(logits, params, generator, previous)
 
     tok, params = ByteTokenizer(), dict(max_tokens=6, temperature=0, ignore_eos=True)
     prompts = [tok.encode(f"request {i} shares the steps with a failing one") for i in range(3)]
@@ -315,11 +320,12 @@ def test_a_failing_sequence_fails_alone(model, monkeypatch):
     drain(alone)
     monkeypatch.setattr(engine_module, "sample_token", poisoned)
     engine, events = make_engine(model), []
-    bad = engine.add_request(tok.encode("this one fails"), SamplingParams(seed=POISON_SEED, **params),
+    bad = engine.add_request(tok.encode("this one fails"),  # sampled (greedy rows never reach sample_token)
+                             SamplingParams(seed=POISON_SEED, **{**params, "temperature": 0.8}),
                              on_event=events.append)
     good = [engine.add_request(p, SamplingParams(**params)) for p in prompts]
     drain(engine)
-    assert bad.finish_reason == "error" and bad.state is None and bad.lease.released
+    assert bad.finish_reason == "error" and bad.slot is None and bad.lease.released
     assert events[-1].finished and events[-1].finish_reason == "error"
     assert [r.output for r in good] == [r.output for r in expected]
     assert all(r.finish_reason == "length" for r in good)
@@ -335,18 +341,19 @@ def test_a_failing_prefill_forward_fails_its_group_alone(model):
     tok, params = ByteTokenizer(), dict(max_tokens=4, temperature=0, ignore_eos=True)
     poison = 7  # a byte no other prompt has
 
-    class FailsOnPoison(torch.nn.Module):
-        def forward(self, ids, **kw):
-            if (ids == poison).any():
-                raise RuntimeError("injected forward failure")
-            return model(ids, **kw)
-
     decoding, short = tok.encode("already decoding"), tok.encode("a short prompt")
     alone = make_engine(model)
     expected = [alone.add_request(p, SamplingParams(**params)) for p in (decoding, short)]
     drain(alone)
     engine = make_engine(model)
-    engine.model = FailsOnPoison()
+    prefill = engine.runner.prefill
+
+    def fails_on_poison(chunks, *args, **kwargs):
+        if any(poison in chunk for chunk in chunks):
+            raise RuntimeError("injected forward failure")
+        return prefill(chunks, *args, **kwargs)
+
+    engine.runner.prefill = fails_on_poison
     first = engine.add_request(decoding, SamplingParams(**params))
     engine.step()
     bad = engine.add_request(tok.encode("a much longer prompt \x07 than the other"), SamplingParams(**params))
@@ -355,3 +362,21 @@ def test_a_failing_prefill_forward_fails_its_group_alone(model):
     assert bad.finish_reason == "error" and bad.lease.released
     assert [first.output, second.output] == [r.output for r in expected]
     assert all(r.finish_reason == "length" for r in (first, second))
+
+
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_choices_after_a_leader_reuse_its_prefill(model, prefix_cache):
+    """Choices of one request (`after`): with the prefix cache on, the followers wait until their leader has
+    prefilled and then hit the prompt's full hash blocks; without it they start at once. Either way each choice's
+    greedy output is the leader's (same prompt, same parameters)."""
+    engine = make_engine(model, prefix_cache=prefix_cache)
+    prompt = ByteTokenizer().encode("choices share one prompt of a few hash blocks, " * 2)
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    leader = engine.add_request(prompt, params)
+    followers = [engine.add_request(prompt, params, after=leader) for _ in range(2)]
+    engine.step()
+    admitted = [r in engine.scheduler.running for r in followers]
+    assert admitted == [not prefix_cache] * 2  # admission comes before the step's prefill
+    drain(engine)
+    assert all(r.output == leader.output for r in followers) and leader.cached_tokens == 0
+    assert [r.cached_tokens for r in followers] == [H * ((len(prompt) - 1) // H) if prefix_cache else 0] * 2

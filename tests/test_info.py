@@ -35,6 +35,11 @@ def test_cli_json(capsys):
     assert rep["total_params"] == count_parameters(get_preset("k3"))["total_params"]
     assert rep["active_params"] < rep["total_params"]
     assert "total parameters" in out[1]
+    # MXFP4 expert bytes = the released shards' per-expert tensors (SPEC §13): w1, w3 packed [3072, 1792] + scale
+    # [3072, 112], w2 packed [3584, 1536] + scale [3584, 96], for 896 experts in 92 layers
+    per_expert = 2 * (3072 * 1792 + 3072 * 112) + 3584 * 1536 + 3584 * 96
+    assert rep["moe_expert_bytes"] == {"mxfp4": 92 * 896 * per_expert, "bf16": 92 * 896 * 3 * 3584 * 3072 * 2}
+    assert "in MXFP4" in "\n".join(out)
 
 
 def test_cli_text_and_unknown_preset(capsys):

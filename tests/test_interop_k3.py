@@ -1,17 +1,25 @@
 """The released K3 key layout and openk3's own checkpoints (K3 layout): names, bit-exact round trips, and the
-errors for checkpoints that do not match their config."""
+errors for checkpoints that do not match their config; MXFP4-packed routed experts, with compressed-tensors (the
+`mxfp4-pack-quantized` format's package) as the oracle for the files and the config."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
+from compressed_tensors.compressors.mxfp4.base import MXFP4PackedCompressor
+from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
+from compressed_tensors.quantization.quant_scheme import MXFP4A16
+from compressed_tensors.quantization.utils.mxfp_utils import generate_mx_scales
 from safetensors.torch import load_file, save_file
 
 from openk3.config import get_preset
 from openk3.interop import load_pretrained, save_pretrained
+from openk3.interop.layouts import external_plan, to_external
 from openk3.model import K3ForCausalLM
+from openk3.quant import fake_quant_mxfp4, pack_mxfp4
 from random_weights import randomise
 
 
@@ -277,3 +285,133 @@ def test_bad_directories(tmp_path):
         load_pretrained(tmp_path)
     with pytest.raises(ValueError, match="layout"):
         save_pretrained(random_model(tiny_k3(), seed=8), tmp_path / "x", layout="gguf")
+
+
+# ---- MXFP4-packed routed experts (SPEC §13) ------------------------------------------------------------------
+
+def is_routed_expert(key: str) -> bool:
+    return ".experts." in key and ".shared_experts." not in key
+
+
+def with_quantized_experts(model: K3ForCausalLM) -> K3ForCausalLM:
+    """A copy whose routed experts hold dequant(quant(W))."""
+    copy = random_model(model.config, seed=0)
+    copy.load_state_dict({k: fake_quant_mxfp4(v) if is_routed_expert(k) else v for k, v in model.state_dict().items()})
+    return copy.to(next(model.parameters()).dtype)
+
+
+def mxfp4_cfg(layout: str):
+    if layout == "k3":
+        return tiny_k3()
+    return get_preset("kimi-linear-48b").with_overrides(dict(
+        vocab_size=128, hidden_size=64, num_layers=2, mla_layers=[1], dense_hidden=48,
+        kda={"num_heads": 2, "head_dim": 16}, moe={"num_experts": 4, "top_k": 2, "expert_hidden": 32},
+        mla={"num_heads": 2, "kv_lora_rank": 8, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8}))
+
+
+@pytest.mark.parametrize("layout,dtype", [("k3", torch.float32), ("k3", torch.bfloat16), ("hub", torch.float32)])
+def test_mxfp4_save_load_round_trip(tmp_path, layout, dtype):
+    """save(quantization="mxfp4") -> load gives dequant(quant(W)) for the routed experts, every other tensor
+    bit-identical, and the logits of the model run on those weights; the config is one compressed-tensors reads."""
+    cfg = mxfp4_cfg(layout)
+    model = random_model(cfg, seed=12).to(dtype)
+    save_pretrained(model, tmp_path, layout=layout, quantization="mxfp4")
+
+    stored = load_file(tmp_path / "model.safetensors")
+    experts = [k for k in stored if ".experts." in k and ".shared_experts." not in k]
+    assert experts and all(k.endswith((".weight_packed", ".weight_scale")) for k in experts)
+    assert all(stored[k].dtype == torch.uint8 for k in experts)
+    packed = next(k for k in experts if k.endswith("w2.weight_packed"))
+    assert stored[packed].shape == (model.config.moe.latent_dim or cfg.hidden_size, cfg.moe.expert_hidden // 2)
+    assert stored[packed.replace("_packed", "_scale")].shape == (stored[packed].shape[0], cfg.moe.expert_hidden // 32)
+
+    qc = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert qc["format"] == "mxfp4-pack-quantized" and qc["config_groups"]["group_0"]["weights"]["group_size"] == 32
+    others = {k.removesuffix(".weight") for k, t in stored.items() if k.endswith(".weight") and t.dim() == 2}
+    assert set(qc["ignore"]) == others - {k for k in others if "embed_tokens" in k}
+    parsed = QuantizationConfig.model_validate(qc)  # the format's own package reads it
+    assert parsed.format == "mxfp4-pack-quantized" and parsed.config_groups["group_0"].weights.num_bits == 4
+
+    back = load_pretrained(tmp_path)
+    assert back.config == (cfg if layout == "k3" else cfg.with_overrides({"name": "kimi_linear"}))
+    want = with_quantized_experts(model)
+    assert_identical(want, back)
+    assert torch.equal(logits(want, cfg.vocab_size)[0], logits(back, cfg.vocab_size)[0])
+
+
+def test_mxfp4_released_layout_loads(tmp_path):
+    """A tiny checkpoint built the way the released files are: compressed-tensors packs the experts (with its own
+    scale rule, not openk3's), the quantization_config sits in text_config with the format named only in its
+    config group, and `ignore` is a regex; openk3 loads the experts as compressed-tensors decompresses them."""
+    cfg = tiny_k3(mtp_layers=0)
+    model = random_model(cfg, seed=13)
+    save_pretrained(model, tmp_path)
+    stored = load_file(tmp_path / "model.safetensors")
+    scheme = QuantizationScheme(targets=["Linear"], **MXFP4A16)
+    decompressed, other_scale_rule = {}, 0
+    for key in [k for k in stored if is_routed_expert(k)]:
+        w = stored.pop(key)
+        amax = w.view(w.shape[0], -1, 32).abs().amax(-1)
+        scale = torch.exp2(generate_mx_scales(amax) - 127)
+        pair = MXFP4PackedCompressor.compress({"weight": w, "weight_scale": scale}, scheme)
+        stored[key + "_packed"], stored[key + "_scale"] = pair["weight_packed"], pair["weight_scale"]
+        decompressed[key] = MXFP4PackedCompressor.decompress(pair, scheme)["weight"].float()
+        other_scale_rule += not torch.equal(pair["weight_scale"], pack_mxfp4(w)[1])
+    assert other_scale_rule  # some blocks' scales differ from the OCP floor rule openk3 writes
+    save_file(stored, tmp_path / "model.safetensors")
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["text_config"]["quantization_config"] = {
+        "quant_method": "compressed-tensors", "quantization_status": "compressed",
+        "config_groups": {"group_0": {"format": "mxfp4-pack-quantized", "targets": ["Linear"], "weights": {
+            "num_bits": 4, "type": "float", "symmetric": True, "group_size": 32, "strategy": "group",
+            "dynamic": False, "scale_dtype": "torch.uint8"}}},
+        "ignore": [r"re:^(?!.*\.experts\.\d+\.w[123]$).*"]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+
+    back = load_pretrained(tmp_path)
+    plan = external_plan(model.state_dict(), cfg, "k3")
+    for key, tensor in back.state_dict().items():
+        files = to_external({key: tensor}, {key: plan[key]})
+        for name, value in files.items():
+            assert torch.equal(value, decompressed.get(name, stored.get(name))), name
+    assert decompressed and not torch.equal(back.model.layers[1].mlp.experts.down_proj,
+                                            model.model.layers[1].mlp.experts.down_proj)
+
+
+@pytest.mark.parametrize("where,value,field", [
+    ("top", {"format": "nvfp4-pack-quantized"}, "quantization_config.format is 'nvfp4-pack-quantized'"),
+    ("text", {"config_groups": {"g": {"format": "float-quantized"}}},
+     "text_config.quantization_config.config_groups.g.format is 'float-quantized'"),
+    ("top", {"quant_method": "fp8", "weight_block_size": [128, 128]}, "names no format (quant_method 'fp8')"),
+    ("top", {"format": "mxfp4-pack-quantized", "config_groups": {"group_0": {"weights": {"group_size": 16}}}},
+     "config_groups.group_0.weights.group_size is 16"),
+])
+def test_unsupported_quantization_is_an_error_naming_it(tmp_path, where, value, field):
+    save_pretrained(random_model(tiny_k3(mtp_layers=0), seed=14), tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (config if where == "top" else config["text_config"])["quantization_config"] = value
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=re.escape(field)):
+        load_pretrained(tmp_path)
+
+
+def test_mxfp4_file_errors(tmp_path):
+    cfg = tiny_k3(mtp_layers=0)
+    model = random_model(cfg, seed=15)
+    with pytest.raises(ValueError, match="quantization must be None or one of"):
+        save_pretrained(model, tmp_path, quantization="nvfp4")
+    with pytest.raises(ValueError, match="moe.expert_hidden for w2, must be multiples of 32"):
+        save_pretrained(random_model(tiny_k3(moe={"expert_hidden": 48}), seed=0), tmp_path, quantization="mxfp4")
+
+    save_pretrained(model, tmp_path, quantization="mxfp4")
+    stored = load_file(tmp_path / "model.safetensors")
+    p = "language_model.model.layers.1.block_sparse_moe.experts."
+    del stored[p + "0.w1.weight_scale"]  # half a pair: the packed half is unexpected, the weight missing
+    save_file(stored, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=rf"missing \(1\): {re.escape(p)}0\.w1\.weight\n.*unexpected \(1\): "
+                                         rf"{re.escape(p)}0\.w1\.weight_packed"):
+        load_pretrained(tmp_path)
+    stored[p + "0.w1.weight_scale"] = torch.zeros(cfg.moe.expert_hidden, 2, dtype=torch.uint8)  # 2 groups of 32?
+    save_file(stored, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=rf"MXFP4 pair {re.escape(p)}0\.w1\.weight_packed \[32, 16\] and "):
+        load_pretrained(tmp_path)

@@ -1,9 +1,19 @@
-"""MLA: the absorbed form on the latent cache equals the expanded form, and both equal plain softmax attention."""
+"""MLA: the absorbed form on the latent cache equals the expanded form, and both equal plain softmax attention; the
+training path runs a fused SDPA kernel (no T x T tensor) and its gradients match the written-out attention."""
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from openk3.ops.attention import mla_attention_absorbed, mla_attention_expanded, mla_expand_kv, mla_mask
+from openk3.config import get_preset
+from openk3.model import GatedMLA
+from openk3.ops.attention import (
+    causal_sdpa,
+    mla_attention_absorbed,
+    mla_attention_expanded,
+    mla_expand_kv,
+    mla_mask,
+)
 
 H, N, R, V, RD = 3, 8, 12, 6, 4  # heads, nope dim, kv_lora_rank, v dim, slice dim
 
@@ -82,3 +92,50 @@ def test_mask():
     assert m.shape == (2, 1, 2, 5)
     assert m[0, 0, 0].tolist() == [True, False, False, False, False]
     assert m[1, 0, 1].tolist() == [True, True, True, True, False]
+
+
+@pytest.mark.parametrize("pad_v", [None, True, False])
+def test_training_path_gradients_match_naive(pad_v, monkeypatch):
+    """The expanded (training) path with v padded to the q/k head dim or not: outputs and the gradients of q, the
+    latent cache and kv_b against the attention written out per query (fp64, odd T)."""
+    from openk3.ops import attention
+
+    monkeypatch.setattr(attention, "causal_sdpa", lambda q, k, v, scale: causal_sdpa(q, k, v, scale, pad_v=pad_v))
+    q, cache, kv_b = setup(2, 11, 11, seed=5)
+    dy = torch.randn(2, 11, H, V, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    runs = []
+    for fn in (lambda *a: mla_attention_expanded(*a, nope_dim=N, v_dim=V), lambda *a: naive(*a, torch.zeros(2))):
+        leaves = [t.clone().requires_grad_() for t in (q, cache, kv_b)]
+        out = fn(*leaves)
+        out.backward(dy)
+        runs.append([out] + [t.grad for t in leaves])
+    for a, b in zip(*runs):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
+
+
+class ShapeRecorder(TorchDispatchMode):
+    """Records the name and output shapes of every aten op that runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for o in out if isinstance(out, tuple | list) else [out]:
+            if isinstance(o, torch.Tensor):
+                self.ops.append((str(func), tuple(o.shape)))
+        return out
+
+
+def test_training_path_forms_no_t_by_t_tensor():
+    """A Gated MLA layer's forward and backward without a cache (the training path): one fused SDPA op each way and
+    no tensor with two trailing T-sized dims anywhere (q/k head dim 48 != v head dim 32 here, as in K3)."""
+    cfg = get_preset("k3-tiny")
+    layer = GatedMLA(cfg, 3)
+    T = 37
+    x = torch.randn(2, T, cfg.hidden_size, requires_grad=True)
+    with ShapeRecorder() as rec:
+        layer(x).square().sum().backward()
+    assert not [op for op in rec.ops if op[1][-2:] == (T, T)]
+    assert any("flash_attention" in name and "backward" in name for name, _ in rec.ops)

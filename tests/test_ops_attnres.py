@@ -1,12 +1,15 @@
-"""Block Attention Residuals: the op and the model's block bookkeeping against a direct reading of SPEC §4."""
+"""Block Attention Residuals: the op and the model's block bookkeeping against a direct reading of SPEC §4, and the
+two-phase form (phase 1 over the block sums, online-softmax merge of the partial sum) against the plain softmax."""
 
 import math
 
+import pytest
 import torch
 
 from openk3.config import get_preset
-from openk3.model import K3ForCausalLM
-from openk3.ops.attnres import attn_res
+from openk3.model import K3ForCausalLM, transformer
+from openk3.model.attnres import BlockStream
+from openk3.ops.attnres import attn_res, attn_res_blocks, attn_res_merge
 
 
 def attn_res_direct(sources, w, r, eps):
@@ -76,3 +79,133 @@ def test_model_block_schedule_matches_spec():
     assert torch.allclose(got, expected, atol=1e-9)
     assert not hasattr(m.layers[0], "attn_res_proj")  # layer 0 has no attention AttnRes
     assert hasattr(m.layers[1], "attn_res_proj")
+
+
+def two_phase_case(N, B, T, D, Q, seed, dtype, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    blocks = [torch.randn(B, T, D, generator=g, dtype=dtype) * 10.0 ** float(torch.randint(-3, 4, (1,), generator=g))
+              for _ in range(N)]
+    partial = torch.randn(B, T, D, generator=g, dtype=dtype) * 100
+    w = torch.randn(Q, D, generator=g, dtype=dtype) * scale
+    r = torch.rand(Q, D, generator=g, dtype=dtype) + 0.5
+    return blocks, partial, w, r
+
+
+def two_phase_all(blocks, partial, w, r, eps=1e-5):
+    mixed = attn_res_blocks(blocks, r * w, eps)
+    return torch.stack([attn_res_merge(mixed.mix[..., q, :], mixed.lse[..., q], partial, r[q] * w[q], eps)
+                        for q in range(w.shape[0])])
+
+
+def one_phase_all(blocks, partial, w, r, eps=1e-5):
+    return torch.stack([attn_res(blocks + [partial], w[q], r[q], eps) for q in range(w.shape[0])])
+
+
+def run_with_grads(fn, leaves, N, dy):
+    leaves = [t.clone().requires_grad_() for t in leaves]
+    out = fn(leaves[:N], *leaves[N:])
+    out.backward(dy.to(out.dtype))
+    return [out] + [t.grad for t in leaves]
+
+
+def rel(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+@pytest.mark.parametrize("N", [1, 2, 5])
+@pytest.mark.parametrize("scale", [1.0, 30.0])
+def test_two_phase_equals_one_phase(N, scale):
+    """Phase 1 over the block sums for Q queries + the online-softmax merge of the partial sum equals the plain
+    softmax over blocks + [partial]: outputs and the gradients of every input (blocks, partial, pseudo-queries, norm
+    weights), for sources from 1e-3 to 1e3 in scale and queries large enough (scale 30) to saturate the softmax.
+    In fp64 the two agree to 1e-12; in fp32 both are compared with fp64 and the two-phase error stays at the one-phase
+    error's level (rounding noise differs between the two orders of operations by a small factor)."""
+    blocks, partial, w, r = two_phase_case(N, 2, 3, 7, 4, seed=N, dtype=torch.float64, scale=scale)
+    dy = torch.randn(4, 2, 3, 7, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    leaves = blocks + [partial, w, r]
+    truth = run_with_grads(one_phase_all, leaves, N, dy)
+    for a, b in zip(run_with_grads(two_phase_all, leaves, N, dy), truth):
+        assert rel(a, b) <= 1e-12
+    f32 = [t.float() for t in leaves]
+    two, one = run_with_grads(two_phase_all, f32, N, dy), run_with_grads(one_phase_all, f32, N, dy)
+    for a, b, t in zip(two, one, truth):
+        assert torch.isfinite(a).all()
+        assert rel(a, t) <= 4 * rel(b, t) + 3e-5
+
+
+def test_two_phase_extremes():
+    """The partial sum taking all the weight or none (scores far apart), and mixed source dtypes (a bf16 partial
+    sum over fp32 blocks) give the one-phase result in the promoted dtype."""
+    blocks, partial, w, r = two_phase_case(3, 1, 4, 8, 2, seed=11, dtype=torch.float32)
+    w[0] = partial[0, 0] / partial[0, 0].norm() * 1e4  # token 0: the partial sum wins outright
+    w[1] = -w[0]
+    got, want = two_phase_all(blocks, partial, w, r), one_phase_all(blocks, partial, w, r)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-3)
+    assert torch.equal(got[0, 0, 0], partial[0, 0])
+    half = partial.bfloat16()
+    mixed = attn_res_blocks(blocks, r * w)
+    out = attn_res_merge(mixed.mix[..., 0, :], mixed.lse[..., 0], half, r[0] * w[0],
+                         dtype=torch.promote_types(torch.float32, half.dtype))
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, attn_res(blocks + [half], w[0], r[0]), rtol=1e-5, atol=1e-3)
+
+
+class OnePhaseStream:
+    """The block bookkeeping before the two-phase form: every AttnRes is the plain softmax over blocks + [partial]."""
+
+    def __init__(self, embedding, block_size, epochs, phases):
+        self.blocks, self.partial, self.block_size = [], embedding, block_size
+
+    def _mix(self, proj, norm):
+        return attn_res(self.blocks + [self.partial], proj.weight[0], norm.weight, norm.eps)
+
+    def attn_input(self, layer_idx, proj, norm):
+        x = self.partial if not self.blocks else self._mix(proj, norm)
+        self._opened = layer_idx % self.block_size == 0
+        if self._opened:
+            self.blocks.append(self.partial)
+        return x
+
+    def add_attn(self, h):
+        self.partial = h if self._opened else self.partial + h
+
+    def mlp_input(self, proj, norm):
+        return self._mix(proj, norm)
+
+    def add_mlp(self, h):
+        self.partial = self.partial + h
+
+    def output(self, proj, norm):
+        return self._mix(proj, norm)
+
+
+def test_model_two_phase_matches_one_phase(monkeypatch):
+    """K3Model with the two-phase stream (planned: one phase 1 per block; unplanned: one per AttnRes, as a caller
+    that builds BlockStream(h, block_size) gets) vs the one-phase stream: logits and every parameter's gradient to
+    fp32 rounding (block size 3 over 7 layers: three epochs, the last one short)."""
+    cfg = get_preset("k3-tiny").with_overrides({"attn_res_block_size": 3, "num_layers": 7, "mla_layers": [2, 6],
+                                                "mtp_layers": 0})
+    torch.manual_seed(0)
+    model = K3ForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "_res_proj" in name:
+                p.normal_(0, 0.3)
+            elif "_res_norm" in name:
+                p.uniform_(0.5, 1.5)
+    ids = torch.randint(0, cfg.vocab_size, (2, 9))
+    unplanned = lambda h, block_size, epochs, phases: BlockStream(h, block_size)
+    runs = []
+    for stream in (transformer.BlockStream, unplanned, OnePhaseStream):
+        monkeypatch.setattr(transformer, "BlockStream", stream)
+        model.zero_grad()
+        logits = model(ids).logits
+        logits.float().logsumexp(-1).sum().backward()
+        runs.append((logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (a, ga) = runs[-1]
+    for b, gb in runs[:-1]:
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+        assert ga.keys() == gb.keys()
+        for name in ga:
+            torch.testing.assert_close(gb[name], ga[name], rtol=1e-4, atol=1e-5, msg=name)

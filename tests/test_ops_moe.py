@@ -5,8 +5,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from openk3.ops.activations import situ_glu, softcap, swiglu
-from openk3.ops.moe import experts_forward, group_by_expert, sigmoid_topk_routing
+from openk3.ops.activations import glu_activation, situ_glu, softcap, swiglu
+from openk3.ops.moe import (
+    experts_forward,
+    group_by_expert,
+    grouped_glu_mlp,
+    grouped_glu_mlp_gemm,
+    grouped_glu_mlp_loop,
+    grouped_layout,
+    grouped_mm_usable,
+    sigmoid_topk_routing,
+)
 
 
 def test_routing_without_bias():
@@ -113,3 +122,127 @@ def test_topk_equals_num_experts_or_one(k):
     assert r.indices.shape == (7, k)
     if k == 4:
         assert torch.equal(r.indices.sort(-1).values, torch.arange(4).expand(7, 4))
+
+
+def experts_forward_before_grouped_gemm(x, indices, weights, gate_up, down, act):
+    """experts_forward as it was before the grouped-GEMM path (bincount, loop over experts): the CPU path must keep
+    its numbers to the bit."""
+    N, k = indices.shape
+    flat = indices.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    sizes = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
+    token_of = order // k
+    outs = []
+    for xe, w1, w2, n in zip(x[token_of].split(sizes), gate_up.unbind(0), down.unbind(0), sizes):
+        if n:
+            gate, up = F.linear(xe, w1).chunk(2, dim=-1)
+            outs.append(F.linear(act(gate, up), w2))
+    y = torch.cat(outs)
+    out = torch.zeros(N, down.shape[1])
+    out.index_add_(0, token_of, y * weights.reshape(-1)[order].unsqueeze(-1))
+    return out
+
+
+def moe_case(E, I, Din, Dout, N, k, seed, dtype=torch.float32, dead=()):
+    """x [N,Din], gate_up [E,2I,Din], down [E,Dout,I] and a routing in which the experts in `dead` get no token."""
+    g = torch.Generator().manual_seed(seed)
+    leaves = [torch.randn(N, Din, generator=g) * 2, torch.randn(E, 2 * I, Din, generator=g) / Din**0.5,
+              torch.randn(E, Dout, I, generator=g) / I**0.5]
+    bias = torch.zeros(E)
+    bias[list(dead)] = -10.0
+    return [t.to(dtype) for t in leaves], sigmoid_topk_routing(torch.randn(N, E, generator=g), bias, k)
+
+
+def grads_of(fn, leaves, dy):
+    leaves = [t.clone().requires_grad_() for t in leaves]
+    out = fn(*leaves)
+    out.backward(dy)
+    return [out] + [t.grad for t in leaves]
+
+
+def test_cpu_experts_unchanged_to_the_bit():
+    """On CPU experts_forward takes the loop: outputs and fp32 gradients identical to the previous implementation."""
+    (x, gate_up, down), r = moe_case(E=6, I=10, Din=12, Dout=9, N=37, k=3, seed=3, dead=(1, 5))
+    act = glu_activation("situ")
+    dy = torch.randn(37, 9, generator=torch.Generator().manual_seed(4))
+    leaves = [x, gate_up, down, r.weights]
+    new = grads_of(lambda x, a, b, w: experts_forward(x, r.indices, w, a, b, act), leaves, dy)
+    old = grads_of(lambda x, a, b, w: experts_forward_before_grouped_gemm(x, r.indices, w, a, b, act), leaves, dy)
+    for a, b in zip(new, old):
+        assert torch.equal(a, b)
+
+
+def reference_grouped_mm(a, b, offs):
+    """torch._grouped_mm's 2-D x 3-D contract written as a loop: rows offs[g-1]:offs[g] of a times b[g]."""
+    ends = offs.tolist()
+    starts = [0] + ends[:-1]
+    return torch.cat([a[s:e] @ b[g] for g, (s, e) in enumerate(zip(starts, ends))])
+
+
+@pytest.mark.parametrize("mm", ["torch", "reference"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_gemm_path_matches_loop(mm, dtype):
+    """The grouped path (padded layout, two grouped GEMMs, packed GLU) against the loop: outputs and gradients of
+    the rows and both weights, with empty experts first, in the middle and last, and an odd row count. It runs
+    torch's own CPU grouped-GEMM kernel (16-byte row strides: widths multiples of 8) and a plain loop in its place."""
+    E, I, Din, Dout, N, k = 7, 16, 24, 8, 29, 2
+    (x, gate_up, down), r = moe_case(E, I, Din, Dout, N, k, seed=5, dtype=dtype, dead=(0, 3, 6))
+    order, counts = group_by_expert(r.indices, E)
+    assert counts[[0, 3, 6]].eq(0).all()
+    x_sorted = x[order // k]
+    act = glu_activation("situ")
+    dy = torch.randn(N * k, Dout, generator=torch.Generator().manual_seed(6)).to(dtype)
+    kw = {} if mm == "torch" else {"mm": reference_grouped_mm}
+    grouped = grads_of(lambda x, a, b: grouped_glu_mlp_gemm(x, counts, a, b, act, **kw), [x_sorted, gate_up, down], dy)
+    loop = grads_of(lambda x, a, b: grouped_glu_mlp_loop(x, counts, a, b, act), [x_sorted, gate_up, down], dy)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for a, b in zip(grouped, loop):
+        assert a.dtype == b.dtype and torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, **tol)
+    for e in (0, 3, 6):  # experts without tokens get exactly zero gradient
+        assert torch.equal(grouped[2][e], torch.zeros_like(grouped[2][e]))
+        assert torch.equal(grouped[3][e], torch.zeros_like(grouped[3][e]))
+
+
+def test_grouped_layout_properties():
+    g = torch.Generator().manual_seed(7)
+    for align in (4, 8):
+        for _ in range(5):
+            E = int(torch.randint(1, 9, (1,), generator=g))
+            counts = torch.randint(0, 12, (E,), generator=g) * torch.randint(0, 2, (E,), generator=g)
+            M = int(counts.sum())
+            lay = grouped_layout(counts, M, align)
+            ends = lay.offsets.tolist()
+            starts = [0] + ends[:-1]
+            sizes = [e - s for s, e in zip(starts, ends)]
+            assert lay.offsets.dtype == torch.int32 and ends[-1] == lay.capacity
+            assert all(s % align == 0 and n >= align for s, n in zip(starts, sizes))  # aligned, never empty
+            assert len(set(lay.dest.tolist())) == M  # rows do not collide
+            expert = torch.repeat_interleave(torch.arange(E), counts)
+            row = torch.arange(M) - (counts.cumsum(0) - counts)[expert]  # rank of each row inside its expert
+            assert lay.dest.tolist() == [starts[e] + int(j) for e, j in zip(expert.tolist(), row)]
+
+
+def test_grouped_path_shapes_without_host_reads():
+    """On the meta device (no values exist, and the checks mirror the CUDA kernel's: bf16 operands, 16-byte
+    strides) the whole grouped path, forward and backward, runs: it never reads counts or indices on the host."""
+    with torch.device("meta"):
+        E, k, N = 8, 2, 13
+        r = sigmoid_topk_routing(torch.randn(N, E), torch.zeros(E), k)
+        x = torch.randn(N, 16, dtype=torch.bfloat16, requires_grad=True)
+        gate_up = torch.randn(E, 64, 16, requires_grad=True)
+        down = torch.randn(E, 24, 32, requires_grad=True)
+        order, counts = group_by_expert(r.indices, E)
+        y = grouped_glu_mlp_gemm(x[order // k], counts, gate_up, down, glu_activation("situ"))
+        assert y.shape == (N * k, 24) and y.dtype == torch.bfloat16
+        y.float().sum().backward()
+        assert x.grad.shape == x.shape and gate_up.grad.shape == gate_up.shape and down.grad.shape == down.shape
+
+
+def test_grouped_dispatch_on_cpu_is_the_loop():
+    (x, gate_up, down), r = moe_case(E=4, I=8, Din=8, Dout=8, N=9, k=2, seed=8)
+    assert not grouped_mm_usable(x, gate_up, down)
+    order, counts = group_by_expert(r.indices, 4)
+    act = glu_activation("situ")
+    assert torch.equal(grouped_glu_mlp(x[order // 2], counts, gate_up, down, act),
+                       grouped_glu_mlp_loop(x[order // 2], counts, gate_up, down, act))

@@ -13,21 +13,15 @@ import httpx
 import openai
 import pytest
 
-from serve_process import metric, o1_checkpoint, serve_process
+from serve_process import metric, serve_process
 
 MODEL = "k3-tiny"
 H = 16  # the default hash block for k3-tiny's context
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return o1_checkpoint(tmp_path_factory.mktemp("o1-k3-tiny"))
-
-
-@pytest.fixture(scope="module")
-def server(checkpoint):
-    with serve_process("--ckpt", checkpoint, "--model-name", MODEL) as (url, _):
-        yield url
+def server(o1_server):
+    return o1_server
 
 
 @pytest.fixture
@@ -104,7 +98,7 @@ def test_sse_wire_format_ends_with_done(server):
     ({"model": MODEL, "prompt": "x", "max_tokens": 10**9}, 400, "max_tokens"),
     ({"model": MODEL, "prompt": "x", "temperature": "hot"}, 400, "temperature"),
     ({"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p"),
-    ({"model": MODEL, "prompt": "x", "n": 3}, 400, "n"),
+    ({"model": MODEL, "prompt": "x", "n": 129}, 400, "n"),
     ({"model": MODEL, "prompt": "x" * 5000}, 413, "prompt"),
     ({"model": "gpt-4o", "prompt": "x"}, 404, "model"),
 ])
@@ -159,7 +153,7 @@ def test_bounded_concurrent_load(server, client):
     assert metric(server, "queue_requests") == 0
 
 
-def test_a_server_without_prefix_cache_gives_the_same_replies(checkpoint, client):
+def test_a_server_without_prefix_cache_gives_the_same_replies(o1_checkpoint_dir, client):
     """Multi-turn agent sessions: the cached server (hits from the second turn on) and a --no-prefix-cache server
     answer every turn with the same greedy text."""
     def session(c, s):
@@ -173,7 +167,7 @@ def test_a_server_without_prefix_cache_gives_the_same_replies(checkpoint, client
             hits.append(r.usage.prompt_tokens_details.cached_tokens)
         return replies, hits
 
-    with serve_process("--ckpt", checkpoint, "--model-name", MODEL, "--no-prefix-cache") as (url, ready):
+    with serve_process("--ckpt", o1_checkpoint_dir, "--model-name", MODEL, "--no-prefix-cache") as (url, ready):
         assert ready.startswith(f"openk3 serve: ready at {url}/v1 ") and "prefix cache off" in ready
         off = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
         with ThreadPoolExecutor(max_workers=4) as pool:

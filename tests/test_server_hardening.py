@@ -144,7 +144,7 @@ def test_tokenization_is_linear_and_off_the_event_loop(server):
     ("/v1/completions", {"model": MODEL, "prompt": "x", "model_extra": {"deep": [[[["fine"]]]]}}, 200, None),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      400, "messages.0.content"),
-    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 2}, 400, "n"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 0}, 400, "n"),
     ("/v1/completions", b"\xef\xbb\xbf{}", 400, None),
     ("/v1/completions", b'"just a string"', 400, None),
     ("/v1/completions", b"x" * (9 << 20), 413, None),
@@ -216,10 +216,10 @@ def test_a_request_whose_sequence_fails_gets_500_and_the_others_200(monkeypatch)
     from openk3.serve.engine import Engine
     from openk3.tokenizer import ByteTokenizer
 
-    def poisoned(logits, params, generator):
+    def poisoned(logits, params, generator, previous=()):
         if params.seed == 666:
             raise RuntimeError("injected sampling failure")
-        return sample_token(logits, params, generator)
+        return sample_token(logits, params, generator, previous)
 
     monkeypatch.setattr(engine_module, "sample_token", poisoned)
     torch.manual_seed(0)
@@ -237,8 +237,9 @@ def test_a_request_whose_sequence_fails_gets_500_and_the_others_200(monkeypatch)
             time.sleep(0.05)
         body = {"model": MODEL, "prompt": "hello", "max_tokens": 4, "ignore_eos": True, "temperature": 0}
         with ThreadPoolExecutor(max_workers=4) as pool:
-            bad = pool.submit(post, url, "/v1/completions", {**body, "seed": 666})
-            bad_stream = pool.submit(post, url, "/v1/completions", {**body, "seed": 666, "stream": True})
+            poisoned_body = {**body, "seed": 666, "temperature": 0.8}  # sampled: greedy rows never reach sample_token
+            bad = pool.submit(post, url, "/v1/completions", poisoned_body)
+            bad_stream = pool.submit(post, url, "/v1/completions", {**poisoned_body, "stream": True})
             good = [pool.submit(post, url, "/v1/completions", body) for _ in range(2)]
             bad, bad_stream, good = bad.result(), bad_stream.result(), [g.result() for g in good]
         assert bad.status_code == 500 and bad.json()["error"]["type"] == "server_error"

@@ -104,3 +104,20 @@ def test_byte_encoding_is_linear_in_the_special_token_count():
     tok = ByteTokenizer()
     short, long = (best_of(5, tok.encode, "<|eos|>" * n) for n in (16384, 65536))
     assert long < 8 * short + 0.05, (short, long)
+
+
+@pytest.mark.parametrize("which", ["byte", "bpe"])
+def test_token_bytes_concatenate_to_the_plain_text(which, bpe):
+    """token_bytes (used for per-token logprobs) is each token's share of decode_plain's text: their concatenation
+    is the text's UTF-8 for every tokenization, including pieces of multi-byte characters; control tokens have
+    none. The byte-level alphabet is the one `tokenizers` uses."""
+    from openk3.tokenizer import byte_level_alphabet
+
+    tok = ByteTokenizer() if which == "byte" else bpe
+    control = {tok.special_id(s) for s in [*SPECIALS, EOS]} - {None}
+    for text in hostile_texts(seed=3):
+        ids = tok.encode(text)
+        assert b"".join(tok.token_bytes(i) or b"" for i in ids) == tok.decode_plain(ids).encode()
+        assert all((tok.token_bytes(i) is None) == (i in control) for i in ids)
+    alphabet = byte_level_alphabet()
+    assert set(alphabet) == set(pre_tokenizers.ByteLevel.alphabet()) and sorted(alphabet.values()) == list(range(256))

@@ -116,6 +116,37 @@ def test_engine_image_prompts_hit_by_content_and_match_a_full_forward(vl_model):
     assert changed.output == run(cold, prompt2, prepared2).output
 
 
+def test_engine_batches_image_prefills_and_choices_share_the_images(vl_model):
+    """Two image prompts of one length prefill in the same forward (their image tokens concatenated row by row)
+    beside a text prompt, and a second choice of the first (`after`) hits its images by content: every output is
+    what the same request gives alone on a cold engine."""
+    tok = ByteTokenizer()
+    engine = Engine(vl_model, tok, EngineConfig(hash_block=H, prefill_chunk_blocks=2))
+    cold = Engine(vl_model, tok, EngineConfig(prefix_cache=False, hash_block=H, prefill_chunk_blocks=2))
+    a = image_request(vl_model, tok, [picture(84, 56, seed=10), picture(56, 56, seed=11)])
+    b = image_request(vl_model, tok, [picture(84, 56, seed=12), picture(56, 56, seed=13)])
+    text = (tok.encode("no picture here, just some text to read"), [])
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    assert len(a[0]) == len(b[0])
+    seen = []
+    prefill = engine.runner.prefill
+
+    def spy(chunks, *args, image_embeds=None, **kwargs):
+        seen.append((len(chunks), 0 if image_embeds is None else image_embeds.shape[0]))
+        return prefill(chunks, *args, image_embeds=image_embeds, **kwargs)
+
+    engine.runner.prefill = spy
+    first = engine.add_request(a[0], params, images=a[1])
+    others = [engine.add_request(p, params, images=im) for p, im in (b, text)]
+    choice = engine.add_request(a[0], params, images=a[1], after=first)
+    while engine.has_work():
+        engine.step()
+    assert any(rows == 2 and n > 0 for rows, n in seen)  # a and b in one forward, with their image tokens
+    assert [r.output for r in (first, *others, choice)] == [run(cold, p, im, 3).output for p, im in (a, b, text, a)]
+    assert choice.cached_tokens == H * ((len(a[0]) - 1) // H) > a[0].index(vl_model.config.vision.image_token_id)
+    assert first.images is None and choice.images is None  # dropped when they finish
+
+
 def test_engine_refuses_placeholders_without_their_images(vl_model):
     tok = ByteTokenizer()
     engine = Engine(vl_model, tok, EngineConfig(hash_block=H))

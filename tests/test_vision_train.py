@@ -107,8 +107,11 @@ def test_cli_run_learns_what_only_the_image_tells(tmp_path, capsys):
     assert (out / "sample.txt").read_text().count("->") == 3  # one held-out caption per canvas size
 
 
-def test_the_vision_task_takes_no_data_or_tokenizer(tmp_path, capsys):
+def test_the_vision_task_takes_no_data_tokenizer_or_context_parallelism(tmp_path, capsys):
     for flag in ("--data", "--tokenizer"):
         assert main(["train", "--preset", "k3-tiny-vl", flag, str(tmp_path), "--out", str(tmp_path / "r"),
                      "--no-progress"]) == 2
         assert f"openk3 train: error: {flag}: preset 'k3-tiny-vl' has a vision tower" in capsys.readouterr().err
+    assert main(["train", "--preset", "k3-tiny-vl", "--cp", "2", "--out", str(tmp_path / "r"), "--no-progress"]) == 2
+    assert "openk3 train: error: --cp 2: the shapes task's sequences" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()

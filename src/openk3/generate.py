@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from openk3.checkpoints import resolve_checkpoint
+from openk3.cli_options import add_kda_options
 from openk3.sampling import SamplingParams, sample_token
 
 
@@ -40,6 +41,7 @@ def generate_ids(model: nn.Module, prompt_ids: list[int], max_new_tokens: int, p
 
 def run_generate(args: argparse.Namespace) -> int:
     from openk3.interop import load_pretrained
+    from openk3.model import configure_kda
     from openk3.tokenizer import TextTokenizer
 
     ckpt = resolve_checkpoint(args.ckpt)
@@ -48,6 +50,7 @@ def run_generate(args: argparse.Namespace) -> int:
     tok = TextTokenizer.from_file(args.tokenizer or ckpt / "tokenizer.json")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model = load_pretrained(ckpt).to(device)
+    configure_kda(model, backend=args.kda_backend, overlap=args.kda_overlap)
     params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
     ids = generate_ids(model, tok.encode(args.prompt), args.max_new_tokens, params, {tok.eos_id}, device)
@@ -68,4 +71,5 @@ def add_generate_parser(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, help="cpu / cuda (default: cuda when available)")
     p.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the checkpoint's)")
+    add_kda_options(p)
     p.set_defaults(func=run_generate)

@@ -132,8 +132,16 @@ def _bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
+def expert_bytes(routed_expert_params: int) -> dict:
+    """Bytes of the routed experts' weights in bf16 and in MXFP4 (SPEC §13: a 4-bit value each plus one 8-bit
+    E8M0 scale per 32, i.e. 17/32 byte per weight), as the released checkpoint stores them."""
+    return {"bf16": routed_expert_params * BF16_BYTES, "mxfp4": routed_expert_params * 17 // 32}
+
+
 def info_report(cfg: ModelConfig, context: int = 1 << 20) -> dict:
-    return {"preset": cfg.name, **count_parameters(cfg), "cache": cache_bytes(cfg, context)}
+    counts = count_parameters(cfg)
+    return {"preset": cfg.name, **counts, "moe_expert_bytes": expert_bytes(counts["breakdown"]["moe_experts"]),
+            "cache": cache_bytes(cfg, context)}
 
 
 def format_report(rep: dict) -> str:
@@ -152,6 +160,10 @@ def format_report(rep: dict) -> str:
         v = rep["vision_breakdown"]
         lines.append(f"    {'vision':<12} {_num(rep['vision_params']):>10}  (tower {_num(v['vision_tower'])},"
                      f" projector {_num(v['mm_projector'])}; every image token uses all of it)")
+    if rep["breakdown"]["moe_experts"]:
+        b = rep["moe_expert_bytes"]
+        lines.append(f"  routed expert weights: {_bytes(b['bf16'])} in bf16, {_bytes(b['mxfp4'])} in MXFP4 "
+                     "(4-bit values + an 8-bit scale per 32, as released)")
     c = rep["cache"]
     lines += [
         "  decode cache per sequence:",

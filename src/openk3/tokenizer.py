@@ -13,7 +13,8 @@ writes: the training corpus, `openk3 generate --prompt`). `encode_plain(text)` n
 plain characters. The server encodes everything a request carries with `encode_plain`, so a user cannot forge a
 chat turn by typing `<|im_start|>system`; only the chat template (`encode_chat`) inserts control tokens, by id.
 `decode_plain` drops control tokens from the text it returns (what a client sees). Both encoders run in time
-linear in the text.
+linear in the text. `token_bytes(id)` is the bytes one token adds to that text (None for a control token), for
+per-token log-probabilities.
 
 Chat template: every message is `<|im_start|>{role}\\n{content}<|im_end|>\\n`, then the prompt ends with
 `<|im_start|>assistant\\n`. The reply ends at <|im_end|> (or the end-of-sequence token). A tokenizer.json
@@ -37,6 +38,15 @@ CHAT_TOKENS = (IM_START, IM_END)
 STOP_TOKENS = (IM_END, "<|eos|>", EOS, "</s>", "[EOS]")  # whichever a tokenizer.json has end a reply
 
 
+def byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's character for each byte, inverted (character -> byte): the printable bytes stand for
+    themselves and the other 68 take the code points from 256 up, in byte order (the GPT-2 convention that
+    `tokenizers`' ByteLevel pre-tokenizer and decoder use)."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]  # "!".."~", "¡".."¬", "®".."ÿ"
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + k): b for k, b in enumerate(others)}}
+
+
 class TextTokenizer:
     """A `tokenizers.Tokenizer` with the calls training, generation and serving need."""
 
@@ -44,6 +54,8 @@ class TextTokenizer:
         self.tokenizer = tokenizer
         self._plain = Tokenizer.from_str(tokenizer.to_str())  # a copy that reads special-token strings as text
         self._plain.encode_special_tokens = True
+        self._control_ids = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+        self._byte_level = byte_level_alphabet() if isinstance(tokenizer.decoder, decoders.ByteLevel) else None
 
     @classmethod
     def from_file(cls, path: str | Path) -> TextTokenizer:
@@ -86,6 +98,16 @@ class TextTokenizer:
     def decode_plain(self, ids: Iterable[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
+    def token_bytes(self, token: int) -> bytes | None:
+        """The bytes `token` adds to `decode_plain`'s text (None for a control token or an unknown id): a byte-level
+        piece mapped back through the byte alphabet, else (another decoder, an added token) the token decoded alone."""
+        piece = self.tokenizer.id_to_token(token)
+        if piece is None or token in self._control_ids:
+            return None
+        if self._byte_level is not None and all(c in self._byte_level for c in piece):
+            return bytes(self._byte_level[c] for c in piece)
+        return self.tokenizer.decode([token], skip_special_tokens=False).encode("utf-8")
+
     def save(self, path: str | Path) -> None:
         self.tokenizer.save(str(path))
 
@@ -116,6 +138,9 @@ class ByteTokenizer:
 
     def encode_plain(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
+
+    def token_bytes(self, token: int) -> bytes | None:
+        return bytes([token]) if 0 <= token < 256 else None
 
     def decode(self, ids: Sequence[int]) -> str:
         """Bytes to text with the special tokens written out; an incomplete UTF-8 tail shows as U+FFFD."""

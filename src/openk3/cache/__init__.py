@@ -11,7 +11,13 @@ A batch of B sequences (`HybridCache`), possibly of different lengths (`cache.le
 updates the cache in place. `cache.extract(i)` returns a self-contained `SequenceState` (length, and per layer a
 `KDAState` or `MLAState`); `HybridCache.from_sequences([...])` rebuilds a batch. `SequenceState.clone`,
 `.kda_states()` (a KDA checkpoint), `.cut(n, kda_states)` (MLA latents cut at n + the KDA checkpoint taken at n)
-and `SequenceState.assemble` serve a hybrid prefix cache (SPEC §7).
+and `SequenceState.assemble` serve a hybrid prefix cache (SPEC §7). The model's forward (prefill, `openk3
+generate`) uses these.
+
+The serving engine keeps its sequences in pools preallocated once instead: `openk3.cache.paged` (`PagePool`: MLA
+latent pages, ref-counted and shared by reference; `BlockTables`: each running sequence's pages) and
+`openk3.cache.state_pool` (`StatePool`: one KDA slot per running sequence), read in place by the decode step
+(`openk3.model.decode`).
 """
 
 from openk3.cache.hybrid import HybridCache, KDALayerCache, MLALayerCache

@@ -3,6 +3,9 @@
 A directory's layout is read from its config.json: a `text_config` means the K3 layout, model_type "kimi_linear"
 (without `text_config`) the Kimi Linear hub layout. openk3's own checkpoints are K3-layout directories: the K3
 layout expresses every openk3 config, and save -> load gives back the same config and bit-identical tensors.
+Routed experts may be stored MXFP4-packed (compressed-tensors' `mxfp4-pack-quantized`, declared by the config's
+`quantization_config`; see quantization.py): loading dequantizes them, save_pretrained(quantization="mxfp4")
+writes them.
 """
 
 from __future__ import annotations
@@ -16,6 +19,13 @@ from openk3.config import ModelConfig
 from openk3.interop.configs import config_from_hub, config_from_k3, config_to_hub, config_to_k3
 from openk3.interop.files import TensorReader, check_tensor_set, read_config, write_config, write_tensors
 from openk3.interop.layouts import LAYOUTS, canonical_names, external_plan, from_external, to_external
+from openk3.interop.quantization import (
+    QUANTIZATIONS,
+    PackedExpertsReader,
+    pack_experts,
+    quantization_config,
+    read_quantization,
+)
 from openk3.model import K3ForCausalLM
 
 
@@ -39,14 +49,19 @@ def load_pretrained(path: str | Path, dtype: torch.dtype | None = None) -> K3For
 
     The model takes `dtype`, or when None the stored dtype of the token embedding; the tensors openk3 keeps in
     fp32 (A_log, dt_bias, the router) stay fp32 either way, so an openk3 checkpoint loads back with the dtypes it
-    was saved with. A missing, unexpected or wrongly shaped tensor raises one ValueError that lists all of them."""
-    cfg, layout = config_from_json(read_config(path))
+    was saved with. MXFP4-packed routed experts are dequantized to that dtype (exactly: every MXFP4 value is a bf16
+    value). A missing, unexpected or wrongly shaped tensor raises one ValueError that lists all of them; so does a
+    `quantization_config` whose format openk3 does not read (naming it)."""
+    config = read_config(path)
+    cfg, layout = config_from_json(config)
+    packed = read_quantization(config) is not None
     with torch.device("meta"):
         model = K3ForCausalLM(cfg)
     meta_state = model.state_dict()
     plan = external_plan(meta_state, cfg, layout)
     expected = {k: tuple(t.shape) for k, t in to_external(meta_state, plan).items()}
-    with TensorReader(path) as reader:
+    with TensorReader(path) as files:
+        reader = PackedExpertsReader(files) if packed else files
         stored = reader.shapes()
         names = canonical_names(list(stored), layout)
         read_shape = {key: entry.read_shape for entry in plan.values() for key in entry.keys}
@@ -68,16 +83,24 @@ def load_pretrained(path: str | Path, dtype: torch.dtype | None = None) -> K3For
 
 
 def save_pretrained(model: K3ForCausalLM, path: str | Path, layout: str = "k3",
-                    max_shard_bytes: int | None = None) -> None:
+                    max_shard_bytes: int | None = None, quantization: str | None = None) -> None:
     """Write config.json and the weights. layout "k3" (default; openk3's own format, any config) or "hub"
     (Kimi Linear, readable by transformers' KimiLinearForCausalLM; ValueError for K3-only configs).
-    max_shard_bytes splits the weights into shards with an index, as HF does for large models."""
+    max_shard_bytes splits the weights into shards with an index, as HF does for large models.
+    quantization "mxfp4" writes the routed experts MXFP4-packed as the released K3 files are (the rest as is)
+    with the matching `quantization_config`; None (default) writes the weights as the model holds them (for a
+    model under QAT, the full-precision master weights)."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if quantization not in (None, *QUANTIZATIONS):
+        raise ValueError(f"quantization must be None or one of {QUANTIZATIONS}, got {quantization!r}")
     cfg = model.config
     config = config_to_k3(cfg) if layout == "k3" else config_to_hub(cfg)
     state = model.state_dict()
     tensors = to_external(state, external_plan(state, cfg, layout))
+    if quantization is not None:
+        tensors = pack_experts(tensors)
+        config["quantization_config"] = quantization_config(tensors)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     write_config(path, config)

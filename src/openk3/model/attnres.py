@@ -12,15 +12,25 @@ the current block). Decoder layer l:
   3. h = attn(input_layernorm(x)); partial = h if the layer opened a block else partial + h
   4. x = AttnRes(blocks + [partial]); partial = partial + mlp(post_attention_layernorm(x))
 Output: AttnRes(blocks + [partial]) -> model.norm -> lm_head.
+
+Two-phase computation: `blocks` changes only when a layer opens a block, and the pseudo-queries are parameters, so
+every AttnRes that runs while `blocks` has a given length (an "epoch") is known in advance (`attn_res_epochs`).
+When an epoch starts, all its queries are scored against the block sums in one pass (`ops.attnres.
+attn_res_blocks`); each AttnRes then only merges the current partial sum in (`attn_res_merge`).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
 
 from openk3.model.common import RMSNorm
-from openk3.ops.attnres import attn_res
+from openk3.ops.attnres import attn_res_blocks, attn_res_merge
+from openk3.ops.norms import acc_dtype
+
+Query = tuple[nn.Linear, RMSNorm]  # one sublayer's pseudo-query and norm
 
 
 def pseudo_query(dim: int) -> nn.Linear:
@@ -29,37 +39,85 @@ def pseudo_query(dim: int) -> nn.Linear:
     return proj
 
 
-def mix(sources: list[torch.Tensor], proj: nn.Linear, norm: RMSNorm) -> torch.Tensor:
-    """AttnRes over `sources` (each [...,D]) with this sublayer's pseudo-query and norm weight."""
-    if len(sources) == 1:
-        return sources[0]  # softmax over one source is 1
-    return attn_res(sources, proj.weight[0], norm.weight, norm.eps)
+def attn_res_epochs(layers, output: Query, block_size: int) -> list[list[Query]]:
+    """The AttnRes queries in the order the stream runs them, grouped by epoch (epoch k runs while `blocks` holds
+    k + 1 sums): the attention query of a block-opening layer still mixes the previous epoch's blocks."""
+    epochs: list[list[Query]] = []
+    for l, layer in enumerate(layers):
+        if l % block_size == 0:
+            if l > 0:
+                epochs[-1].append((layer.attn_res_proj, layer.attn_res_norm))
+            epochs.append([])
+        else:
+            epochs[-1].append((layer.attn_res_proj, layer.attn_res_norm))
+        epochs[-1].append((layer.mlp_res_proj, layer.mlp_res_norm))
+    epochs[-1].append(output)
+    eps = {norm.eps for epoch in epochs for _, norm in epoch}
+    if len(eps) != 1:
+        raise ValueError(f"Block AttnRes needs one RMSNorm eps for all its norms, got {sorted(eps)}")
+    return epochs
 
 
 class BlockStream:
-    """The (blocks, partial) state of Block AttnRes while the decoder layers run."""
+    """The (blocks, partial) state of Block AttnRes while the decoder layers run, computed in two phases over the
+    `epochs` of queries (`attn_res_epochs`); each call names the query it expects, as a check on the plan. Without
+    a plan (epochs=None) every AttnRes runs phase 1 for itself alone: the same values, for callers that step the
+    layers one token at a time and gain nothing from batching the queries."""
 
-    def __init__(self, embedding: torch.Tensor, block_size: int):
+    def __init__(self, embedding: torch.Tensor, block_size: int, epochs: list[list[Query]] | None = None,
+                 phases: tuple = (attn_res_blocks, attn_res_merge)):
         self.blocks: list[torch.Tensor] = []
         self.partial = embedding
         self.block_size = block_size
+        self._epochs = epochs
+        self._phase1, self._phase2 = phases  # the ops, or their torch.compile'd versions (compile_blocks)
+
+    def _open_epoch(self) -> None:
+        """Phase 1 for the epoch that starts now that `blocks` grew (with a plan: for all its queries at once)."""
+        self._blocks_dtype = functools.reduce(torch.promote_types, (b.dtype for b in self.blocks))
+        self._queries = self._epochs[len(self.blocks) - 1] if self._epochs is not None else None
+        if self._queries is not None:
+            self._q = self._query_matrix(self._queries)  # [Q, D]
+            self._mix = self._phase1(self.blocks, self._q, self._queries[0][1].eps)
+            self._next = 0
+
+    def _query_matrix(self, queries: list[Query]) -> torch.Tensor:
+        """[Q, D]: each query's norm weight times its pseudo-query, in the fp32 (fp64) compute dtype."""
+        acc = acc_dtype(self._blocks_dtype)
+        w = torch.stack([proj.weight[0] for proj, _ in queries]).to(acc)
+        return torch.stack([norm.weight for _, norm in queries]).to(acc) * w
+
+    def _merge(self, proj: nn.Linear, norm: RMSNorm) -> torch.Tensor:
+        """Phase 2 for the next query of the epoch, which must be (proj, norm)."""
+        dtype = torch.promote_types(self._blocks_dtype, self.partial.dtype)
+        if self._queries is None:
+            q_vec = self._query_matrix([(proj, norm)])
+            mixed = self._phase1(self.blocks, q_vec, norm.eps)
+            return self._phase2(mixed.mix[..., 0, :], mixed.lse[..., 0], self.partial, q_vec[0], norm.eps, dtype)
+        q = self._next
+        if q >= len(self._queries) or self._queries[q][0] is not proj or self._queries[q][1] is not norm:
+            raise RuntimeError("Block AttnRes ran its sublayers in another order than attn_res_epochs planned")
+        self._next += 1
+        mix, lse = self._mix.mix[..., q, :], self._mix.lse[..., q]
+        return self._phase2(mix, lse, self.partial, self._q[q], norm.eps, dtype)
 
     def attn_input(self, layer_idx: int, proj: nn.Linear | None, norm: RMSNorm | None) -> torch.Tensor:
         """Steps 1-2: the attention sublayer's input; opens a block when layer_idx % block_size == 0."""
-        x = self.partial if not self.blocks else mix(self.blocks + [self.partial], proj, norm)
+        x = self.partial if not self.blocks else self._merge(proj, norm)
         self._opened = layer_idx % self.block_size == 0
         if self._opened:
             self.blocks.append(self.partial)
+            self._open_epoch()
         return x
 
     def add_attn(self, h: torch.Tensor) -> None:
         self.partial = h if self._opened else self.partial + h
 
     def mlp_input(self, proj: nn.Linear, norm: RMSNorm) -> torch.Tensor:
-        return mix(self.blocks + [self.partial], proj, norm)
+        return self._merge(proj, norm)
 
     def add_mlp(self, h: torch.Tensor) -> None:
         self.partial = self.partial + h
 
     def output(self, proj: nn.Linear, norm: RMSNorm) -> torch.Tensor:
-        return mix(self.blocks + [self.partial], proj, norm)
+        return self._merge(proj, norm)

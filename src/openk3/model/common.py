@@ -8,11 +8,13 @@ import math
 import torch
 from torch import nn
 
-from openk3.ops.norms import rms_norm
+from openk3.ops.fused import use_triton
+from openk3.ops.norms import add_rms_norm, rms_norm
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm with a learned weight [dim] (init 1), computed in fp32 (`openk3.ops.norms.rms_norm`)."""
+    """RMSNorm with a learned weight [dim] (init 1), computed in fp32: `openk3.ops.norms.rms_norm`, or one Triton
+    pass each way where `ops.fused.use_triton` says so (CUDA tensors, outside torch.compile)."""
 
     def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()
@@ -20,7 +22,19 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_triton(x):
+            from openk3.ops.triton_norm import rms_norm_triton  # triton is an optional dependency
+
+            return rms_norm_triton(x, self.weight, self.eps)
         return rms_norm(x, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(x + residual), x + residual): the pre-norm residual step, fused in one pass on CUDA."""
+        if use_triton(x) and use_triton(residual):
+            from openk3.ops.triton_norm import add_rms_norm_triton
+
+            return add_rms_norm_triton(x, residual, self.weight, self.eps)
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

@@ -149,7 +149,6 @@ class KimiDeltaAttention(KeepFp32, nn.Module):
         q, k, v = (t.reshape(B, T, H, K) for t in qkv.split(H * K, dim=-1))
         backend = resolve_backend(self.kda_backend, x.device, T)
         q, k, g, beta = self.activate(q, k, x, backend)
-        acc = acc_dtype(x.dtype)
         initial = layer_cache.recurrent_state if layer_cache is not None else None
         offsets = [t for t in cache.checkpoint_offsets if 0 < t < T] if cache is not None else []
         if offsets:
@@ -163,10 +162,15 @@ class KimiDeltaAttention(KeepFp32, nn.Module):
             layer_cache.recurrent_state = state
             if T in cache.checkpoint_offsets:
                 cache.record_checkpoint(T, self.layer_idx, conv_state, state)
-        gate = self.out_gate(x).view(B, T, H, K)
+        return self.output(x, o)
+
+    def output(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """x [B,T,D], KDA output o [B,T,H,V] -> o_proj(RMSNorm_head(o) * sigmoid(output gate(x))) [B,T,D]."""
+        B, T, H, V = o.shape
+        acc = acc_dtype(x.dtype)
+        gate = self.out_gate(x).view(B, T, H, V)
         o = rms_norm(o.to(acc), self.o_norm.weight, self.o_norm.eps) * torch.sigmoid(gate.to(acc))
-        o = o.to(x.dtype)
-        return self.o_proj(o.reshape(B, T, H * K))
+        return self.o_proj(o.to(x.dtype).reshape(B, T, H * V))
 
 
 def configure_kda(model: nn.Module, *, backend: str = "auto", overlap: bool = True) -> None:

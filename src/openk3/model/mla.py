@@ -87,13 +87,17 @@ class GatedMLA(nn.Module):
             kv_all = cache.layers[self.layer_idx].append(kv, lengths, cache.max_length + T)
             attend = mla_attention_absorbed if (T == 1 and self.absorb_decode) else mla_attention_expanded
             o = attend(q, kv_all, self.kv_b_proj.weight, lengths=lengths, **kw)
+        return self.output(x, o)
+
+    def output(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """x [B,T,D], attention output o [B,T,H,v] -> o_proj(sigmoid(g_proj(x)) * (o_norm(o) if any)) [B,T,D]."""
+        B, T, H, v = o.shape
         if self.o_norm is not None:
             o = self.o_norm(o)
         if self.g_proj is not None:
-            gate = self.g_proj(x).view(B, T, self.num_heads, self.v_head_dim)
             acc = acc_dtype(x.dtype)
-            o = (o.to(acc) * torch.sigmoid(gate.to(acc))).to(x.dtype)
-        return self.o_proj(o.reshape(B, T, self.num_heads * self.v_head_dim))
+            o = (o.to(acc) * torch.sigmoid(self.g_proj(x).view(B, T, H, v).to(acc))).to(x.dtype)
+        return self.o_proj(o.reshape(B, T, H * v))
 
 
 __all__ = ["GatedMLA"]

@@ -12,12 +12,13 @@ from torch import nn
 
 from openk3.cache import HybridCache
 from openk3.config import ModelConfig
-from openk3.model.attnres import BlockStream, pseudo_query
+from openk3.model.attnres import BlockStream, attn_res_epochs, pseudo_query
 from openk3.model.common import RMSNorm
 from openk3.model.kda import KimiDeltaAttention
 from openk3.model.mla import GatedMLA
 from openk3.model.moe import GLUMLP, MoE, TopkRouter
 from openk3.model.vision import ImageBatch, MMProjector, VisionTower
+from openk3.ops.attnres import attn_res_blocks, attn_res_merge
 
 
 class DecoderLayer(nn.Module):
@@ -43,9 +44,9 @@ class DecoderLayer(nn.Module):
             self.mlp_res_proj, self.mlp_res_norm = pseudo_query(D), RMSNorm(D, eps=cfg.rms_eps)
 
     def forward(self, h: torch.Tensor, cache: HybridCache | None = None) -> torch.Tensor:
-        """Plain pre-norm residual (Kimi Linear, the MTP block)."""
-        h = h + self.self_attn(self.input_layernorm(h), cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        """Plain pre-norm residual (Kimi Linear, the MTP block); the second residual add fused into the norm."""
+        x, h = self.post_attention_layernorm.add_forward(self.self_attn(self.input_layernorm(h), cache), h)
+        return h + self.mlp(x)
 
     def forward_block(self, stream: BlockStream, cache: HybridCache | None = None) -> None:
         """Block AttnRes: reads and updates `stream` (SPEC §4)."""
@@ -69,6 +70,7 @@ class K3Model(nn.Module):
         self.block_size = cfg.attn_res_block_size
         if self.block_size is not None:
             self.output_res_proj, self.output_res_norm = pseudo_query(D), RMSNorm(D, eps=cfg.rms_eps)
+            self.attn_res_phases = (attn_res_blocks, attn_res_merge)  # compile_blocks swaps in compiled versions
         self.norm = RMSNorm(D, eps=cfg.rms_eps)
 
     def forward(self, input_ids: torch.Tensor, cache: HybridCache | None = None,
@@ -80,7 +82,8 @@ class K3Model(nn.Module):
             for layer in self.layers:
                 h = layer(h, cache)
             return h
-        stream = BlockStream(h, self.block_size)
+        epochs = attn_res_epochs(self.layers, (self.output_res_proj, self.output_res_norm), self.block_size)
+        stream = BlockStream(h, self.block_size, epochs, self.attn_res_phases)
         for layer in self.layers:
             layer.forward_block(stream, cache)
         return stream.output(self.output_res_proj, self.output_res_norm)

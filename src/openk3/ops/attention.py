@@ -10,7 +10,8 @@ Shared layout:
   out       [B,T,H,v]
 NoPE: the r-wide slice is used as is, never rotated. Scores are scaled by `scale` (default (n+r)^-0.5).
 
-`mla_attention_expanded` materialises k = [W_UK c | k_slice] and v = W_UV c for every head and calls torch SDPA;
+`mla_attention_expanded` materialises k = [W_UK c | k_slice] and v = W_UV c for every head and calls torch SDPA
+(a fused kernel: no T x T scores are formed in this code; see `causal_sdpa` for which kernel takes it on a GPU);
 `mla_attention_absorbed` folds W_UK into the query and W_UV into the output and attends on the latent directly:
     score = (q_nope W_UK) . c + q_slice . k_slice,     out = (p . c) W_UV^T
 They are the same function of the inputs (tested).
@@ -20,8 +21,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend
 
 from openk3.ops.norms import acc_dtype
+
+FUSED = (SDPBackend.FLASH_ATTENTION.value, SDPBackend.CUDNN_ATTENTION.value)
 
 
 def mla_mask(lengths: torch.Tensor, T: int, L: int) -> torch.Tensor:
@@ -42,10 +46,46 @@ def mla_expand_kv(kv_cache: torch.Tensor, kv_b: torch.Tensor, num_heads: int, no
     B, L, _ = kv_cache.shape
     R = kv_b.shape[-1]
     latent, k_slice = kv_cache[..., :R], kv_cache[..., R:]
-    kv = F.linear(latent, kv_b).view(B, L, num_heads, nope_dim + v_dim).transpose(1, 2)
+    kv = F.linear(latent, kv_b).view(B, L, num_heads, nope_dim + v_dim)
     k_nope, v = kv[..., :nope_dim], kv[..., nope_dim:]
-    k = torch.cat([k_nope, k_slice.unsqueeze(1).expand(B, num_heads, L, k_slice.shape[-1])], dim=-1)
-    return k, v
+    k = torch.cat([k_nope, k_slice.unsqueeze(2).expand(B, L, num_heads, k_slice.shape[-1])], dim=-1)
+    return k.transpose(1, 2), v.transpose(1, 2)  # [B,L,H,*] in memory, like q: the layout the fused kernels read
+
+
+def fused_sdpa_choice(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
+    """The SDPBackend value torch would run for causal attention on these tensors (no mask, no dropout)."""
+    return torch._fused_sdp_choice(q, k, v, is_causal=True)
+
+
+def padded_v_for_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
+    """v zero-padded to q's head dim when torch would run neither flash nor cuDNN on (q, k, v) but would run one of
+    them on the padded tensors; None otherwise (the rule `causal_sdpa` applies in eager mode)."""
+    dk, dv = q.shape[-1], v.shape[-1]
+    if dv >= dk or fused_sdpa_choice(q, k, v) in FUSED:
+        return None
+    padded = F.pad(v, (0, dk - dv))
+    return padded if fused_sdpa_choice(q, k, padded) in FUSED else None
+
+
+def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                pad_v: bool | None = None) -> torch.Tensor:
+    """Causal softmax attention through torch SDPA. q, k [B,H,T,dk]; v [B,H,T,dv] -> [B,H,T,dv].
+
+    MLA has dk = n + r (192 in K3) > dv (128). Flash attention needs one head dim for q, k and v; cuDNN takes 192 /
+    128 forward and backward on sm90 (cuDNN >= 9.11), and torch tries it first on an H200 when its cuDNN is newer
+    than 9.15; otherwise torch takes memory-efficient attention (fused too, slower than flash) on a GPU and its
+    math fallback (T x T scores) on a CPU. pad_v=None (auto, eager mode): `padded_v_for_flash` (GPU: flash at 20%
+    more attention FLOPs for 192 / 128; CPU: its flash kernel, 3x faster than the math fallback at T 1024); the
+    padded output columns are dropped. pad_v=True / False forces it. `python bench/train.py gpu` prints the
+    choice and times both."""
+    dv = v.shape[-1]
+    if pad_v is None:
+        padded = None if torch.compiler.is_compiling() else padded_v_for_flash(q, k, v)
+    else:
+        padded = F.pad(v, (0, q.shape[-1] - dv)) if pad_v else None
+    if padded is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    return F.scaled_dot_product_attention(q, k, padded, is_causal=True, scale=scale)[..., :dv]
 
 
 def mla_attention_expanded(
@@ -67,7 +107,7 @@ def mla_attention_expanded(
     if lengths is None:
         if L != T:
             raise ValueError(f"without lengths the cache must hold exactly the T={T} new tokens, got L={L}")
-        o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale)
+        o = causal_sdpa(qh, k, v, scale)
     else:
         o = F.scaled_dot_product_attention(qh, k, v, attn_mask=mla_mask(lengths, T, L), scale=scale)
     return o.transpose(1, 2)

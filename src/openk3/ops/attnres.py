@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from openk3.ops.norms import acc_dtype
@@ -23,3 +25,36 @@ def attn_res(
     scores = keys @ (norm_weight.to(acc) * query.to(acc).reshape(-1))  # [N,...]
     p = scores.softmax(0).unsqueeze(-1)
     return (p * vf).sum(0).to(v.dtype)
+
+
+# ---- two-phase form (SPEC §4): the block sums are fixed while a block runs and the pseudo-queries do not depend on
+# the input, so every query of a block is scored against the block sums in one batched pass (phase 1); each
+# sublayer then merges its running partial sum into that result by online softmax (phase 2).
+
+class BlockMix(NamedTuple):
+    mix: torch.Tensor  # [..., Q, D] fp32: query q's softmax mix of the block sums alone
+    lse: torch.Tensor  # [..., Q] fp32: logsumexp over the block sums of query q's scores
+
+
+def attn_res_blocks(blocks: list[torch.Tensor], queries: torch.Tensor, eps: float = 1e-5) -> BlockMix:
+    """Phase 1. blocks: N tensors [..., D]; queries [Q, D] (row q: r_q * w_q, its norm weight times its
+    pseudo-query). One pass over the block sums for all Q queries."""
+    v = torch.stack(blocks, dim=-2)  # [..., N, D], the sources' promoted dtype
+    vf = v.to(acc_dtype(v.dtype))
+    inv_rms = torch.rsqrt(vf.pow(2).mean(-1, keepdim=True) + eps)  # [..., N, 1]: the keys are vf * inv_rms
+    scores = (vf @ queries.to(vf.dtype).T) * inv_rms  # [..., N, Q]
+    p = scores.softmax(-2)  # over the N block sums (not exp(scores - lse): softmax's backward is the stable one)
+    return BlockMix(p.transpose(-1, -2) @ vf, scores.logsumexp(-2))
+
+
+def attn_res_merge(mix: torch.Tensor, lse: torch.Tensor, partial: torch.Tensor, query: torch.Tensor,
+                   eps: float = 1e-5, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Phase 2: AttnRes over the block sums + [partial] for one query: mix [..., D] and lse [...] are its row of
+    phase 1 (`BlockMix.mix[..., q, :]`, `BlockMix.lse[..., q]`), query [D] = r_q * w_q. In the merged softmax the
+    partial sum (score s) weighs e^s / (e^s + e^lse) and the blocks together e^lse / (e^s + e^lse), shared as in
+    their own mix: a softmax over the two logits (s, lse), so that neither weight is formed as 1 minus the other
+    (which loses a tiny weight, and its gradient, to rounding). Returns `dtype` (default: the partial sum's)."""
+    pf = partial.to(mix.dtype)
+    s = (pf @ query.to(pf.dtype)) * torch.rsqrt(pf.pow(2).mean(-1) + eps)  # [...]
+    weights = torch.stack([s, lse], dim=-1).softmax(-1).unsqueeze(-2)  # [..., 1, 2]
+    return (weights[..., 0] * pf + weights[..., 1] * mix).to(dtype or partial.dtype)

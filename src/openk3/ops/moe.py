@@ -7,8 +7,10 @@ to sum to 1, times routed_scaling_factor.
 Expert weights are 3-D tensors, one slice per expert, in nn.Linear's [out, in] layout:
   gate_up [E, 2*I, Din]   rows [:I] the gate projection, rows [I:] the up projection (HF's `gate_up_proj`)
   down    [E, Dout, I]
-`experts_forward` permutes tokens into expert-contiguous groups and calls `grouped_glu_mlp` on them: a loop over
-the active experts here; a grouped-GEMM kernel can replace it with the same arguments.
+`experts_forward` permutes tokens into expert-contiguous groups once and calls `grouped_glu_mlp` on them, which
+runs one grouped GEMM per projection (`torch._grouped_mm`, SPEC §14) on a Hopper-class GPU in bf16 and a loop over
+the experts elsewhere (the loop is the reference). Neither the dispatch nor the grouped path reads a tensor's
+values on the host, so a CUDA step has no host-device sync here.
 """
 
 from __future__ import annotations
@@ -19,7 +21,17 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from openk3.ops.activations import apply_glu
 from openk3.ops.norms import acc_dtype
+
+# Each expert's group of rows is padded to a multiple of 16 bytes' worth of rows: in the weight-gradient GEMM the
+# token dimension is the contracted unit-stride one, which TMA wants 16-byte aligned (SPEC §14).
+GROUP_ALIGN_BYTES = 16
+# torch._grouped_mm returned inconsistent bf16 results on CUDA depending on the kernels run before it (pytorch
+# #186365, reported and fixed in the 2.13 cycle); on torch 2.11 an H200's bf16 forward of k3-debug came out far
+# from its fp32 forward with this path on (bench/RESULTS.md, 2026-12-01), and the path was not isolated as the
+# cause there. Older torch takes the loop until `python bench/gpu_checks.py` shows the grouped path exact.
+GROUPED_MM_MIN_TORCH = (2, 13)
 
 
 class Routing(NamedTuple):
@@ -50,7 +62,8 @@ def group_by_expert(indices: torch.Tensor, num_experts: int) -> tuple[torch.Tens
     """indices [N,k] -> (order [N*k]: flat (token, slot) ids sorted by expert, counts [E] tokens per expert)."""
     flat = indices.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    # scatter_add, not bincount: bincount reads the max index on the host (a sync that CUDA graphs cannot capture)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
     return order, counts
 
 
@@ -61,7 +74,16 @@ def grouped_glu_mlp(
     down: torch.Tensor,
     act: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:
-    """Rows of x_sorted [M,Din] grouped by expert (counts [E]) -> [M,Dout]; a loop over active experts.
+    """Rows of x_sorted [M,Din] grouped by expert (counts [E]) -> [M,Dout]: act(x W_gate_up^T) W_down^T per group.
+
+    Grouped GEMMs where `grouped_mm_usable` says so, else the loop over experts."""
+    if grouped_mm_usable(x_sorted, gate_up, down):
+        return grouped_glu_mlp_gemm(x_sorted, counts, gate_up, down, act)
+    return grouped_glu_mlp_loop(x_sorted, counts, gate_up, down, act)
+
+
+def grouped_glu_mlp_loop(x_sorted, counts, gate_up, down, act) -> torch.Tensor:
+    """`grouped_glu_mlp` as a loop over the active experts (the reference; reads counts on the host).
 
     The rows are split and the weights unbound once, so backward assembles each gradient with one cat / stack;
     indexing `gate_up[e]` or slicing rows per expert would instead add a zero-padded full-size gradient per
@@ -70,9 +92,71 @@ def grouped_glu_mlp(
     outs = []
     for xe, w_gate_up, w_down, n in zip(x_sorted.split(sizes), gate_up.unbind(0), down.unbind(0), sizes):
         if n:
-            gate, up = F.linear(xe, w_gate_up).chunk(2, dim=-1)
-            outs.append(F.linear(act(gate, up), w_down))
+            outs.append(F.linear(apply_glu(act, F.linear(xe, w_gate_up)), w_down))
     return torch.cat(outs) if outs else x_sorted.new_empty(0, down.shape[1])
+
+
+def _grouped_mm_fn():
+    """torch's grouped GEMM: F.grouped_mm (public from torch 2.10) or torch._grouped_mm, None if neither exists."""
+    return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the expert matmuls run in: autocast's when it is on for x's device, else x's."""
+    device = x.device.type
+    autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
+    return torch.get_autocast_dtype(device) if autocast else x.dtype
+
+
+def grouped_mm_usable(x_sorted: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """The grouped-GEMM fast path: CUDA, torch >= GROUPED_MM_MIN_TORCH, compute capability >= 9.0 (its CUTLASS
+    kernel), bf16, and widths whose rows are whole multiples of 16 bytes (strides the kernel accepts)."""
+    if not x_sorted.is_cuda or _grouped_mm_fn() is None or compute_dtype(x_sorted) != torch.bfloat16:
+        return False
+    if tuple(int(v) for v in torch.__version__.split(".")[:2]) < GROUPED_MM_MIN_TORCH:
+        return False
+    if torch.cuda.get_device_capability(x_sorted.device) < (9, 0):
+        return False
+    align = GROUP_ALIGN_BYTES // 2
+    return all(n % align == 0 for n in (gate_up.shape[1], gate_up.shape[2], down.shape[1], down.shape[2]))
+
+
+class GroupedLayout(NamedTuple):
+    offsets: torch.Tensor  # [E] int32 end row of each expert's group in the padded buffer (the last one = capacity)
+    dest: torch.Tensor  # [M] int64 row of the padded buffer that each sorted row goes to
+    capacity: int  # rows of the padded buffer (a bound that depends on M and E only: no host sync)
+
+
+def grouped_layout(counts: torch.Tensor, num_rows: int, align: int) -> GroupedLayout:
+    """Place the M sorted rows (counts [E] per expert) in a zero-padded buffer for the grouped GEMM: every group
+    starts on a multiple of `align` rows and holds at least `align` rows (empty groups have tripped the kernels'
+    stride checks and left their weight gradients unwritten, SPEC §14; padding rows are zeros, so they add
+    nothing to any gradient), and the last group runs to the end of the buffer, so no row is left outside the
+    groups (the kernel leaves such rows, and their gradients, uninitialised)."""
+    E = counts.numel()
+    padded = (counts.clamp_min(1) + align - 1) // align * align
+    ends = padded.cumsum(0)
+    capacity = -(-(num_rows + E * align) // align) * align  # >= sum(padded): each group adds < align + count rows
+    offsets = torch.cat([ends[:-1], ends.new_full((1,), capacity)]).to(torch.int32)
+    shift = (ends - padded) - (counts.cumsum(0) - counts)  # padded start - unpadded start, per expert
+    expert_of_row = torch.repeat_interleave(torch.arange(E, device=counts.device), counts, output_size=num_rows)
+    dest = torch.arange(num_rows, device=counts.device) + shift[expert_of_row]
+    return GroupedLayout(offsets, dest, capacity)
+
+
+def grouped_glu_mlp_gemm(x_sorted, counts, gate_up, down, act, *, mm=None) -> torch.Tensor:
+    """`grouped_glu_mlp` as two grouped GEMMs over a padded copy of the rows (`grouped_layout`), the GLU between
+    them on the packed [gate | up] product. Runs in `compute_dtype(x_sorted)`; `mm` defaults to torch's grouped
+    GEMM (whose CPU kernel takes fp32 / bf16 with 16-byte row strides, which the tests use)."""
+    mm = mm or _grouped_mm_fn()
+    dtype = compute_dtype(x_sorted)
+    M = x_sorted.shape[0]
+    layout = grouped_layout(counts, M, GROUP_ALIGN_BYTES * 8 // torch.finfo(dtype).bits)
+    x_pad = x_sorted.new_zeros(layout.capacity, x_sorted.shape[1], dtype=dtype)
+    x_pad = x_pad.index_copy(0, layout.dest, x_sorted.to(dtype))
+    h = mm(x_pad, gate_up.to(dtype).transpose(-2, -1), offs=layout.offsets)
+    y = mm(apply_glu(act, h), down.to(dtype).transpose(-2, -1), offs=layout.offsets)
+    return y.index_select(0, layout.dest)
 
 
 def experts_forward(

@@ -20,6 +20,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
     return y.to(x.dtype)
 
 
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None = None,
+                 eps: float = 1e-5) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual): the pre-norm residual step; the sum in the promoted dtype."""
+    s = x + residual
+    return rms_norm(s, weight, eps), s
+
+
 def l2_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(sum(x^2) + eps) over the last dim (fla's l2norm: eps added, not clamped). fp32 compute."""
     xf = x.to(acc_dtype(x.dtype))

@@ -3,7 +3,10 @@
 POST /v1/completions, POST /v1/chat/completions (the chat template of `openk3.tokenizer`; `image_url` content
 parts with inline data: URLs for a model with a vision tower, openk3.serve.vision), both with
 `stream: true` as server-sent events ending in `data: [DONE]`; GET /v1/models; GET /health (200 once the engine
-runs); GET /metrics (Prometheus text). `usage.prompt_tokens_details.cached_tokens` is the prefix-cache hit.
+runs); GET /metrics (Prometheus text, openk3.serve.metrics). `usage.prompt_tokens_details.cached_tokens` is the
+prefix-cache hit. A request with `n` choices becomes n engine requests (the first with the request's `seed`, the
+others with seeds derived from it: `openk3.sampling.choice_seed`); with the prefix cache on, the others are admitted
+once the first has prefilled, so they reuse its prompt. Response objects: openk3.serve.responses.
 Errors use OpenAI's shape {"error": {"message", "type", "param", "code"}} (openk3.serve.schema): 400 for malformed
 JSON, wrong types, missing fields and out-of-range values, 404 for an unknown model or URL, 405 for a wrong
 method, 413 for a prompt longer than the context (or an oversized body), 429 when the queue is full, and 500 for
@@ -23,12 +26,16 @@ import json
 import time
 import uuid
 from contextlib import asynccontextmanager
+from dataclasses import replace
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from openk3.sampling import choice_seed
 from openk3.serve.engine import Engine, EngineLoop
+from openk3.serve.metrics import RequestTimer, ServerMetrics
+from openk3.serve.responses import Reply, TokenNames
 from openk3.serve.scheduler import QueueFull, RequestEvent
 from openk3.serve.schema import APIError, ChatBody, CompletionBody, SamplingFields, parse_body, sampling_params
 from openk3.serve.vision import chat_messages
@@ -39,6 +46,8 @@ MAX_BODY_BYTES = 8 << 20
 
 def create_app(engine: Engine, model_name: str) -> FastAPI:
     state = {"ready": False, "created": int(time.time())}
+    metrics = ServerMetrics(engine)
+    names = TokenNames(engine.tokenizer, engine.stop_ids)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -77,8 +86,8 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
                                             "owned_by": "openk3"}]}
 
     @app.get("/metrics")
-    async def metrics():
-        return PlainTextResponse(prometheus_text(engine), media_type="text/plain; version=0.0.4")
+    async def prometheus():
+        return Response(metrics.text(), media_type=metrics.content_type)
 
     def completion_request(raw: bytes) -> tuple[CompletionBody, list[int]]:
         body = parse_body(raw, CompletionBody, model_name)
@@ -97,69 +106,88 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
+        arrival = time.perf_counter()
         body, prompt = await asyncio.to_thread(completion_request, await read_body(request))  # off the event loop
-        return await generate(request, body, prompt, body.max_tokens, "max_tokens", chat=False)
+        return await generate(request, body, prompt, arrival, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
+        arrival = time.perf_counter()
         body, prompt, images = await asyncio.to_thread(chat_request, await read_body(request))
-        return await generate(request, body, prompt, *body.token_limit(), chat=True, images=images)
+        return await generate(request, body, prompt, arrival, chat=True, images=images)
 
-    async def generate(request: Request, body: SamplingFields, prompt: list[int], max_tokens: int | None,
-                       max_tokens_param: str, chat: bool, images: list | None = None):
-        params = sampling_params(body, max_tokens, max_tokens_param, engine.model_config.max_seq_len)
+    async def generate(request: Request, body: SamplingFields, prompt: list[int], arrival: float, chat: bool,
+                       images: list | None = None):
+        params = sampling_params(body, engine.model_config.max_seq_len, engine.vocab_limit)
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        submit = lambda event: loop.call_soon_threadsafe(events.put_nowait, event)
+        rids = [rid] if body.n == 1 else [f"{rid}-{i}" for i in range(body.n)]  # one engine request per choice
+        leader = None
         try:
-            engine.add_request(prompt, params, rid=rid, on_event=submit, images=images)
+            for i, sub in enumerate(rids):
+                seed = params.seed if params.seed is None else choice_seed(params.seed, i)
+                submit = lambda event, i=i: loop.call_soon_threadsafe(events.put_nowait, (i, event))
+                r = engine.add_request(prompt, replace(params, seed=seed), rid=sub, on_event=submit, after=leader,
+                                       images=images)
+                leader = leader or r
         except QueueFull as exc:
+            cancel(rids)
             raise APIError(429, str(exc), code="queue_full", kind="rate_limit_error") from exc
         except ValueError as exc:
             too_long = len(prompt) >= engine.model_config.max_seq_len
             raise APIError(413 if too_long else 400, str(exc), "messages" if chat else "prompt",
                            "context_length_exceeded" if too_long else None) from exc
-        reply = Reply(rid, model_name, chat, body.include_usage)
+        reply = Reply(rid, model_name, chat, body.n, body.include_usage, names, params.logprobs is not None)
+        timer = metrics.timer(arrival, body.n)
         if body.stream:
-            return StreamingResponse(stream(events, reply, rid), media_type="text/event-stream")
-        return await collect(request, events, reply, rid)
+            return StreamingResponse(stream(events, reply, timer, rids), media_type="text/event-stream")
+        return await collect(request, events, reply, timer, rids)
 
-    async def stream(events: asyncio.Queue, reply: Reply, rid: str):
-        finished = False
+    def cancel(rids: list[str]) -> None:
+        for rid in rids:
+            engine.cancel(rid)
+
+    async def next_event(events: asyncio.Queue, timer: RequestTimer) -> tuple[int, RequestEvent]:
+        index, event = await events.get()
+        timer.observe(index, event)
+        return index, event
+
+    async def stream(events: asyncio.Queue, reply: Reply, timer: RequestTimer, rids: list[str]):
         try:
-            while not finished:
-                event: RequestEvent = await events.get()
-                finished = event.finished
-                for chunk in reply.chunks(event):
+            while not reply.finished:
+                index, event = await next_event(events, timer)
+                for chunk in reply.chunks(index, event):
                     yield f"data: {json.dumps(chunk)}\n\n"
+            timer.finish(event.at, reply.reasons())
             yield "data: [DONE]\n\n"
         finally:
-            if not finished:  # the client went away mid-stream
-                engine.cancel(rid)
+            if not reply.finished:  # the client went away mid-stream
+                cancel(rids)
 
-    async def cancel_on_disconnect(request: Request, rid: str) -> None:
+    async def cancel_on_disconnect(request: Request, rids: list[str]) -> None:
         """Wait for the client to drop the connection (the body is read: the next ASGI message is the disconnect),
-        then cancel its request; the engine answers with a "cancelled" event at its next step."""
+        then cancel its requests; the engine answers with "cancelled" events at its next step."""
         while (await request.receive())["type"] != "http.disconnect":
             pass
-        engine.cancel(rid)
+        cancel(rids)
 
-    async def collect(request: Request, events: asyncio.Queue, reply: Reply, rid: str):
-        watcher = asyncio.create_task(cancel_on_disconnect(request, rid))
-        text = []
+    async def collect(request: Request, events: asyncio.Queue, reply: Reply, timer: RequestTimer, rids: list[str]):
+        watcher = asyncio.create_task(cancel_on_disconnect(request, rids))
         try:
-            while True:
-                event: RequestEvent = await events.get()
-                text.append(event.text)
-                if event.finished:
+            while not reply.finished:
+                index, event = await next_event(events, timer)
+                reply.collect(index, event)
+                if event.finish_reason in ("cancelled", "error"):
                     break
         finally:
             watcher.cancel()
         if event.finish_reason == "cancelled":
             raise APIError(499, "the client closed the connection")
         if event.finish_reason == "error":
+            cancel(rids)  # the other choices, if any
             raise APIError(500, "the engine failed while running this request", kind="server_error")
-        return reply.full("".join(text), event)
+        timer.finish(event.at, reply.reasons())
+        return reply.full()
 
     return app
 
@@ -173,72 +201,3 @@ async def read_body(request: Request) -> bytes:
             raise APIError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes", code="request_too_large")
         chunks.append(chunk)
     return b"".join(chunks)
-
-
-class Reply:
-    """OpenAI response objects for one request."""
-
-    def __init__(self, rid: str, model: str, chat: bool, include_usage: bool):
-        self.rid, self.model, self.chat, self.include_usage = rid, model, chat, include_usage
-        self.created = int(time.time())
-        self.sent_role = False
-
-    def usage(self, event: RequestEvent) -> dict:
-        return {"prompt_tokens": event.prompt_tokens, "completion_tokens": event.completion_tokens,
-                "total_tokens": event.prompt_tokens + event.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": event.cached_tokens}}
-
-    def _envelope(self, choices: list[dict], chunk: bool) -> dict:
-        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
-        return {"id": self.rid, "object": kind, "created": self.created, "model": self.model, "choices": choices}
-
-    def chunks(self, event: RequestEvent) -> list[dict]:
-        reason = event.finish_reason if event.finished else None
-        if self.chat:
-            delta = {"content": event.text}
-            if not self.sent_role:
-                delta, self.sent_role = {"role": "assistant", **delta}, True
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
-        else:
-            choice = {"index": 0, "text": event.text, "logprobs": None, "finish_reason": reason}
-        out = [self._envelope([choice], chunk=True)]
-        if event.finished and self.include_usage:
-            out.append({**self._envelope([], chunk=True), "usage": self.usage(event)})
-        return out
-
-    def full(self, text: str, event: RequestEvent) -> dict:
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": event.finish_reason}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": event.finish_reason}
-        return {**self._envelope([choice], chunk=False), "usage": self.usage(event)}
-
-
-def prometheus_text(engine: Engine) -> str:
-    """The engine's counters and gauges in the Prometheus text format (version 0.0.4)."""
-    m, lines = engine.metrics, []
-
-    def metric(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]) -> None:
-        lines.extend([f"# HELP openk3_{name} {help_text}", f"# TYPE openk3_{name} {kind}"])
-        lines.extend(f"openk3_{name}{labels} {value}" for labels, value in samples)
-
-    metric("requests_received_total", "counter", "Requests accepted.", [("", m.requests_received)])
-    metric("requests_finished_total", "counter", "Requests finished, by reason.",
-           [(f'{{reason="{r}"}}', n) for r, n in sorted(m.requests_finished.items())] or [('{reason="stop"}', 0)])
-    metric("prompt_tokens_total", "counter", "Prompt tokens of admitted requests.", [("", m.prompt_tokens)])
-    metric("generation_tokens_total", "counter", "Generated tokens.", [("", m.generation_tokens)])
-    metric("queue_requests", "gauge", "Requests waiting for admission.", [("", len(engine.scheduler.waiting))])
-    metric("running_requests", "gauge", "Requests being prefilled or decoded.", [("", len(engine.scheduler.running))])
-    metric("engine_steps_total", "counter", "Engine steps.", [("", m.steps)])
-    metric("time_to_first_token_seconds_sum", "counter", "Sum of times to first token.", [("", m.ttft_seconds_sum)])
-    metric("time_to_first_token_seconds_count", "counter", "Requests with a first token.", [("", m.ttft_count)])
-    cache = engine.prefix_cache
-    stats = cache.stats if cache is not None else None
-    metric("prefix_cache_queried_tokens_total", "counter", "Prompt tokens looked up in the prefix cache.",
-           [("", stats.queried_tokens if stats else 0)])
-    metric("prefix_cache_hit_tokens_total", "counter", "Prompt tokens served from the prefix cache.",
-           [("", stats.hit_tokens if stats else 0)])
-    metric("prefix_cache_utilisation", "gauge", "Used fraction of the prefix cache's device tier.",
-           [("", cache.utilisation if cache is not None else 0.0)])
-    return "\n".join(lines) + "\n"

@@ -8,7 +8,9 @@ port are checked (and the socket bound) before the model loads.
 
 The tokenizer is the checkpoint's tokenizer.json when it has one, else the byte-level fallback
 (`openk3.tokenizer`). The prefix cache's hash block / page default to K3's ratio scaled to the context
-(h=16, P=192 for toy contexts; h=512, P=6144 at 1M).
+(h=16, P=192 for toy contexts; h=512, P=6144 at 1M). On a GPU the engine decodes with Triton kernels over its
+paged latent cache and KDA state pool, captures the decode step as CUDA graphs at start-up (the time is printed),
+and prefills up to 8192 tokens per step in chunks of 4096.
 """
 
 from __future__ import annotations
@@ -19,7 +21,10 @@ import ipaddress
 import logging
 import re
 import socket
+import sys
 from pathlib import Path
+
+from openk3.cli_options import add_kda_options
 
 
 def build_engine(args: argparse.Namespace):
@@ -27,8 +32,8 @@ def build_engine(args: argparse.Namespace):
     import torch
 
     from openk3.config import get_preset
-    from openk3.model import K3ForCausalLM
-    from openk3.serve.engine import Engine, EngineConfig
+    from openk3.model import K3ForCausalLM, configure_kda
+    from openk3.serve.engine import GPU_PREFILL_TOKENS, Engine, EngineConfig
     from openk3.serve.scheduler import SchedulerConfig
     from openk3.tokenizer import load_tokenizer
 
@@ -46,17 +51,32 @@ def build_engine(args: argparse.Namespace):
     else:
         model = K3ForCausalLM(get_preset(args.preset)).to(device)
         name, ckpt_dir = args.model_name or args.preset, None
+    configure_kda(model, backend=args.kda_backend, overlap=args.kda_overlap)
+    # auto keeps the weights as built or stored: a bf16 forward of k3-debug on an H200 (torch 2.11) came out far
+    # from fp32 on 2026-12-01 while fp32 was exact (bench/RESULTS.md, Serving); bf16 is opt-in until
+    # bench/gpu_checks.py passes
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(args.dtype)
+    if dtype is not None:
+        model = model.to(dtype)
     tokenizer = load_tokenizer(ckpt_dir, model.config.vocab_size)
     config = EngineConfig(
         prefix_cache=not args.no_prefix_cache, hash_block=args.hash_block, page_size=args.page_size,
         cache_bytes=int(args.cache_mb * (1 << 20)), host_cache_bytes=int(args.host_cache_mb * (1 << 20)),
         disk_cache_dir=args.disk_cache_dir, disk_cache_bytes=int(args.disk_cache_mb * (1 << 20)),
-        checkpoint_every=args.checkpoint_every,
-        prefill_chunk_blocks=args.prefill_chunk_blocks, seed=args.seed,
-        scheduler=SchedulerConfig(max_running=args.max_running, max_queue=args.max_queue,
-                                  prefill_tokens_per_step=args.prefill_tokens),
+        checkpoint_every=args.checkpoint_every, prefill_chunk_blocks=args.prefill_chunk_blocks,
+        kv_pages=args.kv_pages, kernels=args.kernels, cuda_graphs=not args.no_cuda_graphs, seed=args.seed,
+        scheduler=SchedulerConfig(
+            max_running=args.max_running, max_queue=args.max_queue,
+            prefill_tokens_per_step=args.prefill_tokens or (GPU_PREFILL_TOKENS if device.type == "cuda" else 256)),
     )
-    return Engine(model, tokenizer, config), name
+    engine = Engine(model, tokenizer, config)
+    runner = engine.runner
+    if runner.graphs:
+        print(f"openk3 serve: CUDA graphs for decode batches {sorted(runner.graphs)} captured in "
+              f"{runner.capture_seconds:.2f} s", file=sys.stderr, flush=True)
+    elif runner.graph_error:
+        print(f"openk3 serve: CUDA graphs off ({runner.graph_error})", file=sys.stderr, flush=True)
+    return engine, name
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
@@ -146,19 +166,31 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0, help="random-init weights and default sampling seeds")
     p.add_argument("--device", default=None, help="cpu / cuda (default: cuda when available)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="weights and caches (auto: as built or stored; bfloat16 on a GPU is faster but failed a "
+                        "correctness check on one H200, see bench/RESULTS.md)")
     p.add_argument("--no-prefix-cache", action="store_true", help="disable the hybrid prefix cache")
     p.add_argument("--hash-block", type=int, default=None, help="tokens per hash block h (default: by context)")
     p.add_argument("--page-size", type=int, default=None, help="tokens per physical page P (default 12 h)")
-    p.add_argument("--checkpoint-every", type=int, default=1,
-                   help="hash blocks between KDA checkpoints during prefill (1: every boundary)")
-    p.add_argument("--prefill-chunk-blocks", type=int, default=12,
-                   help="hash blocks per prefill forward at most (checkpoints inside it are taken in the same pass)")
+    p.add_argument("--checkpoint-every", type=int, default=None,
+                   help="hash blocks between KDA checkpoints during prefill (default: 1, every boundary, on CPU; "
+                        "512 tokens on a GPU)")
+    p.add_argument("--prefill-chunk-blocks", type=int, default=None,
+                   help="hash blocks per prefill forward at most (checkpoints inside it are taken in the same pass; "
+                        "default 12 on CPU, 4096 tokens on a GPU)")
     p.add_argument("--cache-mb", type=float, default=256, help="prefix cache device tier (MiB)")
     p.add_argument("--host-cache-mb", type=float, default=0, help="prefix cache host tier (MiB, 0: off)")
     p.add_argument("--disk-cache-dir", default=None, help="prefix cache disk tier directory (needs a host tier)")
     p.add_argument("--disk-cache-mb", type=float, default=1024, help="prefix cache disk tier (MiB)")
     p.add_argument("--max-running", type=int, default=32, help="sequences decoded together at most")
     p.add_argument("--max-queue", type=int, default=1024, help="waiting requests before 429s")
-    p.add_argument("--prefill-tokens", type=int, default=256, help="prefill token budget per engine step")
+    p.add_argument("--prefill-tokens", type=int, default=None,
+                   help="prefill token budget per engine step (default 256 on CPU, 8192 on a GPU)")
+    p.add_argument("--kv-pages", type=int, default=None,
+                   help="physical pages of the MLA latent pool (default: room for the live tokens and the cache)")
+    p.add_argument("--kernels", default="auto", choices=["auto", "triton", "torch"],
+                   help="decode kernels: triton (the GPU path), torch (the reference); auto: by device")
+    p.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly on a GPU (no CUDA graphs)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    add_kda_options(p)
     p.set_defaults(func=run_serve)

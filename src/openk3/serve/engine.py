@@ -1,19 +1,28 @@
 """The serving engine: continuous batching over the hybrid model with the K3 prefix cache (SPEC §7).
 
-One `step()`: apply cancellations, admit requests (a prefix hit resumes prefill at the hit boundary with the
-restored KDA states and MLA pages), run one batched decode forward for every decoding sequence, then batched
-prefill chunks within the step's token budget. Every full hash block a sequence completes (in prefill or decode)
-is registered with the MLA latents of its h tokens. A prefill chunk covers up to `prefill_chunk_blocks` hash
-blocks and ends at the prompt's last full hash block (the turn boundary) or at the prompt's end; inside it the
-model records KDA checkpoints every `checkpoint_every` hash blocks (1, the default, is SPEC §7's ideal: a
-checkpoint at every boundary) in the same forward (`HybridCache.checkpoint_offsets`); decode passes every
-boundary one token at a time. Chunking and checkpoint offsets are the same whether or not the cache is on, so
-greedy output does not depend on it. Images (SPEC §12): a request may carry prepared images (openk3.images) whose
-placeholder runs are in its prompt; admission encodes those not inside the prefix hit, each prefill chunk passes
-the model the image tokens of the placeholders it holds, and the prefix cache keys the prompt by image content
-(`PromptImages.cache_prompt`). `EngineLoop` runs steps on a background thread; `add_request` and `cancel` are
-thread-safe. Work that raises ends only the requests it was for (`_isolated`: one sequence's sampling and
-bookkeeping, or the forward a batch shares) with finish_reason "error"; the others keep running.
+State lives in preallocated pools on the model's device: MLA latents in physical pages of P tokens (`PagePool`,
+one block table per running sequence, pages ref-counted and shared by reference with the prefix cache) and the
+KDA conv windows and fp32 recurrent states in one slot per running sequence (`StatePool`). The `ModelRunner` does
+the tensor work: decode with static shapes (CUDA graphs at bucketed batch sizes on a GPU) and prefill chunks.
+
+One `step()`: apply cancellations, admit requests (a prefix hit shares the hit's pages by reference, copies the
+part of a partly hit page it may not write into, and loads the hit's KDA checkpoint into the slot), run one
+batched decode for every decoding sequence, then batched prefill chunks within the step's token budget. Every
+full hash block a sequence completes (in prefill or decode) is registered with the physical page holding its
+latents. A prefill chunk covers up to `prefill_chunk_blocks` hash blocks and ends at the prompt's last full hash
+block (the turn boundary) or at the prompt's end; inside it the model records KDA checkpoints every
+`checkpoint_every` hash blocks in the same forward; decode passes every boundary one token at a time. Chunking and
+checkpoint offsets are the same whether or not the cache is on, so greedy output does not depend on it. A failure
+in one sequence's work ends that sequence (reason "error"), not the others. There is no preemption: a sequence
+that finds every page in use after the cache's unlocked pages are evicted ends with "error"; the default pool
+(`kv_pages`) holds the scheduler's `max_live_tokens` plus a partial page per running sequence plus the cache, so
+only a smaller `kv_pages` can get there. `EngineLoop` runs steps on a background thread; `add_request` and
+`cancel` are thread-safe.
+
+Images (SPEC §12): a request may carry prepared images (openk3.images) whose placeholder runs are in its prompt.
+Each prefill chunk passes the model the image tokens of the placeholders it holds (`ModelRunner.prefill`'s
+`image_embeds`; an image is encoded the first time a chunk reaches it, so one inside the prefix hit never is),
+and the prefix cache keys the prompt by image content (`PromptImages.cache_prompt`). Decode never sees an image.
 """
 
 from __future__ import annotations
@@ -27,12 +36,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-from openk3.cache import HybridCache, KDAState, MLAState, SequenceState
-from openk3.sampling import SamplingParams, sample_token
+from openk3.cache.paged import BlockTables, PagePool
+from openk3.cache.state_pool import StatePool
+from openk3.sampling import SamplingParams, sample_token, token_logprobs
 from openk3.serve.prefix_cache import PrefixCache, PrefixCacheConfig, image_keyed_tokens
+from openk3.serve.runner import ModelRunner
 from openk3.serve.scheduler import Request, RequestEvent, Scheduler, SchedulerConfig
+from openk3.serve.stop_strings import first_stop, held_back
 
 log = logging.getLogger(__name__)
+
+GPU_PREFILL_TOKENS = 8192  # prefill token budget per step on a GPU (the CPU default is SchedulerConfig's)
+GPU_PREFILL_CHUNK_TOKENS = 4096  # tokens per prefill forward on a GPU, rounded to hash blocks
+CHECKPOINT_SPACING_TOKENS = 512  # K3's prefill checkpoint spacing on a GPU (SPEC §7: every 512 tokens)
 
 
 def default_block_sizes(max_seq_len: int) -> tuple[int, int]:
@@ -45,20 +61,29 @@ def default_block_sizes(max_seq_len: int) -> tuple[int, int]:
 class EngineConfig:
     prefix_cache: bool = True
     hash_block: int | None = None  # None: default_block_sizes
-    page_size: int | None = None
+    page_size: int | None = None  # P: tokens per physical page (None: 12 h)
     cache_bytes: int = 256 << 20  # device tier of the prefix cache
     host_cache_bytes: int = 0
     disk_cache_dir: str | None = None
     disk_cache_bytes: int = 0
-    checkpoint_every: int = 1  # hash blocks between KDA checkpoints during prefill
-    prefill_chunk_blocks: int = 12  # hash blocks per prefill forward at most (one physical page at K3's ratio)
+    checkpoint_every: int | None = None  # hash blocks between prefill KDA checkpoints (None: 1 on CPU, 512 tokens
+    #                                      on a GPU, where each checkpoint splits the Triton KDA call)
+    prefill_chunk_blocks: int | None = None  # hash blocks per prefill forward at most (None: 12 on CPU, one
+    #                                          physical page at K3's ratio; GPU_PREFILL_CHUNK_TOKENS on a GPU)
+    kv_pages: int | None = None  # physical pages in the pool (None: room for max_live_tokens + the cache)
+    kernels: str = "auto"  # decode kernels: "triton" (the GPU path), "torch" (the reference), auto: by device
+    cuda_graphs: bool = True  # capture decode as CUDA graphs at start-up (CUDA only)
     seed: int = 0
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
         for name in ("checkpoint_every", "prefill_chunk_blocks"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"engine field {name!r} must be >= 1 hash block, got {getattr(self, name)}")
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"engine field {name!r} must be >= 1, got {getattr(self, name)}")
+        if self.kv_pages is not None and self.kv_pages < 2:
+            raise ValueError(f"engine field 'kv_pages' must be >= 2 (one is the null page), got {self.kv_pages}")
+        if self.kernels not in ("auto", "triton", "torch"):
+            raise ValueError(f"engine field 'kernels' must be auto, triton or torch, got {self.kernels!r}")
 
 
 @dataclass
@@ -106,8 +131,10 @@ class EngineMetrics:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     steps: int = 0
-    ttft_seconds_sum: float = 0.0
-    ttft_count: int = 0
+
+
+class PoolExhausted(RuntimeError):
+    pass
 
 
 class Engine:
@@ -116,36 +143,58 @@ class Engine:
         self.model_config = mc = model.config
         self.tokenizer = tokenizer
         self.config = config = config or EngineConfig()
-        default_h, default_p = default_block_sizes(mc.max_seq_len)
-        self.hash_block = config.hash_block or default_h
-        page_size = config.page_size or (config.hash_block * 12 if config.hash_block else default_p)
-        self.mla_layers = [i for i in range(mc.num_layers) if mc.layer_kind(i) == "mla"]
-        self.kda_layers = [i for i in range(mc.num_layers) if mc.layer_kind(i) == "kda"]
-        empty = model.new_cache(1)
-        self.empty_state = empty.extract(0)
-        weight = next(model.parameters())
-        latent = mc.mla.kv_lora_rank + mc.mla.qk_rope_head_dim
+        embed = model.model.embed_tokens.weight
+        device, dtype = embed.device, embed.dtype
+        gpu = device.type == "cuda"
+        default_h, _ = default_block_sizes(mc.max_seq_len)
+        h = self.hash_block = config.hash_block or default_h
+        P = self.page_size = config.page_size or 12 * h
+        if P % h:
+            raise ValueError(f"engine field 'page_size' ({P}) must be a multiple of the hash block ({h})")
+        self.checkpoint_every = config.checkpoint_every or (max(1, CHECKPOINT_SPACING_TOKENS // h) if gpu else 1)
+        self.chunk_blocks = config.prefill_chunk_blocks or (max(12, GPU_PREFILL_CHUNK_TOKENS // h) if gpu else 12)
+        sched = config.scheduler
+
+        n_mla = len(mc.mla_layers)
+        width = mc.mla.kv_lora_rank + mc.mla.qk_rope_head_dim
+        page_bytes = max(1, n_mla * P * width * embed.element_size())
+        cache_pages = config.cache_bytes // page_bytes if config.prefix_cache and n_mla else 0
+        num_pages = config.kv_pages or 1 + sched.max_running + -(-sched.max_live_tokens // P) + cache_pages
+        self.pages = PagePool(n_mla, num_pages, P, width, dtype=dtype, device=device)
+        self.tables = BlockTables(sched.max_running, -(-mc.max_seq_len // P), device=device)
+        self.states = StatePool(mc, sched.max_running, dtype=dtype, device=device)
+        kernels = config.kernels if config.kernels != "auto" else ("triton" if gpu else "torch")
+        self.runner = ModelRunner(model, self.pages, self.tables, self.states, max_batch=sched.max_running,
+                                  kernels=kernels, cuda_graphs=config.cuda_graphs)
+        self.runner.capture()
+
         self.prefix_cache = PrefixCache(PrefixCacheConfig(
-            hash_block=self.hash_block, page_size=page_size,
-            page_bytes=max(1, len(self.mla_layers) * page_size * latent * weight.element_size()),
+            hash_block=h, page_size=P, page_bytes=page_bytes,
             device_bytes=config.cache_bytes, host_bytes=config.host_cache_bytes,
-            disk_dir=config.disk_cache_dir, disk_bytes=config.disk_cache_bytes, device=str(weight.device),
-        )) if config.prefix_cache else None
-        self.scheduler = Scheduler(config.scheduler)
+            disk_dir=config.disk_cache_dir, disk_bytes=config.disk_cache_bytes, device=str(device),
+        ), store=self.pages) if config.prefix_cache else None
+        self.scheduler = Scheduler(sched)
         self.metrics = EngineMetrics()
         self.stop_ids = set(tokenizer.stop_ids)
         self.vocab_limit = min(tokenizer.vocab_size, mc.vocab_size)
-        self._decode_batch: tuple[list[Request], HybridCache] | None = None
         self._lock = threading.Lock()
         self._cancels: set[str] = set()
         self._ids = itertools.count()
         self.wake = threading.Event()
 
+    @property
+    def checkpoint_bytes(self) -> int:
+        """Bytes of one KDA checkpoint (every KDA layer's conv window and recurrent state)."""
+        return sum(t[:, 0].numel() * t.element_size() for t in (self.states.conv, self.states.recurrent))
+
     # ---- the client side (thread-safe) --------------------------------------------------------------------
     def add_request(self, prompt: list[int], params: SamplingParams, rid: str | None = None,
-                    on_event=None, images: list | None = None) -> Request:
-        """Queue a request; raises ValueError for an unusable prompt and QueueFull when throttled. `images`:
-        prepared images (openk3.images.PreparedImage) whose placeholder runs the prompt holds, in order."""
+                    on_event=None, after: Request | None = None, images: list | None = None) -> Request:
+        """Queue a request; raises ValueError for an unusable prompt and QueueFull when throttled. `after`: an
+        earlier request with the same prompt (another choice of one API request, OpenAI's `n`); with the prefix
+        cache on, this one is admitted once that one has prefilled, so it hits the prompt's cached blocks instead of
+        prefilling them again. `images`: prepared images (openk3.images.PreparedImage) whose placeholder runs the
+        prompt holds, in order."""
         limit = self.model_config.max_seq_len
         if not prompt:
             raise ValueError("the prompt is empty")
@@ -156,11 +205,12 @@ class Engine:
         vision = self.model_config.vision
         if images and vision is None:
             raise ValueError(f"the model {self.model_config.name!r} has no vision tower: it cannot take images")
-        located = PromptImages.locate(list(prompt), vision.image_token_id, images) if vision is not None else None
+        located = PromptImages.locate(list(prompt), vision.image_token_id, images or []) if vision is not None else None
         number = next(self._ids)
         seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + number
         request = Request(rid=rid or f"req-{number}", prompt=list(prompt), params=params, on_event=on_event,
-                          generator=torch.Generator().manual_seed(seed), images=located if images else None)
+                          generator=torch.Generator().manual_seed(seed), images=located if images else None,
+                          after=after if self.prefix_cache is not None else None)
         with self._lock:
             self.scheduler.submit(request)
             self.metrics.requests_received += 1
@@ -168,7 +218,7 @@ class Engine:
         return request
 
     def cancel(self, rid: str) -> None:
-        """Stop a request at the next step boundary and free its sequence, locks and state."""
+        """Stop a request at the next step boundary and free its pages, slot and locks."""
         with self._lock:
             self._cancels.add(rid)
         self.wake.set()
@@ -187,20 +237,33 @@ class Engine:
         for r in admitted:
             with self._isolated([r]):
                 self._start(r)
-        decoding = [r for r in self.scheduler.running if not r.prefilling]
+        decoding = [r for r in self.scheduler.running if not r.prefilling and self._has_pages(r, r.fed + 1)]
         if decoding:
             with self._isolated(decoding):
                 self._decode(decoding)
         for round_ in self.scheduler.prefill_rounds(self._chunk_end):
-            alike: dict[tuple[int, tuple[int, ...]], list[Request]] = {}  # same chunk length and checkpoints
-            for r in round_:
-                if r.finish_reason is None:  # not failed in an earlier round
-                    end = self._chunk_end(r, r.fed)
-                    alike.setdefault((end - r.fed, self._checkpoint_offsets(r.fed, end)), []).append(r)
+            alike: dict[tuple[int, tuple[int, ...]], list[tuple[Request, int]]] = {}  # same length and checkpoints
+            for r, end in round_:
+                if self._has_pages(r, end):  # (and not failed in an earlier round)
+                    alike.setdefault((end - r.fed, self._checkpoint_offsets(r.fed, end)), []).append((r, end))
             for group in alike.values():
-                with self._isolated(group):
+                with self._isolated([r for r, _ in group]):
                     self._prefill(group)
         self.metrics.steps += 1
+
+    @contextmanager
+    def _isolated(self, requests: list[Request]):
+        """Run one piece of a step's work on `requests`: admitting one, giving one pages, one sequence's sampling
+        and bookkeeping after a forward, or a batched forward. If it raises, those requests alone end with
+        finish_reason "error" (their pages, slot and locks are freed) and the step goes on for every other request.
+        A forward's failure cannot be pinned on one row, so it ends its whole batch."""
+        try:
+            yield
+        except Exception:
+            log.exception("engine work on %s failed; ending it alone", ", ".join(r.rid for r in requests))
+            for r in requests:
+                if r.finish_reason is None:
+                    self._finish(r, "error")
 
     def _locked_fraction(self) -> float:
         cache = self.prefix_cache
@@ -212,34 +275,69 @@ class Engine:
     def _chunk_end(self, r: Request, pos: int) -> int:
         h = self.hash_block
         turn_boundary = (len(r.prompt) // h) * h
-        return min((pos // h + self.config.prefill_chunk_blocks) * h,
-                   turn_boundary if turn_boundary > pos else len(r.prompt))
+        return min((pos // h + self.chunk_blocks) * h, turn_boundary if turn_boundary > pos else len(r.prompt))
 
     def _checkpoint_offsets(self, start: int, end: int) -> tuple[int, ...]:
         """Offsets into a prefill chunk [start, end) where KDA checkpoints are wanted: every `checkpoint_every`
         hash blocks, and the chunk's end when it is a hash-block boundary (a turn boundary or a page's end)."""
-        h, span = self.hash_block, self.hash_block * self.config.checkpoint_every
+        h, span = self.hash_block, self.hash_block * self.checkpoint_every
         ends = set(range((start // span + 1) * span, end + 1, span))
         if end % h == 0:
             ends.add(end)
         return tuple(sorted(e - start for e in ends))
 
+    # ---- pages and slots ----------------------------------------------------------------------------------
+    def _alloc_page(self) -> int:
+        """A free physical page, evicting unlocked prefix-cache pages when the pool is full."""
+        pid = self.pages.alloc()
+        while pid is None and self.prefix_cache is not None and self.prefix_cache.evict(self.pages.page_bytes):
+            pid = self.pages.alloc()
+        if pid is None:
+            raise PoolExhausted(f"all {self.pages.num_pages} latent pages are in use by running sequences")
+        return pid
+
+    def _has_pages(self, r: Request, tokens: int) -> bool:
+        """Give a live sequence pages for its first `tokens` positions; False if it is over (or fails for want of
+        pages: then it alone ends)."""
+        if r.finish_reason is None:
+            with self._isolated([r]):
+                self._ensure_pages(r, tokens)
+        return r.finish_reason is None
+
+    def _ensure_pages(self, r: Request, tokens: int) -> None:
+        while len(self.tables.pages[r.slot]) * self.page_size < tokens:
+            self.tables.append(r.slot, self._alloc_page())
+
     def _start(self, r: Request) -> None:
-        """Admission: look the prompt up and restore the hit (KDA checkpoint + MLA pages) as the sequence's state."""
+        """Admission: a slot, and on a prefix hit the hit's pages (shared) and its KDA checkpoint (loaded)."""
         self.metrics.prompt_tokens += len(r.prompt)
-        r.state = self.empty_state.clone()
-        if self.prefix_cache is None:
-            return
-        r.lease = self.prefix_cache.acquire(self._cache_tokens(r), max_hit=len(r.prompt) - 1)
-        hit = r.lease.hit_tokens
-        if hit:
-            kv = torch.cat(r.lease.hit_kv, dim=1)  # [n_mla, hit, latent]
-            ckpt = r.lease.hit_checkpoint
-            kda = {layer: KDAState(ckpt["conv"][j].clone(), ckpt["recurrent"][j].clone())
-                   for j, layer in enumerate(self.kda_layers)}
-            mla = {layer: MLAState(kv[j].clone()) for j, layer in enumerate(self.mla_layers)}
-            r.state = SequenceState.assemble(hit, kda, mla)
-            r.fed = r.cached_tokens = hit
+        r.slot = self.states.alloc()
+        if r.slot is None:
+            raise PoolExhausted("no free KDA state slot")
+        pages: list[int] = []
+        if self.prefix_cache is not None:
+            r.lease = self.prefix_cache.acquire(self._cache_tokens(r), max_hit=len(r.prompt) - 1)
+            hit = r.lease.hit_tokens
+            if hit:
+                pages = list(r.lease.hit_pages)
+                for pid in pages:
+                    self.pages.retain(pid)
+                partial = hit % self.page_size
+                if partial and not r.lease.owns_tail:  # copy-on-write: the hit's part of a page others write
+                    own = self._alloc_page()
+                    self.pages.copy_prefix(pages[-1], own, partial)
+                    self.pages.release(pages[-1])
+                    pages[-1] = own
+                self.states.load(r.slot, r.lease.hit_checkpoint)
+                r.fed = r.cached_tokens = hit
+        self.tables.set(r.slot, pages)
+
+    def _release_resources(self, r: Request) -> None:
+        if r.slot is not None:
+            for pid in self.tables.clear(r.slot):
+                self.pages.release(pid)
+            self.states.free(r.slot)
+            r.slot = None
 
     @staticmethod
     def _cache_tokens(r: Request) -> list[int]:
@@ -248,71 +346,73 @@ class Engine:
 
     # ---- forwards -----------------------------------------------------------------------------------------
     def _decode(self, requests: list[Request]) -> None:
-        """One token for every decoding sequence; their states stay in one batch cache between steps."""
-        if self._decode_batch is None or self._decode_batch[0] != requests:
-            self._release_decode_batch()
-            cache = HybridCache.from_sequences([r.state for r in requests])
-            for r in requests:
-                r.state = None
-            self._decode_batch = (list(requests), cache)
-        cache = self._decode_batch[1]
-        ids = torch.tensor([[r.output[-1]] for r in requests], device=cache.lengths.device)
-        logits = self.model(ids, cache=cache).logits[:, -1]
+        """One token for every decoding sequence (their pages are in place)."""
+        logits = self.runner.decode([r.output[-1] for r in requests], [r.slot for r in requests],
+                                    [r.fed for r in requests])
+        sample = self._sampler(requests, logits)
         for row, r in enumerate(requests):
             with self._isolated([r]):
+                token = sample(row)
                 r.fed += 1
-                self._register_blocks(r, r.fed - 1, cache, row)
-                self._accept(r, logits[row])
+                self._register_blocks(r, r.fed - 1)
+                self._accept(r, token)
 
-    def _release_decode_batch(self) -> None:
-        """Give the sequences of the current decode batch their own states back (finished ones need none)."""
-        if self._decode_batch is not None:
-            members, cache = self._decode_batch
-            for row, r in enumerate(members):
-                if r.finish_reason is None:
-                    r.state = cache.extract(row)
-            self._decode_batch = None
-
-    def _prefill(self, requests: list[Request]) -> None:
-        """The next chunk (same length for all) of each request's prompt."""
-        cache = HybridCache.from_sequences([r.state for r in requests])
-        ends = [self._chunk_end(r, r.fed) for r in requests]
-        ids = torch.tensor([r.prompt[r.fed:end] for r, end in zip(requests, ends)], device=cache.lengths.device)
-        cache.checkpoint_offsets = self._checkpoint_offsets(requests[0].fed, ends[0])
-        images = [e for r, end in zip(requests, ends) if r.images
-                  for e in r.images.chunk_embeds(r.fed, end, self.model)]
-        logits = self.model(ids, cache=cache, logits_to_keep=1,
-                            image_embeds=torch.cat(images) if images else None).logits[:, -1]
+    def _prefill(self, chunks: list[tuple[Request, int]]) -> None:
+        """The next chunk (same length for all) of each request's prompt: (request, end of its chunk)."""
+        requests, ends = [r for r, _ in chunks], [end for _, end in chunks]
+        offsets = self._checkpoint_offsets(requests[0].fed, ends[0])
+        images = [e for r, end in chunks if r.images for e in r.images.chunk_embeds(r.fed, end, self.model)]
+        logits, checkpoints = self.runner.prefill([r.prompt[r.fed:end] for r, end in zip(requests, ends)],
+                                                  [r.slot for r in requests], [r.fed for r in requests], offsets,
+                                                  image_embeds=torch.cat(images) if images else None)
+        sample = self._sampler(requests, logits)
         for row, (r, end) in enumerate(zip(requests, ends)):
             with self._isolated([r]):
                 start, r.fed = r.fed, end
-                self._register_blocks(r, start, cache, row)
-                r.state = cache.extract(row)
+                self._register_blocks(r, start, checkpoints, row)
                 if not r.prefilling:
                     r.first_token_at = time.perf_counter()
-                    self.metrics.ttft_seconds_sum += r.first_token_at - r.arrival
-                    self.metrics.ttft_count += 1
-                    self._accept(r, logits[row])
+                    self._accept(r, sample(row))
 
-    def _register_blocks(self, r: Request, start: int, cache: HybridCache, row: int) -> None:
-        """Hand the hash blocks completed between `start` and `r.fed` to the prefix cache: their MLA latents, and
-        the KDA states at each block end the forward recorded (or, at `r.fed`, the state it just left)."""
+    def _register_blocks(self, r: Request, start: int, checkpoints: dict | None = None, row: int = 0) -> None:
+        """Hand the hash blocks completed between `start` and `r.fed` to the prefix cache: the page holding their
+        latents, and the KDA states at each block end the forward recorded (or, at `r.fed`, the slot's state)."""
         h = self.hash_block
         if self.prefix_cache is None or r.lease.detached:
             return
         for end in range((start // h + 1) * h, r.fed + 1, h):
-            kv = torch.stack([cache.layers[i].buffer[row, end - h:end] for i in self.mla_layers])
-            states = cache.layers if end == r.fed else cache.checkpoints.get(end - start)
-            ckpt = None
-            if states is not None:
-                ckpt = {"conv": torch.stack([states[i].conv_state[row] for i in self.kda_layers]),
-                        "recurrent": torch.stack([states[i].recurrent_state[row] for i in self.kda_layers])}
+            if end == r.fed:
+                ckpt = self.states.snapshot(r.slot)
+            elif checkpoints and end - start in checkpoints:
+                ckpt = {name: t[:, row].clone() for name, t in checkpoints[end - start].items()}
+            else:
+                ckpt = None
             turn_end = end <= len(r.prompt) < end + h  # the last boundary of the prompt ends the user's turn
-            self.prefix_cache.append(r.lease, self._cache_tokens(r)[end - h:end], kv, ckpt, turn_boundary=turn_end)
+            page = self.tables.pages[r.slot][(end - h) // self.page_size]
+            self.prefix_cache.append(r.lease, self._cache_tokens(r)[end - h:end], None, ckpt, turn_boundary=turn_end,
+                                     page=page)
 
     # ---- tokens, stops, events ----------------------------------------------------------------------------
-    def _accept(self, r: Request, logits: torch.Tensor) -> None:
-        token = sample_token(logits[: self.vocab_limit].float().cpu(), r.params, r.generator)
+    def _sampler(self, requests: list[Request], logits: torch.Tensor):
+        """row -> the row's next token (its logprobs, when asked for, are queued for the next event). A batch whose
+        rows are all greedy with nothing to adjust or report takes one argmax on the device (one small copy to the
+        host); otherwise the batch's logits come to the CPU in one copy and each row samples when asked, with the
+        tokens it generated so far for the penalties."""
+        logits = logits[:, : self.vocab_limit]
+        if all(r.params.greedy and r.params.plain for r in requests):
+            return logits.argmax(-1).tolist().__getitem__
+        host = logits.float().cpu()
+
+        def sample(row: int) -> int:
+            r = requests[row]
+            token = sample_token(host[row], r.params, r.generator, r.output)
+            if r.params.logprobs is not None:
+                r.logprobs.append(token_logprobs(host[row], token, r.params.logprobs))
+            return token
+
+        return sample
+
+    def _accept(self, r: Request, token: int) -> None:
         r.output.append(token)
         self.metrics.generation_tokens += 1
         reason = None
@@ -321,7 +421,7 @@ class Engine:
         elif len(r.output) >= r.params.max_tokens or r.length >= self.model_config.max_seq_len:
             reason = "length"
         text = self.tokenizer.decode_plain([t for t in r.output if t not in self.stop_ids])
-        cut = min((i for i in (text.find(s) for s in r.params.stop if s) if i >= 0), default=-1)
+        cut = first_stop(text, r.params.stop)
         if cut >= 0:
             text, reason = text[:cut], "stop"
         r.text = text
@@ -332,49 +432,30 @@ class Engine:
 
     def _sendable(self, r: Request) -> int:
         """How much of the text is final: hold back a partial UTF-8 character and a possible stop-string start."""
-        n = len(r.text.rstrip("\ufffd"))
-        for s in r.params.stop:
-            for k in range(min(len(s) - 1, n), 0, -1):
-                if r.text[:n].endswith(s[:k]):
-                    n = min(n, len(r.text[:n]) - k)
-                    break
-        return max(n, r.sent)
+        text = r.text.rstrip("\ufffd")
+        return max(len(text) - held_back(text, r.params.stop), r.sent)
 
     def _emit(self, r: Request, upto: int, finished: bool = False) -> None:
         delta, r.sent = r.text[r.sent:upto], upto
+        logprobs, r.logprobs = r.logprobs, []
         if r.on_event is not None:
             r.on_event(RequestEvent(r.rid, delta, finished, r.finish_reason, len(r.prompt), len(r.output),
-                                    r.cached_tokens))
+                                    r.cached_tokens, logprobs))
 
     def _finish(self, r: Request, reason: str) -> None:
         r.finish_reason = reason
         if r.lease is not None:
-            if reason not in ("cancelled", "error"):  # a turn that ended normally
+            if reason not in ("cancelled", "error"):
                 self.prefix_cache.mark_turn_boundary(r.lease)
             self.prefix_cache.release(r.lease)
-        r.state = r.images = None
+        self._release_resources(r)
+        r.images = None
         self.scheduler.remove(r)
         self.metrics.requests_finished[reason] = self.metrics.requests_finished.get(reason, 0) + 1
         self._emit(r, len(r.text), finished=True)
 
-    # ---- failure isolation --------------------------------------------------------------------------------
-    @contextmanager
-    def _isolated(self, requests: list[Request]):
-        """Run one piece of a step's work on `requests`: admitting one, one sequence's bookkeeping and sampling
-        after a forward, or a batched forward. If it raises, those requests alone end with finish_reason "error"
-        (the API answers 500 or ends the stream with it; their locks and states are freed) and the step goes on
-        for every other request. A forward's failure cannot be pinned on one row, so it ends its whole batch."""
-        try:
-            yield
-        except Exception:
-            log.exception("engine work on %s failed; ending it alone", ", ".join(r.rid for r in requests))
-            for r in requests:
-                if r.finish_reason is None:
-                    self._finish(r, "error")
-
     def fail_all(self, reason: str = "error") -> None:
         """After an unexpected exception in a step: end every request so that clients get an answer."""
-        self._decode_batch = None
         with self._lock:
             for r in [*self.scheduler.waiting, *self.scheduler.running]:
                 self._finish(r, reason)
@@ -407,5 +488,5 @@ class EngineLoop:
             try:
                 engine.step()
             except Exception:
-                log.exception("engine step failed outside any request's work; ending every request")
+                log.exception("engine step failed; ending the running requests")
                 engine.fail_all()

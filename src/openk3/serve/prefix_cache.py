@@ -16,10 +16,23 @@ state). Hits are multiples of h, never required to be multiples of P.
 Locks: a `Lease` (one per running sequence) locks every page on its chain, the pages it hit and the page it
 writes. Eviction takes the least recently used unlocked page that has no child page in its own tier, and
 moves the page's KV together with its checkpoints: a checkpoint never outlives its KV. The reverse also
-holds: an entry with no checkpoint at or below it is useless and is trimmed. Under memory pressure mid-turn
+holds: an entry with no checkpoint at or below it is useless and is trimmed, even on a locked page (a lock keeps a
+page from eviction, not its entries from trimming), unless a lease pins it as the tail it appends after: the
+pin keeps the entry and, through it, the chain above it. Under memory pressure mid-turn
 checkpoints go first; turn-boundary checkpoints and the newest one of every chain (no checkpoint below it)
 are kept. Tiers: device -> host (optional) -> disk (optional, needs host); a tier's page is never in a
 higher tier than its ancestors, and hits are promoted back to the device tier before they are used.
+
+Paged mode (`PrefixCache(config, store=page_pool)`, what the serving engine uses): a device-tier page *is* a
+physical page of the engine's `PagePool` (`Page.phys`), holding the latents of every position of its page range,
+and the cache holds one reference to it; hits share those pages by reference (`Lease.hit_pages`, one per page
+range the hit covers). Appends name the physical page the sequence wrote the block into (`append(page=...)`): a
+sequence continues a cached page only when that page is its own physical page, otherwise the chain branches into
+a new cache page over the rest of the range (the sequence's own copy holds the range's earlier positions too).
+A lease whose hit ends inside a page it may continue (the hit is that page's last entry and nobody writes it)
+claims it at `acquire` (`Lease.owns_tail`): the sequence then writes into the shared page itself; otherwise the
+engine copies the hit's part of that page into a fresh page of its own. Off the device a page's latents are one
+CPU tensor (`Page.content`, read from and written back to the pool).
 
 Images (SPEC §12): a prompt carries one placeholder id per image token, the same id for every image, so the
 tokens alone cannot tell two pictures apart. The cache is keyed by `image_keyed_tokens(prompt, ...)` instead: every
@@ -149,6 +162,9 @@ class Page:
     last_used: int = 0
     writer: Lease | None = None  # the lease allowed to append here
 
+    phys: int | None = None  # paged mode, device tier: the physical page in the pool
+    content: Any = None  # paged mode, host tier: the page's latents (CPU); None on disk
+
     def checkpoint_bytes(self) -> int:
         return sum(e.checkpoint.nbytes for e in self.entries if e.checkpoint is not None)
 
@@ -160,6 +176,8 @@ class Lease:
     hit_tokens: int = 0
     hit_kv: list[Any] = field(default_factory=list)  # per hit block, in order
     hit_checkpoint: Any = None
+    hit_pages: list[int] = field(default_factory=list)  # paged mode: physical page per page range of the hit
+    owns_tail: bool = False  # paged mode: the hit ends inside hit_pages[-1] and this lease may write on into it
     tail: HashEntry | None = None
     pages: set[Page] = field(default_factory=set)
     detached: bool = False  # stopped caching (no room); later appends are ignored
@@ -178,8 +196,11 @@ class PrefixCacheStats:
 
 
 class PrefixCache:
-    def __init__(self, config: PrefixCacheConfig) -> None:
+    def __init__(self, config: PrefixCacheConfig, store: Any = None) -> None:
+        """`store`: a page pool (paged mode; `openk3.cache.paged.PagePool`'s alloc-free interface: retain, release,
+        read, write, num_free), or None: entries hold their KV payloads themselves."""
         self.config = config
+        self.store = store
         self.roots: dict[bytes, HashEntry] = {}
         self.pages: set[Page] = set()
         self.used = [0, 0, 0]  # bytes per tier
@@ -236,17 +257,22 @@ class PrefixCache:
             lease.hit_tokens = hit.depth * self.config.hash_block
             lease.hit_kv = [e.kv for e in chain[:hit_depth]]
             lease.hit_checkpoint = hit.checkpoint.payload
+            if self.store is not None:
+                self._share_hit_pages(lease, chain[:hit_depth])
             self._move_tail(lease, hit)
             self.stats.hit_tokens += lease.hit_tokens
         return lease
 
     def append(self, lease: Lease, tokens: Sequence[int], kv: Any, checkpoint: Any = None,
-               turn_boundary: bool = False) -> bool:
+               turn_boundary: bool = False, page: int | None = None) -> bool:
         """Register the next hash block of the lease's sequence (its KV and, optionally, the KDA checkpoint at
-        its end). Returns False once the lease has stopped caching because nothing could be evicted."""
+        its end); in paged mode kv is None and `page` is the physical page the block's latents are in. Returns
+        False once the lease has stopped caching because nothing could be evicted."""
         h = self.config.hash_block
         if lease.released or lease.detached:
             return False
+        if (page is None) != (self.store is None):
+            raise ValueError("append needs page= (a physical page) in paged mode and only there")
         if len(tokens) != h:
             raise ValueError(f"a hash block has exactly {h} tokens, got {len(tokens)}")
         block = tuple(int(t) for t in tokens)
@@ -259,23 +285,28 @@ class PrefixCache:
             return False
         ckpt_bytes = nbytes_of(checkpoint)
         if entry is None:
-            page = self._writable_page(lease, parent)
-            if not self._make_room(DEVICE, ckpt_bytes + (0 if page else self.config.page_bytes)):
+            phys = page
+            page = self._writable_page(lease, parent, phys)
+            if page is None and not self._make_room(DEVICE, self.config.page_bytes):
                 lease.detached = True
                 return False
-            page = page or self._new_page(lease, parent)
+            page = page or self._new_page(lease, parent, phys)
             depth = 1 if parent is None else parent.depth + 1
             entry = HashEntry(key=key, tokens=block, parent=parent, depth=depth, page=page, kv=kv)
             level[key] = entry
             page.entries.append(entry)
             self.stats.inserted_blocks += 1
-        elif not self._lock_and_promote(lease, [entry]) or (
-                entry.checkpoint is None and checkpoint is not None and not self._make_room(DEVICE, ckpt_bytes)):
+        elif not self._lock_and_promote(lease, [entry]):
             lease.detached = True
             return False
+        # Pin the entry before making room for its checkpoint: room-making evicts pages below it and trims every
+        # entry left without a checkpoint at or below it that nothing pins, locked page or not.
         self._move_tail(lease, entry)
         entry.page.last_used = next(self._clock)
         if checkpoint is not None and entry.checkpoint is None:
+            if not self._make_room(DEVICE, ckpt_bytes):
+                lease.detached = True
+                return False
             self._set_checkpoint(entry, Checkpoint(checkpoint, ckpt_bytes, turn_boundary))
         elif entry.checkpoint is not None and turn_boundary:
             entry.checkpoint.turn_boundary = True
@@ -293,7 +324,7 @@ class PrefixCache:
         self._release_pages(lease)
         self._move_tail(lease, None)
         lease.released = True
-        lease.hit_kv, lease.hit_checkpoint = [], None
+        lease.hit_kv, lease.hit_checkpoint, lease.hit_pages = [], None, []
 
     # ---- explicit eviction (tests, memory reclamation) ---------------------------------------------------
     def evict(self, nbytes: int) -> bool:
@@ -342,22 +373,37 @@ class PrefixCache:
                 return i
         return len(chain)
 
-    def _writable_page(self, lease: Lease, parent: HashEntry | None) -> Page | None:
+    def _share_hit_pages(self, lease: Lease, chain: list[HashEntry]) -> None:
+        """Paged mode: the physical page of each page range the hit covers (that of the deepest hit entry in the
+        range: it holds every earlier position of the range too), and the claim on a partly hit last page."""
+        n = self.config.blocks_per_page
+        depth = len(chain)
+        lease.hit_pages = [chain[min(depth, (i + 1) * n) - 1].page.phys for i in range(-(-depth // n))]
+        tail = chain[-1].page
+        lease.owns_tail = depth % n != 0 and tail.entries[-1] is chain[-1] and tail.writer in (None, lease)
+        if lease.owns_tail:
+            tail.writer = lease
+
+    def _writable_page(self, lease: Lease, parent: HashEntry | None, phys: int | None) -> Page | None:
         """The parent's page when the new block may continue it: same page range, parent is its last entry,
-        and no other lease is writing it."""
+        no other lease is writing it, and (paged mode) it is the physical page the block was written into."""
         if parent is None:
             return None
         page = parent.page
         if page.entries[-1] is not parent or parent.depth >= page.end_block or page.writer not in (None, lease):
             return None
+        if page.phys != phys:
+            return None
         page.writer = lease
         self._lock(lease, page)
         return page
 
-    def _new_page(self, lease: Lease, parent: HashEntry | None) -> Page:
+    def _new_page(self, lease: Lease, parent: HashEntry | None, phys: int | None) -> Page:
         n = self.config.blocks_per_page
         first = 0 if parent is None else parent.depth
-        page = Page(pid=next(self._pids), end_block=(first // n + 1) * n, writer=lease)
+        page = Page(pid=next(self._pids), end_block=(first // n + 1) * n, writer=lease, phys=phys)
+        if phys is not None:
+            self.store.retain(phys)
         if parent is not None:
             page.parent_page = parent.page
             parent.page.child_pages.add(page)
@@ -427,15 +473,23 @@ class PrefixCache:
                 entry.kv = kv
                 if entry.checkpoint is not None:
                     entry.checkpoint.payload = ckpt
+            page.content = saved["content"]
+        if self.store is not None and page.tier == DEVICE:  # paged: the latents leave the pool
+            page.content = self.store.read(page.phys)
+            self.store.release(page.phys)
+            page.phys = None
+        elif self.store is not None and tier == DEVICE:
+            page.phys, page.content = self.store.write(page.content), None
         target = self.config.device if tier == DEVICE else "cpu"
         for entry in page.entries:
             entry.kv = to_device(entry.kv, target)
             if entry.checkpoint is not None:
                 entry.checkpoint.payload = to_device(entry.checkpoint.payload, target)
         if tier == DISK:
-            torch.save({"kv": [e.kv for e in page.entries],
+            torch.save({"kv": [e.kv for e in page.entries], "content": page.content,
                         "checkpoints": [None if e.checkpoint is None else e.checkpoint.payload
                                         for e in page.entries]}, self._disk_path(page))
+            page.content = None
             for entry in page.entries:
                 entry.kv = None
                 if entry.checkpoint is not None:
@@ -447,8 +501,10 @@ class PrefixCache:
     def _promote(self, page: Page) -> bool:
         """Bring a locked lower-tier page back to the device tier (its ancestors already are)."""
         size = self.config.page_bytes + page.checkpoint_bytes()
-        if not self._make_room(DEVICE, size):
+        if not self._make_room(DEVICE, size) or (self.store is not None and not self.store.num_free):
             return False
+        if page not in self.pages:  # its entries were trimmed as useless while room was made (their checkpoints
+            return False  # were below, in a later page of the chain that the room-making evicted)
         self._move(page, DEVICE)
         self.stats.promoted_pages += 1
         return True
@@ -483,6 +539,8 @@ class PrefixCache:
     def _free_page(self, page: Page) -> None:
         if page.tier == DISK:
             os.remove(self._disk_path(page))
+        if page.phys is not None:
+            self.store.release(page.phys)
         self.used[page.tier] -= self.config.page_bytes
         if page.parent_page is not None:
             page.parent_page.child_pages.discard(page)

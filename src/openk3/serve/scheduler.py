@@ -5,8 +5,10 @@ Admission auto-throttles (SPEC §6, the rollout engine's rule, applied to servin
 - running requests: at most `max_running` sequences are live, and their tokens stay under `max_live_tokens`;
 - cache utilisation: while more than `max_locked_fraction` of the prefix cache's device tier is locked by
   running sequences, new ones wait (they could neither hit nor write without thrashing).
-Each step then runs every decoding sequence (one token each) and spends up to `prefill_tokens_per_step` on
-prefill chunks, oldest requests first; requests join and leave only between steps.
+A request with a leader (`after`: another choice of the same API request) waits at the head of the queue until its
+leader has prefilled, so that it finds the prompt in the prefix cache. Each step then runs every decoding sequence
+(one token each) and spends at most `prefill_tokens_per_step` on prefill chunks, oldest requests first; requests
+join and leave only between steps.
 """
 
 from __future__ import annotations
@@ -19,8 +21,7 @@ from typing import Any
 
 import torch
 
-from openk3.cache import SequenceState
-from openk3.sampling import SamplingParams
+from openk3.sampling import SamplingParams, TokenLogprob
 from openk3.serve.prefix_cache import Lease
 
 
@@ -30,7 +31,9 @@ class QueueFull(RuntimeError):
 
 @dataclass
 class RequestEvent:
-    """What a client sees after a step: new text (stop strings and partial UTF-8 held back) and the outcome."""
+    """What a client sees after a step: new text (stop strings and partial UTF-8 held back), the logprobs of the
+    tokens sampled since the last event (when asked for; aligned with the text by the API), the outcome and the
+    time it was sent (for the latency histograms)."""
 
     rid: str
     text: str
@@ -39,6 +42,8 @@ class RequestEvent:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    at: float = field(default_factory=time.perf_counter)
 
 
 @dataclass(eq=False)
@@ -49,7 +54,7 @@ class Request:
     on_event: Callable[[RequestEvent], None] | None = None
     output: list[int] = field(default_factory=list)
     fed: int = 0  # tokens the model has consumed: the sequence's cache length
-    state: SequenceState | None = None  # the sequence's decode state between forwards
+    slot: int | None = None  # its KDA state-pool slot and block-table row while it runs
     lease: Lease | None = None
     generator: torch.Generator | None = None
     cached_tokens: int = 0
@@ -58,6 +63,8 @@ class Request:
     finish_reason: str | None = None
     arrival: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # sampled since the last event, not yet sent
+    after: Request | None = None  # admitted only once this request (same prompt) has prefilled
     images: Any = None  # the prompt's images (openk3.serve.engine.PromptImages), None for a text prompt
 
     @property
@@ -78,7 +85,7 @@ class SchedulerConfig:
     max_running: int = 32
     max_queue: int = 1024
     max_live_tokens: int = 1 << 17
-    prefill_tokens_per_step: int = 256
+    prefill_tokens_per_step: int = 256  # CPU default; `default_prefill_tokens` gives the GPU's
     max_locked_fraction: float = 0.9
 
     def __post_init__(self) -> None:
@@ -106,6 +113,9 @@ class Scheduler:
         cfg, admitted = self.config, []
         live = self.live_tokens()
         while self.waiting and len(self.running) < cfg.max_running and locked_fraction <= cfg.max_locked_fraction:
+            leader = self.waiting[0].after
+            if leader is not None and leader.finish_reason is None and leader.prefilling:
+                break  # it would prefill the prompt its leader is about to put in the prefix cache
             need = len(self.waiting[0].prompt) + self.waiting[0].params.max_tokens
             if self.running and live + need > cfg.max_live_tokens:
                 break
@@ -115,21 +125,22 @@ class Scheduler:
             admitted.append(request)
         return admitted
 
-    def prefill_rounds(self, chunk_end: Callable[[Request, int], int]) -> list[list[Request]]:
-        """Prefill work of one step: rounds of (request, one chunk each), oldest first, within the token budget.
-        A request may get several chunks (one per round) when few are prefilling."""
+    def prefill_rounds(self, chunk_end: Callable[[Request, int], int]) -> list[list[tuple[Request, int]]]:
+        """Prefill work of one step: rounds of (request, end of its next chunk), oldest first, exactly within the
+        token budget (the chunk that reaches the budget is cut there). A request may get several chunks (one per
+        round) when few are prefilling."""
         budget, fed = self.config.prefill_tokens_per_step, {}
-        rounds: list[list[Request]] = []
+        rounds: list[list[tuple[Request, int]]] = []
         while budget > 0:
             this_round = []
             for r in self.running:
                 pos = fed.get(r, r.fed)
                 if pos >= len(r.prompt) or budget <= 0:
                     continue
-                n = chunk_end(r, pos) - pos
-                fed[r] = pos + n
-                budget -= n
-                this_round.append(r)
+                end = min(chunk_end(r, pos), pos + budget)
+                fed[r] = end
+                budget -= end - pos
+                this_round.append((r, end))
             if not this_round:
                 break
             rounds.append(this_round)

@@ -5,23 +5,30 @@
 ones: "messages.0.content", "stream_options.include_usage"). It refuses, with 400: bytes that are not JSON
 (invalid UTF-8, a syntax error, nesting deeper than Python's parser allows, an integer of more than 4300
 digits), a body that is not an object, a string holding a lone UTF-16 surrogate (valid JSON, but not text:
-"\\ud800"), a wrong type (no coercion: "5" is not 5, "yes" is not true), an out-of-range value; and with 404 a
-model this server does not serve. It runs on a worker thread with the tokenizer (api.py), never on the event
-loop.
+"\\ud800"), a wrong type (no coercion: "5" is not 5, "yes" is not true), an out-of-range value, an OpenAI field
+this server does not implement (`UNSUPPORTED`: code "unsupported_parameter", unless it has the value that means
+"not used", e.g. `response_format: {"type": "text"}`; null always counts as absent); and with 404 a model this
+server does not serve. Any other field is ignored (`extra="ignore"`): OpenAI fields that change nothing here
+(`user`, `metadata`, `store`) and fields OpenAI does not define, which clients written for other servers send
+(OpenAI itself refuses those; `top_k` and `ignore_eos` are this server's own). It runs on a worker thread with the
+tokenizer (api.py), never on the event loop.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from openk3.sampling import SamplingParams
+from openk3.sampling import LOGIT_BIAS_RANGE, PENALTY_RANGE, SamplingParams
 
 SEED_RANGE = (-(1 << 63), (1 << 63) - 1)  # int64, as OpenAI's `seed`
+MAX_CHOICES = 128  # OpenAI's limit on `n`
+MAX_STOPS = 4  # OpenAI's limit on `stop`
+TOKEN_ID = re.compile(r"0|[1-9][0-9]{0,9}")  # a `logit_bias` key
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # json.loads pairs valid surrogates; what is left is not text
 SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # the only way one gets into strictly decoded UTF-8
 
@@ -46,25 +53,48 @@ class StreamOptions(Strict):
 
 
 class SamplingFields(Strict):
+    # OpenAI fields this server does not implement -> the values that mean "not used" (accepted, like absence)
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {}
+
     model: str
     max_tokens: int | None = None
+    max_completion_tokens: int | None = None
     temperature: float = Field(1.0, ge=0, le=100)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
     seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
-    stop: str | list[str] | None = None
+    stop: str | list[str] | None = Field(None, max_length=MAX_STOPS)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=1)
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    presence_penalty: float = Field(0.0, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])
+    frequency_penalty: float = Field(0.0, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])
+    logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    def token_limit(self) -> tuple[int | None, str]:
+        """(the requested limit, the field it came from): max_completion_tokens wins over the older max_tokens."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
+
+    def logprob_count(self) -> int | None:
+        """Top alternatives to report per token, or None for no logprobs."""
+        return None
+
 
 class CompletionBody(SamplingFields):
+    UNSUPPORTED = {"echo": (False,), "suffix": ("",), "best_of": (1,)}
+
     prompt: str | list[int] | list[str]
+    logprobs: int | None = Field(None, ge=0, le=5)  # legacy shape: the sampled token and this many alternatives
+
+    def logprob_count(self) -> int | None:
+        return self.logprobs
 
 
 class TextPart(Strict):
@@ -84,22 +114,20 @@ class ImagePart(Strict):
 
 class Message(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart | ImagePart]
-
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(
-            p.text for p in self.content if p.type == "text")
+    content: str | list[TextPart | ImagePart]  # parts in order: openk3.serve.vision.chat_messages
 
 
 class ChatBody(SamplingFields):
-    messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    UNSUPPORTED = {"tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
+                   "parallel_tool_calls": (), "response_format": ({"type": "text"},), "audio": (),
+                   "modalities": (["text"],), "prediction": (), "web_search_options": ()}
 
-    def token_limit(self) -> tuple[int | None, str]:
-        """(the requested limit, the field it came from): max_completion_tokens wins over the older max_tokens."""
-        if self.max_completion_tokens is not None:
-            return self.max_completion_tokens, "max_completion_tokens"
-        return self.max_tokens, "max_tokens"
+    messages: list[Message] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    def logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 def param_of(loc: tuple) -> str | None:
@@ -138,23 +166,47 @@ def parse_body(raw: bytes, model: type[SamplingFields], model_name: str) -> Any:
     if SURROGATE_ESCAPE.search(text) and (where := lone_surrogate_path(data)) is not None:
         raise APIError(400, f"{where}: the string holds a lone UTF-16 surrogate, which is not valid Unicode", where,
                        "invalid_value")
+    for name, unused in model.UNSUPPORTED.items():
+        value = data.get(name)
+        if value is not None and not any(type(value) is type(u) and value == u for u in unused):
+            raise APIError(400, f"{name} is not supported by this server", name, "unsupported_parameter")
     try:
         body = model.model_validate(data)
     except ValidationError as exc:
         first = exc.errors()[0]
         param = param_of(first["loc"])
         raise APIError(400, f"{param}: {first['msg']}", param, "invalid_value") from None
+    if isinstance(body, ChatBody) and body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs", "invalid_value")
     if body.model != model_name:
         raise APIError(404, f"the model {body.model!r} does not exist; this server serves {model_name!r}", "model",
                        "model_not_found")
     return body
 
 
-def sampling_params(body: SamplingFields, max_tokens: int | None, param: str, context: int) -> SamplingParams:
-    """The engine's parameters; `max_tokens` came from the field `param` (None: OpenAI's default of 16)."""
+def logit_bias(body: SamplingFields, vocab: int) -> dict[int, float]:
+    """`logit_bias` as token id -> bias; every key a token id below `vocab`, every bias in LOGIT_BIAS_RANGE."""
+    bias = {}
+    for key, value in (body.logit_bias or {}).items():
+        if not TOKEN_ID.fullmatch(key) or int(key) >= vocab:
+            raise APIError(400, f"logit_bias: {key!r} is not a token id in [0, {vocab})", "logit_bias",
+                           "invalid_value")
+        if not LOGIT_BIAS_RANGE[0] <= value <= LOGIT_BIAS_RANGE[1]:
+            raise APIError(400, f"logit_bias: the bias of {key} must be in {list(LOGIT_BIAS_RANGE)}, got {value}",
+                           "logit_bias", "invalid_value")
+        bias[int(key)] = value
+    return bias
+
+
+def sampling_params(body: SamplingFields, context: int, vocab: int) -> SamplingParams:
+    """The engine's parameters for the request's first choice (`n` choices differ only in their seed). The token
+    limit is max_completion_tokens, else max_tokens, else OpenAI's default of 16; `vocab`: the sampled ids."""
+    max_tokens, param = body.token_limit()
     max_tokens = 16 if max_tokens is None else max_tokens
     if not 1 <= max_tokens <= context:
         raise APIError(400, f"{param} must be in [1, {context}], got {max_tokens}", param, "invalid_value")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                          seed=body.seed, stop=[s for s in stop if s], ignore_eos=body.ignore_eos)
+                          seed=body.seed, stop=[s for s in stop if s], ignore_eos=body.ignore_eos,
+                          presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                          logit_bias=logit_bias(body, vocab), logprobs=body.logprob_count())

@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field, fields
 
 DEFAULT_STEPS = 300
+QAT_FORMATS = ("mxfp4",)  # openk3.quant.qat.enable_qat's formats (not imported: this module stays light)
 
 
 @dataclass
@@ -44,16 +45,24 @@ class TrainArgs:
     balance: str = "quantile"
     balance_gamma: float = 1e-3
     mtp_weight: float = 0.3
+    kda_backend: str = "auto"  # model.kda.configure_kda: "auto" lets ops.kda.resolve_backend choose per call
+    kda_overlap: bool = True
+    qat: str | None = None  # "mxfp4": fake-quantize the routed experts in the forward (openk3.quant.qat)
     sample_tokens: int = 120
     time_limit: float = 0.0  # opt-in wall seconds for the whole run: the step count shrinks to fit; 0: off
     progress: bool = True
     plot: bool = True
+    cp: int = 1  # context-parallel ranks per data-parallel index (openk3.parallel; data parallel = processes / cp)
+    ep: int = 1  # expert-parallel group size
+    ep_planner: str = "balanced"  # "balanced" (MoonEP: S x K rows per rank) or "static" (every row to its home rank)
 
     def __post_init__(self) -> None:
         for f in fields(self):
             problem = bound_problem(f.name, getattr(self, f.name))
             if problem:
                 raise ValueError(f"{flag_name(f.name)} {problem}")
+        if self.qat not in (None, *QAT_FORMATS):
+            raise ValueError(f"--qat must be one of {QAT_FORMATS}, got {self.qat!r}")
 
 
 @dataclass(frozen=True)
@@ -75,7 +84,7 @@ BOUNDS = {
     "weight_decay": Bound(0), "warmup_frac": Bound(0, high=1), "decay_frac": Bound(0, high=1),
     "grad_clip": Bound(0, low_inclusive=False), "save_every": Bound(0), "eval_every": Bound(0),
     "eval_windows": Bound(1), "threads": Bound(0), "balance_gamma": Bound(0), "mtp_weight": Bound(0),
-    "sample_tokens": Bound(0), "time_limit": Bound(0),
+    "sample_tokens": Bound(0), "time_limit": Bound(0), "cp": Bound(1), "ep": Bound(1),
 }
 
 

@@ -66,11 +66,18 @@ def sign_rule_bias(scores: torch.Tensor, bias: torch.Tensor, k: int, gamma: floa
 
 
 def _gather_rows(x: torch.Tensor) -> torch.Tensor:
+    """Every rank's rows; the counts may differ between ranks (the MTP router's under context parallelism)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return x
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, x.contiguous())
-    return torch.cat(parts)
+    world = dist.get_world_size()
+    sizes = [torch.zeros(1, dtype=torch.int64, device=x.device) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([x.shape[0]], device=x.device))
+    sizes = [int(n) for n in sizes]
+    padded = x.new_zeros(max(sizes), *x.shape[1:])
+    padded[: x.shape[0]] = x
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded)
+    return torch.cat([part[:n] for part, n in zip(parts, sizes)])
 
 
 class RouterBalancer:

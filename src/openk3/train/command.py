@@ -1,7 +1,7 @@
 """`openk3 train`: argparse front end of the training loop (defaults from TrainArgs).
 
-Under torchrun (`torchrun --nproc-per-node N -m openk3 train ...`) the same command runs FSDP2 data parallel;
---batch-size is the global batch.
+Under torchrun (`torchrun --nproc-per-node N -m openk3 train ...`) the same command runs FSDP2 data parallel, with
+--cp / --ep adding context and expert parallelism (openk3.parallel); --batch-size is the global batch.
 """
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from openk3.cli_options import add_kda_options
 from openk3.config import PRESETS
-from openk3.train.args import DEFAULT_STEPS, TrainArgs, flag_name, flag_type
+from openk3.train.args import DEFAULT_STEPS, QAT_FORMATS, TrainArgs, flag_name, flag_type
 
 
 class _ShowDefaults(argparse.HelpFormatter):
@@ -73,11 +74,22 @@ def add_train_parser(subparsers) -> None:
                    help="MoE router-bias balancing")
     number("balance_gamma", float, "sign-rule step")
     number("mtp_weight", float, "weight of the multi-token-prediction loss")
+    p.add_argument("--qat", default=None, choices=QAT_FORMATS,
+                   help="quantization-aware training: the routed experts run on fake-quantized MXFP4 weights and "
+                        "MXFP8 inputs (straight-through gradients); checkpoints keep the full-precision weights")
     number("time_limit", float, "opt-in wall-time budget of the whole run: the step count shrinks to fit it and "
                                 "the WSD decay moves with it, so the model depends on the machine's speed "
                                 "(0: off, the run keeps its steps)", metavar="SECONDS")
     number("sample_tokens", int, "length of the final text sample")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_kda_options(p)
+    p.add_argument("--cp", type=flag_type("cp", int), default=d.cp, metavar="C",
+                   help="context parallel: C processes share each window group as one packed stream (KDA KCP, MLA "
+                        "latent all-gather); data parallel is the rest of the processes")
+    p.add_argument("--ep", type=flag_type("ep", int), default=d.ep, metavar="E",
+                   help="expert parallel: the routed experts split over groups of E processes")
+    p.add_argument("--ep-planner", default=d.ep_planner, choices=["balanced", "static"],
+                   help="balanced: MoonEP replicas, exactly S x K rows per rank; static: every row to its expert")
     p.set_defaults(func=run_train)
 
 

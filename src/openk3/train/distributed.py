@@ -1,14 +1,15 @@
-"""Data parallelism glue: process group from torchrun's environment, FSDP2 sharding, full state dicts.
+"""Distributed glue for the training loop: process group from torchrun's environment, gradient clipping over sharded
+parameters, full (unsharded) state dicts.
 
-The model knows nothing about distribution (DESIGN.md): `shard_model` applies `fully_shard` from the outside, as
-torchtitan does. Under one process every function here is a
-no-op or the plain single-process equivalent, so the training loop has a single code path.
+The model knows nothing about distribution (DESIGN.md): `openk3.parallel.parallelize` applies expert parallel,
+context parallel and FSDP2 from the outside, as torchtitan does. Under one process every function here is a no-op or
+the plain single-process equivalent, so the training loop has a single code path.
 """
 
 from __future__ import annotations
 
+import math
 import os
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+
+from openk3.parallel.ep import expert_modules, gather_experts, local_experts
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
@@ -68,37 +71,68 @@ def mean_across(world: World, value: float, device: torch.device) -> float:
     return float(t) / world.size
 
 
-def shard_model(model: nn.Module) -> None:
-    """FSDP2 units: each token mixer and FFN of a decoder layer, each MTP layer's block, and the root (the rest).
+def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
+    """Scale the gradients so that their global L2 norm is at most max_norm (as `nn.utils.clip_grad_norm_`: by
+    max_norm / (norm + 1e-6) when above); returns the norm before clipping.
 
-    The units are the sublayers rather than whole decoder layers because a Block AttnRes layer is driven through
-    `forward_block(stream)`, which takes and returns no tensors; FSDP's hooks need tensors in and out to gather
-    parameters before forward and again before backward. The sublayers are ordinary tensor-to-tensor modules.
-    """
-    from torch.distributed.fsdp import fully_shard
+    Works for any mix of plain and FSDP-sharded parameters on different meshes: every gradient element is held by
+    exactly one rank (FSDP shards; expert-parallel experts are split over their group and sharded over the ranks
+    that hold the same experts), so the squared norm is the sum over ranks of the local shards' squares."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    device = local[0].device if local else torch.device("cpu")
+    square = torch.zeros((), dtype=torch.float64, device=device)
+    for g in local:
+        square += g.double().square().sum()
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(square)
+    norm = math.sqrt(float(square))
+    coef = max_norm / (norm + 1e-6)
+    if coef < 1:
+        for g in local:
+            g.mul_(coef)
+    return norm
 
-    # The MoE returns a view (`y.view(shape)`). FSDP warns that an in-place op on it would skip its pre-backward
-    # hook; the decoder only ever adds sublayer outputs out of place (`h + f(h)`, `partial + h`), so it is safe.
-    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-    for layer in model.model.layers:
-        fully_shard(layer.self_attn)
-        fully_shard(layer.mlp)
-    for layer in model.mtp or []:
-        fully_shard(layer.block)  # not the whole MTP layer: its final norm is applied outside its forward
-    fully_shard(model)
+
+def _expert_params(model: nn.Module) -> dict[str, tuple[torch.Tensor, object]]:
+    """Name -> (parameter, its expert-parallel group) for every expert-parallel expert tensor."""
+    return {f"{name}.{leaf}": (getattr(m, leaf), m.expert_parallel)
+            for name, m in expert_modules(model).items() for leaf in ("gate_up_proj", "down_proj")}
 
 
 def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Unsharded CPU state dict (collective under FSDP: every rank must call it)."""
-    return get_model_state_dict(model, options=FULL)
+    """Unsharded CPU state dict on rank 0, whatever the layout (collective: every rank must call it). Expert-parallel
+    experts are gathered into the full [E, ...] tensors one process has, so checkpoints do not depend on --ep."""
+    state = get_model_state_dict(model, options=FULL)
+    for name, (param, ep) in _expert_params(model).items():
+        full = gather_experts(param, ep)
+        if name in state:
+            state[name] = full.cpu()
+    return state
 
 
 def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    return get_optimizer_state_dict(model, optimizer, options=FULL)
+    """Unsharded optimizer state on rank 0 (collective), expert tensors gathered as in `full_model_state`."""
+    state = get_optimizer_state_dict(model, optimizer, options=FULL)
+    for name, (param, ep) in _expert_params(model).items():
+        for key, value in sorted(optimizer.state.get(param, {}).items()):
+            if isinstance(value, torch.Tensor) and value.shape == param.shape:
+                full = gather_experts(value, ep)
+                if name in state.get("state", {}):
+                    state["state"][name][key] = full.cpu()
+    return state
 
 
 def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optim_state: dict) -> None:
-    """Load full (unsharded) states on every rank; FSDP keeps each rank's shard."""
+    """Load full (unsharded) states on every rank; FSDP keeps each rank's shard, expert parallel its experts."""
+    model_state, optim_state = dict(model_state), {**optim_state, "state": dict(optim_state.get("state", {}))}
+    for name, (_, ep) in _expert_params(model).items():
+        experts = model_state[name].shape[0]
+        model_state[name] = local_experts(model_state[name], ep)
+        if name in optim_state["state"]:
+            optim_state["state"][name] = {
+                key: local_experts(v, ep) if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == experts else v
+                for key, v in optim_state["state"][name].items()}
     options = StateDictOptions(full_state_dict=True)
     set_model_state_dict(model, model_state, options=options)
     set_optimizer_state_dict(model, optimizer, optim_state, options=options)

@@ -28,7 +28,10 @@ from torch import nn
 
 from openk3.checkpoints import CheckpointError, latest_checkpoint
 from openk3.config import ModelConfig, get_preset
-from openk3.model import K3ForCausalLM
+from openk3.model import K3ForCausalLM, configure_kda
+from openk3.model.compile import compile_blocks
+from openk3.parallel import ParallelDims, cp_lm_losses, parallelize
+from openk3.quant.qat import enable_qat
 from openk3.tokenizer import TextTokenizer, load_or_train
 from openk3.train import checkpoint as ckpt
 from openk3.train.args import DEFAULT_STEPS, TrainArgs
@@ -44,13 +47,13 @@ from openk3.train.data import (
 from openk3.train.distributed import (
     World,
     barrier,
+    clip_grad_norm,
     close_world,
     full_model_state,
     full_optimizer_state,
     init_world,
     load_full_state,
     mean_across,
-    shard_model,
 )
 from openk3.train.optim import build_optimizer
 from openk3.train.schedule import WSDSchedule
@@ -218,18 +221,21 @@ class Trainer:
         if self.device.type == "cpu":
             torch.set_num_threads(cpu_threads(args.threads, self.world))
         self.amp = autocast_dtype(args, self.device)
-        if args.batch_size % self.world.size:
-            raise ValueError(f"--batch-size {args.batch_size} (global) must divide by the {self.world.size} ranks")
+        self.dims = ParallelDims(self.world.size, args.cp, args.ep)
+        self.dims.check_batch(args.batch_size)
         self.cfg = model_config(args)
         self._seed(args.seed)
         self._setup_data()
         self.model = K3ForCausalLM(self.cfg).to(self.device)
+        configure_kda(self.model, backend=args.kda_backend, overlap=args.kda_overlap)
+        if args.qat:  # before checkpointing, sharding and compile; checkpoints keep the fp32 master weights
+            enable_qat(self.model, args.qat)
         if args.activation_checkpointing:
             enable_activation_checkpointing(self.model)
-        if self.world.distributed:
-            shard_model(self.model)
-        if args.compile:
-            self.model.compile()
+        if args.compile:  # per block, after checkpointing and before sharding, as torchtitan orders them
+            compile_blocks(self.model)
+        self.parallel = parallelize(self.model, self.dims, self.world.rank, self.device.type,
+                                    ep_planner=args.ep_planner, activation_checkpointing=args.activation_checkpointing)
         self.optimizer = build_optimizer(self.model, args.lr, args.weight_decay, args.optimizer)
         self.balancer = RouterBalancer(self.model, args.balance, self.cfg.moe.top_k if self.cfg.moe else 1,
                                        args.balance_gamma)
@@ -275,7 +281,7 @@ class Trainer:
         trainer = state["trainer"]
         if trainer["world_size"] != self.world.size:
             raise CheckpointError(f"checkpoint {path} was saved by {trainer['world_size']} processes; resume "
-                                  f"with the same number (this run has {self.world.size})")
+                                  f"with the same number, under any --cp / --ep (this run has {self.world.size})")
         self.balancer.load_state_dict(trainer["balance_bias"])
         self.stream.load_state_dict(trainer["data"])
         ckpt.set_rng_state(trainer["rng"][self.world.rank])
@@ -309,12 +315,12 @@ class Trainer:
     BASELINE = "unigram baseline"  # the plot's name for self.unigram
 
     def _next_batch(self) -> torch.Tensor:
-        """This rank's share of the next global batch, on the device."""
-        batch = self.stream.next()
-        per_rank = self.args.batch_size // self.world.size
-        return batch[self.world.rank * per_rank:(self.world.rank + 1) * per_rank].to(self.device)
+        """This rank's share of the next global batch (its data-parallel index's rows), on the device."""
+        return self.parallel.data_rows(self.stream.next()).to(self.device)
 
     def _losses(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+        if self.parallel.cp is not None:
+            return cp_lm_losses(self.model, batch, self.args.mtp_weight, self.parallel.cp)
         return lm_losses(self.model, batch, self.args.mtp_weight)
 
     def _batch_tokens(self, batch: torch.Tensor) -> int:
@@ -340,8 +346,7 @@ class Trainer:
         with torch.autocast(self.device.type, dtype=self.amp or torch.float32, enabled=self.amp is not None):
             loss, lm, mtp = self._losses(batch)
         loss.backward()
-        norm = nn.utils.clip_grad_norm_(self.model.parameters(), args.grad_clip)
-        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a DTensor under FSDP
+        grad_norm = clip_grad_norm(self.model, args.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         maxvio = self.balancer.step()
@@ -476,6 +481,7 @@ class Trainer:
         print(f"openk3 train: {self.cfg.name} ({n / 1e6:.2f}M parameters), {self.train_tokens:,} training tokens, "
               f"{self.schedule.total_steps} steps x {self.args.batch_size} x {self.args.seq_len} tokens, "
               f"optimizer={self.args.optimizer}, balance={self.args.balance}, device={self.device}"
+              f"{f', qat={self.args.qat} (checkpoints hold the full-precision weights)' if self.args.qat else ''}"
               f"{f' ({torch.get_num_threads()} threads)' if self.device.type == 'cpu' else ''}, "
               f"processes={self.world.size}, out={self.out}", flush=True)
 
@@ -500,8 +506,12 @@ class Trainer:
 
         params = SamplingParams(max_tokens=max(1, self.args.sample_tokens), temperature=0.8, top_k=50,
                                 seed=self.args.seed)
+        # under expert parallelism every forward is collective and the ranks' logits may differ in the last bit:
+        # all ranks generate the full length (the same number of forwards), cut at the stop token afterwards
+        eos = self.tokenizer.eos_id
         ids = generate_ids(self.model, self.tokenizer.encode(SAMPLE_PROMPT), self.args.sample_tokens, params,
-                           {self.tokenizer.eos_id}, self.device)
+                           set() if self.dims.ep > 1 else {eos}, self.device)
+        ids = ids[:ids.index(eos)] if eos in ids else ids
         return SAMPLE_PROMPT + self.tokenizer.decode(ids)
 
     def _report(self, summary: dict, sample: str) -> None:

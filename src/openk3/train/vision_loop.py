@@ -7,7 +7,7 @@ ends with the held-out caption accuracy (greedy captions decoded with the model'
 attribute and exact match of all four) beside the text-only baseline, the best any model that cannot see the image
 can do (shapes.AttributePrior). Everything else (optimizer, schedule, balancing, checkpoints, --resume, FSDP,
 progress, time limit) is the text loop's. --data and --tokenizer do not apply; --seq-len is not used (a sequence
-is as long as its image's tokens plus the caption).
+is as long as its image's tokens plus the caption); --cp must stay 1 (a caption's sequence is not split).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from openk3.train.args import TrainArgs
 from openk3.train.loop import Trainer
 from openk3.train.shapes import (
     IGNORE,
@@ -67,12 +68,19 @@ class CaptionTrainer(Trainer):
     DEFAULT_BATCH = 16  # captioned images per step
     DEFAULT_STEPS = 800  # 12,800 images: about 90% of held-out captions exactly right (bench/RESULTS.md)
 
-    def _setup_data(self) -> None:
-        args, vc = self.args, self.cfg.vision
+    def __init__(self, args: TrainArgs):
+        """The flags this task cannot take fail first, before any process group or output directory."""
         for flag, value in (("--data", args.data), ("--tokenizer", args.tokenizer)):
             if value is not None:
-                raise ValueError(f"{flag}: preset {self.cfg.name!r} has a vision tower and trains on the embedded "
+                raise ValueError(f"{flag}: preset {args.preset!r} has a vision tower and trains on the embedded "
                                  "shapes task, which has its own data and tokenizer")
+        if args.cp > 1:
+            raise ValueError(f"--cp {args.cp}: the shapes task's sequences (an image and its caption) are not split "
+                             "across ranks; train a model with a vision tower with --cp 1")
+        super().__init__(args)
+
+    def _setup_data(self) -> None:
+        args, vc = self.args, self.cfg.vision
         self.tokenizer = caption_tokenizer()
         if not self.tokenizer.vocab_size <= vc.image_token_id < self.cfg.vocab_size:
             raise ValueError(f"config field 'vision.image_token_id' must be in [{self.tokenizer.vocab_size}, "
@@ -90,14 +98,14 @@ class CaptionTrainer(Trainer):
         self.train_tokens = 0
 
     def _next_batch(self) -> CaptionBatch:
-        scenes = self.stream.next(self.world.rank, self.world.size)
+        scenes = self.stream.next(self.world.rank // self.dims.cp, self.dims.dp)  # this data-parallel index's share
         return make_batch(scenes, self.tokenizer, self.cfg.vision).to(self.device)
 
     def _losses(self, batch: CaptionBatch) -> tuple[torch.Tensor, torch.Tensor, float]:
         return caption_losses(self.model, batch, self.args.mtp_weight)
 
     def _batch_tokens(self, batch: CaptionBatch) -> int:
-        return batch.inputs.numel() * self.world.size
+        return batch.inputs.numel() * self.dims.dp
 
     def _heldout(self) -> float:
         """Mean CE per caption token over the held-out scenes (every rank evaluates all of them)."""

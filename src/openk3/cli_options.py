@@ -1,0 +1,30 @@
+"""Options shared by the commands that build a model, with defaults from the environment.
+
+The CLI is the only place the KDA environment variables are read (model/ and ops/ take explicit arguments):
+OPENK3_KDA_BACKEND (auto | recurrent | chunked | triton) is the default of --kda-backend, OPENK3_KDA_OVERLAP=0 the
+default of --no-kda-overlap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from openk3.ops.kda import BACKENDS
+
+
+def add_kda_options(parser: argparse.ArgumentParser) -> None:
+    backend = os.environ.get("OPENK3_KDA_BACKEND", "auto")
+    if backend not in BACKENDS:
+        print(f"openk3: error: OPENK3_KDA_BACKEND must be one of {', '.join(BACKENDS)}, got {backend!r}",
+              file=sys.stderr)
+        raise SystemExit(2)
+    parser.add_argument("--kda-backend", default=backend, choices=BACKENDS,
+                        help="KDA implementation: auto = Triton kernels on CUDA, the chunked form on CPU (the "
+                             "recurrence for single tokens); $OPENK3_KDA_BACKEND sets the default "
+                             "(default: %(default)s)")
+    parser.add_argument("--kda-overlap", action=argparse.BooleanOptionalAction,
+                        default=os.environ.get("OPENK3_KDA_OVERLAP", "1") != "0",
+                        help="run the Triton backward's reverse state pass beside its producer when few chains run "
+                             "(same bits either way); OPENK3_KDA_OVERLAP=0 sets the default off (default: %(default)s)")

@@ -1,0 +1,29 @@
+"""torch.compile applied per decoder block, from outside the model (as torchtitan does), for the fp32 islands:
+Inductor fuses the casts, norms, gates, SiTU-GLU, routing and AttnRes elementwise work of each piece into a few
+kernels. (While torch.compile traces, the layers use the PyTorch references instead of the hand-written Triton
+kernels, `ops.fused.use_triton`, so both paths can be measured: `bench/train.py gpu` has a compiled row.)
+
+Compiled units: each decoder layer's token mixer, FFN and two norms (the MTP blocks' too; the units that
+activation checkpointing and FSDP2 also wrap, compiled in place so parameter names do not change), and the two
+Block AttnRes phases, which run between them on the shared block stream.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from openk3.ops.attnres import attn_res_blocks, attn_res_merge
+
+
+def compile_blocks(model: nn.Module, **options) -> nn.Module:
+    """Compile `model` (a K3ForCausalLM) block by block in place; `options` go to torch.compile (e.g. backend,
+    mode). Apply after activation checkpointing; returns the model."""
+    blocks = list(model.model.layers) + [m.block for m in model.mtp or []]
+    for layer in blocks:
+        for unit in (layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm):
+            unit.compile(**options)
+    if model.model.block_size is not None:
+        model.model.attn_res_phases = (torch.compile(attn_res_blocks, **options),
+                                       torch.compile(attn_res_merge, **options))
+    return model

@@ -1,0 +1,151 @@
+"""KDA as an affine map of its incoming state: what context parallelism exchanges (SPEC-K3 §2 KCP, §10).
+
+Over a span of tokens the KDA state update is affine in the incoming state S_0 (per head, S in R^{K x V}):
+
+    S_end = M S_0 + S_ext
+
+M [K, K] is the product of the transitions and S_ext [K, V] the state the span produces from S_0 = 0. Per token
+(the recurrence in reference.py) the map is
+
+    A_t = (I - beta_t k_t k_t^T) Diag(alpha_t),   b_t = beta_t k_t v_t^T,   S_t = A_t S_{t-1} + b_t,
+
+and `kda_transition_reference` composes these one token at a time. `kda_transition` uses the chunked form of
+chunked.py instead. Per chunk of C tokens, with G the within-chunk cumulative log decay, Gamma = exp(G),
+gamma_C = exp(G_C) (the decay over the whole chunk) and T = (I + A)^-1 Diag(beta),
+A = StrictTril(Diag(beta) (Gamma ⊙ K)(K / Gamma)^T):
+
+    W = T (Gamma ⊙ K),   U = T V,   K_end = K ⊙ (gamma_C / Gamma)           (row i: k_i exp(G_C - G_i))
+    S_C = Diag(gamma_C) S_0 + K_end^T (U - W S_0)                          (chunked.py's state update)
+        = [Diag(gamma_C) - K_end^T W] S_0 + K_end^T U
+
+so the chunk's map is M_c = Diag(gamma_C) - K_end^T W and b_c = K_end^T U. (SPEC §10 writes M_c with fla's
+naming, "Diag(gamma_C) - (Gamma ⊙ K)^T W": fla's W carries the decay to the chunk end that K_end carries here.)
+`kda_transition_chunked` computes the chunk maps for all chunks at once and composes them pairwise,
+(M2, b2) ∘ (M1, b1) = (M2 M1, M2 b1 + b2), in log2(chunks) batched steps rather than a loop over chunks. Zero padding
+to a multiple of C is the identity map (k = v = g = beta = 0), and the pairwise decays exp(G_i - G_j), i >= j, are
+formed as in chunked.py, so unbounded gates are safe too. Its memory is that of the pairwise decays, C times k's.
+
+Because each column of the state evolves on its own, the map is also the final state of one ordinary KDA pass over
+an augmented state: with values [v | 0] ([T, V+K]) from S_0 = [0 | I], the final state is [S_ext | M]. `kda_transition`
+takes that route on any backend but "chunked" (the Triton kernels on a GPU: no extra memory beyond a KDA pass, and
+its backward is the kernels' own), and the chunk-map form on "chunked". Either way the chain is fp32 (fp64 for fp64
+inputs): M loses accuracy quickly in bf16 (fla #740).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from openk3.ops.kda import kda, resolve_backend
+from openk3.ops.kda.chunked import CHUNK_SIZE
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def kda_transition_reference(
+    k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token by token: k, g [B,T,H,K], v [B,T,H,V], beta [B,T,H] -> (S_ext [B,H,K,V], M [B,H,K,K]), fp32/fp64."""
+    B, T, H, K = k.shape
+    acc = _acc(k.dtype)
+    k, v, g, beta = (x.to(acc) for x in (k, v, g, beta))
+    eye = torch.eye(K, dtype=acc, device=k.device)
+    M = eye.expand(B, H, K, K).clone()
+    S = torch.zeros(B, H, K, v.shape[-1], dtype=acc, device=k.device)
+    for t in range(T):
+        kt, bt = k[:, t], beta[:, t, :, None, None]
+        A = (eye - bt * kt.unsqueeze(-1) * kt.unsqueeze(-2)) * g[:, t].exp().unsqueeze(-2)  # (I - b k k^T) Diag(a)
+        M = A @ M
+        S = A @ S + bt * kt.unsqueeze(-1) * v[:, t].unsqueeze(-2)
+    return S, M
+
+
+def _chunk_maps(k, v, g, beta, chunk_size):
+    """k, g [B,H,n,C,K], v [B,H,n,C,V], beta [B,H,n,C] -> (M_c [B,H,n,K,K], b_c [B,H,n,K,V])."""
+    C = chunk_size
+    G = g.cumsum(-2)
+    incl = torch.ones(C, C, dtype=torch.bool, device=k.device).tril()
+    decay = (G.unsqueeze(-2) - G.unsqueeze(-3)).masked_fill(~incl[:, :, None], float("-inf")).exp()
+    A = (torch.einsum("...id,...ijd,...jd->...ij", k, decay, k) * beta.unsqueeze(-1)).tril(-1)
+    eye = torch.eye(C, dtype=k.dtype, device=k.device)
+    T = torch.linalg.solve_triangular(eye + A, torch.diag_embed(beta), upper=False, unitriangular=True)
+    W = T @ (k * G.exp())
+    U = T @ v
+    G_end = G[..., -1, :]  # [B,H,n,K]
+    k_end = k * (G_end.unsqueeze(-2) - G).exp()
+    M = torch.diag_embed(G_end.exp()) - k_end.transpose(-1, -2) @ W
+    return M, k_end.transpose(-1, -2) @ U
+
+
+def compose_maps(M: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Maps in order along dim -3 (M [...,n,K,K], b [...,n,K,V]; map 0 first) -> their composition (M, b)."""
+    while M.shape[-3] > 1:
+        if M.shape[-3] % 2:  # pad with the identity map
+            K = M.shape[-1]
+            eye = torch.eye(K, dtype=M.dtype, device=M.device).expand(*M.shape[:-3], 1, K, K)
+            M = torch.cat([M, eye], dim=-3)
+            b = torch.cat([b, torch.zeros_like(b[..., :1, :, :])], dim=-3)
+        first_M, then_M = M[..., 0::2, :, :], M[..., 1::2, :, :]
+        b = then_M @ b[..., 0::2, :, :] + b[..., 1::2, :, :]
+        M = then_M @ first_M
+    return M.squeeze(-3), b.squeeze(-3)
+
+
+def kda_transition_chunked(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    chunk_size: int = CHUNK_SIZE,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`kda_transition` in the chunk-map form (module docstring), in plain PyTorch."""
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    acc = _acc(k.dtype)
+    C = chunk_size
+    n = max(1, -(-T // C))
+
+    def chunks(x: torch.Tensor) -> torch.Tensor:
+        """[B,T,H,...] -> [B,H,n,C,...] in acc, zero padded."""
+        x = x.to(acc)
+        x = F.pad(x, (0, 0) * (x.dim() - 2) + (0, n * C - T))
+        return x.reshape(B, n, C, H, *x.shape[3:]).movedim(3, 1)
+
+    M, b = _chunk_maps(chunks(k), chunks(v), chunks(g), chunks(beta.unsqueeze(-1)).squeeze(-1), C)
+    M, S = compose_maps(M, b)
+    return S.reshape(B, H, K, V), M.reshape(B, H, K, K)
+
+
+def kda_transition(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    backend: str = "auto",
+    gate_min: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The affine map of KDA over each row of k, g [B,T,H,K], v [B,T,H,V], beta [B,T,H] (activated, as `kda`
+    takes them): (S_ext [B,H,K,V], M [B,H,K,K]) with S_end = M S_0 + S_ext. fp32 (fp64 for fp64 inputs);
+    differentiable. T = 0 gives the identity map. `backend` and `gate_min` as in `openk3.ops.kda.kda`."""
+    name = resolve_backend(backend, k.device, k.shape[1])
+    if gate_min is not None:
+        g = g.clamp_min(gate_min)
+    if name in ("chunked", "recurrent") or k.shape[1] == 0:
+        return kda_transition_chunked(k, v, g, beta)
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    acc = _acc(k.dtype)
+    eye = torch.eye(K, dtype=acc, device=k.device).expand(B, H, K, K)
+    start = torch.cat([eye.new_zeros(B, H, K, V), eye], dim=-1)  # [0 | I]
+    values = torch.cat([v, v.new_zeros(B, T, H, K)], dim=-1)  # [v | 0]
+    _, final = kda(k, k, values, g, beta, initial_state=start, output_final_state=True, backend=name,  # q: unused
+                   gate_min=gate_min)
+    return final[..., :V], final[..., V:]
+
+
+__all__ = ["kda_transition", "kda_transition_chunked", "kda_transition_reference", "compose_maps"]

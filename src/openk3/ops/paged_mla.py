@@ -1,0 +1,131 @@
+"""Absorbed MLA decode over a paged latent cache (SPEC-K3 §3): a Triton kernel and its plain-PyTorch reference.
+
+Layout (R = kv_lora_rank, r = the 64-wide "rope" slice in K3, stored and used unrotated: NoPE):
+  q          [N,H,R+r]      per head [q_nope W_UK (W_UK folded into the query) | q_slice]
+  pool       [pages,P,R+r]  one MLA layer's latent pages: per token [RMSNorm(latent) | k_slice], shared by heads
+  tables     [S,M] int32    block tables: row s lists the physical pages of the sequence in slot s, in order
+  rows       [N] int        the table row (the sequence's slot) each query reads
+  lengths    [N] int        positions each query attends to, >= 1: 0 .. lengths-1 of its pages
+  out        [N,H,R] fp32   p . latent (the caller applies W_UV: the output absorption)
+Scores are scale * (q . [latent | k_slice]), softmax over the sequence's positions.
+
+fp32 pools take exact fp32 products (input_precision "ieee"; tf32 would cost 1e-3), 16-bit pools the tensor cores.
+The kernel splits the positions ("flash decoding"): program (n, split, head block) walks one contiguous share of
+sequence n with an online softmax and writes its partial output and log-sum-exp; `combine_splits` merges them.
+A split with an empty share writes lse = -inf and weighs nothing. `num_splits` is a launch constant, so the
+launch is the same whatever the lengths (CUDA-graph friendly); no host synchronisation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # triton is optional (the gpu extra); the reference needs none
+    triton = None
+
+BLOCK_H = 16  # heads per program (tl.dot needs >= 16 rows)
+BLOCK_N = 32  # positions per tile
+
+def paged_positions(tables: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Flat row indices into pool.view(-1, R+r) of `positions` ([N] or [N,L]) of each query's sequence."""
+    pos = positions.long()
+    table = tables[rows.long()]  # [N,M]
+    index = (pos // page_size) if pos.dim() == 2 else (pos // page_size).unsqueeze(1)
+    pages = table.gather(1, index).long().view(pos.shape)
+    return pages * page_size + pos % page_size
+
+
+def paged_mla_decode_reference(q: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, rows: torch.Tensor,
+                               lengths: torch.Tensor, latent_dim: int, scale: float) -> torch.Tensor:
+    """Plain PyTorch: gather each sequence's latents through its block table, masked softmax. [N,H,R] fp32."""
+    N, L = q.shape[0], int(lengths.max()) if lengths.numel() else 0
+    pos = torch.arange(L, device=q.device).expand(N, L)
+    valid = pos < lengths.view(-1, 1)
+    kv = pool.reshape(-1, pool.shape[-1])[paged_positions(tables, rows, pos * valid, pool.shape[1])].float()
+    scores = torch.einsum("nhd,nld->nhl", q.float(), kv) * scale
+    p = scores.masked_fill(~valid.unsqueeze(1), float("-inf")).softmax(-1)
+    return torch.einsum("nhl,nlr->nhr", p, kv[..., :latent_dim])
+
+
+def combine_splits(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """Merge split partials: out [N,S,H,R] (each normalised over its share), lse [N,S,H] -> [N,H,R]."""
+    m = lse.max(dim=1, keepdim=True).values  # every query has >= 1 position, so some split is finite
+    w = torch.exp(lse - m)  # [N,S,H]
+    return (out * w.unsqueeze(-1)).sum(1) / w.sum(1).unsqueeze(-1)
+
+
+def paged_mla_decode(q: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, rows: torch.Tensor,
+                     lengths: torch.Tensor, latent_dim: int, scale: float, num_splits: int = 1) -> torch.Tensor:
+    """The Triton kernel (same contract as `paged_mla_decode_reference`). Returns [N,H,R] fp32."""
+    N, H, D = q.shape
+    R, r = latent_dim, D - latent_dim
+    if pool.shape[-1] != D or not pool.is_contiguous():
+        raise ValueError(f"pool must be a contiguous [pages, P, {D}] tensor, got {tuple(pool.shape)}")
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    out = torch.empty(N, num_splits, H, R, dtype=torch.float32, device=q.device)
+    lse = torch.empty(N, num_splits, H, dtype=torch.float32, device=q.device)
+    if N:
+        grid = (N, num_splits, triton.cdiv(H, BLOCK_H))  # heads share every latent tile
+        _paged_mla_decode_kernel[grid](
+            q.contiguous(), pool, tables, rows.to(torch.int32), lengths.to(torch.int32), out, lse, scale, H,
+            tables.stride(0), P=pool.shape[1], R=R, RS=r, BLOCK_R=triton.next_power_of_2(R),
+            BLOCK_RS=max(16, triton.next_power_of_2(max(r, 1))), BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N,
+            NUM_SPLITS=num_splits, PREC="ieee" if pool.dtype == torch.float32 else "tf32", num_warps=4)
+    return combine_splits(out, lse) if num_splits > 1 else out[:, 0]
+
+
+if triton is not None:
+
+    @triton.jit
+    def _paged_mla_decode_kernel(q, pool, tables, rows, lengths, out, lse, scale, H, table_stride,
+                                P: tl.constexpr, R: tl.constexpr, RS: tl.constexpr, BLOCK_R: tl.constexpr,
+                                BLOCK_RS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                                NUM_SPLITS: tl.constexpr, PREC: tl.constexpr):
+        n = tl.program_id(0)
+        split = tl.program_id(1)
+        heads = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
+        hm = heads < H
+        D: tl.constexpr = R + RS
+        length = tl.load(lengths + n)
+        table = tables + tl.load(rows + n).to(tl.int64) * table_stride
+        share = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N  # whole tiles per split
+        start = split * share
+        end = tl.minimum(length, start + share)
+
+        cr = tl.arange(0, BLOCK_R)
+        cs = tl.arange(0, BLOCK_RS)
+        q_rows = q + (n * H + heads).to(tl.int64)[:, None] * D
+        q_lat = tl.load(q_rows + cr[None, :], mask=hm[:, None] & (cr[None, :] < R), other=0.0)
+        q_pe = tl.load(q_rows + R + cs[None, :], mask=hm[:, None] & (cs[None, :] < RS), other=0.0)
+        q_lat = q_lat.to(pool.dtype.element_ty)
+        q_pe = q_pe.to(pool.dtype.element_ty)
+
+        m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        denom = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
+        for n0 in range(start, end, BLOCK_N):
+            pos = n0 + tl.arange(0, BLOCK_N)
+            pm = pos < end
+            page = tl.load(table + pos // P, mask=pm, other=0).to(tl.int64)
+            base = (page * P + pos % P) * D
+            kv = tl.load(pool + base[:, None] + cr[None, :], mask=pm[:, None] & (cr[None, :] < R), other=0.0)
+            kpe = tl.load(pool + base[:, None] + R + cs[None, :], mask=pm[:, None] & (cs[None, :] < RS), other=0.0)
+            s = tl.dot(q_lat, tl.trans(kv), input_precision=PREC) + tl.dot(q_pe, tl.trans(kpe), input_precision=PREC)
+            s = tl.where(pm[None, :], s * scale, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(s - m_new[:, None])
+            denom = denom * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv, input_precision=PREC)
+            m = m_new
+
+        live = denom > 0
+        o = acc / tl.where(live, denom, 1.0)[:, None]
+        part = (n * NUM_SPLITS + split) * H + heads
+        tl.store(out + part.to(tl.int64)[:, None] * R + cr[None, :], o, mask=hm[:, None] & (cr[None, :] < R))
+        tl.store(lse + part, tl.where(live, m + tl.log(tl.where(live, denom, 1.0)), float("-inf")), mask=hm)
+

@@ -1,0 +1,131 @@
+"""KDA context parallel (KCP, SPEC §10): one packed sequence stream split contiguously over the ranks of a group.
+
+Per KDA layer and rank r (the token layout is a `SequenceSplit`):
+  conv halo   The short conv of rank r's first tokens reads the last W-1 inputs before them. One all-gather of
+              every rank's last min(W-1, size) conv inputs; rank r takes the ones of its first document (valid
+              length min(W-1, tokens of that document before r), gathered from as many earlier ranks as needed, so
+              a rank holding fewer than W-1 tokens is fine). Backward: the gathered rows' gradients are summed
+              over the ranks and each rank adds its share to its last inputs' gradients (`comm.gather_rows`).
+  state fold  If r's last local sequence goes on past r, r computes that sequence's affine map from a zero
+              state, (S_ext, M) with S_end = M S_0 + S_ext (`ops.kda.transition` on the layer's backend, fp32).
+              One all-gather of [S_ext | M]; a rank whose first sequence began earlier folds S <- M_j S + S_ext_j
+              over the ranks j that hold the rest of it (`SequenceSplit.state_chain`): its true initial state.
+              Then the ordinary KDA runs on the local tokens (`openk3.ops.kda.kda`, any backend; its other
+              sequences start at 0).
+  backward    `_StateFold.backward` gets every rank's initial-state gradient dS_in (one all-gather) and walks the
+              later ranks of r's last sequence backwards: T = dS_in[j] + M_j^T T over the ranks it spans, the
+              terminal state gradient of r's last sequence. Then dS_ext = T and dM = T S_0^T (S_0 = r's initial
+              state when r lies inside one document, else 0); autograd carries them into the tail's k, v, g, beta
+              through the transition, so every rank's gradients are exact, not only the last one's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from openk3.ops.conv import causal_conv1d
+from openk3.ops.kda import kda, resolve_backend
+from openk3.ops.kda.transition import kda_transition
+from openk3.parallel.comm import all_gather_padded, gather_rows
+from openk3.parallel.layout import SequenceSplit
+
+
+def conv_halo(x: torch.Tensor, split: SequenceSplit, rank: int, width: int, group) -> torch.Tensor:
+    """x [L, C], this rank's conv inputs -> [1, C, width-1], the conv state of its first tokens (oldest first;
+    zeros where the inputs belong to another document or lie before the stream). Collective."""
+    w1 = width - 1
+    sizes = [min(w1, split.size(j)) for j in range(split.num_ranks)]
+    tails = gather_rows(x[x.shape[0] - sizes[rank]:], sizes, rank, group)  # [sum(sizes), C]
+    offsets = [sum(sizes[:j]) for j in range(split.num_ranks)]
+    start = split.bounds[rank]
+    rows, valid = [], []
+    for p in range(start - w1, start):
+        ok = split.continues_from(rank) and p >= split.head_start(rank)
+        j = split.rank_of(p) if ok else 0
+        rows.append(offsets[j] + p - (split.bounds[j + 1] - sizes[j]) if ok else 0)
+        valid.append(ok)
+    # always read the gathered rows (masked), so every rank's backward reaches the gather's collective
+    mask = torch.tensor(valid, dtype=x.dtype, device=x.device).unsqueeze(-1)
+    halo = tails[torch.tensor(rows, device=x.device)] * mask
+    return halo.t().unsqueeze(0)
+
+
+def kcp_conv(x: torch.Tensor, weight: torch.Tensor, split: SequenceSplit, rank: int, group) -> torch.Tensor:
+    """Depthwise causal conv + SiLU over this rank's x [1, L, C], each local sequence from its own history (the halo
+    for the first one, zeros for the others)."""
+    width = weight.shape[-1]
+    halo = conv_halo(x[0], split, rank, width, group) if width > 1 else None
+    cu = split.local_cu_seqlens(rank)
+    outs = [causal_conv1d(x[:, a:b], weight, halo if i == 0 else None)[0] for i, (a, b) in enumerate(zip(cu, cu[1:]))]
+    return torch.cat(outs, dim=1)
+
+
+class _StateFold(torch.autograd.Function):
+    """(S_ext [H,K,V], M [H,K,K]) of this rank's last sequence -> this rank's initial state [H,K,V] (module docstring).
+
+    `anchor` is any local tensor that requires grad in training: it makes the output require grad on every rank,
+    so every rank reaches this backward and its collective, including ranks with nothing to send."""
+
+    @staticmethod
+    def forward(ctx, S_ext, M, anchor, split, rank, group):
+        V = S_ext.shape[-1]
+        packed = torch.cat([S_ext, M], dim=-1).unsqueeze(0)  # [1,H,K,V+K]
+        gathered = all_gather_padded(packed, [1] * split.num_ranks, group)
+        S_all, M_all = gathered[..., :V], gathered[..., V:]
+        S = torch.zeros_like(S_ext)
+        for j in split.state_chain(rank):
+            S = M_all[j] @ S + S_all[j]
+        ctx.split, ctx.rank, ctx.group = split, rank, group
+        ctx.save_for_backward(M_all, S)
+        return S
+
+    @staticmethod
+    def backward(ctx, dS):
+        M_all, S = ctx.saved_tensors
+        split, rank = ctx.split, ctx.rank
+        dS_all = all_gather_padded(dS.contiguous().unsqueeze(0), [1] * split.num_ranks, ctx.group)
+        T = torch.zeros_like(dS)
+        for j in reversed(split.later_chain(rank)):  # terminal gradient of this rank's last sequence
+            T = dS_all[j] + (M_all[j].mT @ T if split.spans(j) else 0)
+        dM = T @ S.mT if split.spans(rank) else torch.zeros_like(M_all[rank])
+        return T, dM, None, None, None, None
+
+
+def kcp_kda(q, k, v, g, beta, split: SequenceSplit, rank: int, group, *, scale=None, backend: str = "auto",
+            gate_min: float | None = None, overlap: bool = True):
+    """KDA over this rank's tokens of a packed stream: q, k, g [1,L,H,K], v [1,L,H,V], beta [1,L,H] (activated, as
+    `openk3.ops.kda.kda` takes them) -> o [1,L,H,V]. Collective over `group`."""
+    _, L, H, K = k.shape
+    V = v.shape[-1]
+    acc = torch.float64 if k.dtype == torch.float64 else torch.float32
+    if split.continues_to(rank):
+        a = split.tail_start(rank)
+        S_ext, M = kda_transition(k[:, a:], v[:, a:], g[:, a:], beta[:, a:], backend=backend, gate_min=gate_min)
+        S_ext, M = S_ext[0], M[0]
+    else:
+        S_ext = k.new_zeros(H, K, V, dtype=acc)
+        M = torch.eye(K, dtype=acc, device=k.device).expand(H, K, K).contiguous()
+    initial = _StateFold.apply(S_ext, M, k, split, rank, group)
+    cu = split.local_cu_seqlens(rank)
+    initial = torch.cat([initial.unsqueeze(0), initial.new_zeros(len(cu) - 2, H, K, V)])
+    cu_seqlens = torch.tensor(cu, dtype=torch.int64, device=k.device)
+    o, _ = kda(q, k, v, g, beta, scale=scale, initial_state=initial, cu_seqlens=cu_seqlens, backend=backend,
+               gate_min=gate_min, overlap=overlap)
+    return o
+
+
+def kda_layer_forward(layer, x: torch.Tensor, split: SequenceSplit, rank: int, group) -> torch.Tensor:
+    """`KimiDeltaAttention.forward` for this rank's tokens x [1, L, D] of a packed stream (no cache), built from the
+    layer's own pieces; only the conv and the KDA call change."""
+    B, L, _ = x.shape
+    if B != 1:
+        raise ValueError(f"context parallelism works on one packed stream (batch 1), got batch {B}")
+    H, K = layer.num_heads, layer.head_dim
+    qkv = torch.cat([layer.q_proj(x), layer.k_proj(x), layer.v_proj(x)], dim=-1)
+    qkv = kcp_conv(qkv, layer.conv_weight(), split, rank, group)
+    q, k, v = (t.reshape(B, L, H, K) for t in qkv.split(H * K, dim=-1))
+    backend = resolve_backend(layer.kda_backend, x.device, L)
+    q, k, g, beta = layer.activate(q, k, x, backend)
+    o = kcp_kda(q, k, v, g, beta, split, rank, group, backend=backend, gate_min=layer.gate_min(),
+                overlap=layer.kda_overlap)
+    return layer.output(x, o)

@@ -1,0 +1,100 @@
+"""/metrics: the server's Prometheus series (prometheus_client, text format), one registry per app.
+
+Read from the engine at each scrape (counters and gauges): openk3_requests_received_total and
+openk3_requests_finished_total{reason} (engine requests: one per choice), openk3_prompt_tokens_total,
+openk3_generation_tokens_total, openk3_engine_steps_total, openk3_queue_requests, openk3_running_requests,
+openk3_prefix_cache_queried_tokens_total, openk3_prefix_cache_hit_tokens_total, openk3_prefix_cache_utilisation.
+Observed per request from the engine's event times (histograms): openk3_time_to_first_token_seconds (from the
+request's arrival at the API to its first token, of any choice), openk3_inter_token_latency_seconds (between
+consecutive tokens of one choice) and openk3_e2e_request_latency_seconds (arrival to the last choice's end, for
+requests whose every choice ended with "stop" or "length").
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from openk3.serve.scheduler import RequestEvent
+
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+
+class EngineCollector(Collector):
+    """The engine's counters and gauges, read when /metrics is scraped."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def collect(self):
+        engine, m = self.engine, self.engine.metrics
+        yield CounterMetricFamily("openk3_requests_received", "Engine requests accepted (one per choice).",
+                                  value=m.requests_received)
+        finished = CounterMetricFamily("openk3_requests_finished", "Engine requests finished, by reason.",
+                                       labels=["reason"])
+        for reason, count in sorted(m.requests_finished.items()):
+            finished.add_metric([reason], count)
+        yield finished
+        yield CounterMetricFamily("openk3_prompt_tokens", "Prompt tokens of admitted requests.", value=m.prompt_tokens)
+        yield CounterMetricFamily("openk3_generation_tokens", "Generated tokens.", value=m.generation_tokens)
+        yield CounterMetricFamily("openk3_engine_steps", "Engine steps.", value=m.steps)
+        yield GaugeMetricFamily("openk3_queue_requests", "Requests waiting for admission.",
+                                value=len(engine.scheduler.waiting))
+        yield GaugeMetricFamily("openk3_running_requests", "Requests being prefilled or decoded.",
+                                value=len(engine.scheduler.running))
+        cache = engine.prefix_cache
+        stats = cache.stats if cache is not None else None
+        yield CounterMetricFamily("openk3_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache.",
+                                  value=stats.queried_tokens if stats else 0)
+        yield CounterMetricFamily("openk3_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache.",
+                                  value=stats.hit_tokens if stats else 0)
+        yield GaugeMetricFamily("openk3_prefix_cache_utilisation", "Used fraction of the prefix cache's device tier.",
+                                value=cache.utilisation if cache is not None else 0.0)
+
+
+class ServerMetrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, engine):
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineCollector(engine))
+        self.ttft = Histogram("openk3_time_to_first_token_seconds", "From a request's arrival to its first token.",
+                              buckets=TTFT_BUCKETS, registry=self.registry)
+        self.itl = Histogram("openk3_inter_token_latency_seconds", "Between consecutive tokens of one choice.",
+                             buckets=ITL_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("openk3_e2e_request_latency_seconds", "From a request's arrival to its end.",
+                             buckets=E2E_BUCKETS, registry=self.registry)
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def timer(self, arrival: float, choices: int) -> RequestTimer:
+        return RequestTimer(self, arrival, choices)
+
+
+class RequestTimer:
+    """Feeds the histograms from one request's engine events (their `at` and token counts)."""
+
+    def __init__(self, metrics: ServerMetrics, arrival: float, choices: int):
+        self.metrics, self.arrival = metrics, arrival
+        self.first_token = False
+        self.tokens = [0] * choices
+        self.last_token_at: list[float | None] = [None] * choices
+
+    def observe(self, index: int, event: RequestEvent) -> None:
+        new = event.completion_tokens - self.tokens[index]
+        if new > 0:
+            if not self.first_token:
+                self.metrics.ttft.observe(event.at - self.arrival)
+                self.first_token = True
+            if self.last_token_at[index] is not None:
+                for _ in range(new):
+                    self.metrics.itl.observe((event.at - self.last_token_at[index]) / new)
+            self.tokens[index], self.last_token_at[index] = event.completion_tokens, event.at
+
+    def finish(self, at: float, reasons: list[str | None]) -> None:
+        if all(reason in ("stop", "length") for reason in reasons):
+            self.metrics.e2e.observe(at - self.arrival)

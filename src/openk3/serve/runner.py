@@ -1,0 +1,162 @@
+"""The model runner: batched decode with static shapes over the engine's pools, CUDA graphs, and prefill chunks.
+
+Decode (`ModelRunner.decode`): the step's token ids, slots and lengths are copied into one static input buffer and
+`openk3.model.decode.decode_logits` runs on it. On CUDA the step is captured once at start-up as a CUDA graph per
+bucketed batch size (1, 2, 4, 8, 16, 32, 64, ... up to `max_batch`); a step of n sequences replays the smallest
+bucket >= n with the extra rows on the padding slot (its block table is all null pages, its KDA state is scratch).
+Without CUDA (or with graphs off) the same function runs eagerly at the exact batch size.
+
+Prefill (`ModelRunner.prefill`): the model's own forward on a `HybridCache` gathered from the pools (the KDA states
+of the slots; each sequence's latents so far, read through its block table; with the image tokens of the chunks'
+image placeholders, if any), then the new latents and states are written back. KDA checkpoints requested inside
+the chunk (`checkpoint_offsets`) come back per offset.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from openk3.cache import HybridCache, KDALayerCache, MLALayerCache
+from openk3.cache.paged import BlockTables, PagePool
+from openk3.cache.state_pool import StatePool
+from openk3.model.decode import DecodeBatch, decode_logits
+from openk3.ops.paged_mla import paged_positions
+
+log = logging.getLogger(__name__)
+
+
+def graph_buckets(max_batch: int) -> list[int]:
+    """1, 2, 4, ... below max_batch, and max_batch itself."""
+    sizes, b = [], 1
+    while b < max_batch:
+        sizes.append(b)
+        b *= 2
+    return sizes + [max_batch]
+
+
+def split_kv(batch: int, processors: int) -> int:
+    """Split-KV programs per sequence for a decode batch: about two programs per SM (or CPU core), at most 16."""
+    return max(1, min(16, 2 * processors // batch))
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, pages: PagePool, tables: BlockTables, states: StatePool, *,
+                 max_batch: int, kernels: str = "torch", cuda_graphs: bool = False):
+        self.model = model
+        self.pages, self.tables, self.states = pages, tables, states
+        self.kernels = kernels
+        self.device = pages.pages.device
+        self.max_batch = max_batch
+        self.inputs = torch.zeros(3, max_batch, dtype=torch.long, device=self.device)  # ids, slots, lengths
+        self.buckets = graph_buckets(max_batch)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
+        self.capture_seconds = 0.0
+        self.graph_error: str | None = None
+        cfg = model.config
+        self.kda_layers, self.mla_layers = sorted(cfg.kda_layers), sorted(cfg.mla_layers)
+        gpu = self.device.type == "cuda"
+        self.processors = torch.cuda.get_device_properties(self.device).multi_processor_count if gpu else 1
+
+    # ---- decode ------------------------------------------------------------------------------------------------
+    def _batch(self, size: int) -> DecodeBatch:
+        return DecodeBatch(slots=self.inputs[1, :size], lengths=self.inputs[2, :size], latents=self.pages.pages,
+                           tables=self.tables.tables, conv=self.states.conv, recurrent=self.states.recurrent,
+                           kernels=self.kernels, num_splits=split_kv(size, self.processors))
+
+    def _forward(self, size: int) -> torch.Tensor:
+        return decode_logits(self.model, self.inputs[0, :size], self._batch(size))
+
+    def capture(self) -> float:
+        """Capture the decode step at every bucket size (CUDA only); returns the seconds it took. If capture fails
+        (an op in the step synchronises with the host), decode stays eager and `graph_error` says why."""
+        if not self.cuda_graphs:
+            return 0.0
+        start = time.perf_counter()
+        self.inputs.zero_()
+        self.inputs[1].fill_(self.states.padding_slot)  # warm-up and capture touch only the padding slot
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # compile the Triton kernels, set up cuBLAS, outside any capture
+                for size in self.buckets:
+                    self._forward(size)
+            torch.cuda.current_stream().wait_stream(side)
+            pool = torch.cuda.graph_pool_handle()
+            # the outer stream context puts the current stream back even when a failed capture leaves early
+            with torch.cuda.stream(torch.cuda.current_stream()):
+                for size in reversed(self.buckets):  # largest first: the smaller graphs reuse its memory
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        out = self._forward(size)
+                    self.graphs[size] = (graph, out)
+            torch.cuda.synchronize()
+        except RuntimeError as err:
+            self.graphs.clear()
+            self.cuda_graphs = False
+            self.graph_error = str(err).splitlines()[0]
+            log.warning("CUDA graph capture failed, decoding eagerly: %s", self.graph_error)
+        self.capture_seconds = time.perf_counter() - start
+        return self.capture_seconds
+
+    def decode(self, ids: list[int], slots: list[int], lengths: list[int]) -> torch.Tensor:
+        """One token for each of n sequences: ids, slots, lengths (tokens before it) -> logits [n, vocab]."""
+        n = len(ids)
+        size = next((b for b in self.buckets if b >= n), n) if self.graphs else n
+        if size > self.max_batch:
+            raise ValueError(f"a decode batch holds at most {self.max_batch} sequences, got {n}")
+        pad = size - n
+        host = torch.tensor([ids + [0] * pad, slots + [self.states.padding_slot] * pad, lengths + [0] * pad])
+        self.inputs[:, :size].copy_(host, non_blocking=True)
+        if size in self.graphs:
+            graph, out = self.graphs[size]
+            graph.replay()
+            return out[:n]
+        return self._forward(size)[:n]
+
+    # ---- prefill -----------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def prefill(self, chunks: list[list[int]], slots: list[int], starts: list[int],
+                checkpoint_offsets: tuple[int, ...] = (), image_embeds: torch.Tensor | None = None,
+                ) -> tuple[torch.Tensor, dict[int, dict[str, torch.Tensor]]]:
+        """Feed each sequence its next chunk (all chunks the same length T) from position starts[b]. Returns the
+        logits after each chunk [B, vocab] and, per requested offset, the KDA states after that many tokens:
+        {offset: {"conv": [n_kda, B, C, W-1], "recurrent": [n_kda, B, H, K, V]}}. image_embeds [N, hidden]: the
+        image tokens of the chunks' image placeholders, row-major over the batch (K3ForCausalLM.forward)."""
+        B, T = len(chunks), len(chunks[0])
+        slot_t = torch.tensor(slots, device=self.device)
+        conv, recurrent = self.states.gather(slot_t)
+        P, width = self.pages.page_size, self.pages.width
+        past = max(starts)
+        positions = torch.arange(past, device=self.device).expand(B, past)
+        layers: list[KDALayerCache | MLALayerCache] = []
+        for i in range(self.model.config.num_layers):
+            if i in self.mla_layers:
+                pool = self.pages.pages[self.mla_layers.index(i)].view(-1, width)
+                layers.append(MLALayerCache(pool[paged_positions(self.tables.tables, slot_t, positions, P)]))
+            else:
+                j = self.kda_layers.index(i)
+                layers.append(KDALayerCache(conv[j], recurrent[j]))
+        cache = HybridCache(layers, starts, self.device)
+        cache.checkpoint_offsets = checkpoint_offsets
+        ids = torch.tensor(chunks, device=self.device)
+        logits = self.model(ids, cache=cache, logits_to_keep=1, image_embeds=image_embeds).logits[:, -1]
+
+        kda_caches = [cache.layers[i] for i in self.kda_layers]
+        if kda_caches:
+            self.states.scatter(slot_t, torch.stack([c.conv_state for c in kda_caches]),
+                                torch.stack([c.recurrent_state for c in kda_caches]))
+        new = torch.tensor(starts, device=self.device).view(B, 1) + torch.arange(T, device=self.device)
+        flat = paged_positions(self.tables.tables, slot_t, new, P).reshape(-1)
+        rows = torch.arange(B, device=self.device).view(B, 1)
+        for j, i in enumerate(self.mla_layers):
+            latents = cache.layers[i].buffer[rows, new]  # [B,T,R+r]
+            self.pages.pages[j].view(-1, width).index_copy_(0, flat, latents.reshape(-1, width))
+        checkpoints = {
+            offset: {"conv": torch.stack([states[i].conv_state for i in self.kda_layers]),
+                     "recurrent": torch.stack([states[i].recurrent_state for i in self.kda_layers])}
+            for offset, states in cache.checkpoints.items()}
+        return logits, checkpoints

@@ -1,0 +1,92 @@
+"""bench/train.py: what can be checked without a GPU (the GPU run itself is the lead's, on an H200)."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from openk3.config import get_preset
+
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "train.py"
+TOY = {"vocab_size": 256, "hidden_size": 32, "num_layers": 2, "mla_layers": [1], "dense_hidden": 32,
+       "attn_res_block_size": 1, "kda": {"num_heads": 2, "head_dim": 16},
+       "mla": {"num_heads": 2, "q_lora_rank": 16, "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+               "v_head_dim": 16},
+       "moe": {"num_experts": 4, "top_k": 2, "expert_hidden": 16, "latent_dim": 16}}
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("bench_train", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message a machine without CUDA gets")
+def test_gpu_mode_without_cuda_is_one_line_error():
+    run = subprocess.run([sys.executable, str(BENCH), "gpu"], capture_output=True, text=True, env=dict(os.environ))
+    assert run.returncode != 0
+    assert run.stderr.strip().splitlines() == ["bench/train.py gpu needs a CUDA device"]
+
+
+def test_top_kernels_shares():
+    """The profile summary: the heaviest entries first, each with its share of the device's total time."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    bench = load_bench()
+    a = torch.randn(256, 256)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            (a @ a).relu().sum()
+    rows = bench.top_kernels(prof, rows=3, device_type=DeviceType.CPU)
+    assert len(rows) == 3 and [r["ms"] for r in rows] == sorted((r["ms"] for r in rows), reverse=True)
+    everything = bench.top_kernels(prof, rows=10**9, device_type=DeviceType.CPU)
+    assert abs(sum(r["share"] for r in everything) - 1) < 1e-6
+    assert all(0 < r["share"] <= 1 and r["calls"] >= 1 for r in rows)
+
+
+class FakeEvent:
+    def __init__(self, enable_timing=False):
+        self.t = None
+
+    def record(self):
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, end):
+        return (end.t - self.t) * 1e3
+
+
+def test_gpu_run_logic_on_cpu(monkeypatch, tmp_path, capsys):
+    """The whole `gpu` mode on the CPU with a toy k3-tiny (torch.cuda's timing and memory calls replaced by
+    stand-ins, the compiled row left out: Inductor takes minutes here): every row and field the JSON promises, the
+    profile and MLA sections, and the results table printed last."""
+    bench = load_bench()
+    toy = get_preset("k3-tiny").with_overrides(TOY)
+    monkeypatch.setattr(bench, "get_preset", lambda name: toy)
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    monkeypatch.setattr(bench, "HERE", tmp_path)
+    for name, value in {"is_available": lambda: True, "synchronize": lambda: None, "Event": FakeEvent,
+                        "reset_peak_memory_stats": lambda: None, "max_memory_allocated": lambda: 2**30,
+                        "empty_cache": lambda: None, "get_device_name": lambda: "cpu stand-in"}.items():
+        monkeypatch.setattr(torch.cuda, name, value)
+    monkeypatch.setattr(sys, "argv", ["train.py", "gpu", "--preset", "k3-tiny", "--steps", "1", "--warmup", "1",
+                                      "--batch-size", "1", "--seq-len", "32", "--no-compile"])
+    bench.main()
+    data = json.loads((tmp_path / "train_gpu.json").read_text())
+    rows = {(r["model"].split(" ")[0], r["optimizer"], r["variant"]) for r in data["results"]}
+    assert rows == {("k3-tiny", "adamw", "eager"), ("k3-tiny", "adamw", "act. ckpt"), ("k3-tiny", "muon", "eager"),
+                    ("dense", "adamw", "eager")}
+    for r in data["results"]:
+        assert {"model", "optimizer", "variant", "step_ms", "mfu", "peak_gib"} <= r.keys()
+        assert r["step_ms"] > 0 and r["mfu"] > 0 and r["peak_gib"] == 1.0
+    assert {"unpadded_backend", "padded_backend", "unpadded_ms", "padded_ms"} <= data["mla_attention"].keys()
+    assert "top_kernels" in data["profile"]
+    last = capsys.readouterr().out.strip().splitlines()
+    assert last[-1].startswith("| dense SDPA") and last[-6].startswith("| model | optimizer | variant")

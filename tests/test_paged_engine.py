@@ -1,0 +1,212 @@
+"""The engine on its pools (CPU): greedy ids equal `openk3 generate`'s with the prefix cache on and off and with the
+GPU path's Triton kernels (interpreted); cancelled requests give back every page and slot; prefix hits share
+physical pages by reference, and a page's reference count is always its block tables plus the cache."""
+
+import random
+
+import pytest
+import torch
+
+from openk3.cache.paged import NULL_PAGE
+from openk3.generate import generate_ids
+from openk3.model import K3ForCausalLM
+from openk3.sampling import SamplingParams
+from openk3.serve.engine import Engine, EngineConfig
+from openk3.serve.prefix_cache import DEVICE
+from openk3.serve.scheduler import SchedulerConfig
+from openk3.tokenizer import ByteTokenizer
+from test_model_decode import CONFIGS, randomize
+
+H = 16  # hash block of the tests' engines; pages of 4 hash blocks
+
+
+@pytest.fixture(scope="module")
+def model():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    yield randomize(K3ForCausalLM(CONFIGS["k3-small-mla-first"]().with_overrides({"max_seq_len": 512})), seed=5)
+    torch.set_num_threads(threads)
+
+
+def make_engine(model, **kw):
+    sched = kw.pop("scheduler", SchedulerConfig(max_running=4, prefill_tokens_per_step=48))
+    return Engine(model, ByteTokenizer(), EngineConfig(hash_block=H, page_size=4 * H, scheduler=sched, **kw))
+
+
+def check_references(engine):
+    """Every page's reference count = the block tables holding it + one if the prefix cache keeps it."""
+    held = [0] * engine.pages.num_pages
+    for pages in engine.tables.pages:
+        for pid in pages:
+            held[pid] += 1
+    if engine.prefix_cache is not None:
+        for page in engine.prefix_cache.pages:
+            assert (page.phys is not None) == (page.tier == DEVICE)
+            if page.phys is not None:
+                held[page.phys] += 1
+    held[NULL_PAGE] += 1
+    assert held == engine.pages.refs
+
+
+def run(engine, prompts, max_tokens, stagger=1):
+    """Submit the prompts `stagger` steps apart, run to the end checking references; the requests."""
+    requests, pending = [], list(prompts)
+    while pending or engine.has_work():
+        if pending:
+            requests.append(engine.add_request(pending.pop(0), SamplingParams(max_tokens=max_tokens, temperature=0,
+                                                                              ignore_eos=True)))
+        for _ in range(stagger if pending else 1):
+            engine.step()
+            check_references(engine)
+    return requests
+
+
+def prompts_with_shared_prefixes(vocab, seed=0):
+    rng = random.Random(seed)
+    system = [rng.randrange(vocab) for _ in range(70)]
+    own = [[rng.randrange(vocab) for _ in range(n)] for n in (3, 29, 50)]
+    first = [system + o for o in own]
+    return first + [first[1][:40] + [1, 2, 3], [rng.randrange(vocab) for _ in range(5)], first[2] + own[0]]
+
+
+@pytest.mark.parametrize("kernels,prefix_cache", [("torch", True), ("torch", False), ("triton", True)])
+def test_greedy_ids_equal_generate(model, kernels, prefix_cache):
+    prompts = prompts_with_shared_prefixes(model.config.vocab_size)
+    max_tokens = 6 if kernels == "triton" else 12
+    if kernels == "triton":
+        prompts = prompts[:2] + prompts[3:5]
+    engine = make_engine(model, kernels=kernels, prefix_cache=prefix_cache)
+    requests = run(engine, prompts, max_tokens)
+    greedy = SamplingParams(max_tokens=max_tokens, temperature=0)
+    for r in requests:
+        assert r.finish_reason == "length"
+        assert r.output == generate_ids(model, r.prompt, max_tokens, greedy)
+    if prefix_cache:
+        assert sum(r.cached_tokens for r in requests) > 0
+
+
+@pytest.mark.parametrize("prefix_cache", [False, True])
+def test_cancelled_requests_free_their_pages_and_slots(model, prefix_cache):
+    engine = make_engine(model, prefix_cache=prefix_cache, scheduler=SchedulerConfig(max_running=3,
+                                                                                     prefill_tokens_per_step=32))
+    free_pages, free_slots = engine.pages.num_free, engine.states.num_free
+    rng = random.Random(1)
+    prompts = [[rng.randrange(90) for _ in range(n)] for n in (150, 20, 90, 5, 70, 130, 33, 64)]
+    params = SamplingParams(max_tokens=25, temperature=0, ignore_eos=True)
+    requests = [engine.add_request(p, params) for p in prompts]
+    cancel_at = {0: 2, 2: 5, 4: 9, 5: 0, 7: 14}  # request -> step: waiting, prefilling and decoding ones
+    for step in range(400):
+        for i, at in cancel_at.items():
+            if step == at:
+                engine.cancel(requests[i].rid)
+        if not engine.has_work():
+            break
+        engine.step()
+        check_references(engine)
+    reasons = [r.finish_reason for r in requests]
+    assert reasons.count("cancelled") == len(cancel_at) and reasons.count("length") == len(prompts) - len(cancel_at)
+    assert engine.states.num_free == free_slots and all(not pages for pages in engine.tables.pages)
+    if prefix_cache:
+        kept = sum(p.phys is not None for p in engine.prefix_cache.pages)
+        assert kept > 0 and engine.pages.num_free == free_pages - kept
+        assert not any(p.locks for p in engine.prefix_cache.pages)
+        engine.prefix_cache.evict(engine.prefix_cache.used[DEVICE])
+    assert engine.pages.num_free == free_pages
+
+
+def test_hits_share_pages_by_reference_and_copy_only_a_page_being_written(model):
+    engine = make_engine(model)
+    rng = random.Random(2)
+    long = [rng.randrange(90) for _ in range(5 * H + 3)]  # pages of 4 H: one full page, a second partly filled
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    first = engine.add_request(long, params)
+    while first.prefilling or len(first.output) < 2:
+        engine.step()
+    # a hit inside the page `first` is still writing: its part of that page is copied, the full page is shared
+    second = engine.add_request(long[: 5 * H + 1] + [7, 7], params)
+    engine.step()
+    assert second.cached_tokens == 5 * H and not second.lease.owns_tail
+    a, b = engine.tables.pages[first.slot], engine.tables.pages[second.slot]
+    assert a[0] == b[0] and engine.pages.refs[a[0]] == 3  # two block tables and the prefix cache
+    assert a[1] != b[1]
+    positions = slice(0, 5 * H - 4 * H)
+    torch.testing.assert_close(engine.pages.pages[:, b[1], positions], engine.pages.pages[:, a[1], positions],
+                               rtol=0, atol=0)
+    while engine.has_work():
+        engine.step()
+    # once nobody writes it, a hit ending at the page's last cached block claims it and writes on into it
+    cached_blocks = len(first.prompt + first.output[:-1]) // H
+    third = engine.add_request(first.prompt + first.output[:-1] + [3] * (H + 1), params)
+    engine.step()
+    assert third.cached_tokens == cached_blocks * H and third.lease.owns_tail
+    shared = third.lease.hit_pages
+    assert engine.tables.pages[third.slot][: len(shared)] == shared  # no copy at all
+    while engine.has_work():
+        engine.step()
+        check_references(engine)
+    greedy = SamplingParams(max_tokens=40, temperature=0)
+    for r in (first, second, third):
+        assert r.output == generate_ids(model, r.prompt, 40, greedy)
+
+
+def test_prefill_spends_exactly_the_step_budget(model):
+    """The chunk that reaches the budget is cut there, whatever the hash block (the block-aligned baseline of
+    bench/serve.py prefills with the same budget per step as K3's policy)."""
+    for h in (H, 4 * H):
+        engine = Engine(model, ByteTokenizer(), EngineConfig(
+            hash_block=h, page_size=4 * H, prefix_cache=False,
+            scheduler=SchedulerConfig(max_running=4, prefill_tokens_per_step=40)))
+        requests = [engine.add_request([5] * n, SamplingParams(max_tokens=2)) for n in (70, 23, 100)]
+        fed = []
+        while any(r.prefilling for r in requests):
+            before = sum(min(r.fed, len(r.prompt)) for r in requests)
+            engine.step()
+            fed.append(sum(min(r.fed, len(r.prompt)) for r in requests) - before)
+        assert fed == [40] * 4 + [193 - 160]
+
+
+def test_a_full_pool_evicts_cached_pages_and_a_request_that_cannot_fit_fails_alone(model):
+    """Pool pressure: new pages come from evicting (or demoting to the host tier) unlocked cached pages, outputs
+    stay exact; a request that needs more pages than the pool has ends with "error" and the others run on."""
+    rng = random.Random(3)
+    prompts = [[rng.randrange(90) for _ in range(n)] for n in (100, 40, 120, 70, 100)]
+    greedy = SamplingParams(max_tokens=10, temperature=0)
+    for host in (0, 1 << 20):
+        engine = make_engine(model, kv_pages=1 + 2 * 3, cache_bytes=1 << 20, host_cache_bytes=host,
+                             scheduler=SchedulerConfig(max_running=2, prefill_tokens_per_step=48))
+        requests = run(engine, prompts, 10, stagger=3)
+        assert all(r.output == generate_ids(model, r.prompt, 10, greedy) for r in requests)
+        stats = engine.prefix_cache.stats
+        assert (stats.demoted_pages if host else stats.evicted_pages) > 0
+    engine = make_engine(model, kv_pages=3, scheduler=SchedulerConfig(max_running=2, prefill_tokens_per_step=48))
+    (big,) = run(engine, [prompts[2]], 10)  # 120 + 10 tokens need 3 pages; the pool has 2
+    (small,) = run(engine, [prompts[1]], 10)
+    assert big.finish_reason == "error" and small.finish_reason == "length"
+    assert small.output == generate_ids(model, small.prompt, 10, greedy)
+    assert engine.pages.num_free + sum(p.phys is not None for p in engine.prefix_cache.pages) == 2
+
+
+def test_a_failing_sequence_fails_alone_and_gives_back_its_pages(model, monkeypatch):
+    from openk3.serve import engine as engine_module
+
+    real = engine_module.sample_token
+
+    def poisoned(logits, params, generator, previous=()):
+        if params.seed == 666:
+            raise RuntimeError("injected sampling failure")
+        return real(logits, params, generator, previous)
+
+    monkeypatch.setattr(engine_module, "sample_token", poisoned)
+    engine = make_engine(model, prefix_cache=False)
+    free = engine.pages.num_free
+    prompts = prompts_with_shared_prefixes(model.config.vocab_size)[:3]
+    bad = engine.add_request(prompts[0], SamplingParams(max_tokens=6, temperature=1.0, seed=666))
+    good = [engine.add_request(p, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)) for p in prompts]
+    while engine.has_work():
+        engine.step()
+    assert bad.finish_reason == "error" and bad.slot is None
+    for r in good:
+        assert r.finish_reason == "length" and r.output == generate_ids(model, r.prompt, 6, SamplingParams(
+            temperature=0))
+    assert engine.pages.num_free == free and engine.states.num_free == engine.states.num_slots

@@ -1,0 +1,87 @@
+"""Absorbed MLA decode over paged latents: the Triton kernel (under TRITON_INTERPRET=1 on CPU) against the plain
+PyTorch reference, and the reference against the contiguous absorbed attention of `openk3.ops.attention`."""
+
+import pytest
+import torch
+
+from openk3.ops.attention import mla_attention_absorbed
+from openk3.ops.paged_mla import combine_splits, paged_mla_decode, paged_mla_decode_reference
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # without CUDA the kernel runs under TRITON_INTERPRET=1
+
+
+def paged_setup(lengths, page_size, latent_dim, slice_dim, heads, seed, spare_pages=3, dtype=torch.float32):
+    """Random latents for each sequence scattered over randomly permuted physical pages (page 0 unused), block
+    tables with extra pages past each sequence's end (never read), and the same latents contiguous."""
+    g = torch.Generator().manual_seed(seed)
+    width = latent_dim + slice_dim
+    need = [-(-n // page_size) + spare_pages for n in lengths]
+    num_pages = 1 + sum(need)
+    pool = torch.randn(num_pages, page_size, width, generator=g).to(dtype)
+    perm = (torch.randperm(num_pages - 1, generator=g) + 1).tolist()
+    tables = torch.zeros(len(lengths) + 2, max(need), dtype=torch.int32)
+    rows = torch.randperm(len(lengths) + 2, generator=g)[: len(lengths)]  # sequences in arbitrary table rows
+    contiguous = []
+    for i, (n, k) in enumerate(zip(lengths, need)):
+        pages, perm = perm[:k], perm[k:]
+        tables[rows[i], :k] = torch.tensor(pages, dtype=torch.int32)
+        contiguous.append(torch.cat([pool[p] for p in pages])[:n])
+    q = torch.randn(len(lengths), heads, width, generator=g).to(dtype) * 2
+    to = lambda t: t.to(DEV)
+    return to(q), to(pool), to(tables), to(rows), to(torch.tensor(lengths)), [to(c) for c in contiguous]
+
+
+@pytest.mark.parametrize("splits", [1, 3, 8])
+@pytest.mark.parametrize("lengths,page_size", [([1, 4, 5, 6, 17, 40], 5), ([1, 33, 64, 65], 32), ([7], 48)])
+def test_kernel_matches_reference(lengths, page_size, splits):
+    """Odd lengths (not page multiples, one token, exactly one page), spare pages in the tables, more splits than
+    tiles (empty splits), heads fewer than a head block, an odd latent width."""
+    q, pool, tables, rows, lens, _ = paged_setup(lengths, page_size, latent_dim=24, slice_dim=8, heads=3, seed=splits)
+    want = paged_mla_decode_reference(q, pool, tables, rows, lens, 24, scale=0.3)
+    got = paged_mla_decode(q, pool, tables, rows, lens, 24, scale=0.3, num_splits=splits)
+    assert got.shape == (len(lengths), 3, 24) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+
+
+def test_kernel_extreme_scores_and_more_heads_than_a_block():
+    """Large logits (a near one-hot softmax) and 20 heads (two head blocks); no slice (r = 0 is padded away)."""
+    q, pool, tables, rows, lens, _ = paged_setup([3, 50], 16, latent_dim=16, slice_dim=0, heads=20, seed=7)
+    q = q * 30
+    want = paged_mla_decode_reference(q, pool, tables, rows, lens, 16, scale=1.0)
+    got = paged_mla_decode(q, pool, tables, rows, lens, 16, scale=1.0, num_splits=2)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_reference_is_the_absorbed_attention_of_the_last_position():
+    """With q = [q_nope W_UK | q_slice] and W_UV applied after, the paged reference equals `mla_attention_absorbed`
+    on the contiguous latents for a query at the last position of each (ragged) sequence."""
+    H, n, r, v, R = 3, 8, 4, 6, 12
+    lengths = [1, 9, 20]
+    g = torch.Generator().manual_seed(3)
+    _, pool, tables, rows, lens, contiguous = (x.cpu() if torch.is_tensor(x) else [c.cpu() for c in x]
+                                               for x in paged_setup(lengths, 8, R, r, H, seed=4))
+    kv_b = torch.randn(H * (n + v), R, generator=g) / R**0.5
+    q_full = torch.randn(len(lengths), H, n + r, generator=g)
+    w = kv_b.view(H, n + v, R)
+    w_uk, w_uv = w[:, :n], w[:, n:]
+    q_absorbed = torch.cat([torch.einsum("bhn,hnr->bhr", q_full[..., :n], w_uk), q_full[..., n:]], dim=-1)
+    o_latent = paged_mla_decode_reference(q_absorbed, pool, tables, rows, lens, R, scale=(n + r) ** -0.5)
+    got = torch.einsum("bhr,hvr->bhv", o_latent, w_uv)
+    L = max(lengths)
+    padded = torch.zeros(len(lengths), L, R + r)
+    for i, c in enumerate(contiguous):
+        padded[i, : len(c)] = c
+    want = mla_attention_absorbed(q_full[:, None], padded, kv_b, nope_dim=n, v_dim=v, scale=(n + r) ** -0.5,
+                                  lengths=lens - 1)[:, 0]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_combine_splits_ignores_empty_splits():
+    out = torch.randn(2, 3, 4, 5)
+    lse = torch.randn(2, 3, 4)
+    lse[:, 1] = float("-inf")
+    out[:, 1] = 0.0
+    merged = combine_splits(out, lse)
+    w = torch.softmax(lse, dim=1)
+    torch.testing.assert_close(merged, (out * w.unsqueeze(-1)).sum(1))

@@ -1,0 +1,119 @@
+"""What KCP computes and exchanges, on one process: KDA as an affine map of its incoming state (chunked form against
+the per-token composition, in fp64), the fp32 chain for bf16 inputs, and the token layout of a split stream."""
+
+import pytest
+import torch
+
+from openk3.ops.gates import k3_gate
+from openk3.ops.kda import kda
+from openk3.ops.kda.transition import (
+    compose_maps,
+    kda_transition,
+    kda_transition_chunked,
+    kda_transition_reference,
+)
+from openk3.parallel.layout import SequenceSplit
+
+
+def inputs(B, T, H, K, V, *, seed, gate="random", dtype=torch.float64):
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=dtype)
+    k = r(B, T, H, K)
+    k = k / k.norm(dim=-1, keepdim=True)
+    g = {"random": k3_gate(r(B, T, H, K) * 3, torch.zeros(H), torch.zeros(H * K)).to(dtype),
+         "floor": torch.full((B, T, H, K), -5.0, dtype=dtype),
+         "near0": -1e-4 * torch.rand(B, T, H, K, generator=gen, dtype=dtype),
+         "unbounded": -20 * torch.rand(B, T, H, K, generator=gen, dtype=dtype)}[gate]
+    return k, r(B, T, H, V), g, torch.rand(B, T, H, generator=gen, dtype=dtype)
+
+
+def rel(a, b):
+    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+
+@pytest.mark.parametrize("T, chunk", [(1, 16), (16, 16), (17, 16), (37, 8)])
+@pytest.mark.parametrize("gate", ["random", "floor", "near0", "unbounded"])
+def test_transition_equals_token_by_token(T, chunk, gate):
+    """The chunk-map form, and the augmented-state KDA pass (here on the recurrent backend), in fp64."""
+    k, v, g, beta = inputs(2, T, 2, 8, 5, seed=T + chunk, gate=gate)
+    S_ref, M_ref = kda_transition_reference(k, v, g, beta)
+    for S, M in (kda_transition_chunked(k, v, g, beta, chunk_size=chunk), kda_transition(k, v, g, beta,
+                                                                                         backend="recurrent")):
+        assert rel(S, S_ref) < 1e-12 and (M - M_ref).abs().max() < 1e-12
+
+
+def test_transition_on_the_triton_backend():
+    """The augmented-state pass on the Triton kernels (the interpreter on CPU), fp32, values and gradients."""
+    pytest.importorskip("triton")
+    k, v, g, beta = inputs(1, 37, 2, 16, 16, seed=5, gate="near0", dtype=torch.float32)
+    leaves = [t.clone().requires_grad_() for t in (k, v, g, beta)]
+    wS, wM = torch.randn(1, 2, 16, 16), torch.randn(1, 2, 16, 16)
+    results = []
+    for fn in (lambda *a: kda_transition(*a, backend="triton"), kda_transition_reference):
+        S, M = fn(*leaves)
+        results.append((S, M, *torch.autograd.grad((S * wS).sum() + (M * wM).sum(), leaves)))
+    for a, b in zip(*results):
+        assert rel(a.detach(), b.detach()) < 1e-4
+
+
+@pytest.mark.parametrize("T", [5, 33])
+def test_transition_is_kda_as_an_affine_map(T):
+    """kda from any incoming state S0 ends at M S0 + S_ext, and the gradients of (S_ext, M) match the reference's."""
+    k, v, g, beta = inputs(1, T, 3, 4, 6, seed=T, gate="near0")
+    S0 = torch.randn(1, 3, 4, 6, dtype=torch.float64)
+    q = torch.randn_like(k)
+    _, final = kda(q, k, v, g, beta, initial_state=S0, output_final_state=True, backend="recurrent")
+    S, M = kda_transition_chunked(k, v, g, beta)
+    assert rel(M @ S0 + S, final) < 1e-12
+
+    leaves = [t.clone().requires_grad_() for t in (k, v, g, beta)]
+    wS, wM = torch.randn_like(S), torch.randn_like(M)
+    grads = []
+    for fn in (kda_transition_chunked, kda_transition_reference):
+        S, M = fn(*leaves)
+        grads.append(torch.autograd.grad((S * wS).sum() + (M * wM).sum(), leaves))
+    for a, b in zip(*grads):
+        assert rel(a, b) < 1e-10
+
+
+def test_bf16_inputs_keep_the_chain_in_fp32():
+    k, v, g, beta = inputs(1, 300, 2, 16, 16, seed=0, gate="near0", dtype=torch.bfloat16)
+    S_ref, M_ref = kda_transition_reference(*(t.double() for t in (k, v, g, beta)))
+    for backend in ("chunked", "recurrent"):
+        S, M = kda_transition(k, v, g, beta, backend=backend)
+        assert S.dtype == M.dtype == torch.float32
+        assert rel(S.double(), S_ref) < 1e-5 and rel(M.double(), M_ref) < 1e-5
+
+
+def test_compose_maps_in_order():
+    M = torch.randn(5, 3, 3, dtype=torch.float64)
+    b = torch.randn(5, 3, 2, dtype=torch.float64)
+    total_M, total_b = torch.eye(3, dtype=torch.float64), torch.zeros(3, 2, dtype=torch.float64)
+    for i in range(5):  # map 0 first
+        total_M, total_b = M[i] @ total_M, M[i] @ total_b + b[i]
+    got_M, got_b = compose_maps(M, b)
+    assert rel(got_M, total_M) < 1e-14 and rel(got_b, total_b) < 1e-14
+
+
+def test_sequence_split_bookkeeping():
+    """Documents [0,5) [5,35) [35,50) over ranks [0,9) [9,11) [11,35) [35,50)."""
+    split = SequenceSplit((0, 5, 35, 50), (0, 9, 11, 35, 50))
+    assert [split.local_cu_seqlens(r) for r in range(4)] == [[0, 5, 9], [0, 2], [0, 24], [0, 15]]
+    assert [split.continues_from(r) for r in range(4)] == [False, True, True, False]
+    assert [split.continues_to(r) for r in range(4)] == [True, True, False, False]
+    assert [split.spans(r) for r in range(4)] == [False, True, False, False]
+    assert [list(split.state_chain(r)) for r in range(4)] == [[], [0], [0, 1], []]
+    assert [list(split.later_chain(r)) for r in range(4)] == [[1, 2], [2], [], []]
+    assert split.tail_start(0) == 5 and split.head_start(2) == 5
+    assert split.positions(1).tolist() == [4, 5] and split.doc_lengths(1).tolist() == [30, 30]
+    assert SequenceSplit.even((0, 10, 30), 4).bounds == (0, 7, 15, 22, 30)
+
+
+@pytest.mark.parametrize("cu, bounds, message", [
+    ((0, 5, 5, 9), (0, 4, 9), "cu_seqlens"),
+    ((0, 9), (0, 4, 4, 9), "every rank holds a token"),
+    ((0, 9), (0, 4, 8), "rank bounds"),
+])
+def test_sequence_split_rejects_bad_layouts(cu, bounds, message):
+    with pytest.raises(ValueError, match=message):
+        SequenceSplit(cu, bounds)

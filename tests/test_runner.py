@@ -1,0 +1,162 @@
+"""The model runner over the engine's pools: prefill chunks and static-shape decode steps (PyTorch ops, and the
+GPU path's Triton kernels under TRITON_INTERPRET=1) give the logits of one full forward; the decode step touches
+only the slots and pages it addresses."""
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from openk3.cache.paged import BlockTables, PagePool
+from openk3.cache.state_pool import StatePool
+from openk3.model import K3ForCausalLM
+from openk3.ops import moe as moe_ops
+from openk3.ops.activations import swiglu
+from openk3.serve.runner import ModelRunner, graph_buckets
+from test_model_decode import CONFIGS, randomize
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: one thread is faster and leaves the shared cores alone
+    yield
+    torch.set_num_threads(threads)
+
+
+def make_runner(model, kernels, page_size=5, slots=4, pages=40):
+    cfg = model.config
+    pool = PagePool(len(cfg.mla_layers), pages, page_size, cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim)
+    tables = BlockTables(slots, -(-cfg.max_seq_len // page_size))
+    states = StatePool(cfg, slots)
+    return ModelRunner(model, pool, tables, states, max_batch=slots, kernels=kernels)
+
+
+def give_pages(runner, slot, tokens, rng):
+    """Pages for `tokens` positions, taken from the pool in a shuffled order (tables need not be ascending)."""
+    free = []
+    while len(free) < -(-tokens // runner.pages.page_size):
+        free.append(runner.pages.alloc())
+    order = torch.randperm(len(free), generator=rng).tolist()
+    runner.tables.set(slot, [free[i] for i in order])
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+@pytest.mark.parametrize("name", ["k3-small-mla-first", "kimi-tiny"])
+def test_prefill_chunks_then_decode_steps_equal_one_forward(name, kernels):
+    torch.manual_seed(0)
+    model = randomize(K3ForCausalLM(CONFIGS[name]()), seed=1)
+    runner = make_runner(model, kernels)
+    rng = torch.Generator().manual_seed(2)
+    V = model.config.vocab_size
+    lengths, steps = [7, 12, 1], 4  # prompts of different lengths, in slots 2, 0, 3
+    slots = [2, 0, 3]
+    ids = [torch.randint(0, V, (n + steps,), generator=rng).tolist() for n in lengths]
+    for slot, n in zip(slots, lengths):
+        give_pages(runner, slot, n + steps, rng)
+    logits = {}
+    with torch.no_grad():
+        # first chunks of 5 tokens for the two longer prompts (with a KDA checkpoint request), then the rest one
+        # sequence at a time
+        out, ckpts = runner.prefill([ids[0][:5], ids[1][:5]], slots[:2], [0, 0], checkpoint_offsets=(2, 5))
+        assert sorted(ckpts) == [2, 5] and ckpts[5]["recurrent"].shape[:2] == (len(model.config.kda_layers), 2)
+        torch.testing.assert_close(ckpts[5]["recurrent"], runner.states.recurrent[:, slots[:2]])
+        for b, n in enumerate(lengths):
+            start = 5 if b < 2 else 0
+            out, _ = runner.prefill([ids[b][start:n]], [slots[b]], [start])
+            logits[b] = [out[0]]
+        for t in range(steps - 1):
+            out = runner.decode([ids[b][n + t] for b, n in enumerate(lengths)], slots,
+                                [n + t for n in lengths])
+            for b in range(len(lengths)):
+                logits[b].append(out[b])
+        for b, n in enumerate(lengths):
+            full = model(torch.tensor([ids[b][: n + steps - 1]])).logits[0, n - 1:]
+            torch.testing.assert_close(torch.stack(logits[b]), full, rtol=1e-4, atol=1e-4)
+
+
+def test_decode_touches_only_its_slots_and_pages():
+    torch.manual_seed(0)
+    model = randomize(K3ForCausalLM(CONFIGS["k3-small-mla-first"]()), seed=3)
+    runner = make_runner(model, "triton")
+    rng = torch.Generator().manual_seed(4)
+    give_pages(runner, 1, 9, rng)
+    runner.states.recurrent.normal_(generator=rng)
+    runner.pages.pages.normal_(generator=rng)
+    before_states, before_pages = runner.states.recurrent.clone(), runner.pages.pages.clone()
+    with torch.no_grad():
+        runner.decode([5], [1], [7])
+    changed_slots = (runner.states.recurrent != before_states).flatten(2).any(-1).any(0).nonzero().flatten()
+    assert changed_slots.tolist() == [1]
+    page, offset = runner.tables.pages[1][7 // 5], 7 % 5
+    changed = (runner.pages.pages != before_pages).any(-1).any(0).nonzero().tolist()
+    assert changed == [[page, offset]]
+
+
+def test_graph_buckets_cover_every_batch_size():
+    assert graph_buckets(1) == [1]
+    assert graph_buckets(64) == [1, 2, 4, 8, 16, 32, 64]
+    assert graph_buckets(48) == [1, 2, 4, 8, 16, 32, 48]
+
+
+class HostSyncs(TorchDispatchMode):
+    """Records what would make a CUDA stream wait for the host (and so break CUDA-graph capture): ops that read a
+    device value on the host, and Python reading a tensor's value (tolist, item, bool, int, float)."""
+
+    SYNCING = ("aten::_local_scalar_dense", "aten::nonzero", "aten::is_nonzero", "aten::equal")
+    READS = ("tolist", "item", "__bool__", "__int__", "__float__", "__index__")
+
+    def __init__(self, monkeypatch):
+        super().__init__()
+        self.seen = []
+        for name in self.READS:
+            original = getattr(torch.Tensor, name)
+
+            def read(tensor, *args, _original=original, _name=name):
+                if self.active:
+                    self.seen.append(_name)
+                return _original(tensor, *args)
+
+            monkeypatch.setattr(torch.Tensor, name, read)
+        self.active = False
+
+    def __enter__(self):
+        self.active = True
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self.active = False
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._schema.name in self.SYNCING:
+            self.seen.append(func._schema.name)
+        return func(*args, **(kwargs or {}))
+
+
+def dense_grouped_glu_mlp(x_sorted, counts, gate_up, down, act):
+    """A host-sync-free stand-in for `grouped_glu_mlp` (each row gathers its expert's weights)."""
+    expert = torch.repeat_interleave(torch.arange(len(counts)), counts, output_size=x_sorted.shape[0])
+    gate, up = torch.einsum("md,mod->mo", x_sorted, gate_up[expert]).chunk(2, dim=-1)
+    return torch.einsum("mi,moi->mo", act(gate, up), down[expert])
+
+
+def test_gpu_decode_step_never_waits_for_the_host(monkeypatch):
+    """The Triton decode path has no host synchronisation apart from the expert matmuls of `grouped_glu_mlp`
+    (today's loop reads the group sizes on the host; a grouped GEMM drops in with the same signature): with a
+    sync-free stand-in for it, one decode step issues no op that would wait for the host, so it can be captured."""
+    x, counts = torch.randn(7, 6), torch.tensor([3, 0, 4])
+    gate_up, down = torch.randn(3, 10, 6), torch.randn(3, 6, 5)
+    torch.testing.assert_close(dense_grouped_glu_mlp(x, counts, gate_up, down, swiglu),
+                               moe_ops.grouped_glu_mlp(x, counts, gate_up, down, swiglu))
+    torch.manual_seed(0)
+    model = randomize(K3ForCausalLM(CONFIGS["k3-small-mla-first"]()), seed=3)
+    runner = make_runner(model, "triton")
+    runner.tables.set(1, [runner.pages.alloc(), runner.pages.alloc()])
+    runner.inputs[1, :2] = torch.tensor([1, runner.states.padding_slot])
+    with torch.no_grad(), HostSyncs(monkeypatch) as syncs:
+        runner._forward(2)
+    assert "tolist" in syncs.seen  # today's loop reads the group sizes: the detector sees it
+    monkeypatch.setattr(moe_ops, "grouped_glu_mlp", dense_grouped_glu_mlp)
+    with torch.no_grad(), HostSyncs(monkeypatch) as syncs:
+        logits = runner._forward(2)
+    assert syncs.seen == [] and torch.isfinite(logits).all()
