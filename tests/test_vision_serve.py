@@ -1,10 +1,14 @@
 """Images in serving: the prefix cache keys image blocks by pixel content, the engine prefills image prompts in
 chunks (with and without a hit) exactly like one full forward, and a real server takes OpenAI image_url parts
 from the official client (prompt tokens grow with the image, a repeated image hits the cache) and refuses bad
-images with a 400 naming the field while it keeps serving."""
+images with a 400 naming the field while it keeps serving; with --allow-remote-images it fetches http(s) images
+within its limits from a local HTTP server."""
 
 import base64
+import http.server
 import io
+import threading
+import time
 
 import httpx
 import openai
@@ -19,7 +23,7 @@ from openk3.sampling import SamplingParams
 from openk3.serve.engine import Engine, EngineConfig
 from openk3.serve.prefix_cache import image_keyed_tokens
 from openk3.serve.schema import APIError, ChatBody
-from openk3.serve.vision import chat_messages, image_from_url
+from openk3.serve.vision import RemoteImages, chat_messages, image_from_url
 from openk3.tokenizer import ByteTokenizer, encode_chat
 from random_weights import randomise
 from serve_process import o1_checkpoint, serve_process
@@ -169,13 +173,76 @@ def test_images_for_a_text_model_and_remote_urls_are_refused_naming_the_field():
         assert exc.value.status == 400 and exc.value.param == param
 
 
+@pytest.fixture(scope="module")
+def image_host():
+    """A local HTTP server: /ok.png a picture, /slow.png the same after 2 s, anything else 404; yields its URL."""
+    body = io.BytesIO()
+    picture(56, 84, seed=9).save(body, "PNG")
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 -- the http.server API
+            if self.path not in ("/ok.png", "/slow.png"):
+                self.send_error(404)
+                return
+            if self.path == "/slow.png":
+                time.sleep(2)
+            try:
+                self.send_response(200)
+                self.send_header("Content-Type", "image/png")
+                self.end_headers()
+                self.wfile.write(body.getvalue())
+            except (BrokenPipeError, ConnectionResetError):  # the client gave up (the timeout case)
+                pass
+
+        def log_message(self, *args):
+            pass
+
+    host = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=host.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{host.server_address[1]}"
+    host.shutdown()
+
+
+def test_remote_images_only_with_the_policy_and_within_its_limits(image_host):
+    cfg, param = get_preset("k3-tiny-vl"), "messages.0.content.1.image_url.url"
+    fetched = image_from_url(f"{image_host}/ok.png", cfg, param, RemoteImages())
+    assert fetched.num_tokens == prepare_image(picture(56, 84, seed=9), cfg.vision).num_tokens
+    cases = [(f"{image_host}/ok.png", None, "fetches nothing"),
+             (f"{image_host}/missing.png", RemoteImages(), "HTTP 404"),
+             (f"{image_host}/ok.png", RemoteImages(max_bytes=100), "larger than"),
+             (f"{image_host}/slow.png", RemoteImages(timeout_s=0.5), "longer than"),
+             ("ftp://example.com/a.png", RemoteImages(), "not a 'ftp' URL")]
+    for url, policy, reason in cases:
+        with pytest.raises(APIError, match=reason) as exc:
+            image_from_url(url, cfg, param, policy)
+        assert exc.value.status == 400 and exc.value.param == param
+
+
 # ---- a real server and the official client -----------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    checkpoint = o1_checkpoint(tmp_path_factory.mktemp("o1-k3-tiny-vl"), preset="k3-tiny-vl")
-    with serve_process("--ckpt", checkpoint, "--model-name", MODEL) as (url, _):
+def vl_checkpoint(tmp_path_factory):
+    return o1_checkpoint(tmp_path_factory.mktemp("o1-k3-tiny-vl"), preset="k3-tiny-vl")
+
+
+@pytest.fixture(scope="module")
+def server(vl_checkpoint):
+    with serve_process("--ckpt", vl_checkpoint, "--model-name", MODEL) as (url, _):
         yield url
+
+
+def test_a_server_with_remote_images_fetches_them(vl_checkpoint, image_host):
+    with serve_process("--ckpt", vl_checkpoint, "--model-name", MODEL, "--allow-remote-images") as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        remote = client.chat.completions.create(model=MODEL, messages=chat(f"{image_host}/ok.png"), max_tokens=2,
+                                                temperature=0)
+        inline = client.chat.completions.create(model=MODEL, messages=chat(data_url(picture(56, 84, seed=9))),
+                                                max_tokens=2, temperature=0)
+        assert remote.usage.prompt_tokens == inline.usage.prompt_tokens  # the same picture, fetched or inline
+        assert remote.choices[0].message.content == inline.choices[0].message.content
+        missing = httpx.post(f"{url}/v1/chat/completions", timeout=60,
+                             json={"model": MODEL, "messages": chat(f"{image_host}/missing.png"), "max_tokens": 1})
+        assert missing.status_code == 400 and "HTTP 404" in missing.json()["error"]["message"]
 
 
 def test_openai_client_image_prompts_count_image_tokens_and_hit_the_cache(server):

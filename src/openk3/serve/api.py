@@ -38,13 +38,13 @@ from openk3.serve.metrics import RequestTimer, ServerMetrics
 from openk3.serve.responses import Reply, TokenNames
 from openk3.serve.scheduler import QueueFull, RequestEvent
 from openk3.serve.schema import APIError, ChatBody, CompletionBody, SamplingFields, parse_body, sampling_params
-from openk3.serve.vision import chat_messages
+from openk3.serve.vision import RemoteImages, chat_messages
 from openk3.tokenizer import encode_chat
 
 MAX_BODY_BYTES = 8 << 20
 
 
-def create_app(engine: Engine, model_name: str) -> FastAPI:
+def create_app(engine: Engine, model_name: str, remote_images: RemoteImages | None = None) -> FastAPI:
     state = {"ready": False, "created": int(time.time())}
     metrics = ServerMetrics(engine)
     names = TokenNames(engine.tokenizer, engine.stop_ids)
@@ -101,7 +101,7 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
 
     def chat_request(raw: bytes) -> tuple[ChatBody, list[int], list]:
         body = parse_body(raw, ChatBody, model_name)
-        messages, images = chat_messages(body, engine.model_config)  # image parts -> placeholder runs (vision.py)
+        messages, images = chat_messages(body, engine.model_config, remote_images)  # image parts -> placeholder runs
         return body, encode_chat(engine.tokenizer, messages), images
 
     @app.post("/v1/completions")

@@ -116,6 +116,7 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from openk3.serve.api import create_app
+    from openk3.serve.vision import RemoteImages
 
     sock = listen_socket(args.host, args.port)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -127,7 +128,8 @@ def run_serve(args: argparse.Namespace) -> int:
             if not self.should_exit:
                 print(ready_line(sock, name, engine), flush=True)
 
-    config = uvicorn.Config(create_app(engine, name), host=args.host, port=args.port, log_level=args.log_level)
+    remote = RemoteImages() if args.allow_remote_images else None
+    config = uvicorn.Config(create_app(engine, name, remote), host=args.host, port=args.port, log_level=args.log_level)
     Server(config).run(sockets=[sock])
     return 0
 
@@ -191,6 +193,9 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--kernels", default="auto", choices=["auto", "triton", "torch"],
                    help="decode kernels: triton (the GPU path), torch (the reference); auto: by device")
     p.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly on a GPU (no CUDA graphs)")
+    p.add_argument("--allow-remote-images", action="store_true",
+                   help="fetch http(s) image URLs in chat requests (10 s and 20 MiB at most each, no redirects); "
+                        "by default only inline data: URLs are accepted")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     add_kda_options(p)
     p.set_defaults(func=run_serve)
