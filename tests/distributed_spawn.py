@@ -33,6 +33,7 @@ def _entry(rank: int, fn, world: int, port: int, collective_s: float, args: tupl
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=collective_s))
     try:
         fn(rank, world, *args)
+        dist.barrier()  # no rank tears its connections down while a peer may still be reading from them
     finally:
         dist.destroy_process_group()
 
