@@ -26,7 +26,6 @@ from openk3.model.mla import GatedMLA
 from openk3.ops.attention import mla_attention_absorbed
 from openk3.ops.conv import causal_conv1d_step
 from openk3.ops.kda import kda, resolve_backend
-from openk3.ops.norms import acc_dtype
 from openk3.ops.paged_mla import paged_mla_decode, paged_positions
 
 KERNELS = ("triton", "torch")
@@ -103,12 +102,7 @@ def mla_decode_step(layer: GatedMLA, x: torch.Tensor, j: int, batch: DecodeBatch
         kv = pool.view(-1, width)[paged_positions(batch.tables, batch.slots, positions, P)]  # [B,L,R+r]
         o = mla_attention_absorbed(q, kv, layer.kv_b_proj.weight, nope_dim=n, v_dim=v, scale=layer.scale,
                                    lengths=batch.lengths)
-    if layer.o_norm is not None:
-        o = layer.o_norm(o)
-    if layer.g_proj is not None:
-        acc = acc_dtype(x.dtype)
-        o = (o.to(acc) * torch.sigmoid(layer.g_proj(x).view(B, 1, H, v).to(acc))).to(x.dtype)
-    return layer.o_proj(o.reshape(B, 1, H * v))
+    return layer.output(x, o)
 
 
 @torch.no_grad()

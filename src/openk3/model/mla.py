@@ -76,7 +76,7 @@ class GatedMLA(nn.Module):
         return torch.cat([self.kv_a_layernorm(c[..., : self.kv_lora_rank]), c[..., self.kv_lora_rank :]], dim=-1)
 
     def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
-        B, T, _ = x.shape
+        T = x.shape[1]
         q = self.query(x)
         kv = self.latent(x)
         kw = dict(nope_dim=self.nope_dim, v_dim=self.v_head_dim, scale=self.scale)
@@ -87,6 +87,12 @@ class GatedMLA(nn.Module):
             kv_all = cache.layers[self.layer_idx].append(kv, lengths, cache.max_length + T)
             attend = mla_attention_absorbed if (T == 1 and self.absorb_decode) else mla_attention_expanded
             o = attend(q, kv_all, self.kv_b_proj.weight, lengths=lengths, **kw)
+        return self.output(x, o)
+
+    def output(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """x [B,T,D], attention output o [B,T,H,v] -> o_proj(sigmoid(g_proj(x)) * o) [B,T,D] (o_norm first when
+        configured). Shared by the forward, the decode step and the speculative draft."""
+        B, T = o.shape[:2]
         if self.o_norm is not None:
             o = self.o_norm(o)
         if self.g_proj is not None:
