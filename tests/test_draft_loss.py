@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from openk3.draft.loss import LOSSES, acceptance, draft_loss
 
 
-def random_case(seed: int, rows: int = 5, vocab: int = 11):
+def random_case(seed: int, rows: int = 3, vocab: int = 7):
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(rows, vocab, generator=g, dtype=torch.float64) * 2
     p = torch.softmax(torch.randn(rows, vocab, generator=g, dtype=torch.float64) * 2, -1)

@@ -122,9 +122,9 @@ def speculative_generate(model: nn.Module, draft: EagleDraft, prompt_ids: list[i
     prev = torch.cat([features.new_zeros(1, 1, features.shape[-1]), features], dim=1)
     inputs = torch.tensor([[*prompt_ids, token]], device=device)
     out: list[int] = []
-    while token not in stop_ids:
+    while token not in stop_ids and len(out) < max_new_tokens:
         out.append(token)
-        if len(out) >= max_new_tokens:
+        if len(out) == max_new_tokens:
             break
         k = num_draft  # always K, as vLLM counts (the tokens past max_new_tokens are dropped)
         hidden = draft.step(prev, inputs, latents, real)[:, -1:]
