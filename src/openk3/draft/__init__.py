@@ -13,10 +13,13 @@ from openk3.draft.model import EagleDraft, default_taps, has_draft, load_draft, 
 from openk3.draft.speculative import (
     SpeculationStats,
     accept_drafts,
+    accept_greedy,
+    draw,
     speculative_generate,
     target_distribution,
 )
 
 __all__ = ["LOSSES", "acceptance", "draft_loss", "EagleDraft", "default_taps", "has_draft", "load_draft",
-           "save_draft", "tapped_hidden_states", "SpeculationStats", "accept_drafts", "speculative_generate",
+           "save_draft", "tapped_hidden_states", "SpeculationStats", "accept_drafts", "accept_greedy", "draw",
+           "speculative_generate",
            "target_distribution"]

@@ -52,6 +52,18 @@ def draw(probs: torch.Tensor, params: SamplingParams, generator: torch.Generator
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+def accept_greedy(drafted: Sequence[int], picks: Sequence[int]) -> list[int]:
+    """`accept_drafts` for greedy rows with nothing adjusting their logits: picks[i] is the argmax of the target's
+    logits at round position i (K + 1 of them); drafts are kept while they equal it, then its pick follows."""
+    out: list[int] = []
+    for d, pick in zip(drafted, picks):
+        out.append(pick)
+        if pick != d:
+            return out
+    out.append(picks[len(drafted)])
+    return out
+
+
 def accept_drafts(drafted: Sequence[int], draft_probs: Sequence[torch.Tensor], target_logits: torch.Tensor,
                   params: SamplingParams, generator: torch.Generator, previous: Sequence[int] = ()) -> list[int]:
     """drafted: K tokens, draft_probs: the K distributions [V] they were drawn from (ignored when greedy),
