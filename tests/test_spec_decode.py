@@ -89,16 +89,17 @@ def kda_inputs(layer: KimiDeltaAttention, x: torch.Tensor, conv_state: torch.Ten
     return qkv, q, k, v, g, beta
 
 
-@pytest.mark.parametrize("kept", [1, 2, 3])
-def test_rolled_back_kda_state_is_a_fresh_recurrence_bitwise(kept):
+@pytest.mark.parametrize("kept,backend", [(1, "auto"), (2, "auto"), (3, "recurrent")])
+def test_rolled_back_kda_state_is_a_fresh_recurrence_bitwise(kept, backend):
     """Verification of 4 tokens recording states after 1..3 of them (one `kda(state_offsets=...)` call per layer),
     rewound to `kept`: every KDA layer's recurrent state and conv window equal, to the bit, a fresh recurrence over
     the kept tokens from the state before the verification (same inputs: the layer's KDA inputs are computed from
-    the verification's own layer inputs, since a linear layer over fewer than 4 rows rounds differently on CPU)."""
+    the verification's own layer inputs, since a linear layer over fewer than 4 rows rounds differently on CPU).
+    "auto" on CPU: a verification this short runs the recurrence (model/kda.py, SHORT_CALL_TOKENS)."""
     torch.manual_seed(0)
     model = K3ForCausalLM(ModelConfig.from_dict(TINY)).eval()
     randomise(model, 3)
-    configure_kda(model, backend="recurrent")
+    configure_kda(model, backend=backend)
     layers = [m for m in model.modules() if isinstance(m, KimiDeltaAttention)]
     seen = {}
     hooks = [m.register_forward_pre_hook(lambda mod, args: seen.__setitem__(mod, args[0])) for m in layers]

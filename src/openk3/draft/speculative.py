@@ -26,7 +26,7 @@ K - 1 steps on its own hidden states at positions n+1 .. (latents that later rou
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -92,11 +92,19 @@ def accept_drafts(drafted: Sequence[int], draft_probs: Sequence[torch.Tensor], t
 
 @dataclass
 class SpeculationStats:
-    """vLLM's counting: acceptance length = 1 + accepted / rounds (verification forwards with drafts)."""
+    """vLLM's counting: acceptance length = 1 + accepted / rounds (verification forwards with drafts).
+    `by_accepted[a]`: the rounds that accepted a drafts."""
 
     rounds: int = 0
     drafted: int = 0
     accepted: int = 0
+    by_accepted: dict[int, int] = field(default_factory=dict)
+
+    def add(self, drafted: int, accepted: int) -> None:
+        self.rounds += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        self.by_accepted[accepted] = self.by_accepted.get(accepted, 0) + 1
 
     @property
     def accept_len(self) -> float:
@@ -155,9 +163,7 @@ def speculative_generate(model: nn.Module, draft: EagleDraft, prompt_ids: list[i
             features = draft.fuse(tapped)  # [1, k+1, D]
         kept = accept_drafts(drafted, draft_probs, logits.float().cpu(), params, generator, out)
         cache.rewind([len(kept)], k + 1)
-        stats.rounds += 1
-        stats.drafted += k
-        stats.accepted += len(kept) - 1
+        stats.add(k, len(kept) - 1)
         for t in kept[:-1]:
             if t in stop_ids or len(out) >= max_new_tokens:
                 break
