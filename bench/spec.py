@@ -11,11 +11,14 @@ Per draft (`openk3 draft` run directories, the same target):
   (1 + accepted / verifications);
 - decode tokens/s, batch 1, greedy: `generate_ids` against `speculative_generate` on the same prompts, interleaved,
   median of the repeats (one torch thread: the machine is shared).
+- serving: the engine (`openk3.serve.engine`, CPU) with `--clients` greedy requests at once, generated tokens per
+  second of wall time with and without speculation.
 Rollback (with the first draft): the verification forward of K + 1 tokens recording the KDA states after each of
 the first K (the per-position snapshots `HybridCache.rewind` uses) against the same forward without them plus what
 the recompute strategy adds (one snapshot of the KDA states before it; after a rejection, restoring it and a second
-forward over the a + 1 kept tokens), weighted by the measured distribution of accepted drafts per round.
-Writes a JSON (default bench/spec.json) and prints a table.
+forward over the a + 1 kept tokens), weighted by the measured distribution of accepted drafts per round; and the
+`kda` op alone with states after each of the first K of K + 1 tokens, recurrence against the chunked form.
+Writes a JSON (default bench/spec.json) and prints the numbers.
 """
 
 from __future__ import annotations
@@ -56,20 +59,64 @@ def decode_speed(model, draft, prompts: list[list[int]], tokens: int, k: int, re
     subtracted using a 1-token run of each prompt)."""
     greedy = SamplingParams(max_tokens=tokens, temperature=0)
 
-    def timed(fn) -> float:
+    def timed(fn, *args) -> float:
         start = time.perf_counter()
-        fn()
+        fn(*args)
         return time.perf_counter() - start
 
     plain, spec = [], []
     for _ in range(repeats):
         for prompt in prompts:
-            prefill = timed(lambda: generate_ids(model, prompt, 1, greedy))
-            plain.append(tokens / max(1e-9, timed(lambda: generate_ids(model, prompt, tokens, greedy)) - prefill))
-            spec.append(tokens / max(1e-9, timed(lambda: speculative_generate(model, draft, prompt, tokens, greedy,
-                                                                              k)) - prefill))
+            prefill = timed(generate_ids, model, prompt, 1, greedy)
+            plain.append(tokens / max(1e-9, timed(generate_ids, model, prompt, tokens, greedy) - prefill))
+            spec.append(tokens / max(1e-9, timed(speculative_generate, model, draft, prompt, tokens, greedy, k)
+                                     - prefill))
     return {"plain_tokens_per_s": statistics.median(plain), "speculative_tokens_per_s": statistics.median(spec),
             "speedup": statistics.median(spec) / statistics.median(plain)}
+
+
+def engine_speed(model, draft, tokenizer, prompts: list[list[int]], tokens: int, k: int) -> dict:
+    """Generated tokens per second of wall time, all prompts submitted at once, greedy."""
+    from openk3.serve.engine import Engine, EngineConfig
+    from openk3.serve.scheduler import SchedulerConfig
+
+    out = {}
+    for label, spec in (("plain", 0), ("speculative", k)):
+        engine = Engine(model, tokenizer, EngineConfig(speculative=spec, scheduler=SchedulerConfig(
+            max_running=len(prompts), prefill_tokens_per_step=4096)), draft if spec else None)
+        requests = [engine.add_request(p, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
+                    for p in prompts]
+        engine.step()  # the prefills (and first tokens)
+        start = time.perf_counter()
+        while engine.has_work():
+            engine.step()
+        out[f"{label}_tokens_per_s"] = sum(len(r.output) - 1 for r in requests) / (time.perf_counter() - start)
+    out["speedup"] = out["speculative_tokens_per_s"] / out["plain_tokens_per_s"]
+    return out
+
+
+def kda_offset_costs(k: int, repeats: int) -> dict:
+    """Milliseconds of one `kda` call over K + 1 tokens returning the states after each of the first K, k3-tiny's
+    KDA shape (4 heads of 32), by batch size and backend."""
+    from openk3.ops.kda import kda
+
+    gen = torch.Generator().manual_seed(0)
+    out = {}
+    for batch in (1, 8, 32):
+        shape = (batch, k + 1, 4, 32)
+        q, v = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+        key = torch.nn.functional.normalize(torch.randn(shape, generator=gen), dim=-1)
+        g, beta = -torch.rand(shape, generator=gen), torch.rand(shape[:3], generator=gen)
+        state = torch.randn(batch, 4, 32, 32, generator=gen)
+        for backend in ("recurrent", "chunked"):
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                kda(q, key, v, g, beta, initial_state=state, output_final_state=True, backend=backend, gate_min=-5.0,
+                    state_offsets=tuple(range(1, k + 1)))
+                times.append(time.perf_counter() - start)
+            out[f"batch_{batch}_{backend}_ms"] = 1e3 * statistics.median(times)
+    return out
 
 
 def rollback_costs(model, prompt: list[int], k: int, by_accepted: dict[int, int], repeats: int) -> dict:
@@ -120,6 +167,7 @@ def main() -> None:
     parser.add_argument("--speed-prompts", type=int, default=4)
     parser.add_argument("--speed-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--clients", type=int, default=8, help="concurrent requests of the engine measurement")
     parser.add_argument("--json", default=str(Path(__file__).with_name("spec.json")))
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -150,13 +198,17 @@ def main() -> None:
                 first_stats, first_model = stats, model
         row["speed"] = decode_speed(model, draft, prompts[:args.speed_prompts].tolist(), args.speed_tokens, args.k,
                                     args.repeats)
+        row["engine"] = engine_speed(model, draft, tok, prompts[:args.clients].tolist(), args.speed_tokens, args.k)
         results["drafts"][name] = row
         print(f"{name}: alpha (held-out, per step) {[round(a, 4) for a in row['alpha_heldout']]}, accept_len "
               f"{row['sampled']['accept_len']:.3f} sampled / {row['greedy']['accept_len']:.3f} greedy, decode "
-              f"{row['speed']['plain_tokens_per_s']:.1f} -> {row['speed']['speculative_tokens_per_s']:.1f} tok/s",
-              flush=True)
+              f"{row['speed']['plain_tokens_per_s']:.1f} -> {row['speed']['speculative_tokens_per_s']:.1f} tok/s, "
+              f"engine x{args.clients} {row['engine']['plain_tokens_per_s']:.1f} -> "
+              f"{row['engine']['speculative_tokens_per_s']:.1f} tok/s", flush=True)
     results["rollback"] = rollback_costs(first_model, prompts[0].tolist(), args.k, first_stats.by_accepted,
                                          5 * args.repeats)
+    results["kda_offsets"] = kda_offset_costs(args.k, 10 * args.repeats)
+    print(json.dumps(results["kda_offsets"], indent=2))
     results["load_after"] = os.getloadavg()
     results["seconds"] = time.perf_counter() - started
     print(json.dumps(results["rollback"], indent=2))

@@ -41,13 +41,15 @@ def prompts_sharing_a_prefix(vocab: int) -> list[list[int]]:
     return [system + [rng.randrange(vocab) for _ in range(n)] for n in (3, 20, 37)] + [[5, 6, 7], system[:20]]
 
 
-def run(engine: Engine, prompts, params_for) -> list:
-    """Submit one prompt per step (later ones hit the earlier ones' blocks) and run to the end."""
+def run(engine: Engine, prompts, params_for, events: list | None = None) -> list:
+    """Submit one prompt per step (later ones hit the earlier ones' blocks) and run to the end; each request's
+    events are appended to events[i] when given."""
     requests, pending = [], list(enumerate(prompts))
     while pending or engine.has_work():
         if pending:
             i, prompt = pending.pop(0)
-            requests.append(engine.add_request(prompt, params_for(i)))
+            on_event = events[i].append if events is not None else None
+            requests.append(engine.add_request(prompt, params_for(i), on_event=on_event))
         engine.step()
         check_references(engine)
     return requests
@@ -94,6 +96,50 @@ def test_engine_sampled_speculation_equals_generate_seed_for_seed(trained):
     requests = run(engine_for(tok, model, draft, 3), prompts, params.__getitem__)
     for r, p in zip(requests, params):
         assert r.output == speculative_generate(model, draft, r.prompt, 10, p, 3, set(tok.stop_ids))
+
+
+def test_logprobs_penalties_and_stops_match_plain_decoding(trained):
+    """Rows that cannot compare raw argmaxes (a logit bias, penalties, logprobs) go through the distributions; text,
+    logprobs and finish reasons equal a plain engine's."""
+    _, model, draft, tok = trained
+    prompts = prompts_sharing_a_prefix(model.config.vocab_size)[:3]
+    text = tok.decode_plain(generate_ids(model, prompts[2], 12, SamplingParams(temperature=0)))
+    stop = next(c for c in text[len(text) // 2:] if c != "\ufffd")  # ends the third reply midway
+    params = [SamplingParams(max_tokens=12, temperature=0, logprobs=2, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=0, frequency_penalty=0.7, logit_bias={3: 5.0},
+                             ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=0, stop=[stop], logprobs=0, ignore_eos=True)]
+    events = [[[] for _ in prompts] for _ in range(2)]
+    plain = run(engine_for(tok, model), prompts, params.__getitem__, events[0])
+    spec = run(engine_for(tok, model, draft, 3), prompts, params.__getitem__, events[1])
+    for a, b in zip(plain, spec):
+        assert (a.output, a.text, a.finish_reason) == (b.output, b.text, b.finish_reason)
+    assert spec[2].finish_reason == "stop" and spec[0].finish_reason == "length"
+    for a, b in zip(*events):
+        logprobs = [[lp for e in run_events for lp in e.logprobs] for run_events in (a, b)]
+        assert [lp.token for lp in logprobs[0]] == [lp.token for lp in logprobs[1]]
+        for x, y in zip(*logprobs):
+            assert x.logprob == pytest.approx(y.logprob, abs=1e-4)
+            assert [t for t, _ in x.top] == [t for t, _ in y.top]
+    assert len([lp for e in events[1][0] for lp in e.logprobs]) == 12
+
+
+def test_sequences_near_the_context_limit_fall_back_to_one_token_steps(trained):
+    _, model, draft, tok = trained
+    config = model.config
+    model.config = config.with_overrides({"max_seq_len": 48})
+    try:
+        prompts = [p[:30] for p in prompts_sharing_a_prefix(config.vocab_size)[:2]]
+        params = lambda i: SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)  # noqa: E731
+        plain = run(engine_for(tok, model), prompts, params)
+        engine = engine_for(tok, model, draft, 3)
+        spec = run(engine, prompts, params)
+    finally:
+        model.config = config
+    for a, b in zip(plain, spec):
+        assert a.output == b.output and a.finish_reason == b.finish_reason == "length"
+        assert len(b.prompt) + len(b.output) == 48
+    assert engine.metrics.spec_drafts > 0
 
 
 def test_prefix_cache_checkpoints_are_states_of_accepted_tokens(trained):

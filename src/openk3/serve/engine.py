@@ -350,6 +350,7 @@ class Engine:
             with self._isolated([r]):
                 token = sample(row)
                 r.fed += 1
+                self.features.pop(r, None)  # this path computes no draft feature: none is cached for the token
                 self._register_blocks(r, r.fed - 1)
                 self._accept(r, token)
 
