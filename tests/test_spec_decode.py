@@ -10,7 +10,7 @@ import torch
 
 from openk3.cli import main
 from openk3.config import ModelConfig
-from openk3.draft import EagleDraft, SpeculationStats, accept_drafts, load_draft, speculative_generate
+from openk3.draft import EagleDraft, SpeculationStats, accept_drafts, accept_greedy, load_draft, speculative_generate
 from openk3.generate import generate_ids
 from openk3.interop import load_pretrained
 from openk3.model import K3ForCausalLM, KimiDeltaAttention, configure_kda
@@ -167,6 +167,19 @@ def test_accept_drafts_keeps_the_target_distribution():
     assert accept_drafts([best[0], best[1]], [None, None], target, SamplingParams(temperature=0), gen) == best
     wrong = (best[0] + 1) % V
     assert accept_drafts([wrong, best[1]], [None, None], target, SamplingParams(temperature=0), gen) == best[:1]
+
+
+def test_accept_greedy_equals_accept_drafts_for_greedy_rows():
+    """The serving engine's argmax fast path against the general rejection sampler, ties included."""
+    gen = torch.Generator().manual_seed(5)
+    greedy = SamplingParams(temperature=0)
+    for trial in range(200):
+        logits = torch.randint(0, 3, (4, 5), generator=gen).float()  # small integers: many ties
+        drafted = torch.randint(0, 5, (3,), generator=gen).tolist()
+        if trial % 2:
+            drafted[: trial % 3] = logits.argmax(-1)[: trial % 3].tolist()  # accepted prefixes of every length
+        assert accept_greedy(drafted, logits.argmax(-1).tolist()) == accept_drafts(drafted, [None] * 3, logits,
+                                                                                    greedy, gen)
 
 
 def test_sampled_speculative_generation_keeps_the_target_distribution():
