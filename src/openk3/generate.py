@@ -3,11 +3,14 @@
 The prompt is prefilled once into `model.new_cache(1)`; every new token is one forward of a single position that
 appends to the cache (KDA states and MLA latents), so each step costs the same however long the text grows.
 Sampling (greedy / temperature / top-k / top-p, seeded) is `openk3.sampling.sample_token`, as in serving.
+`--speculative K` (a checkpoint of `openk3 draft`): the draft proposes K tokens and the target verifies them in one
+forward of K + 1 positions, with the target's distribution kept exactly (`openk3.draft.speculative`).
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 
 import torch
 from torch import nn
@@ -53,9 +56,30 @@ def run_generate(args: argparse.Namespace) -> int:
     configure_kda(model, backend=args.kda_backend, overlap=args.kda_overlap)
     params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
-    ids = generate_ids(model, tok.encode(args.prompt), args.max_new_tokens, params, {tok.eos_id}, device)
+    prompt = tok.encode(args.prompt)
+    if args.speculative:
+        from openk3.draft import SpeculationStats, load_draft, speculative_generate
+
+        stats = SpeculationStats()
+        ids = speculative_generate(model, load_draft(model, ckpt), prompt, args.max_new_tokens, params,
+                                   args.speculative, {tok.eos_id}, device, stats)
+    else:
+        ids = generate_ids(model, prompt, args.max_new_tokens, params, {tok.eos_id}, device)
     print(args.prompt + tok.decode(ids))
+    if args.speculative and stats.rounds:
+        print(f"speculative decoding: {stats.accepted} of {stats.drafted} drafted tokens accepted in "
+              f"{stats.rounds} verifications (acceptance length {stats.accept_len:.2f})", file=sys.stderr)
     return 0
+
+
+def _draft_tokens(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
 
 
 def add_generate_parser(subparsers) -> None:
@@ -71,5 +95,8 @@ def add_generate_parser(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, help="cpu / cuda (default: cuda when available)")
     p.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the checkpoint's)")
+    p.add_argument("--speculative", type=_draft_tokens, default=0, metavar="K",
+                   help="speculative decoding with the checkpoint's draft (`openk3 draft`): K drafted tokens per "
+                        "verification, the target's distribution kept exactly (default: 0, off)")
     add_kda_options(p)
     p.set_defaults(func=run_generate)

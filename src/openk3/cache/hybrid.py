@@ -118,6 +118,27 @@ class HybridCache:
         self.lengths = self.lengths + num_tokens
         self.checkpoint_offsets = ()
 
+    def rewind(self, kept: list[int], forwarded: int) -> None:
+        """Keep only the first kept[b] of the `forwarded` tokens of the last forward, per sequence (speculative
+        decoding's rollback, SPEC §11): KDA layers take the states recorded after kept[b] tokens (that forward's
+        `checkpoint_offsets` must include every kept[b] < forwarded), MLA layers only get shorter (the rows past
+        the length are masked and later overwritten)."""
+        if len(kept) != self.batch_size or not all(1 <= n <= forwarded for n in kept):
+            raise ValueError(f"kept must give 1..{forwarded} tokens for each of {self.batch_size} sequences, "
+                             f"got {kept}")
+        kda = [i for i, layer in enumerate(self.layers) if isinstance(layer, KDALayerCache)]
+        for b, n in enumerate(kept):
+            if n == forwarded or not kda:
+                continue
+            if n not in self.checkpoints:
+                raise ValueError(f"no KDA checkpoint was recorded after {n} tokens (checkpoint_offsets)")
+            for i in kda:
+                saved = self.checkpoints[n][i]
+                self.layers[i].conv_state[b] = saved.conv_state[b]
+                self.layers[i].recurrent_state[b] = saved.recurrent_state[b]
+        self._lengths = [length - forwarded + n for length, n in zip(self._lengths, kept)]
+        self.lengths = torch.tensor(self._lengths, dtype=torch.long, device=self.lengths.device)
+
     def extract(self, i: int) -> SequenceState:
         """A self-contained copy of sequence i's state."""
         if not 0 <= i < self.batch_size:

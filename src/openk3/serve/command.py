@@ -59,17 +59,25 @@ def build_engine(args: argparse.Namespace):
     if dtype is not None:
         model = model.to(dtype)
     tokenizer = load_tokenizer(ckpt_dir, model.config.vocab_size)
+    draft = None
+    if args.speculative:
+        from openk3.draft import load_draft
+
+        if ckpt_dir is None:
+            raise ValueError("--speculative needs --ckpt: a checkpoint (or run directory) of `openk3 draft`")
+        draft = load_draft(model, ckpt_dir)
     config = EngineConfig(
         prefix_cache=not args.no_prefix_cache, hash_block=args.hash_block, page_size=args.page_size,
         cache_bytes=int(args.cache_mb * (1 << 20)), host_cache_bytes=int(args.host_cache_mb * (1 << 20)),
         disk_cache_dir=args.disk_cache_dir, disk_cache_bytes=int(args.disk_cache_mb * (1 << 20)),
         checkpoint_every=args.checkpoint_every, prefill_chunk_blocks=args.prefill_chunk_blocks,
         kv_pages=args.kv_pages, kernels=args.kernels, cuda_graphs=not args.no_cuda_graphs, seed=args.seed,
+        speculative=args.speculative,
         scheduler=SchedulerConfig(
             max_running=args.max_running, max_queue=args.max_queue,
             prefill_tokens_per_step=args.prefill_tokens or (GPU_PREFILL_TOKENS if device.type == "cuda" else 256)),
     )
-    engine = Engine(model, tokenizer, config)
+    engine = Engine(model, tokenizer, config, draft)
     runner = engine.runner
     if runner.graphs:
         print(f"openk3 serve: CUDA graphs for decode batches {sorted(runner.graphs)} captured in "
@@ -155,6 +163,12 @@ def listen_host(value: str) -> str:
     return value
 
 
+def _draft_tokens(value: str) -> int:
+    if not value.isdigit():
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value!r}")
+    return int(value)
+
+
 def add_serve_parser(subparsers) -> None:
     p = subparsers.add_parser("serve", help="OpenAI-compatible server with the K3 hybrid prefix cache",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -196,6 +210,9 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--allow-remote-images", action="store_true",
                    help="fetch http(s) image URLs in chat requests (10 s and 20 MiB at most each, no redirects); "
                         "by default only inline data: URLs are accepted")
+    p.add_argument("--speculative", type=_draft_tokens, default=0, metavar="K",
+                   help="speculative decoding with the checkpoint's draft (`openk3 draft`): K drafted tokens per "
+                        "verification, the target's distribution kept exactly (default 0: off)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     add_kda_options(p)
     p.set_defaults(func=run_serve)

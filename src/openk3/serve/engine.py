@@ -23,6 +23,18 @@ Images (SPEC §12): a request may carry prepared images (openk3.images) whose pl
 Each prefill chunk passes the model the image tokens of the placeholders it holds (`ModelRunner.prefill`'s
 `image_embeds`; an image is encoded the first time a chunk reaches it, so one inside the prefix hit never is),
 and the prefix cache keys the prompt by image content (`PromptImages.cache_prompt`). Decode never sees an image.
+
+Speculative decoding (`speculative` K > 0 with an `EagleDraft`, SPEC §11): the decoding sequences take one round each
+per step instead of one token. The draft proposes K tokens (its first position reads the target feature of the last
+token the target consumed, kept per sequence; the next K - 1 its own hidden states), the target verifies all rows'
+K + 1 tokens in one batched forward that records the KDA states after each of the first K, and each row keeps its
+accepted drafts plus one token (`openk3.draft.speculative.accept_drafts`: the target's distribution exactly, greedy
+text unchanged); rows accept different numbers, and each rolls its slot's KDA state back to its own offset (the MLA
+latents past it are left to be overwritten). The draft's latents live in the page pool's last layer, written for a
+position only from target features (a catch-up pass over the accepted drafts), so a page that reaches the prefix
+cache holds the same draft latents whatever drafted them, and hash blocks are registered only up to the accepted
+tokens, each KDA checkpoint carrying the draft feature of its boundary ("feature") for a sequence resuming there.
+A sequence within K + 1 tokens of the context limit decodes one token per step.
 """
 
 from __future__ import annotations
@@ -38,6 +50,7 @@ import torch
 
 from openk3.cache.paged import BlockTables, PagePool
 from openk3.cache.state_pool import StatePool
+from openk3.draft import EagleDraft, accept_drafts, accept_greedy, draw, target_distribution
 from openk3.sampling import SamplingParams, sample_token, token_logprobs
 from openk3.serve.prefix_cache import PrefixCache, PrefixCacheConfig, image_keyed_tokens
 from openk3.serve.runner import ModelRunner
@@ -73,6 +86,7 @@ class EngineConfig:
     kv_pages: int | None = None  # physical pages in the pool (None: room for max_live_tokens + the cache)
     kernels: str = "auto"  # decode kernels: "triton" (the GPU path), "torch" (the reference), auto: by device
     cuda_graphs: bool = True  # capture decode as CUDA graphs at start-up (CUDA only)
+    speculative: int = 0  # draft tokens per verification (needs the engine's draft model); 0: off
     seed: int = 0
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -84,6 +98,8 @@ class EngineConfig:
             raise ValueError(f"engine field 'kv_pages' must be >= 2 (one is the null page), got {self.kv_pages}")
         if self.kernels not in ("auto", "triton", "torch"):
             raise ValueError(f"engine field 'kernels' must be auto, triton or torch, got {self.kernels!r}")
+        if self.speculative < 0:
+            raise ValueError(f"engine field 'speculative' must be >= 0, got {self.speculative}")
 
 
 @dataclass
@@ -131,18 +147,41 @@ class EngineMetrics:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     steps: int = 0
+    spec_drafts: int = 0  # speculative verifications (one per sequence and round)
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 class PoolExhausted(RuntimeError):
     pass
 
 
+@dataclass(eq=False)
+class SpeculativeRow:
+    """One sequence's round: its drafted tokens, the draft distributions they came from (not kept for plain greedy
+    rows, which compare argmaxes) and the verification's logits on the host when the row needs them."""
+
+    request: Request
+    drafted: list[int] = field(default_factory=list)
+    probs: list[torch.Tensor] = field(default_factory=list)
+    host: torch.Tensor | None = None
+
+    @property
+    def plain_greedy(self) -> bool:
+        return self.request.params.greedy and self.request.params.plain
+
+
 class Engine:
-    def __init__(self, model: torch.nn.Module, tokenizer, config: EngineConfig | None = None):
+    def __init__(self, model: torch.nn.Module, tokenizer, config: EngineConfig | None = None,
+                 draft: EagleDraft | None = None):
         self.model = model.eval()
         self.model_config = mc = model.config
         self.tokenizer = tokenizer
         self.config = config = config or EngineConfig()
+        if config.speculative and draft is None:
+            raise ValueError("engine field 'speculative' needs a draft model: a checkpoint of `openk3 draft`")
+        self.draft = draft if config.speculative else None
+        self.features: dict[Request, torch.Tensor] = {}  # speculative: the draft feature of each one's last token
         embed = model.model.embed_tokens.weight
         device, dtype = embed.device, embed.dtype
         gpu = device.type == "cuda"
@@ -155,7 +194,7 @@ class Engine:
         self.chunk_blocks = config.prefill_chunk_blocks or (max(12, GPU_PREFILL_CHUNK_TOKENS // h) if gpu else 12)
         sched = config.scheduler
 
-        n_mla = len(mc.mla_layers)
+        n_mla = len(mc.mla_layers) + (self.draft is not None)  # the draft's latents: one more layer of pages
         width = mc.mla.kv_lora_rank + mc.mla.qk_rope_head_dim
         page_bytes = max(1, n_mla * P * width * embed.element_size())
         cache_pages = config.cache_bytes // page_bytes if config.prefix_cache and n_mla else 0
@@ -165,7 +204,7 @@ class Engine:
         self.states = StatePool(mc, sched.max_running, dtype=dtype, device=device)
         kernels = config.kernels if config.kernels != "auto" else ("triton" if gpu else "torch")
         self.runner = ModelRunner(model, self.pages, self.tables, self.states, max_batch=sched.max_running,
-                                  kernels=kernels, cuda_graphs=config.cuda_graphs)
+                                  kernels=kernels, cuda_graphs=config.cuda_graphs, draft=self.draft)
         self.runner.capture()
 
         self.prefix_cache = PrefixCache(PrefixCacheConfig(
@@ -237,7 +276,14 @@ class Engine:
         for r in admitted:
             with self._isolated([r]):
                 self._start(r)
-        decoding = [r for r in self.scheduler.running if not r.prefilling and self._has_pages(r, r.fed + 1)]
+        K, limit = self.config.speculative, self.model_config.max_seq_len
+        speculating = [r for r in list(self.scheduler.running) if self.draft is not None and not r.prefilling
+                       and r.fed + K + 1 <= limit and self._has_pages(r, r.fed + K + 1)]
+        decoding = [r for r in list(self.scheduler.running) if not r.prefilling and r not in speculating
+                    and self._has_pages(r, r.fed + 1)]
+        if speculating:
+            with self._isolated(speculating):
+                self._speculate(speculating)
         if decoding:
             with self._isolated(decoding):
                 self._decode(decoding)
@@ -329,10 +375,13 @@ class Engine:
                     self.pages.release(pages[-1])
                     pages[-1] = own
                 self.states.load(r.slot, r.lease.hit_checkpoint)
+                if self.draft is not None and r.lease.hit_checkpoint.get("feature") is not None:
+                    self.features[r] = r.lease.hit_checkpoint["feature"]
                 r.fed = r.cached_tokens = hit
         self.tables.set(r.slot, pages)
 
     def _release_resources(self, r: Request) -> None:
+        self.features.pop(r, None)
         if r.slot is not None:
             for pid in self.tables.clear(r.slot):
                 self.pages.release(pid)
@@ -354,43 +403,138 @@ class Engine:
             with self._isolated([r]):
                 token = sample(row)
                 r.fed += 1
+                self.features.pop(r, None)  # this path computes no draft feature: none is cached for the token
                 self._register_blocks(r, r.fed - 1)
                 self._accept(r, token)
+
+    def _feature(self, r: Request) -> torch.Tensor:
+        """The draft feature of the last token the target consumed (zeros before the first token)."""
+        if r in self.features:
+            return self.features[r]
+        return self.model.model.embed_tokens.weight.new_zeros(self.model_config.hidden_size)
+
+    def _speculate(self, requests: list[Request]) -> None:
+        """One speculative round for every sequence in `requests` (module docstring; their pages are in place)."""
+        K, runner, device = self.config.speculative, self.runner, self.runner.device
+        slots, starts = [r.slot for r in requests], [r.fed for r in requests]
+        prev = torch.stack([self._feature(r) for r in requests]).unsqueeze(1)  # [B,1,D]
+        hidden = runner.draft_step(prev, torch.tensor([[r.output[-1]] for r in requests], device=device), slots,
+                                   starts)
+        drafts = [SpeculativeRow(r) for r in requests]
+        for i in range(K):
+            self._draw_drafts(drafts, self.draft.logits(hidden[:, -1])[:, : self.vocab_limit])
+            if i + 1 < K:
+                ids = torch.tensor([[d.drafted[-1]] for d in drafts], device=device)
+                hidden = runner.draft_step(hidden, ids, slots, [n + 1 + i for n in starts])
+        logits, checkpoints, features = runner.forward([[r.output[-1], *d.drafted] for r, d in zip(requests, drafts)],
+                                                       slots, starts, tuple(range(1, K + 1)), all_logits=True)
+        kept = self._verify(drafts, logits[..., : self.vocab_limit])
+        for row, (r, tokens) in enumerate(zip(requests, kept)):
+            if len(tokens) <= K:  # roll the KDA state back to the last accepted token
+                self.states.load(r.slot, {name: t[:, row] for name, t in checkpoints[len(tokens)].items()})
+        accepted = max(len(tokens) - 1 for tokens in kept)
+        if accepted:  # the draft latents of the accepted drafts, from the target's features (rows padded)
+            prev = features.new_zeros(len(requests), accepted, features.shape[-1])
+            ids = torch.zeros(len(requests), accepted, dtype=torch.long)
+            for row, tokens in enumerate(kept):
+                prev[row, : len(tokens) - 1] = features[row, : len(tokens) - 1]
+                ids[row, : len(tokens) - 1] = torch.tensor(tokens[:-1])
+            runner.draft_step(prev, ids.to(device), slots, [n + 1 for n in starts])
+        for row, (r, tokens, d) in enumerate(zip(requests, kept, drafts)):
+            with self._isolated([r]):
+                start, r.fed = r.fed, r.fed + len(tokens)
+                self.features[r] = features[row, len(tokens) - 1]
+                self._register_blocks(r, start, checkpoints, row, features, self._cache_tokens(r) + tokens[:-1])
+                self.metrics.spec_drafts += 1
+                self.metrics.spec_draft_tokens += K
+                self.metrics.spec_accepted_tokens += len(tokens) - 1
+                for j, token in enumerate(tokens):
+                    if r.params.logprobs is not None:
+                        r.logprobs.append(token_logprobs(d.host[j], token, r.params.logprobs))
+                    self._accept(r, token)
+                    if r.finish_reason is not None:
+                        break
+
+    def _draw_drafts(self, drafts: list[SpeculativeRow], logits: torch.Tensor) -> None:
+        """Each row's next drafted token from the draft's logits [B, V], and the distribution it came from."""
+        picks = logits.argmax(-1).tolist()
+        host = None if all(d.plain_greedy for d in drafts) else logits.float().cpu()
+        for row, d in enumerate(drafts):
+            if d.plain_greedy:
+                d.drafted.append(picks[row])
+                continue
+            q = target_distribution(host[row], d.request.params, [*d.request.output, *d.drafted])
+            d.drafted.append(draw(q, d.request.params, d.request.generator))
+            d.probs.append(q)
+
+    def _verify(self, drafts: list[SpeculativeRow], logits: torch.Tensor) -> list[list[int]]:
+        """Each row's accepted drafts plus one target token, from the verification's logits [B, K+1, V]."""
+        picks = logits.argmax(-1).tolist()
+        host = None if all(d.plain_greedy and d.request.params.logprobs is None for d in drafts) else \
+            logits.float().cpu()
+        kept = []
+        for row, d in enumerate(drafts):
+            d.host = host[row] if host is not None else None
+            if d.plain_greedy:
+                kept.append(accept_greedy(d.drafted, picks[row]))
+            else:
+                r = d.request
+                kept.append(accept_drafts(d.drafted, d.probs, d.host, r.params, r.generator, r.output))
+        return kept
 
     def _prefill(self, chunks: list[tuple[Request, int]]) -> None:
         """The next chunk (same length for all) of each request's prompt: (request, end of its chunk)."""
         requests, ends = [r for r, _ in chunks], [end for _, end in chunks]
         offsets = self._checkpoint_offsets(requests[0].fed, ends[0])
         images = [e for r, end in chunks if r.images for e in r.images.chunk_embeds(r.fed, end, self.model)]
-        logits, checkpoints = self.runner.prefill([r.prompt[r.fed:end] for r, end in zip(requests, ends)],
-                                                  [r.slot for r in requests], [r.fed for r in requests], offsets,
-                                                  image_embeds=torch.cat(images) if images else None)
+        image_embeds = torch.cat(images) if images else None
+        chunks = [r.prompt[r.fed:end] for r, end in zip(requests, ends)]
+        slots, starts = [r.slot for r in requests], [r.fed for r in requests]
+        features = None
+        if self.draft is None:
+            logits, checkpoints = self.runner.prefill(chunks, slots, starts, offsets, image_embeds=image_embeds)
+        else:  # and the draft's latents of the chunk: position t reads (F_{t-1}, token t)
+            logits, checkpoints, features = self.runner.forward(chunks, slots, starts, offsets,
+                                                                image_embeds=image_embeds)
+            logits = logits[:, -1]
+            prev = torch.stack([self._feature(r) for r in requests]).unsqueeze(1)
+            self.runner.draft_step(torch.cat([prev, features[:, :-1]], dim=1), torch.tensor(chunks, device=prev.device),
+                                   slots, starts)
         sample = self._sampler(requests, logits)
         for row, (r, end) in enumerate(zip(requests, ends)):
             with self._isolated([r]):
                 start, r.fed = r.fed, end
-                self._register_blocks(r, start, checkpoints, row)
+                if features is not None:
+                    self.features[r] = features[row, -1]
+                self._register_blocks(r, start, checkpoints, row, features)
                 if not r.prefilling:
                     r.first_token_at = time.perf_counter()
                     self._accept(r, sample(row))
 
-    def _register_blocks(self, r: Request, start: int, checkpoints: dict | None = None, row: int = 0) -> None:
+    def _register_blocks(self, r: Request, start: int, checkpoints: dict | None = None, row: int = 0,
+                         features: torch.Tensor | None = None, tokens: list[int] | None = None) -> None:
         """Hand the hash blocks completed between `start` and `r.fed` to the prefix cache: the page holding their
-        latents, and the KDA states at each block end the forward recorded (or, at `r.fed`, the slot's state)."""
+        latents, and the KDA states at each block end the forward recorded (or, at `r.fed`, the slot's state), with
+        the draft feature of the block's last token when speculating (from the forward's `features` [B, T, D]).
+        `tokens`: the sequence's tokens through r.fed as the cache keys them (default `_cache_tokens(r)`)."""
         h = self.hash_block
         if self.prefix_cache is None or r.lease.detached:
             return
+        tokens = self._cache_tokens(r) if tokens is None else tokens
         for end in range((start // h + 1) * h, r.fed + 1, h):
             if end == r.fed:
                 ckpt = self.states.snapshot(r.slot)
+                if r in self.features:
+                    ckpt["feature"] = self.features[r].clone()
             elif checkpoints and end - start in checkpoints:
                 ckpt = {name: t[:, row].clone() for name, t in checkpoints[end - start].items()}
+                if features is not None:
+                    ckpt["feature"] = features[row, end - start - 1].clone()
             else:
                 ckpt = None
             turn_end = end <= len(r.prompt) < end + h  # the last boundary of the prompt ends the user's turn
             page = self.tables.pages[r.slot][(end - h) // self.page_size]
-            self.prefix_cache.append(r.lease, self._cache_tokens(r)[end - h:end], None, ckpt, turn_boundary=turn_end,
-                                     page=page)
+            self.prefix_cache.append(r.lease, tokens[end - h:end], None, ckpt, turn_boundary=turn_end, page=page)
 
     # ---- tokens, stops, events ----------------------------------------------------------------------------
     def _sampler(self, requests: list[Request], logits: torch.Tensor):

@@ -3,7 +3,10 @@
 Read from the engine at each scrape (counters and gauges): openk3_requests_received_total and
 openk3_requests_finished_total{reason} (engine requests: one per choice), openk3_prompt_tokens_total,
 openk3_generation_tokens_total, openk3_engine_steps_total, openk3_queue_requests, openk3_running_requests,
-openk3_prefix_cache_queried_tokens_total, openk3_prefix_cache_hit_tokens_total, openk3_prefix_cache_utilisation.
+openk3_prefix_cache_queried_tokens_total, openk3_prefix_cache_hit_tokens_total, openk3_prefix_cache_utilisation,
+and with --speculative (0 otherwise) openk3_spec_decode_drafts_total (verifications, one per sequence and round),
+openk3_spec_decode_draft_tokens_total and openk3_spec_decode_accepted_tokens_total (vLLM's acceptance length is
+1 + accepted / drafts).
 Observed per request from the engine's event times (histograms): openk3_time_to_first_token_seconds (from the
 request's arrival at the API to its first token, of any choice), openk3_inter_token_latency_seconds (between
 consecutive tokens of one choice) and openk3_e2e_request_latency_seconds (arrival to the last choice's end, for
@@ -53,6 +56,12 @@ class EngineCollector(Collector):
                                   value=stats.hit_tokens if stats else 0)
         yield GaugeMetricFamily("openk3_prefix_cache_utilisation", "Used fraction of the prefix cache's device tier.",
                                 value=cache.utilisation if cache is not None else 0.0)
+        yield CounterMetricFamily("openk3_spec_decode_drafts", "Speculative verifications (per sequence and round).",
+                                  value=m.spec_drafts)
+        yield CounterMetricFamily("openk3_spec_decode_draft_tokens", "Tokens proposed by the draft model.",
+                                  value=m.spec_draft_tokens)
+        yield CounterMetricFamily("openk3_spec_decode_accepted_tokens", "Drafted tokens the target accepted.",
+                                  value=m.spec_accepted_tokens)
 
 
 class ServerMetrics:

@@ -10,6 +10,11 @@ Prefill (`ModelRunner.prefill`): the model's own forward on a `HybridCache` gath
 of the slots; each sequence's latents so far, read through its block table; with the image tokens of the chunks'
 image placeholders, if any), then the new latents and states are written back. KDA checkpoints requested inside
 the chunk (`checkpoint_offsets`) come back per offset.
+
+Speculative decoding (SPEC §11, with an `EagleDraft`): `forward` is the same pass with the logits of every position
+(the verification of K drafts over K + 1 positions) and the draft's features of every position; `draft_step` runs
+the draft over positions of the slots, its latents kept in the page pool's last layer beside the target's MLA
+latents (so the prefix cache shares them with the pages).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch
 from openk3.cache import HybridCache, KDALayerCache, MLALayerCache
 from openk3.cache.paged import BlockTables, PagePool
 from openk3.cache.state_pool import StatePool
+from openk3.draft import EagleDraft, tapped_hidden_states
 from openk3.model.decode import DecodeBatch, decode_logits
 from openk3.ops.paged_mla import paged_positions
 
@@ -44,8 +50,9 @@ def split_kv(batch: int, processors: int) -> int:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, pages: PagePool, tables: BlockTables, states: StatePool, *,
-                 max_batch: int, kernels: str = "torch", cuda_graphs: bool = False):
+                 max_batch: int, kernels: str = "torch", cuda_graphs: bool = False, draft: EagleDraft | None = None):
         self.model = model
+        self.draft = draft  # its latents: the pool's last layer, after the target's MLA layers
         self.pages, self.tables, self.states = pages, tables, states
         self.kernels = kernels
         self.device = pages.pages.device
@@ -126,6 +133,16 @@ class ModelRunner:
         logits after each chunk [B, vocab] and, per requested offset, the KDA states after that many tokens:
         {offset: {"conv": [n_kda, B, C, W-1], "recurrent": [n_kda, B, H, K, V]}}. image_embeds [N, hidden]: the
         image tokens of the chunks' image placeholders, row-major over the batch (K3ForCausalLM.forward)."""
+        logits, checkpoints, _ = self.forward(chunks, slots, starts, checkpoint_offsets, image_embeds=image_embeds)
+        return logits[:, -1], checkpoints
+
+    @torch.no_grad()
+    def forward(self, chunks: list[list[int]], slots: list[int], starts: list[int],
+                checkpoint_offsets: tuple[int, ...] = (), all_logits: bool = False,
+                image_embeds: torch.Tensor | None = None):
+        """`prefill`'s pass, returning (logits [B, T or 1, vocab] (every position's with `all_logits`, else the
+        last's), the checkpoints, the draft's features of the chunk's positions [B, T, D] or None without a
+        draft)."""
         B, T = len(chunks), len(chunks[0])
         slot_t = torch.tensor(slots, device=self.device)
         conv, recurrent = self.states.gather(slot_t)
@@ -143,7 +160,14 @@ class ModelRunner:
         cache = HybridCache(layers, starts, self.device)
         cache.checkpoint_offsets = checkpoint_offsets
         ids = torch.tensor(chunks, device=self.device)
-        logits = self.model(ids, cache=cache, logits_to_keep=1, image_embeds=image_embeds).logits[:, -1]
+        features = None
+        keep = 0 if all_logits else 1
+        if self.draft is None:
+            logits = self.model(ids, cache=cache, logits_to_keep=keep, image_embeds=image_embeds).logits
+        else:
+            with tapped_hidden_states(self.model, self.draft.taps) as tapped:
+                logits = self.model(ids, cache=cache, logits_to_keep=keep, image_embeds=image_embeds).logits
+                features = self.draft.fuse(tapped)
 
         kda_caches = [cache.layers[i] for i in self.kda_layers]
         if kda_caches:
@@ -159,4 +183,23 @@ class ModelRunner:
             offset: {"conv": torch.stack([states[i].conv_state for i in self.kda_layers]),
                      "recurrent": torch.stack([states[i].recurrent_state for i in self.kda_layers])}
             for offset, states in cache.checkpoints.items()}
-        return logits, checkpoints
+        return logits, checkpoints, features
+
+    @torch.no_grad()
+    def draft_step(self, prev: torch.Tensor, ids: torch.Tensor, slots: list[int], starts: list[int]) -> torch.Tensor:
+        """The draft over positions starts[b] .. starts[b] + T - 1 of each slot: prev [B,T,D] (target features or
+        the draft's own hidden states), ids [B,T]. Reads the slot's draft latents before starts[b] and writes the
+        new ones into the pool; returns the draft's hidden states [B,T,D]."""
+        B, T = ids.shape
+        slot_t = torch.tensor(slots, device=self.device)
+        P, width = self.pages.page_size, self.pages.width
+        pool = self.pages.pages[-1].view(-1, width)
+        past = torch.arange(max(starts), device=self.device).expand(B, -1)
+        latents = MLALayerCache(pool[paged_positions(self.tables.tables, slot_t, past, P)])
+        lengths = torch.tensor(starts, device=self.device)
+        hidden = self.draft.step(prev, ids, latents, lengths)
+        new = lengths.view(B, 1) + torch.arange(T, device=self.device)
+        rows = torch.arange(B, device=self.device).view(B, 1)
+        pool.index_copy_(0, paged_positions(self.tables.tables, slot_t, new, P).reshape(-1),
+                         latents.buffer[rows, new].reshape(-1, width).to(pool.dtype))
+        return hidden
