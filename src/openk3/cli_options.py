@@ -1,4 +1,4 @@
-"""Options shared by the commands that build a model, with defaults from the environment.
+"""Options shared by the commands that build a model, with defaults from the environment, and argparse types.
 
 The CLI is the only place the KDA environment variables are read (model/ and ops/ take explicit arguments):
 OPENK3_KDA_BACKEND (auto | recurrent | chunked | triton) is the default of --kda-backend, OPENK3_KDA_OVERLAP=0 the
@@ -28,3 +28,17 @@ def add_kda_options(parser: argparse.ArgumentParser) -> None:
                         default=os.environ.get("OPENK3_KDA_OVERLAP", "1") != "0",
                         help="run the Triton backward's reverse state pass beside its producer when few chains run "
                              "(same bits either way); OPENK3_KDA_OVERLAP=0 sets the default off (default: %(default)s)")
+
+
+def int_at_least(low: int):
+    """An argparse `type`: an integer >= low (argparse names the flag in the error)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+
+    return parse

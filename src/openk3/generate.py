@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from openk3.checkpoints import resolve_checkpoint
-from openk3.cli_options import add_kda_options
+from openk3.cli_options import add_kda_options, int_at_least
 from openk3.sampling import SamplingParams, sample_token
 
 
@@ -72,16 +72,6 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _draft_tokens(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
-    return value
-
-
 def add_generate_parser(subparsers) -> None:
     p = subparsers.add_parser("generate", help="sample text from a trained checkpoint",
                               description="Sample text from a checkpoint (a step-NNNNNN/ directory, or a run "
@@ -95,7 +85,7 @@ def add_generate_parser(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, help="cpu / cuda (default: cuda when available)")
     p.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the checkpoint's)")
-    p.add_argument("--speculative", type=_draft_tokens, default=0, metavar="K",
+    p.add_argument("--speculative", type=int_at_least(0), default=0, metavar="K",
                    help="speculative decoding with the checkpoint's draft (`openk3 draft`): K drafted tokens per "
                         "verification, the target's distribution kept exactly (default: 0, off)")
     add_kda_options(p)

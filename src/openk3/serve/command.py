@@ -24,7 +24,7 @@ import socket
 import sys
 from pathlib import Path
 
-from openk3.cli_options import add_kda_options
+from openk3.cli_options import add_kda_options, int_at_least
 
 
 def build_engine(args: argparse.Namespace):
@@ -163,12 +163,6 @@ def listen_host(value: str) -> str:
     return value
 
 
-def _draft_tokens(value: str) -> int:
-    if not value.isdigit():
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value!r}")
-    return int(value)
-
-
 def add_serve_parser(subparsers) -> None:
     p = subparsers.add_parser("serve", help="OpenAI-compatible server with the K3 hybrid prefix cache",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -210,7 +204,7 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--allow-remote-images", action="store_true",
                    help="fetch http(s) image URLs in chat requests (10 s and 20 MiB at most each, no redirects); "
                         "by default only inline data: URLs are accepted")
-    p.add_argument("--speculative", type=_draft_tokens, default=0, metavar="K",
+    p.add_argument("--speculative", type=int_at_least(0), default=0, metavar="K",
                    help="speculative decoding with the checkpoint's draft (`openk3 draft`): K drafted tokens per "
                         "verification, the target's distribution kept exactly (default 0: off)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])

@@ -4,18 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from openk3.cli_options import add_kda_options
+from openk3.cli_options import add_kda_options, int_at_least
 from openk3.train.command import _ShowDefaults
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def _taps(text: str) -> tuple[int, ...]:
@@ -47,21 +37,21 @@ def add_draft_parser(subparsers) -> None:
                    help="lk: -log sum_x min(p, q) (the acceptance rate itself); kl: KL(p || q); hybrid: "
                         "lambda KL + (1 - lambda)(1 - alpha), lambda = exp(-eta alpha)")
     p.add_argument("--eta", type=float, default=DEFAULT_ETA, help="the hybrid loss's eta")
-    p.add_argument("--max-steps", type=_positive, default=200, metavar="N", help="optimizer steps")
-    p.add_argument("--draft-tokens", type=_positive, default=3, metavar="K",
+    p.add_argument("--max-steps", type=int_at_least(1), default=200, metavar="N", help="optimizer steps")
+    p.add_argument("--draft-tokens", type=int_at_least(1), default=3, metavar="K",
                    help="drafted tokens per verification: the steps unrolled in training and drafted at evaluation")
     p.add_argument("--taps", type=_taps, default=None, metavar="LO,MID,HI",
                    help="the target layers whose entering hidden states the draft reads (default: EAGLE-3's "
                         "2, L//2, L-3)")
     p.add_argument("--lr", type=float, default=1e-3, help="peak AdamW learning rate (WSD schedule)")
-    p.add_argument("--batch-size", type=_positive, default=8, help="windows per step")
-    p.add_argument("--seq-len", type=_positive, default=128, help="tokens per window")
+    p.add_argument("--batch-size", type=int_at_least(1), default=8, help="windows per step")
+    p.add_argument("--seq-len", type=int_at_least(1), default=128, help="tokens per window")
     p.add_argument("--data", default=None, metavar="PATH",
                    help="text file, JSONL or directory (default: the Python stdlib sources, as `openk3 train`)")
     p.add_argument("--eval-every", type=int, default=50, metavar="N",
                    help="acceptance on held-out prompts every N steps (0: only at the end)")
-    p.add_argument("--eval-prompts", type=_positive, default=8, help="held-out prompts per evaluation")
-    p.add_argument("--eval-tokens", type=_positive, default=48, help="tokens generated from each prompt")
+    p.add_argument("--eval-prompts", type=int_at_least(1), default=8, help="held-out prompts per evaluation")
+    p.add_argument("--eval-tokens", type=int_at_least(1), default=48, help="tokens generated from each prompt")
     p.add_argument("--eval-temperature", type=float, default=1.0,
                    help="sampling temperature of the evaluation (1: alpha is the acceptance probability; 0: greedy)")
     p.add_argument("--seed", type=int, default=0, help="data order and evaluation seeds")
