@@ -95,7 +95,7 @@ def test_rolled_back_kda_state_is_a_fresh_recurrence_bitwise(kept, backend):
     rewound to `kept`: every KDA layer's recurrent state and conv window equal, to the bit, a fresh recurrence over
     the kept tokens from the state before the verification (same inputs: the layer's KDA inputs are computed from
     the verification's own layer inputs, since a linear layer over fewer than 4 rows rounds differently on CPU).
-    "auto" on CPU: a verification this short runs the recurrence (model/kda.py, SHORT_CALL_TOKENS)."""
+    "auto" on CPU: a verification this short runs the recurrence (ops/kda/__init__.py, SHORT_CALL_TOKENS)."""
     torch.manual_seed(0)
     model = K3ForCausalLM(ModelConfig.from_dict(TINY)).eval()
     randomise(model, 3)

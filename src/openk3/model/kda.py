@@ -14,8 +14,6 @@ from openk3.ops.gates import k3_gate, kimi_gate
 from openk3.ops.kda import BACKENDS, kda, resolve_backend
 from openk3.ops.norms import acc_dtype, l2_norm, rms_norm
 
-SHORT_CALL_TOKENS = 8  # calls this short that record states inside them run the recurrence instead of chunks
-
 
 class KimiDeltaAttention(KeepFp32, nn.Module):
     """KDA token mixer. D = hidden_size, H = num_heads, K = V = head_dim, W = conv kernel.
@@ -130,11 +128,6 @@ class KimiDeltaAttention(KeepFp32, nn.Module):
         `offsets` tokens in the cache, from the same call."""
         window = conv_state.shape[-1]
         history = torch.cat([conv_state, qkv_in.transpose(1, 2).to(conv_state.dtype)], dim=-1)  # [B,C,W-1+T]
-        if backend == "chunked" and q.shape[1] <= SHORT_CALL_TOKENS:
-            # a short call wanting states inside it (speculative verification: after every drafted token): the
-            # recurrence yields each state as it goes, the chunked form would run one padded chunk per offset
-            # (CPU, 8 sequences x 4 tokens, 3 offsets: 2.5 ms against 13.3 ms; bench/RESULTS.md, speculative)
-            backend = "recurrent"
         o, state, states = kda(q, k, v, g, beta, initial_state=initial, output_final_state=True, backend=backend,
                                gate_min=self.gate_min(), state_offsets=tuple(offsets), overlap=self.kda_overlap)
         for end, s in zip(offsets, states):
