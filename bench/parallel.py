@@ -187,6 +187,7 @@ def main() -> None:
         with open(args.out, "w") as f:
             f.write(json.dumps(result, indent=2) + "\n")
         print(f"\nwrote {args.out} ({result['seconds']:.0f} s)")
+    dist.barrier()  # rank 0 wrote the JSON; no rank leaves while a peer may still read from it
     dist.destroy_process_group()
 
 

@@ -54,7 +54,10 @@ def init_world(device_type: str) -> World:
 
 
 def close_world(world: World) -> None:
+    """Leave the process group. The barrier first: a gloo rank that tears its connections down while a peer is still
+    reading from them can abort that peer ("terminate called without an active exception")."""
     if world.distributed and dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
 
 
