@@ -3,12 +3,17 @@
     python bench/gpu_checks.py [--preset k3-debug]
 
 On an H200 (torch 2.11, 2026-12-01) a bf16 k3-debug forward came out far from the same weights' fp32 forward
-(relative error 0.72; 0.01 for k3-tiny bf16 vs fp32 on the CPU) while every kernel's own test passed. This script
-takes the suspects one at a time against fp32 on the same inputs:
+(relative error 0.72) while every kernel's own test passed. The CPU gives the same (0.68): the cause is the
+randomly initialised routers, whose near-tied scores let bf16 rounding change 3-18% of the tokens' expert sets
+per layer; with the fp32 run's choices pinned the error is 0.04 (`openk3.model.moe.pinned_routing`). This script
+checks the GPU's fast paths one at a time against fp32 on the same inputs:
   1. the experts' grouped GEMM (torch._grouped_mm) against the loop over experts, bf16, repeated after other
      kernels (pytorch#186365 reports history-dependent results);
   2. MLA's causal SDPA with q/k head dim 192 and v 128 on each SDPA backend against fp32 math;
-  3. the whole model's bf16 forward against fp32 with each fast path on and off.
+  3. the whole model's bf16 forward against fp32 with each fast path on and off (grouped GEMM, cuDNN SDPA, the
+     Triton KDA kernels, the Triton RMSNorm / SiTU-GLU), the experts pinned to the fp32 run's choices;
+  4. each block's attention, MLP and norms alone: the bf16 module run on the fp32 model's own inputs (rounded to
+     bf16) against the fp32 module, so that an error is charged to the module that makes it, not to those after.
 Prints one line per check (relative Frobenius error) and exits non-zero if a fast path is off by more than bf16
 rounding allows while its fallback is not.
 """
@@ -26,10 +31,14 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from openk3.config import get_preset
 from openk3.model import K3ForCausalLM
-from openk3.ops import moe
+from openk3.model import common as model_common
+from openk3.model.kda import configure_kda
+from openk3.model.moe import pinned_routing
+from openk3.ops import activations, moe
 from openk3.ops.activations import glu_activation
 
-BF16_OK = 3e-2  # a bf16 forward of a dozen layers stays within this of fp32 (k3-tiny on CPU: 1e-2)
+BF16_OK = 3e-2  # one module in bf16 against fp32 on the same inputs
+PINNED_MODEL_OK = 8e-2  # k3-debug's 12 layers + MTP in bf16, routing pinned: 0.042 on the CPU (2026-12-01)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -83,27 +92,95 @@ def check_sdpa(B=2, H=8, T=2048, dk=192, dv=128) -> bool:
 
 
 def check_model(preset: str) -> bool:
+    """The whole model's bf16 forward against fp32 with the fp32 run's expert choices pinned (a random router's
+    near-ties would otherwise decide the result: `pinned_routing`), each fast path on and off."""
     cfg = get_preset(preset)
     torch.manual_seed(0)
     m32 = K3ForCausalLM(cfg).cuda().eval()
     m16 = copy.deepcopy(m32).bfloat16()
     ids = torch.randint(0, cfg.vocab_size, (2, 512), device="cuda")
-    with torch.no_grad():
+    with torch.no_grad(), pinned_routing(m32) as choices:
         want = m32(ids).logits.float()
+    with torch.no_grad():
+        free = rel(m16(ids).logits, want)
+    print(f"    {preset} bf16 forward vs fp32 with routing free (near-ties flip experts): {free:.2e}")
     variants = {
         "as configured": contextlib.nullcontext(),
         "no grouped GEMM": _patched(moe, "grouped_mm_usable", lambda *a: False),
         "grouped GEMM forced": _patched(moe, "grouped_mm_usable", lambda x, *a: x.is_cuda),
         "SDPA without cuDNN": sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                                            SDPBackend.MATH]),
+        "KDA on the chunked PyTorch path": _kda_backend(m16, "torch"),
+        "no Triton norm / GLU": _no_fused_triton(),
     }
     ok = True
     for name, ctx in variants.items():
-        with ctx, torch.no_grad():
+        with ctx, torch.no_grad(), pinned_routing(m16, choices):
             err = rel(m16(ids).logits, want)
-        ok &= err < BF16_OK or name == "grouped GEMM forced"
-        print(f"{'ok ' if err < BF16_OK else 'BAD'} {preset} bf16 forward vs fp32, {name}: {err:.2e}", flush=True)
+        ok &= err < PINNED_MODEL_OK or name == "grouped GEMM forced"
+        print(f"{'ok ' if err < PINNED_MODEL_OK else 'BAD'} {preset} bf16 forward vs fp32, routing pinned, {name}: "
+              f"{err:.2e}", flush=True)
     return ok
+
+
+def check_modules(preset: str, device: str = "cuda", worst: int = 12) -> None:
+    """Per-module bf16 error on the fp32 model's own inputs (experts pinned to the fp32 module's choices); prints
+    the worst modules (no pass / fail: a guide)."""
+    cfg = get_preset(preset)
+    torch.manual_seed(0)
+    m32 = K3ForCausalLM(cfg).to(device).eval()
+    m16 = copy.deepcopy(m32).bfloat16()
+    ids = torch.randint(0, cfg.vocab_size, (2, 512), device=device)
+    wanted = (".self_attn", ".mlp", "layernorm", "_res_norm")
+    names = [n for n, _ in m32.named_modules() if n.endswith(wanted)]
+    calls: dict[str, tuple] = {}  # name -> the (args, kwargs) of its first call
+
+    def keep(name):
+        def hook(module, args, kwargs):
+            calls.setdefault(name, (args, kwargs))
+        return hook
+
+    handles = [m32.get_submodule(n).register_forward_pre_hook(keep(n), with_kwargs=True) for n in names]
+    with torch.no_grad():
+        m32(ids)
+    for h in handles:
+        h.remove()
+    rows = []
+    with torch.no_grad():
+        for name, (args, kwargs) in calls.items():
+            with pinned_routing(m32.get_submodule(name)) as choices:
+                want = m32.get_submodule(name)(*args, **kwargs)
+            with pinned_routing(m16.get_submodule(name), choices):
+                got = m16.get_submodule(name)(*_to_bf16(args), **_to_bf16(kwargs))
+            got, want = (got[0], want[0]) if isinstance(want, tuple) else (got, want)
+            rows.append((rel(got, want), name))
+    for err, name in sorted(rows, reverse=True)[:worst]:
+        print(f"    {'BAD' if err > BF16_OK else 'ok '} {name}: {err:.2e}", flush=True)
+
+
+def _to_bf16(tree):
+    if isinstance(tree, torch.Tensor):
+        return tree.bfloat16() if tree.is_floating_point() else tree
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(_to_bf16(x) for x in tree)
+    if isinstance(tree, dict):
+        return {k: _to_bf16(v) for k, v in tree.items()}
+    return tree
+
+
+@contextlib.contextmanager
+def _kda_backend(model, backend: str):
+    configure_kda(model, backend=backend)
+    try:
+        yield
+    finally:
+        configure_kda(model, backend="auto")
+
+
+@contextlib.contextmanager
+def _no_fused_triton():
+    with _patched(model_common, "use_triton", lambda x: False), _patched(activations, "use_triton", lambda x: False):
+        yield
 
 
 @contextlib.contextmanager
@@ -124,6 +201,8 @@ def main() -> None:
         sys.exit("bench/gpu_checks.py: error: needs a CUDA GPU")
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__} cuDNN {torch.backends.cudnn.version()}")
     results = [check_grouped_gemm(), check_sdpa(), check_model(args.preset)]
+    print("worst modules, each alone on the fp32 model's inputs:")
+    check_modules(args.preset)
     sys.exit(0 if all(results) else 1)
 
 

@@ -52,6 +52,12 @@ def sigmoid_topk_routing(
     scores = torch.sigmoid(logits.to(acc_dtype(logits.dtype)))
     choice = scores if bias is None else scores + bias.to(scores.dtype)
     indices = torch.topk(choice, k=top_k, dim=-1).indices
+    return routing_with(scores, indices, renormalize=renormalize, scaling=scaling)
+
+
+def routing_with(scores: torch.Tensor, indices: torch.Tensor, *, renormalize: bool = True,
+                 scaling: float = 1.0) -> Routing:
+    """The Routing of chosen experts indices [N,k]: combine weights from the unbiased scores [N,E]."""
     weights = scores.gather(-1, indices)
     if renormalize:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)

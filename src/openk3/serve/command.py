@@ -177,8 +177,7 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--device", default=None, help="cpu / cuda (default: cuda when available)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="weights and caches (auto: as built or stored; bfloat16 on a GPU is faster but failed a "
-                        "correctness check on one H200, see bench/RESULTS.md)")
+                   help="weights and caches (auto: as built or stored; bfloat16 is the fast choice on a GPU)")
     p.add_argument("--no-prefix-cache", action="store_true", help="disable the hybrid prefix cache")
     p.add_argument("--hash-block", type=int, default=None, help="tokens per hash block h (default: by context)")
     p.add_argument("--page-size", type=int, default=None, help="tokens per physical page P (default 12 h)")

@@ -1,0 +1,149 @@
+"""Where the serving engine's time goes on one GPU: the decode step's parts and a long prefill, in one process.
+
+    python bench/decode_profile.py [--preset k3-debug] [--batches 1 8 32 64] [--prefill-tokens 12288] [--json F]
+
+For each batch size B: B requests (16-token prompts, greedy, ignore_eos) run through `Engine.step` until all
+decode; then, averaged over `--steps` steady decode steps:
+  - step_ms: one whole `Engine.step` (scheduling, the decode forward, sampling, bookkeeping, events);
+  - forward_ms: `ModelRunner.decode` alone at the same batch (the CUDA-graph replay and its input copy), synced;
+  - host_ms = step_ms - forward_ms: what the engine adds around the forward.
+Then the top operators of a torch.profiler trace of a few steps at the largest batch (CPU self time and device
+time), and the time of one prefill of `--prefill-tokens` tokens through `ModelRunner.prefill` in chunks of the
+engine's size (what bounds time to first token). Prints tables and writes JSON. The peer for these numbers is
+bench/serve_gpu.py (HF transformers' generate); this script explains them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from openk3.config import get_preset
+from openk3.model import K3ForCausalLM
+from openk3.sampling import SamplingParams
+from openk3.serve.engine import Engine, EngineConfig
+from openk3.serve.scheduler import SchedulerConfig
+from openk3.tokenizer import ByteTokenizer
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def steady_decode(engine: Engine, batch: int, steps: int, vocab: int) -> dict:
+    gen = torch.Generator().manual_seed(batch)
+    params = SamplingParams(max_tokens=steps + 64, temperature=0.0, ignore_eos=True)
+    requests = [engine.add_request(torch.randint(0, vocab, (16,), generator=gen).tolist(), params)
+                for _ in range(batch)]
+    while any(r.prefilling or r.slot is None for r in requests):
+        engine.step()
+    for _ in range(3):  # warm
+        engine.step()
+    device = engine.runner.device
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    sync(device)
+    step_ms = (time.perf_counter() - start) * 1e3 / steps
+    ids, slots, lengths = [r.output[-1] for r in requests], [r.slot for r in requests], [r.fed for r in requests]
+    start = time.perf_counter()
+    for _ in range(steps):  # the same position each time: the state advances, which does not change the work
+        engine.runner.decode(ids, slots, lengths)
+    sync(device)
+    forward_ms = (time.perf_counter() - start) * 1e3 / steps
+    for r in requests:
+        engine.cancel(r.rid)
+    engine.step()
+    return {"batch": batch, "step_ms": step_ms, "forward_ms": forward_ms, "host_ms": step_ms - forward_ms,
+            "tok_per_s": batch / step_ms * 1e3}
+
+
+def profiled_steps(engine: Engine, batch: int, vocab: int, steps: int = 5, rows: int = 12) -> dict:
+    gen = torch.Generator().manual_seed(7)
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    requests = [engine.add_request(torch.randint(0, vocab, (16,), generator=gen).tolist(), params)
+                for _ in range(batch)]
+    while any(r.prefilling or r.slot is None for r in requests):
+        engine.step()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.runner.device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            engine.step()
+        sync(engine.runner.device)
+    for r in requests:
+        engine.cancel(r.rid)
+    engine.step()
+    events = prof.key_averages()
+    cpu = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:rows]
+    dev = sorted(events, key=lambda e: getattr(e, "self_device_time_total", 0), reverse=True)[:rows]
+    return {"cpu": [{"op": e.key, "self_cpu_ms_per_step": e.self_cpu_time_total / 1e3 / steps, "calls": e.count}
+                    for e in cpu],
+            "device": [{"op": e.key, "device_ms_per_step": getattr(e, "self_device_time_total", 0) / 1e3 / steps,
+                        "calls": e.count} for e in dev]}
+
+
+def prefill_time(engine: Engine, tokens: int, vocab: int, reps: int = 3) -> dict:
+    chunk = engine.chunk_blocks * engine.hash_block
+    gen = torch.Generator().manual_seed(11)
+    prompt = torch.randint(0, vocab, (tokens,), generator=gen).tolist()
+    slot = engine.states.alloc()
+    engine.tables.set(slot, [engine.pages.alloc() for _ in range(-(-tokens // engine.page_size))])
+    times = []
+    for _ in range(reps + 1):
+        sync(engine.runner.device)
+        start = time.perf_counter()
+        engine.states.reset(slot)
+        for at in range(0, tokens, chunk):
+            engine.runner.prefill([prompt[at:at + chunk]], [slot], [at])
+        sync(engine.runner.device)
+        times.append(time.perf_counter() - start)
+    return {"tokens": tokens, "chunk": chunk, "ms": min(times[1:]) * 1e3}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="k3-debug")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--prefill-tokens", type=int, default=12288)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--json", default="bench/decode_profile.json")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    cfg = get_preset(args.preset)
+    torch.manual_seed(0)
+    model = K3ForCausalLM(cfg).to(device, torch.bfloat16 if device.type == "cuda" else torch.float32).eval()
+    started = time.perf_counter()
+    engine = Engine(model, ByteTokenizer(), EngineConfig(prefix_cache=False,
+                                                         scheduler=SchedulerConfig(max_running=max(args.batches))))
+    print(f"engine ready in {time.perf_counter() - started:.1f} s ({device}, {args.preset})", flush=True)
+    rows = [steady_decode(engine, b, args.steps, cfg.vocab_size) for b in args.batches]
+    print("| batch | engine step ms | decode forward ms | host ms | tok/s |\n|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['batch']} | {r['step_ms']:.2f} | {r['forward_ms']:.2f} | {r['host_ms']:.2f} | "
+              f"{r['tok_per_s']:,.0f} |", flush=True)
+    prof = profiled_steps(engine, max(args.batches), cfg.vocab_size)
+    print("\ntop operators by CPU self time per step:")
+    for e in prof["cpu"]:
+        print(f"  {e['self_cpu_ms_per_step']:8.3f} ms  {e['calls']:6d}x  {e['op'][:90]}")
+    print("top operators by device time per step:")
+    for e in prof["device"]:
+        print(f"  {e['device_ms_per_step']:8.3f} ms  {e['calls']:6d}x  {e['op'][:90]}")
+    pre = prefill_time(engine, args.prefill_tokens, cfg.vocab_size)
+    print(f"\nprefill of {pre['tokens']} tokens in chunks of {pre['chunk']}: {pre['ms']:.1f} ms", flush=True)
+    result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "preset": args.preset,
+              "decode": rows, "profile": prof, "prefill": pre}
+    with open(args.json, "w") as f:
+        f.write(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
