@@ -110,7 +110,7 @@ def check_model(preset: str) -> bool:
         "grouped GEMM forced": _patched(moe, "grouped_mm_usable", lambda x, *a: x.is_cuda),
         "SDPA without cuDNN": sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                                            SDPBackend.MATH]),
-        "KDA on the chunked PyTorch path": _kda_backend(m16, "torch"),
+        "KDA on the chunked PyTorch path": _kda_backend(m16, "chunked"),
         "no Triton norm / GLU": _no_fused_triton(),
     }
     ok = True
