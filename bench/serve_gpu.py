@@ -10,7 +10,7 @@
 3. TTFT of a 12k-token prompt: a streamed completion, time to the first chunk (median of three fresh prompts).
 4. GPU memory in use with the server loaded (nvidia-smi, the whole card, minus what was used before it started).
 5. In this process, on the same GPU engine: the decode step (CUDA graphs, and eager) teacher-forced against the
-   model's forward (logits difference, argmax agreement); then the multi-turn agent trace of bench/serve.py (its
+   model's forward in fp32 (logits difference, argmax agreement); then the multi-turn agent trace of bench/serve.py (its
    code) with the K3 prefix cache and with the block-aligned baseline: reused tokens against the ideal, and TTFT.
 6. The peer: transformers' KimiLinearForCausalLM with k3-debug's dimensions (Kimi Linear's softplus gate, low-rank
    output gate, plain residuals, full-width MoE), bf16, fla's kernels when fla is importable, generate() of 128
@@ -179,8 +179,11 @@ def agent_trace(args: argparse.Namespace, device: str, dtype: torch.dtype) -> di
     """bench/serve.py's trace through the engine on this device: the K3 policy and the block-aligned baseline;
     first, the decode step checked against the model's forward."""
     torch.manual_seed(0)
-    model = K3ForCausalLM(get_preset(args.preset)).to(device=device, dtype=dtype).eval()
+    model = K3ForCausalLM(get_preset(args.preset)).to(device=device, dtype=torch.float32).eval()
+    # in fp32: the engine must equal the forward; in bf16 a random router's near-ties would flip experts between two
+    # orders of summation and hide that (bench/RESULTS.md, 2026-12-01)
     out = {"decode_vs_forward": decode_consistency(model)}
+    model = model.to(dtype)
     h, P = default_block_sizes(model.config.max_seq_len)
     targs = argparse.Namespace(hash_block=h, page_size=P, cache_mb=args.cache_mb, sparse_every=4,
                                prefill_tokens=args.prefill_tokens, max_tokens=args.trace_new_tokens,
