@@ -17,7 +17,8 @@ in one sequence's work ends that sequence (reason "error"), not the others. Ther
 that finds every page in use after the cache's unlocked pages are evicted ends with "error"; the default pool
 (`kv_pages`) holds the scheduler's `max_live_tokens` plus a partial page per running sequence plus the cache, so
 only a smaller `kv_pages` can get there. `EngineLoop` runs steps on a background thread; `add_request` and
-`cancel` are thread-safe.
+`cancel` are thread-safe. Each reply's text is decoded token by token (openk3.tokenizer.TextStream) and searched for
+stop strings only where the new token can complete one: a token's host work does not grow with the reply.
 
 Images (SPEC §12): a request may carry prepared images (openk3.images) whose placeholder runs are in its prompt.
 Each prefill chunk passes the model the image tokens of the placeholders it holds (`ModelRunner.prefill`'s
@@ -55,7 +56,8 @@ from openk3.sampling import SamplingParams, sample_token, token_logprobs
 from openk3.serve.prefix_cache import PrefixCache, PrefixCacheConfig, image_keyed_tokens
 from openk3.serve.runner import ModelRunner
 from openk3.serve.scheduler import Request, RequestEvent, Scheduler, SchedulerConfig
-from openk3.serve.stop_strings import first_stop, held_back
+from openk3.serve.stop_strings import first_stop, sendable
+from openk3.tokenizer import TextStream
 
 log = logging.getLogger(__name__)
 
@@ -182,6 +184,7 @@ class Engine:
             raise ValueError("engine field 'speculative' needs a draft model: a checkpoint of `openk3 draft`")
         self.draft = draft if config.speculative else None
         self.features: dict[Request, torch.Tensor] = {}  # speculative: the draft feature of each one's last token
+        self.texts: dict[Request, TextStream] = {}  # each live request's reply text, decoded token by token
         embed = model.model.embed_tokens.weight
         device, dtype = embed.device, embed.dtype
         gpu = device.type == "cuda"
@@ -252,6 +255,7 @@ class Engine:
                           after=after if self.prefix_cache is not None else None)
         with self._lock:
             self.scheduler.submit(request)
+            self.texts[request] = TextStream(self.tokenizer)
             self.metrics.requests_received += 1
         self.wake.set()
         return request
@@ -564,20 +568,18 @@ class Engine:
             reason = "stop"
         elif len(r.output) >= r.params.max_tokens or r.length >= self.model_config.max_seq_len:
             reason = "length"
-        text = self.tokenizer.decode_plain([t for t in r.output if t not in self.stop_ids])
-        cut = first_stop(text, r.params.stop)
-        if cut >= 0:
-            text, reason = text[:cut], "stop"
-        r.text = text
+        if token not in self.stop_ids:  # a stop token adds no text, also when ignore_eos lets it through
+            stream = self.texts[r]
+            searched = stream.stable  # the text up to here holds no stop string: an earlier token's search saw it
+            stream.push(token)
+            r.text = stream.text
+            cut = first_stop(r.text, r.params.stop, after=searched)
+            if cut >= 0:
+                r.text, reason = r.text[:cut], "stop"
         if reason is not None:
             self._finish(r, reason)
-        else:
-            self._emit(r, self._sendable(r))
-
-    def _sendable(self, r: Request) -> int:
-        """How much of the text is final: hold back a partial UTF-8 character and a possible stop-string start."""
-        text = r.text.rstrip("\ufffd")
-        return max(len(text) - held_back(text, r.params.stop), r.sent)
+        else:  # held back: a partial UTF-8 character and a possible stop-string start
+            self._emit(r, sendable(r.text, r.params.stop, r.sent))
 
     def _emit(self, r: Request, upto: int, finished: bool = False) -> None:
         delta, r.sent = r.text[r.sent:upto], upto
@@ -588,6 +590,7 @@ class Engine:
 
     def _finish(self, r: Request, reason: str) -> None:
         r.finish_reason = reason
+        self.texts.pop(r, None)
         if r.lease is not None:
             if reason not in ("cancelled", "error"):
                 self.prefix_cache.mark_turn_boundary(r.lease)
