@@ -44,6 +44,7 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -276,15 +277,18 @@ class Engine:
             cancels, self._cancels = self._cancels, set()
             for r in [r for r in (*self.scheduler.waiting, *self.scheduler.running) if r.rid in cancels]:
                 self._finish(r, "cancelled")
-            admitted = self.scheduler.admit(self._locked_fraction())
+            # (the locked fraction walks the prefix cache's pages: only when a request waits to be admitted)
+            admitted = self.scheduler.admit(self._locked_fraction()) if self.scheduler.waiting else []
         for r in admitted:
             with self._isolated([r]):
                 self._start(r)
         K, limit = self.config.speculative, self.model_config.max_seq_len
-        speculating = [r for r in list(self.scheduler.running) if self.draft is not None and not r.prefilling
-                       and r.fed + K + 1 <= limit and self._has_pages(r, r.fed + K + 1)]
-        decoding = [r for r in list(self.scheduler.running) if not r.prefilling and r not in speculating
-                    and self._has_pages(r, r.fed + 1)]
+        speculating, decoding = [], []
+        for r in [r for r in self.scheduler.running if not r.prefilling]:
+            if self.draft is not None and r.fed + K + 1 <= limit and self._has_pages(r, r.fed + K + 1):
+                speculating.append(r)
+            elif self._has_pages(r, r.fed + 1):
+                decoding.append(r)
         if speculating:
             with self._isolated(speculating):
                 self._speculate(speculating)
@@ -349,14 +353,10 @@ class Engine:
     def _has_pages(self, r: Request, tokens: int) -> bool:
         """Give a live sequence pages for its first `tokens` positions; False if it is over (or fails for want of
         pages: then it alone ends)."""
-        if r.finish_reason is None:
+        while r.finish_reason is None and len(self.tables.pages[r.slot]) * self.page_size < tokens:
             with self._isolated([r]):
-                self._ensure_pages(r, tokens)
+                self.tables.append(r.slot, self._alloc_page())
         return r.finish_reason is None
-
-    def _ensure_pages(self, r: Request, tokens: int) -> None:
-        while len(self.tables.pages[r.slot]) * self.page_size < tokens:
-            self.tables.append(r.slot, self._alloc_page())
 
     def _start(self, r: Request) -> None:
         """Admission: a slot, and on a prefix hit the hit's pages (shared) and its KDA checkpoint (loaded)."""
@@ -393,9 +393,11 @@ class Engine:
             r.slot = None
 
     @staticmethod
-    def _cache_tokens(r: Request) -> list[int]:
-        """The sequence as the prefix cache keys it: images by content (PromptImages.cache_prompt)."""
-        return (r.prompt if r.images is None else r.images.cache_prompt) + r.output
+    def _cache_tokens(r: Request, since: int = 0) -> list[int]:
+        """The sequence from position `since` on as the prefix cache keys it: images by content
+        (PromptImages.cache_prompt, one key per token)."""
+        prompt = r.prompt if r.images is None else r.images.cache_prompt
+        return prompt[since:] + r.output[max(0, since - len(prompt)):]
 
     # ---- forwards -----------------------------------------------------------------------------------------
     def _decode(self, requests: list[Request]) -> None:
@@ -448,7 +450,7 @@ class Engine:
             with self._isolated([r]):
                 start, r.fed = r.fed, r.fed + len(tokens)
                 self.features[r] = features[row, len(tokens) - 1]
-                self._register_blocks(r, start, checkpoints, row, features, self._cache_tokens(r) + tokens[:-1])
+                self._register_blocks(r, start, checkpoints, row, features, pending=tokens[:-1])
                 self.metrics.spec_drafts += 1
                 self.metrics.spec_draft_tokens += K
                 self.metrics.spec_accepted_tokens += len(tokens) - 1
@@ -516,16 +518,19 @@ class Engine:
                     self._accept(r, sample(row))
 
     def _register_blocks(self, r: Request, start: int, checkpoints: dict | None = None, row: int = 0,
-                         features: torch.Tensor | None = None, tokens: list[int] | None = None) -> None:
+                         features: torch.Tensor | None = None, pending: Sequence[int] = ()) -> None:
         """Hand the hash blocks completed between `start` and `r.fed` to the prefix cache: the page holding their
         latents, and the KDA states at each block end the forward recorded (or, at `r.fed`, the slot's state), with
         the draft feature of the block's last token when speculating (from the forward's `features` [B, T, D]).
-        `tokens`: the sequence's tokens through r.fed as the cache keys them (default `_cache_tokens(r)`)."""
+        `pending`: tokens the forward consumed that are not in r.output yet (a speculative round's accepted drafts).
+        Only the blocks' tokens are copied, not the sequence before them (most decode tokens complete no block)."""
         h = self.hash_block
-        if self.prefix_cache is None or r.lease.detached:
+        base = start // h * h
+        ends = range(base + h, r.fed + 1, h)
+        if self.prefix_cache is None or r.lease.detached or not ends:
             return
-        tokens = self._cache_tokens(r) if tokens is None else tokens
-        for end in range((start // h + 1) * h, r.fed + 1, h):
+        tokens = self._cache_tokens(r, since=base) + list(pending)  # positions base..r.fed as the cache keys them
+        for end in ends:
             if end == r.fed:
                 ckpt = self.states.snapshot(r.slot)
                 if r in self.features:
@@ -538,7 +543,8 @@ class Engine:
                 ckpt = None
             turn_end = end <= len(r.prompt) < end + h  # the last boundary of the prompt ends the user's turn
             page = self.tables.pages[r.slot][(end - h) // self.page_size]
-            self.prefix_cache.append(r.lease, tokens[end - h:end], None, ckpt, turn_boundary=turn_end, page=page)
+            block = tokens[end - h - base:end - base]
+            self.prefix_cache.append(r.lease, block, None, ckpt, turn_boundary=turn_end, page=page)
 
     # ---- tokens, stops, events ----------------------------------------------------------------------------
     def _sampler(self, requests: list[Request], logits: torch.Tensor):
