@@ -1,6 +1,7 @@
 """The serving engine's host work per decode step, without the model: what `Engine.step` costs around the forward.
 
-    python bench/engine_host.py [--batches 1 8 64] [--lengths 128 2048] [--window 32] [--label NAME] [--profile]
+    python bench/engine_host.py [--batches 1 8 64] [--lengths 128 2048] [--window 64] [--repeats 3] [--label NAME]
+                                [--cache-mb 2048] [--profile] [--json bench/engine_host.json]
 
 The model's decode (`engine.runner.decode`) is replaced by a stub that returns fixed logits, cycling through the
 bytes of a short multilingual text (ASCII, 2-, 3- and 4-byte UTF-8 characters), so a step times only the engine's
@@ -9,10 +10,10 @@ registration of completed hash blocks with their KDA checkpoints (the cache is o
 a full cache stops registering, which would make long replies cheaper) and one event per request to a consumer.
 For each batch B and output length L: B requests (16-token prompts, greedy, ignore_eos, a stop string that never
 matches) decode until every output is L tokens long; host ms per step is the median CPU time of `Engine.step`
-(the process's, one torch thread) over the `--window` steps before that, every request decoding: CPU time and the
-median, since other processes may share the cores (the wall-clock median is in the table as well); the best of
-`--repeats` runs is kept. The engine's host time should not depend on L. Prefill
-runs the real k3-tiny model on the CPU and is not timed. `--profile` prints cProfile's top functions over the
+(the process's, one torch thread) over the `--window` steps before that, every request decoding, the best of
+`--repeats` runs (CPU time, median and best, since other processes may share the cores; the wall-clock median is
+in the table as well). The engine's host time should not depend on L. Prefill runs the real k3-tiny model on the
+CPU and is not timed. `--profile` prints cProfile's top functions over the
 window at the largest batch and length (cProfile slows Python down: compare those numbers only with each other).
 Prints a table and writes JSON (`--json`): one entry per `--label`, the file's other labels kept (e.g. "before",
 run on an older checkout by putting its src first on PYTHONPATH).
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import itertools
 import json
 import os
 import platform
@@ -50,7 +52,7 @@ def stub_decode(engine: Engine, max_batch: int):
     table = torch.full((len(codes), max_batch, engine.model_config.vocab_size), -1.0)
     for i, b in enumerate(codes):
         table[i, :, b] = 1.0
-    step = iter(range(1 << 62))
+    step = itertools.count()
 
     def decode(ids, slots, lengths):
         return table[next(step) % len(codes), : len(ids)]
