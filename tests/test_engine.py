@@ -239,6 +239,55 @@ def test_streamed_deltas_reassemble_the_text(model):
     assert events[-1].completion_tokens == len(r.output) and events[-1].prompt_tokens == len(r.prompt)
 
 
+def full_redecode_events(tokenizer, params: SamplingParams, tokens: list[int]) -> list[tuple[str, bool, str | None]]:
+    """The reply's events by the plain rule: after every token decode the whole output (stop tokens left out), cut
+    it at the earliest stop string, and send all but a trailing U+FFFD run and the longest end that begins a stop
+    string (brute force); (delta, finished, finish_reason) per event, the text's last one at the finish."""
+    stop_ids, events, sent = tokenizer.stop_ids, [], 0
+    for k, token in enumerate(tokens):
+        reason = "stop" if token in stop_ids and not params.ignore_eos else \
+            "length" if k + 1 >= params.max_tokens else None
+        text = tokenizer.decode_plain([t for t in tokens[:k + 1] if t not in stop_ids])
+        starts = [i for s in params.stop if s for i in range(len(text)) if text.startswith(s, i)]
+        if starts:
+            text, reason = text[:min(starts)], "stop"
+        if reason is not None:
+            return events + [(text[sent:], True, reason)]
+        body = text.rstrip("\ufffd")
+        hold = max((k for s in params.stop for k in range(1, len(s)) if body.endswith(s[:k])), default=0)
+        upto = max(len(body) - hold, sent)
+        events.append((text[sent:upto], False, None))
+        sent = upto
+    raise AssertionError("the token stream ended before the reply")
+
+
+def test_incremental_text_is_a_full_redecode(model):
+    """The engine decodes each token's bytes once and searches stop strings only where a new token can complete
+    one: on random token streams (characters split over tokens, invalid bytes, control and stop tokens, stop
+    strings across tokens, several replies interleaved as with n > 1) its events and texts are those of a full
+    re-decode after every token."""
+    engine, tok, rng = make_engine(model), ByteTokenizer(), random.Random(4)
+    text_ids = tok.encode_plain("aé日🙂 ab日本 ✓")
+    pool = ["ab", "b", "日本", "é日", "🙂 a", "\ufffd", "✓✓", "a" * 5, "bab"]
+    for _ in range(30):
+        replies = []
+        for _ in range(3):
+            params = SamplingParams(max_tokens=rng.randint(1, 50), ignore_eos=rng.random() < 0.5,
+                                    stop=rng.sample(pool, rng.randint(0, 3)))
+            tokens = [rng.choice(text_ids) if rng.random() < 0.8 else rng.randrange(tok.vocab_size)
+                      for _ in range(params.max_tokens)]
+            events = []
+            replies.append((engine.add_request([1, 2, 3], params, on_event=events.append), tokens, events))
+        for k in range(50):  # round-robin, one token each
+            for r, tokens, _ in replies:
+                if r.finish_reason is None:
+                    engine._accept(r, tokens[k])
+        for r, tokens, events in replies:
+            expected = full_redecode_events(tok, r.params, tokens)
+            assert [(e.text, e.finished, e.finish_reason) for e in events] == expected
+            assert r.text == "".join(delta for delta, _, _ in expected) and r not in engine.texts
+
+
 def test_admission_throttles_running_and_queue(model):
     engine = make_engine(model, scheduler=SchedulerConfig(max_running=2, max_queue=3))
     prompt = ByteTokenizer().encode("throttle")

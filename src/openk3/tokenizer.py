@@ -14,7 +14,8 @@ plain characters. The server encodes everything a request carries with `encode_p
 chat turn by typing `<|im_start|>system`; only the chat template (`encode_chat`) inserts control tokens, by id.
 `decode_plain` drops control tokens from the text it returns (what a client sees). Both encoders run in time
 linear in the text. `token_bytes(id)` is the bytes one token adds to that text (None for a control token), for
-per-token log-probabilities.
+per-token log-probabilities; where those bytes concatenate to the text (`streams_bytes`: the byte tokenizer and
+byte-level BPE), `TextStream` keeps decode_plain's text of a growing reply in time linear in its length.
 
 Chat template: every message is `<|im_start|>{role}\\n{content}<|im_end|>\\n`, then the prompt ends with
 `<|im_start|>assistant\\n`. The reply ends at <|im_end|> (or the end-of-sequence token). A tokenizer.json
@@ -24,6 +25,7 @@ ids inserted as given (an image's run of placeholder ids, openk3.serve.vision).
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import os
 import re
@@ -56,6 +58,9 @@ class TextTokenizer:
         self._plain.encode_special_tokens = True
         self._control_ids = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
         self._byte_level = byte_level_alphabet() if isinstance(tokenizer.decoder, decoders.ByteLevel) else None
+        # decode_plain is the lossy UTF-8 of the tokens' bytes only under the plain byte-level decoder (another one,
+        # e.g. sentencepiece's, rewrites text across tokens: a leading space stripped, byte-fallback pieces fused)
+        self.streams_bytes = self._byte_level is not None
 
     @classmethod
     def from_file(cls, path: str | Path) -> TextTokenizer:
@@ -118,6 +123,7 @@ class ByteTokenizer:
     NAMES = {i: s for s, i in SPECIALS.items()}
     SPLIT = re.compile("(" + "|".join(map(re.escape, SPECIALS)) + ")")  # one left-to-right scan
     vocab_size = 260
+    streams_bytes = True  # decode_plain is the lossy UTF-8 of the concatenated token_bytes
 
     @property
     def stop_ids(self) -> set[int]:
@@ -156,6 +162,31 @@ class ByteTokenizer:
     def decode_plain(self, ids: Sequence[int]) -> str:
         """Bytes to text; special tokens are dropped; an incomplete UTF-8 tail shows as U+FFFD."""
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+class TextStream:
+    """decode_plain's text of a token sequence that grows one token at a time (a reply as it is sampled).
+
+    After each `push`, `text` is `tokenizer.decode_plain(tokens pushed so far)`, and its first `stable` characters
+    are final: no later token changes them. A tokenizer that `streams_bytes` takes each token's bytes through an
+    incremental UTF-8 decoder: a character whose last bytes have not come yet shows as U+FFFD, as in a full decode,
+    and only that end is not stable; a push costs time independent of the text before it (but for copying the
+    string). Any other tokenizer re-decodes the whole sequence at every push, and nothing is stable."""
+
+    def __init__(self, tokenizer: TextTokenizer | ByteTokenizer):
+        self.tokenizer = tokenizer
+        self.text, self.stable = "", 0
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace") if tokenizer.streams_bytes else None
+        self._tokens: list[int] = []  # what a re-decoding stream decodes
+
+    def push(self, token: int) -> None:
+        if self._utf8 is None:
+            self._tokens.append(token)
+            self.text = self.tokenizer.decode_plain(self._tokens)
+            return
+        done = self.text[:self.stable] + self._utf8.decode(self.tokenizer.token_bytes(token) or b"")
+        partial = self._utf8.getstate()[0]  # the bytes of an unfinished character (a valid start: one U+FFFD)
+        self.text, self.stable = done + partial.decode("utf-8", errors="replace"), len(done)
 
 
 def encode_chat(tokenizer: TextTokenizer | ByteTokenizer, messages: Sequence[dict]) -> list[int]:

@@ -17,7 +17,8 @@ in one sequence's work ends that sequence (reason "error"), not the others. Ther
 that finds every page in use after the cache's unlocked pages are evicted ends with "error"; the default pool
 (`kv_pages`) holds the scheduler's `max_live_tokens` plus a partial page per running sequence plus the cache, so
 only a smaller `kv_pages` can get there. `EngineLoop` runs steps on a background thread; `add_request` and
-`cancel` are thread-safe.
+`cancel` are thread-safe. Each reply's text is decoded token by token (openk3.tokenizer.TextStream) and searched for
+stop strings only where the new token can complete one: a token's host work does not grow with the reply.
 
 Images (SPEC §12): a request may carry prepared images (openk3.images) whose placeholder runs are in its prompt.
 Each prefill chunk passes the model the image tokens of the placeholders it holds (`ModelRunner.prefill`'s
@@ -43,6 +44,7 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -55,7 +57,8 @@ from openk3.sampling import SamplingParams, sample_token, token_logprobs
 from openk3.serve.prefix_cache import PrefixCache, PrefixCacheConfig, image_keyed_tokens
 from openk3.serve.runner import ModelRunner
 from openk3.serve.scheduler import Request, RequestEvent, Scheduler, SchedulerConfig
-from openk3.serve.stop_strings import first_stop, held_back
+from openk3.serve.stop_strings import first_stop, sendable
+from openk3.tokenizer import TextStream
 
 log = logging.getLogger(__name__)
 
@@ -182,6 +185,7 @@ class Engine:
             raise ValueError("engine field 'speculative' needs a draft model: a checkpoint of `openk3 draft`")
         self.draft = draft if config.speculative else None
         self.features: dict[Request, torch.Tensor] = {}  # speculative: the draft feature of each one's last token
+        self.texts: dict[Request, TextStream] = {}  # each live request's reply text, decoded token by token
         embed = model.model.embed_tokens.weight
         device, dtype = embed.device, embed.dtype
         gpu = device.type == "cuda"
@@ -252,6 +256,7 @@ class Engine:
                           after=after if self.prefix_cache is not None else None)
         with self._lock:
             self.scheduler.submit(request)
+            self.texts[request] = TextStream(self.tokenizer)
             self.metrics.requests_received += 1
         self.wake.set()
         return request
@@ -272,15 +277,18 @@ class Engine:
             cancels, self._cancels = self._cancels, set()
             for r in [r for r in (*self.scheduler.waiting, *self.scheduler.running) if r.rid in cancels]:
                 self._finish(r, "cancelled")
-            admitted = self.scheduler.admit(self._locked_fraction())
+            # (the locked fraction walks the prefix cache's pages: only when a request waits to be admitted)
+            admitted = self.scheduler.admit(self._locked_fraction()) if self.scheduler.waiting else []
         for r in admitted:
             with self._isolated([r]):
                 self._start(r)
         K, limit = self.config.speculative, self.model_config.max_seq_len
-        speculating = [r for r in list(self.scheduler.running) if self.draft is not None and not r.prefilling
-                       and r.fed + K + 1 <= limit and self._has_pages(r, r.fed + K + 1)]
-        decoding = [r for r in list(self.scheduler.running) if not r.prefilling and r not in speculating
-                    and self._has_pages(r, r.fed + 1)]
+        speculating, decoding = [], []
+        for r in [r for r in self.scheduler.running if not r.prefilling]:
+            if self.draft is not None and r.fed + K + 1 <= limit and self._has_pages(r, r.fed + K + 1):
+                speculating.append(r)
+            elif self._has_pages(r, r.fed + 1):
+                decoding.append(r)
         if speculating:
             with self._isolated(speculating):
                 self._speculate(speculating)
@@ -345,14 +353,10 @@ class Engine:
     def _has_pages(self, r: Request, tokens: int) -> bool:
         """Give a live sequence pages for its first `tokens` positions; False if it is over (or fails for want of
         pages: then it alone ends)."""
-        if r.finish_reason is None:
+        while r.finish_reason is None and len(self.tables.pages[r.slot]) * self.page_size < tokens:
             with self._isolated([r]):
-                self._ensure_pages(r, tokens)
+                self.tables.append(r.slot, self._alloc_page())
         return r.finish_reason is None
-
-    def _ensure_pages(self, r: Request, tokens: int) -> None:
-        while len(self.tables.pages[r.slot]) * self.page_size < tokens:
-            self.tables.append(r.slot, self._alloc_page())
 
     def _start(self, r: Request) -> None:
         """Admission: a slot, and on a prefix hit the hit's pages (shared) and its KDA checkpoint (loaded)."""
@@ -389,9 +393,11 @@ class Engine:
             r.slot = None
 
     @staticmethod
-    def _cache_tokens(r: Request) -> list[int]:
-        """The sequence as the prefix cache keys it: images by content (PromptImages.cache_prompt)."""
-        return (r.prompt if r.images is None else r.images.cache_prompt) + r.output
+    def _cache_tokens(r: Request, since: int = 0) -> list[int]:
+        """The sequence from position `since` on as the prefix cache keys it: images by content
+        (PromptImages.cache_prompt, one key per token)."""
+        prompt = r.prompt if r.images is None else r.images.cache_prompt
+        return prompt[since:] + r.output[max(0, since - len(prompt)):]
 
     # ---- forwards -----------------------------------------------------------------------------------------
     def _decode(self, requests: list[Request]) -> None:
@@ -444,7 +450,7 @@ class Engine:
             with self._isolated([r]):
                 start, r.fed = r.fed, r.fed + len(tokens)
                 self.features[r] = features[row, len(tokens) - 1]
-                self._register_blocks(r, start, checkpoints, row, features, self._cache_tokens(r) + tokens[:-1])
+                self._register_blocks(r, start, checkpoints, row, features, pending=tokens[:-1])
                 self.metrics.spec_drafts += 1
                 self.metrics.spec_draft_tokens += K
                 self.metrics.spec_accepted_tokens += len(tokens) - 1
@@ -512,16 +518,19 @@ class Engine:
                     self._accept(r, sample(row))
 
     def _register_blocks(self, r: Request, start: int, checkpoints: dict | None = None, row: int = 0,
-                         features: torch.Tensor | None = None, tokens: list[int] | None = None) -> None:
+                         features: torch.Tensor | None = None, pending: Sequence[int] = ()) -> None:
         """Hand the hash blocks completed between `start` and `r.fed` to the prefix cache: the page holding their
         latents, and the KDA states at each block end the forward recorded (or, at `r.fed`, the slot's state), with
         the draft feature of the block's last token when speculating (from the forward's `features` [B, T, D]).
-        `tokens`: the sequence's tokens through r.fed as the cache keys them (default `_cache_tokens(r)`)."""
+        `pending`: tokens the forward consumed that are not in r.output yet (a speculative round's accepted drafts).
+        Only the blocks' tokens are copied, not the sequence before them (most decode tokens complete no block)."""
         h = self.hash_block
-        if self.prefix_cache is None or r.lease.detached:
+        base = start // h * h
+        ends = range(base + h, r.fed + 1, h)
+        if self.prefix_cache is None or r.lease.detached or not ends:
             return
-        tokens = self._cache_tokens(r) if tokens is None else tokens
-        for end in range((start // h + 1) * h, r.fed + 1, h):
+        tokens = self._cache_tokens(r, since=base) + list(pending)  # positions base..r.fed as the cache keys them
+        for end in ends:
             if end == r.fed:
                 ckpt = self.states.snapshot(r.slot)
                 if r in self.features:
@@ -534,7 +543,8 @@ class Engine:
                 ckpt = None
             turn_end = end <= len(r.prompt) < end + h  # the last boundary of the prompt ends the user's turn
             page = self.tables.pages[r.slot][(end - h) // self.page_size]
-            self.prefix_cache.append(r.lease, tokens[end - h:end], None, ckpt, turn_boundary=turn_end, page=page)
+            block = tokens[end - h - base:end - base]
+            self.prefix_cache.append(r.lease, block, None, ckpt, turn_boundary=turn_end, page=page)
 
     # ---- tokens, stops, events ----------------------------------------------------------------------------
     def _sampler(self, requests: list[Request], logits: torch.Tensor):
@@ -564,20 +574,18 @@ class Engine:
             reason = "stop"
         elif len(r.output) >= r.params.max_tokens or r.length >= self.model_config.max_seq_len:
             reason = "length"
-        text = self.tokenizer.decode_plain([t for t in r.output if t not in self.stop_ids])
-        cut = first_stop(text, r.params.stop)
-        if cut >= 0:
-            text, reason = text[:cut], "stop"
-        r.text = text
+        if token not in self.stop_ids:  # a stop token adds no text, also when ignore_eos lets it through
+            stream = self.texts[r]
+            searched = stream.stable  # the text up to here holds no stop string: an earlier token's search saw it
+            stream.push(token)
+            r.text = stream.text
+            cut = first_stop(r.text, r.params.stop, after=searched)
+            if cut >= 0:
+                r.text, reason = r.text[:cut], "stop"
         if reason is not None:
             self._finish(r, reason)
-        else:
-            self._emit(r, self._sendable(r))
-
-    def _sendable(self, r: Request) -> int:
-        """How much of the text is final: hold back a partial UTF-8 character and a possible stop-string start."""
-        text = r.text.rstrip("\ufffd")
-        return max(len(text) - held_back(text, r.params.stop), r.sent)
+        else:  # held back: a partial UTF-8 character and a possible stop-string start
+            self._emit(r, sendable(r.text, r.params.stop, r.sent))
 
     def _emit(self, r: Request, upto: int, finished: bool = False) -> None:
         delta, r.sent = r.text[r.sent:upto], upto
@@ -588,6 +596,7 @@ class Engine:
 
     def _finish(self, r: Request, reason: str) -> None:
         r.finish_reason = reason
+        self.texts.pop(r, None)
         if r.lease is not None:
             if reason not in ("cancelled", "error"):
                 self.prefix_cache.mark_turn_boundary(r.lease)
