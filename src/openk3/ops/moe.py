@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from openk3.ops.activations import apply_glu
 from openk3.ops.norms import acc_dtype
@@ -169,8 +170,19 @@ def grouped_glu_mlp_gemm(x_sorted, counts, gate_up, down, act, *, mm=None) -> to
     rows = x_sorted.to(dtype)
     x_pad = torch.cat([rows, rows.new_zeros(1, rows.shape[1])]).index_select(0, source)
     h = mm(x_pad, gate_up.to(dtype).transpose(-2, -1), offs=layout.offsets)
-    y = mm(apply_glu(act, h), down.to(dtype).transpose(-2, -1), offs=layout.offsets)
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        # the GLU's output is recomputed in backward from h (kept anyway for the GLU's own backward) instead of
+        # being kept for the down projection's weight gradient; the checkpoint stops recomputing once that output
+        # is back, before the second GEMM runs again. (Compiled, Inductor's partitioner makes that choice.)
+        y = checkpoint(_glu_down, act, h, down, dtype, layout.offsets, mm, use_reentrant=False,
+                       preserve_rng_state=False)
+    else:
+        y = _glu_down(act, h, down, dtype, layout.offsets, mm)
     return y.index_select(0, layout.dest)
+
+
+def _glu_down(act, h, down, dtype, offsets, mm) -> torch.Tensor:
+    return mm(apply_glu(act, h), down.to(dtype).transpose(-2, -1), offs=offsets)
 
 
 def experts_forward(
