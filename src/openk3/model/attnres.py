@@ -120,15 +120,13 @@ class BlockStream:
         """Steps 1-2: the attention sublayer's input, normalised by `then` if given (its pre-norm; the stream
         then recomputes the two in backward instead of keeping the merged input); opens a block when
         layer_idx % block_size == 0."""
-        if self.blocks:
-            x = self._merge(proj, norm, then)
-        else:
-            x = self.partial if then is None else then(self.partial)
+        merged = bool(self.blocks)
+        x = self._merge(proj, norm, then) if merged else self.partial
         self._opened = layer_idx % self.block_size == 0
         if self._opened:
             self.blocks.append(self.partial)
             self._open_epoch()
-        return x
+        return x if merged or then is None else then(x)  # layer 0 (the embedding alone): normalised after phase 1
 
     def add_attn(self, h: torch.Tensor) -> None:
         self.partial = h if self._opened else self.partial + h

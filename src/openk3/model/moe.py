@@ -30,11 +30,10 @@ class GLUMLP(nn.Module):
         self.down_proj = linear(hidden, dim, out_std(cfg))
         self.act = _act(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.project(*shared_cast(x, 2))
-
-    def project(self, to_gate: torch.Tensor, to_up: torch.Tensor) -> torch.Tensor:
-        """The FFN on its input given once per projection (`shared_cast`'s views, or x twice)."""
+    def forward(self, x: torch.Tensor, to_up: torch.Tensor | None = None) -> torch.Tensor:
+        """The FFN of x; `to_up`: x again for the up projection, when the caller has made the two one autocast
+        copy's views itself (`shared_cast`); by default the FFN does that."""
+        to_gate, to_up = shared_cast(x, 2) if to_up is None else (x, to_up)
         return self.down_proj(self.act(self.gate_proj(to_gate), self.up_proj(to_up)))
 
 
@@ -156,5 +155,5 @@ class MoE(nn.Module):
                 y = self.latent_norm(y)
             y = self.routed_up(y)
         if self.shared_experts is not None:
-            y = y + self.shared_experts.project(*to_shared)
+            y = y + self.shared_experts(*to_shared)
         return y.view(shape)
