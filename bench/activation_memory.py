@@ -9,14 +9,16 @@ attributed to the innermost module running when they were saved (forward pre/pos
 one forward + loss under `torch.autocast("cpu", dtype=torch.bfloat16)` with fp32 weights, as the GPU step runs
 under CUDA autocast.
 
-The forward takes the code paths a CUDA step takes, so the count is the GPU's: the Triton passes of RMSNorm,
-SiTU-GLU and the KDA activations (run by Triton's CPU interpreter, TRITON_INTERPRET=1), the experts' grouped GEMM
-(torch's CPU kernel) and the MLA attention through SDPA's flash kernel (the CPU one saves what the GPU's saves:
-q, k, padded v, the output and the log-sum-exp). The KDA core is the exception: its Triton autograd Function
-(`ops/kda/triton/chunk.py`) saves q, k, v, g, beta and the state at the start of every 16-token chunk, so its row
-is that count, per token (`kda_core_bytes_per_token`; tests/test_bench_activation_memory.py checks it against
-the Function run under the interpreter); the CPU forward runs the chunked PyTorch form, whose saved tensors are
-left out.
+The forward takes the code paths a CUDA step takes, so the count is the GPU's (`cuda_code_paths`): the Triton
+autograd Functions of RMSNorm, SiTU-GLU and the KDA activations (their forward kernels replaced by the PyTorch
+references, which write the same values; what each Function saves is its own), the experts' grouped GEMM (torch's
+CPU kernel), SDPA's flash kernel (the CPU one saves what the GPU's saves: q, k, padded v, the output and the
+log-sum-exp) and, for the dense model, torch's RMSNorm as CUDA's fused kernel (input and rstd). The KDA core is
+the exception: its Triton autograd Function (`ops/kda/triton/chunk.py`) saves q, k, v, g, beta and the state at
+the start of every 16-token chunk, so its row is that count (`kda_core_bytes_per_token`;
+tests/test_activation_memory.py checks it against the Function run by Triton's interpreter); the CPU forward runs
+the chunked PyTorch form, whose saved tensors are left out. Bytes per token are the slope between --seq-len / 2
+and --seq-len tokens (`per_token`).
 
 Prints bytes per token by module kind for both models and the ratio k3 / dense with and without the attention
 cores, predicts the GPU peak at --gpu-tokens (method in `predicted_peak`), and writes
@@ -43,7 +45,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from openk3.config import ModelConfig, get_preset  # noqa: E402
+from openk3.cli_options import int_at_least  # noqa: E402
+from openk3.config import PRESETS, ModelConfig, get_preset  # noqa: E402
 from openk3.model import K3ForCausalLM  # noqa: E402
 
 HERE = Path(__file__).parent
@@ -465,11 +468,12 @@ def print_table(result: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="activation memory per module kind (see the module docstring)")
-    parser.add_argument("--preset", default="k3-debug")
-    parser.add_argument("--batch-size", type=int, default=1)
-    parser.add_argument("--seq-len", type=int, default=512, help="the larger of the two lengths measured (even)")
-    parser.add_argument("--gpu-tokens", type=int, default=8 * 4096, help="tokens of the predicted GPU step")
-    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--preset", default="k3-debug", choices=sorted(PRESETS))
+    parser.add_argument("--batch-size", type=int_at_least(1), default=1)
+    parser.add_argument("--seq-len", type=int_at_least(4), default=512,
+                        help="the larger of the two lengths measured (even)")
+    parser.add_argument("--gpu-tokens", type=int_at_least(1), default=8 * 4096, help="tokens of the predicted GPU step")
+    parser.add_argument("--threads", type=int_at_least(1), default=None)
     parser.add_argument("--out", type=Path, default=HERE / "activation_memory.json")
     args = parser.parse_args()
     if args.seq_len % 2:

@@ -46,9 +46,10 @@ def shared_cast(x: torch.Tensor, consumers: int) -> tuple[torch.Tensor, ...]:
     """x for `consumers` matmuls: under autocast, views of one copy in autocast's dtype (each autocast matmul
     would otherwise cast x and keep its own copy for backward); backward sums their gradients in x's dtype, as
     autograd sums the gradients of separate casts (so they agree to fp32 rounding; the order of the sum may
-    differ). When x is already in the compute dtype (no autocast, or a bf16 x): x itself, `consumers` times."""
+    differ). When x is already in the compute dtype (no autocast, or a bf16 x), or while torch.compile traces
+    (Inductor shares the casts itself): x itself, `consumers` times."""
     dtype = compute_dtype(x)
-    if dtype == x.dtype:
+    if dtype == x.dtype or torch.compiler.is_compiling():
         return (x,) * consumers
     return _SharedCast.apply(x, dtype, consumers)
 
