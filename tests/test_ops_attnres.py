@@ -160,18 +160,18 @@ class OnePhaseStream:
     def _mix(self, proj, norm):
         return attn_res(self.blocks + [self.partial], proj.weight[0], norm.weight, norm.eps)
 
-    def attn_input(self, layer_idx, proj, norm):
+    def attn_input(self, layer_idx, proj, norm, then):
         x = self.partial if not self.blocks else self._mix(proj, norm)
         self._opened = layer_idx % self.block_size == 0
         if self._opened:
             self.blocks.append(self.partial)
-        return x
+        return then(x)
 
     def add_attn(self, h):
         self.partial = h if self._opened else self.partial + h
 
-    def mlp_input(self, proj, norm):
-        return self._mix(proj, norm)
+    def mlp_input(self, proj, norm, then):
+        return then(self._mix(proj, norm))
 
     def add_mlp(self, h):
         self.partial = self.partial + h

@@ -25,6 +25,7 @@ import functools
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from openk3.model.common import RMSNorm
 from openk3.ops.attnres import attn_res_blocks, attn_res_merge
@@ -87,34 +88,52 @@ class BlockStream:
         w = torch.stack([proj.weight[0] for proj, _ in queries]).to(acc)
         return torch.stack([norm.weight for _, norm in queries]).to(acc) * w
 
-    def _merge(self, proj: nn.Linear, norm: RMSNorm) -> torch.Tensor:
-        """Phase 2 for the next query of the epoch, which must be (proj, norm)."""
+    def _merge(self, proj: nn.Linear, norm: RMSNorm, then: nn.Module | None = None) -> torch.Tensor:
+        """Phase 2 for the next query of the epoch, which must be (proj, norm); then `then` (the sublayer's
+        pre-norm) on the result, if given."""
         dtype = torch.promote_types(self._blocks_dtype, self.partial.dtype)
         if self._queries is None:
             q_vec = self._query_matrix([(proj, norm)])
             mixed = self._phase1(self.blocks, q_vec, norm.eps)
-            return self._phase2(mixed.mix[..., 0, :], mixed.lse[..., 0], self.partial, q_vec[0], norm.eps, dtype)
+            return self._merge_then(then, mixed.mix[..., 0, :], mixed.lse[..., 0], self.partial, q_vec[0], norm.eps,
+                                    dtype)
         q = self._next
         if q >= len(self._queries) or self._queries[q][0] is not proj or self._queries[q][1] is not norm:
             raise RuntimeError("Block AttnRes ran its sublayers in another order than attn_res_epochs planned")
         self._next += 1
         mix, lse = self._mix.mix[..., q, :], self._mix.lse[..., q]
-        return self._phase2(mix, lse, self.partial, self._q[q], norm.eps, dtype)
+        if then is None or not torch.is_grad_enabled():
+            return self._merge_then(then, mix, lse, self.partial, self._q[q], norm.eps, dtype)
+        # Phase 2 and the pre-norm after it are recomputed in backward: for backward they would keep the merged
+        # input (fp32, for the norm) and phase 2's copies of the partial sum, 8 bytes per channel and token under
+        # bf16 autocast; the checkpoint keeps its inputs (the partial sum, this query's row of the block mix, lse
+        # and query), and backward reruns one elementwise pass and a matrix-vector product per token.
+        return checkpoint(self._merge_then, then, mix, lse, self.partial, self._q[q], norm.eps, dtype,
+                          use_reentrant=False, preserve_rng_state=False)
 
-    def attn_input(self, layer_idx: int, proj: nn.Linear | None, norm: RMSNorm | None) -> torch.Tensor:
-        """Steps 1-2: the attention sublayer's input; opens a block when layer_idx % block_size == 0."""
-        x = self.partial if not self.blocks else self._merge(proj, norm)
+    def _merge_then(self, then, mix, lse, partial, query, eps, dtype) -> torch.Tensor:
+        x = self._phase2(mix, lse, partial, query, eps, dtype)
+        return x if then is None else then(x)
+
+    def attn_input(self, layer_idx: int, proj: nn.Linear | None, norm: RMSNorm | None,
+                   then: nn.Module | None = None) -> torch.Tensor:
+        """Steps 1-2: the attention sublayer's input, normalised by `then` if given (its pre-norm; the stream
+        then recomputes the two in backward instead of keeping the merged input); opens a block when
+        layer_idx % block_size == 0."""
+        merged = bool(self.blocks)
+        x = self._merge(proj, norm, then) if merged else self.partial
         self._opened = layer_idx % self.block_size == 0
         if self._opened:
             self.blocks.append(self.partial)
             self._open_epoch()
-        return x
+        return x if merged or then is None else then(x)  # layer 0 (the embedding alone): normalised after phase 1
 
     def add_attn(self, h: torch.Tensor) -> None:
         self.partial = h if self._opened else self.partial + h
 
-    def mlp_input(self, proj: nn.Linear, norm: RMSNorm) -> torch.Tensor:
-        return self._merge(proj, norm)
+    def mlp_input(self, proj: nn.Linear, norm: RMSNorm, then: nn.Module | None = None) -> torch.Tensor:
+        """Step 4's FFN input, normalised by `then` if given (as in `attn_input`)."""
+        return self._merge(proj, norm, then)
 
     def add_mlp(self, h: torch.Tensor) -> None:
         self.partial = self.partial + h

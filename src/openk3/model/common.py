@@ -1,5 +1,6 @@
-"""Small building blocks shared by the layers: RMSNorm, the short conv's weight holder, init helpers and the
-fp32 guard for parameters that must stay fp32 (A_log, dt_bias, router weight and bias)."""
+"""Small building blocks shared by the layers: RMSNorm, the short conv's weight holder, init helpers, the
+fp32 guard for parameters that must stay fp32 (A_log, dt_bias, router weight and bias) and one autocast copy of
+an input shared by the matmuls that read it."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 from torch import nn
 
 from openk3.ops.fused import use_triton
+from openk3.ops.moe import compute_dtype
 from openk3.ops.norms import add_rms_norm, rms_norm
 
 
@@ -38,6 +40,34 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+def shared_cast(x: torch.Tensor, consumers: int) -> tuple[torch.Tensor, ...]:
+    """x for `consumers` matmuls: under autocast, views of one copy in autocast's dtype (each autocast matmul
+    would otherwise cast x and keep its own copy for backward); backward sums their gradients in x's dtype, as
+    autograd sums the gradients of separate casts (so they agree to fp32 rounding; the order of the sum may
+    differ). When x is already in the compute dtype (no autocast, or a bf16 x), or while torch.compile traces
+    (Inductor shares the casts itself): x itself, `consumers` times."""
+    dtype = compute_dtype(x)
+    if dtype == x.dtype or torch.compiler.is_compiling():
+        return (x,) * consumers
+    return _SharedCast.apply(x, dtype, consumers)
+
+
+class _SharedCast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dtype, consumers):
+        ctx.dtype = x.dtype
+        copy = x.to(dtype)
+        return tuple(copy.view_as(copy) for _ in range(consumers))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        total = None
+        for g in grads:
+            if g is not None:
+                total = g.to(ctx.dtype) if total is None else total + g.to(ctx.dtype)
+        return total, None, None
 
 
 class ShortConv(nn.Module):

@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 from openk3.config import ModelConfig
-from openk3.model.common import KeepFp32, RMSNorm, linear, out_std
+from openk3.model.common import KeepFp32, RMSNorm, linear, out_std, shared_cast
 from openk3.ops.activations import glu_activation
-from openk3.ops.moe import Routing, experts_forward, routing_with, sigmoid_topk_routing
+from openk3.ops.moe import Routing, autocast_enabled, experts_forward, routing_with, sigmoid_topk_routing
 from openk3.ops.norms import acc_dtype
 
 
@@ -30,8 +30,11 @@ class GLUMLP(nn.Module):
         self.down_proj = linear(hidden, dim, out_std(cfg))
         self.act = _act(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
+    def forward(self, x: torch.Tensor, to_up: torch.Tensor | None = None) -> torch.Tensor:
+        """The FFN of x; `to_up`: x again for the up projection, when the caller has made the two one autocast
+        copy's views itself (`shared_cast`); by default the FFN does that."""
+        to_gate, to_up = shared_cast(x, 2) if to_up is None else (x, to_up)
+        return self.down_proj(self.act(self.gate_proj(to_gate), self.up_proj(to_up)))
 
 
 class TopkRouter(KeepFp32, nn.Module):
@@ -54,7 +57,9 @@ class TopkRouter(KeepFp32, nn.Module):
     def forward(self, x: torch.Tensor) -> Routing:
         """x [N, D] -> Routing(weights [N,k], indices [N,k], scores [N,E])."""
         acc = acc_dtype(x.dtype)
-        logits = torch.nn.functional.linear(x.to(acc), self.weight.to(acc))
+        # under autocast the linear runs in autocast's dtype whatever x's dtype is: x (the MoE's shared copy) goes
+        # in as it is, where an upcast would only be cast back into a second copy for backward to keep
+        logits = torch.nn.functional.linear(x if autocast_enabled(x) else x.to(acc), self.weight.to(acc))
         routing = sigmoid_topk_routing(
             logits, self.e_score_correction_bias, self.top_k,
             renormalize=self.renormalize, scaling=self.routed_scaling_factor,
@@ -139,14 +144,16 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        routing = self.gate(flat)
+        # the router, the routed path and the shared expert's two projections read one autocast copy of x
+        to_gate, to_routed, *to_shared = shared_cast(flat, 2 + 2 * (self.shared_experts is not None))
+        routing = self.gate(to_gate)
         if self.latent_dim is None:
-            y = self.experts(flat, routing)
+            y = self.experts(to_routed, routing)
         else:
-            y = self.experts(self.routed_down(flat), routing)
+            y = self.experts(self.routed_down(to_routed), routing)
             if self.latent_norm is not None:
                 y = self.latent_norm(y)
             y = self.routed_up(y)
         if self.shared_experts is not None:
-            y = y + self.shared_experts(flat)
+            y = y + self.shared_experts(*to_shared)
         return y.view(shape)

@@ -51,10 +51,10 @@ class DecoderLayer(nn.Module):
     def forward_block(self, stream: BlockStream, cache: HybridCache | None = None) -> None:
         """Block AttnRes: reads and updates `stream` (SPEC §4)."""
         x = stream.attn_input(self.layer_idx, getattr(self, "attn_res_proj", None),
-                              getattr(self, "attn_res_norm", None))
-        stream.add_attn(self.self_attn(self.input_layernorm(x), cache))
-        x = stream.mlp_input(self.mlp_res_proj, self.mlp_res_norm)
-        stream.add_mlp(self.mlp(self.post_attention_layernorm(x)))
+                              getattr(self, "attn_res_norm", None), then=self.input_layernorm)
+        stream.add_attn(self.self_attn(x, cache))
+        x = stream.mlp_input(self.mlp_res_proj, self.mlp_res_norm, then=self.post_attention_layernorm)
+        stream.add_mlp(self.mlp(x))
 
 
 class K3Model(nn.Module):

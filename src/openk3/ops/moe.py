@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from openk3.ops.activations import apply_glu
 from openk3.ops.norms import acc_dtype
@@ -107,11 +108,15 @@ def _grouped_mm_fn():
     return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
+def autocast_enabled(x: torch.Tensor) -> bool:
+    """Whether autocast is on for x's device."""
+    device = x.device.type
+    return torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
+
+
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype the expert matmuls run in: autocast's when it is on for x's device, else x's."""
-    device = x.device.type
-    autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
-    return torch.get_autocast_dtype(device) if autocast else x.dtype
+    return torch.get_autocast_dtype(x.device.type) if autocast_enabled(x) else x.dtype
 
 
 def grouped_mm_usable(x_sorted: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
@@ -158,11 +163,26 @@ def grouped_glu_mlp_gemm(x_sorted, counts, gate_up, down, act, *, mm=None) -> to
     dtype = compute_dtype(x_sorted)
     M = x_sorted.shape[0]
     layout = grouped_layout(counts, M, GROUP_ALIGN_BYTES * 8 // torch.finfo(dtype).bits)
-    x_pad = x_sorted.new_zeros(layout.capacity, x_sorted.shape[1], dtype=dtype)
-    x_pad = x_pad.index_copy(0, layout.dest, x_sorted.to(dtype))
+    # the padded rows gathered from the rows plus one zero row: a gather keeps only its index for backward, where
+    # index_copy into a zero buffer would keep a copy of all the rows
+    source = torch.full((layout.capacity,), M, dtype=layout.dest.dtype, device=x_sorted.device)
+    source[layout.dest] = torch.arange(M, device=x_sorted.device)
+    rows = x_sorted.to(dtype)
+    x_pad = torch.cat([rows, rows.new_zeros(1, rows.shape[1])]).index_select(0, source)
     h = mm(x_pad, gate_up.to(dtype).transpose(-2, -1), offs=layout.offsets)
-    y = mm(apply_glu(act, h), down.to(dtype).transpose(-2, -1), offs=layout.offsets)
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        # the GLU's output is recomputed in backward from h (kept anyway for the GLU's own backward) instead of
+        # being kept for the down projection's weight gradient; the checkpoint stops recomputing once that output
+        # is back, before the second GEMM runs again. (Compiled, Inductor's partitioner makes that choice.)
+        y = checkpoint(_glu_down, act, h, down, dtype, layout.offsets, mm, use_reentrant=False,
+                       preserve_rng_state=False)
+    else:
+        y = _glu_down(act, h, down, dtype, layout.offsets, mm)
     return y.index_select(0, layout.dest)
+
+
+def _glu_down(act, h, down, dtype, offsets, mm) -> torch.Tensor:
+    return mm(apply_glu(act, h), down.to(dtype).transpose(-2, -1), offs=offsets)
 
 
 def experts_forward(
@@ -179,7 +199,36 @@ def experts_forward(
     token_of = order // k  # which token each sorted row came from
     y_sorted = grouped_glu_mlp(x[token_of], counts, gate_up, down, act)
     w_sorted = routing_weights.reshape(-1)[order].unsqueeze(-1)
-    acc = acc_dtype(x.dtype)
-    out = torch.zeros(N, down.shape[1], dtype=acc, device=x.device)
-    out.index_add_(0, token_of, y_sorted.to(acc) * w_sorted.to(acc))
-    return out.to(x.dtype)
+    return combine_rows(y_sorted, w_sorted, token_of, N, acc_dtype(x.dtype)).to(x.dtype)
+
+
+def combine_rows(y_sorted: torch.Tensor, w_sorted: torch.Tensor, token_of: torch.Tensor, num_tokens: int,
+                 acc: torch.dtype) -> torch.Tensor:
+    """out [num_tokens, D] in `acc`: out[token_of[r]] += w_sorted[r] * y_sorted[r] (y_sorted [M, D], w_sorted
+    [M, 1]), the products and sums in `acc`. Backward keeps y_sorted in its own dtype (the experts' bf16 output
+    under autocast) where autograd would keep its `acc` copy and the products (3x the bytes in fp32)."""
+    return _CombineRows.apply(y_sorted, w_sorted, token_of, num_tokens, acc)
+
+
+def combine_rows_reference(y_sorted, w_sorted, token_of, num_tokens, acc) -> torch.Tensor:
+    """`combine_rows` in autograd's hands (the reference: the same values and gradients, to the bit)."""
+    out = torch.zeros(num_tokens, y_sorted.shape[1], dtype=acc, device=y_sorted.device)
+    return out.index_add_(0, token_of, y_sorted.to(acc) * w_sorted.to(acc))
+
+
+class _CombineRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y_sorted, w_sorted, token_of, num_tokens, acc):
+        ctx.save_for_backward(y_sorted, w_sorted, token_of)
+        return combine_rows_reference(y_sorted, w_sorted, token_of, num_tokens, acc)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # the ops autograd runs for the reference: index_add's source gradient is grad's rows at token_of, then
+        # the product's (w broadcast over D: summed back over D), then the casts back to the inputs' dtypes
+        y_sorted, w_sorted, token_of = ctx.saved_tensors
+        rows = grad.index_select(0, token_of)
+        dy = (rows * w_sorted.to(grad.dtype)).to(y_sorted.dtype) if ctx.needs_input_grad[0] else None
+        dw = (rows * y_sorted.to(grad.dtype)).sum(-1, keepdim=True).to(w_sorted.dtype) \
+            if ctx.needs_input_grad[1] else None
+        return dy, dw, None, None, None
