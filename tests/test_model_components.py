@@ -104,6 +104,19 @@ def test_routers_scores_and_buffers():
     assert ((router.last_scores > 0) & (router.last_scores < 1)).all()
 
 
+def test_router_is_fp32_under_bf16_autocast():
+    """The router's logits are fp32 products under a bf16 autocast too (near-ties decide the top-k): the same
+    routing, to the bit, as without autocast; its gradient reaches the fp32 weight."""
+    router = TopkRouter(get_preset("k3-tiny"))
+    x = torch.randn(37, router.weight.shape[1]) * 3
+    want = router(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = router(x)
+    assert torch.equal(got.indices, want.indices) and torch.equal(got.weights, want.weights)
+    got.weights.sum().backward()
+    assert router.weight.grad is not None and router.weight.grad.dtype == torch.float32
+
+
 def test_heads_attributes():
     model = K3ForCausalLM(get_preset("k3-tiny"))
     attn = [layer.self_attn for layer in model.model.layers]

@@ -209,3 +209,21 @@ def test_model_two_phase_matches_one_phase(monkeypatch):
         assert ga.keys() == gb.keys()
         for name in ga:
             torch.testing.assert_close(gb[name], ga[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_fp32_under_bf16_autocast():
+    """AttnRes is an fp32 island (DESIGN.md): under a bf16 autocast its scores and mixes are the same fp32 values
+    as without autocast (autocast would otherwise run their matmuls in bf16)."""
+    torch.manual_seed(4)
+    blocks = [torch.randn(3, 5, 64) * 10 for _ in range(4)]
+    queries, partial = torch.randn(2, 64), torch.randn(3, 5, 64)
+    want = attn_res_blocks(blocks, queries)
+    want_merge = attn_res_merge(want.mix[..., 0, :], want.lse[..., 0], partial, queries[0])
+    want_one = attn_res(blocks, queries[0], torch.ones(64))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = attn_res_blocks(blocks, queries)
+        got_merge = attn_res_merge(got.mix[..., 0, :], got.lse[..., 0], partial, queries[0])
+        got_one = attn_res(blocks, queries[0], torch.ones(64))
+    for a, b in ((got.mix, want.mix), (got.lse, want.lse), (got_merge, want_merge), (got_one, want_one)):
+        assert a.dtype == torch.float32 and torch.equal(a, b)
+

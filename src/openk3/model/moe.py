@@ -11,8 +11,8 @@ from torch import nn
 from openk3.config import ModelConfig
 from openk3.model.common import KeepFp32, RMSNorm, linear, out_std, shared_cast
 from openk3.ops.activations import glu_activation
-from openk3.ops.moe import Routing, autocast_enabled, experts_forward, routing_with, sigmoid_topk_routing
-from openk3.ops.norms import acc_dtype
+from openk3.ops.moe import Routing, experts_forward, routing_with, sigmoid_topk_routing
+from openk3.ops.norms import acc_dtype, fp32_island
 
 
 def _act(cfg: ModelConfig):
@@ -57,9 +57,8 @@ class TopkRouter(KeepFp32, nn.Module):
     def forward(self, x: torch.Tensor) -> Routing:
         """x [N, D] -> Routing(weights [N,k], indices [N,k], scores [N,E])."""
         acc = acc_dtype(x.dtype)
-        # under autocast the linear runs in autocast's dtype whatever x's dtype is: x (the MoE's shared copy) goes
-        # in as it is, where an upcast would only be cast back into a second copy for backward to keep
-        logits = torch.nn.functional.linear(x if autocast_enabled(x) else x.to(acc), self.weight.to(acc))
+        with fp32_island(x):  # fp32 logits under a bf16 autocast too: near-ties decide the top-k
+            logits = torch.nn.functional.linear(x.to(acc), self.weight.to(acc))
         routing = sigmoid_topk_routing(
             logits, self.e_score_correction_bias, self.top_k,
             renormalize=self.renormalize, scaling=self.routed_scaling_factor,
@@ -144,9 +143,10 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        # the router, the routed path and the shared expert's two projections read one autocast copy of x
-        to_gate, to_routed, *to_shared = shared_cast(flat, 2 + 2 * (self.shared_experts is not None))
-        routing = self.gate(to_gate)
+        # the router reads x itself (fp32 routing under autocast too); the routed path and the shared expert's two
+        # projections read one autocast copy of x
+        to_routed, *to_shared = shared_cast(flat, 1 + 2 * (self.shared_experts is not None))
+        routing = self.gate(flat)
         if self.latent_dim is None:
             y = self.experts(to_routed, routing)
         else:

@@ -1,6 +1,6 @@
 """Block Attention Residuals (SPEC-K3 §4): a softmax-weighted mix over depth, per token.
 
-    keys_i  = RMSNorm_noweight(v_i)                 (fp32)
+    keys_i  = RMSNorm_noweight(v_i)                 (fp32, also under a bf16 autocast: `fp32_island`)
     score_i = sum_d (r_d * w_d) * keys_i[d]         w: the pseudo-query [D], r: the RMSNorm weight [D]
     h       = sum_i softmax_i(score) * v_i          (values are the raw sources)
 """
@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import torch
 
-from openk3.ops.norms import acc_dtype
+from openk3.ops.norms import acc_dtype, fp32_island
 
 
 def attn_res(
@@ -22,7 +22,8 @@ def attn_res(
     acc = acc_dtype(v.dtype)
     vf = v.to(acc)
     keys = vf * torch.rsqrt(vf.pow(2).mean(-1, keepdim=True) + eps)
-    scores = keys @ (norm_weight.to(acc) * query.to(acc).reshape(-1))  # [N,...]
+    with fp32_island(v):
+        scores = keys @ (norm_weight.to(acc) * query.to(acc).reshape(-1))  # [N,...]
     p = scores.softmax(0).unsqueeze(-1)
     return (p * vf).sum(0).to(v.dtype)
 
@@ -42,9 +43,10 @@ def attn_res_blocks(blocks: list[torch.Tensor], queries: torch.Tensor, eps: floa
     v = torch.stack(blocks, dim=-2)  # [..., N, D], the sources' promoted dtype
     vf = v.to(acc_dtype(v.dtype))
     inv_rms = torch.rsqrt(vf.pow(2).mean(-1, keepdim=True) + eps)  # [..., N, 1]: the keys are vf * inv_rms
-    scores = (vf @ queries.to(vf.dtype).T) * inv_rms  # [..., N, Q]
-    p = scores.softmax(-2)  # over the N block sums (not exp(scores - lse): softmax's backward is the stable one)
-    return BlockMix(p.transpose(-1, -2) @ vf, scores.logsumexp(-2))
+    with fp32_island(v):
+        scores = (vf @ queries.to(vf.dtype).T) * inv_rms  # [..., N, Q]
+        p = scores.softmax(-2)  # over the N block sums (not exp(scores - lse): softmax's backward is the stable one)
+        return BlockMix(p.transpose(-1, -2) @ vf, scores.logsumexp(-2))
 
 
 def attn_res_merge(mix: torch.Tensor, lse: torch.Tensor, partial: torch.Tensor, query: torch.Tensor,
@@ -55,6 +57,7 @@ def attn_res_merge(mix: torch.Tensor, lse: torch.Tensor, partial: torch.Tensor, 
     their own mix: a softmax over the two logits (s, lse), so that neither weight is formed as 1 minus the other
     (which loses a tiny weight, and its gradient, to rounding). Returns `dtype` (default: the partial sum's)."""
     pf = partial.to(mix.dtype)
-    s = (pf @ query.to(pf.dtype)) * torch.rsqrt(pf.pow(2).mean(-1) + eps)  # [...]
+    with fp32_island(pf):
+        s = (pf @ query.to(pf.dtype)) * torch.rsqrt(pf.pow(2).mean(-1) + eps)  # [...]
     weights = torch.stack([s, lse], dim=-1).softmax(-1).unsqueeze(-2)  # [..., 1, 2]
     return (weights[..., 0] * pf + weights[..., 1] * mix).to(dtype or partial.dtype)

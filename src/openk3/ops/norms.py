@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """The compute dtype for "fp32" math: fp32, or fp64 for fp64 inputs (so fp64 references stay exact)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def fp32_island(x: torch.Tensor) -> contextlib.AbstractContextManager:
+    """Autocast off on x's device: inside, matmuls run in their operands' dtype, so an fp32 island (DESIGN.md:
+    AttnRes, the router) keeps fp32 products under a bf16 autocast, which would otherwise cast them down."""
+    device = x.device.type
+    if not torch.amp.is_autocast_available(device):
+        return contextlib.nullcontext()
+    return torch.autocast(device, enabled=False)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-5) -> torch.Tensor:
