@@ -33,7 +33,9 @@ import torch.nn.functional as F
 
 from openk3.ops.kda.reference import sequence_bounds
 
-CHUNK_SIZE = 16  # default chunk: on 2 CPU cores fwd+bwd ran 1.8x faster than at 32 (bench/RESULTS.md, Training)
+# default chunk: fwd+bwd at 2 x 1024 tokens, 4 heads of 64, one thread took 0.11 / 0.09 / 0.11 / 0.14 s at chunk
+# 8 / 16 / 32 / 64 (bench/RESULTS.md, One training step on CPU)
+CHUNK_SIZE = 16
 
 
 def _levels(C: int) -> list[int]:
@@ -131,12 +133,13 @@ class _StatePass(torch.autograd.Function):
         d_pv_total = torch.empty_like(pv)
         for c in reversed(range(n)):
             torch.baddbmm(d_pv[c], Kg[c], d_after[c], out=d_pv_total[c])
-            d_S0 = torch.baddbmm(torch.addcmul(d_states[c], gamma[c].unsqueeze(-1), d_after[c]),
-                                 W[c].transpose(-1, -2), d_pv_total[c], alpha=-1, out=d_after[c - 1] if c else None)
+            # dL/dS_c: what chunk c - 1 sees after it, or the initial state's gradient
+            dS = torch.baddbmm(torch.addcmul(d_states[c], gamma[c].unsqueeze(-1), d_after[c]),
+                               W[c].transpose(-1, -2), d_pv_total[c], alpha=-1, out=d_after[c - 1] if c else None)
         dW = -(d_pv_total @ states.transpose(-1, -2))
         d_gamma = (states * d_after).sum(-1)
         dKg = pv @ d_after.transpose(-1, -2)
-        return dW, d_pv_total, d_gamma, dKg, d_S0
+        return dW, d_pv_total, d_gamma, dKg, dS
 
 
 def _kda_chunked_padded(q, k, v, g, beta, initial_state):
