@@ -38,6 +38,9 @@ def make_inputs(B, T, H, K, V, *, seed, gate="random", beta="random", state=Fals
     elif gate == "spikes":  # whole tokens at -400 (the state is wiped), the others near 0
         g = -1e-4 * torch.rand(B, T, H, K, generator=gen, dtype=dtype)
         g[:, torch.rand(T, generator=gen) < 0.2] = -400.0
+    elif gate == "-inf":  # alpha = 0 exactly in some channels and tokens (g = log 0), the others K3's
+        g = k3_gate(r(B, T, H, K), torch.zeros(H), torch.zeros(H * K)).to(dtype)
+        g[torch.rand(B, T, H, K, generator=gen) < 0.1] = float("-inf")
     if beta == "random":
         b = torch.rand(B, T, H, generator=gen, dtype=dtype)
     elif beta == "near0":
@@ -165,6 +168,7 @@ def outputs_and_grads(fn, inputs, dtype=torch.float64, **kwargs):
     ((2, 37, 2, 8, 5), True, "kimi"),
     ((1, 50, 2, 8, 8), True, "extreme"),
     ((2, 23, 1, 4, 4), False, "spikes"),
+    ((1, 29, 2, 8, 4), True, "-inf"),
 ])
 def test_gradients_agree(shape, state, gate):
     inputs = make_inputs(*shape, seed=11, state=state, gate=gate)
@@ -184,7 +188,7 @@ def test_gradients_agree_varlen(gate):
         assert_close(a, b)
 
 
-@pytest.mark.parametrize("gate", ["random", "kimi", "extreme", "spikes"])
+@pytest.mark.parametrize("gate", ["random", "kimi", "extreme", "spikes", "-inf"])
 def test_fp32_matches_fp64_reference(gate):
     """In fp32 the chunked form (bounded and unbounded gates alike) stays within fp32 rounding of the fp64
     recurrence, outputs, final state and gradients (the exponents are sums over spans, never differences of

@@ -15,7 +15,8 @@ level s (C/2, ..., 2, 1) the pairs with i in an odd block of s tokens and j in t
 two matmul factors whose exponents are both <= 0 whatever the gates and add up to exactly G_i - G_j. The levels
 cover every pair i > j once; the diagonal is q_i . k_i. Every exponent (these, G itself, G_C - G) is a sum of
 gates over a span, computed as one matmul of g with a 0/1 span matrix: never a difference of two large cumsums,
-so a gate of -400 followed by gates near 0 costs no precision.
+so a gate of -400 followed by gates near 0 costs no precision (and g is clamped where exp underflows, which
+changes nothing but lets g = -inf through).
 
 Everything that does not depend on the state is computed for all chunks at once (autograd saves only
 [chunk, C, K]-sized tensors); the state recurrence over chunks is `_StatePass`, whose backward is the reverse
@@ -26,6 +27,7 @@ leaves the state alone.
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import torch
@@ -36,6 +38,14 @@ from openk3.ops.kda.reference import sequence_bounds
 # default chunk: fwd+bwd at 2 x 1024 tokens, 4 heads of 64, one thread took 0.11 / 0.09 / 0.11 / 0.14 s at chunk
 # 8 / 16 / 32 / 64 (bench/RESULTS.md, One training step on CPU)
 CHUNK_SIZE = 16
+
+
+def _underflow_floor(dtype: torch.dtype) -> float:
+    """A log decay below which exp is 0 in `dtype` (5 under the log of its smallest subnormal): clamping g there
+    changes no value and no gradient (exp of every span sum that holds such a gate is 0 either way), and keeps a
+    gate of -inf from turning the span matmul's 0 * g into NaN."""
+    info = torch.finfo(dtype)
+    return math.log(info.smallest_normal * info.eps) - 5
 
 
 def _levels(C: int) -> list[int]:
@@ -147,7 +157,7 @@ def _kda_chunked_padded(q, k, v, g, beta, initial_state):
     Returns o [n,B,C,V], the states before each chunk [n,B,K,V] and the final state [B,K,V]."""
     n, B, C, K = q.shape
     plan = _anchor_plan(C, q.dtype, q.device)
-    decay_in, decay_out, row_decays, col_decays = _span_decays(g, plan)
+    decay_in, decay_out, row_decays, col_decays = _span_decays(g.clamp_min(_underflow_floor(g.dtype)), plan)
     A_qk, A_kk = _pair_matrices(q, k, row_decays, col_decays, plan)
 
     eye = torch.eye(C, dtype=q.dtype, device=q.device)
