@@ -32,6 +32,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from openk3.ops.kda.reference import sequence_bounds
 
@@ -135,6 +136,7 @@ class _StatePass(torch.autograd.Function):
         return states, final, pv
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, d_states, d_final, d_pv):
         W, gamma, Kg, states, pv = ctx.saved_tensors
         n = W.shape[0]
