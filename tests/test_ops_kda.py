@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from openk3.ops.gates import k3_gate
+from openk3.ops.gates import k3_gate, kimi_gate
 from openk3.ops.kda import kda, kda_chunked, kda_recurrent
-from openk3.ops.kda.chunked import kda_chunked_with_states
+from openk3.ops.kda.chunked import _anchor_plan, _pair_matrices, _span_decays, kda_chunked_with_states
 
 
 @pytest.fixture(autouse=True)
@@ -30,6 +30,17 @@ def make_inputs(B, T, H, K, V, *, seed, gate="random", beta="random", state=Fals
         g = -1e-7 * torch.rand(B, T, H, K, generator=gen, dtype=dtype)
     elif gate == "mixed":  # per channel, some at the bound, some near 0
         g = torch.where(torch.rand(B, T, H, K, generator=gen) < 0.5, -5.0, -1e-7).to(dtype)
+    elif gate == "kimi":  # Kimi Linear's unbounded gate, A_log = log 16: one chunk decays by e^-100s
+        g = kimi_gate(3 * r(B, T, H, K), torch.full((H,), 16.0).log(), torch.zeros(H * K)).to(dtype)
+    elif gate == "extreme":  # per channel and token: -400, -100, -50 or near 0, mixed
+        g = torch.tensor([-400.0, -100.0, -50.0, -1e-3, -1e-6])[torch.randint(5, (B, T, H, K), generator=gen)]
+        g = g.to(dtype)
+    elif gate == "spikes":  # whole tokens at -400 (the state is wiped), the others near 0
+        g = -1e-4 * torch.rand(B, T, H, K, generator=gen, dtype=dtype)
+        g[:, torch.rand(T, generator=gen) < 0.2] = -400.0
+    elif gate == "-inf":  # alpha = 0 exactly in some channels and tokens (g = log 0), the others K3's
+        g = k3_gate(r(B, T, H, K), torch.zeros(H), torch.zeros(H * K)).to(dtype)
+        g[torch.rand(B, T, H, K, generator=gen) < 0.1] = float("-inf")
     if beta == "random":
         b = torch.rand(B, T, H, generator=gen, dtype=dtype)
     elif beta == "near0":
@@ -139,20 +150,79 @@ def test_split_sequence_carries_state():
     assert_close(s2, s)
 
 
-@pytest.mark.parametrize("shape,state", [((2, 19, 2, 8, 6), True), ((1, 40, 3, 4, 4), False), ((1, 1, 2, 8, 8), True)])
-def test_gradients_agree(shape, state):
-    inputs = make_inputs(*shape, seed=11, state=state)
-    grads = []
-    for fn in (kda_recurrent, kda_chunked):
-        leaves = [t.clone().requires_grad_(True) if t is not None else None for t in inputs]
-        q, k, v, g, b, s0 = leaves
-        o, s = fn(q, k, v, g, b, initial_state=s0, output_final_state=True, scale=0.7)
-        gen = torch.Generator().manual_seed(1)
-        loss = (o * torch.randn(o.shape, generator=gen)).sum() + (s * torch.randn(s.shape, generator=gen)).sum()
-        loss.backward()
-        grads.append([t.grad for t in leaves if t is not None])
-    for a, b in zip(*grads):
+def outputs_and_grads(fn, inputs, dtype=torch.float64, **kwargs):
+    """o, the final state and the gradients of a random linear loss of both w.r.t. q, k, v, g, beta (and the initial
+    state when given), all in fp64; `inputs` as make_inputs returns them, cast to `dtype` first."""
+    leaves = [None if t is None else t.to(dtype).clone().requires_grad_(True) for t in inputs]
+    o, s = fn(*leaves[:5], initial_state=leaves[5], output_final_state=True, **kwargs)
+    gen = torch.Generator().manual_seed(1)
+    w_o, w_s = torch.randn(o.shape, generator=gen), torch.randn(s.shape, generator=gen)
+    ((o.double() * w_o).sum() + (s.double() * w_s).sum()).backward()
+    return [o.double(), s.double()] + [t.grad.double() for t in leaves if t is not None]
+
+
+@pytest.mark.parametrize("shape,state,gate", [
+    ((2, 19, 2, 8, 6), True, "random"),
+    ((1, 40, 3, 4, 4), False, "random"),
+    ((1, 1, 2, 8, 8), True, "random"),
+    ((2, 37, 2, 8, 5), True, "kimi"),
+    ((1, 50, 2, 8, 8), True, "extreme"),
+    ((2, 23, 1, 4, 4), False, "spikes"),
+    ((1, 29, 2, 8, 4), True, "-inf"),
+])
+def test_gradients_agree(shape, state, gate):
+    inputs = make_inputs(*shape, seed=11, state=state, gate=gate)
+    ref = outputs_and_grads(kda_recurrent, inputs, scale=0.7)
+    for a, b in zip(outputs_and_grads(kda_chunked, inputs, scale=0.7), ref):
         assert_close(a, b)
+
+
+@pytest.mark.parametrize("gate", ["random", "kimi", "extreme", "spikes"])
+def test_gradients_agree_varlen(gate):
+    """Ragged sequences (cu_seqlens, one of length 1, padded chunks) with their initial states."""
+    *inputs, _ = make_inputs(1, 47, 2, 8, 8, seed=12, gate=gate)
+    cu = torch.tensor([0, 1, 18, 47])
+    inputs.append(torch.randn(3, 2, 8, 8, generator=torch.Generator().manual_seed(2)))
+    ref = outputs_and_grads(kda_recurrent, inputs, cu_seqlens=cu)
+    for a, b in zip(outputs_and_grads(kda_chunked, inputs, cu_seqlens=cu), ref):
+        assert_close(a, b)
+
+
+@pytest.mark.parametrize("gate", ["random", "kimi", "extreme", "spikes", "-inf"])
+def test_fp32_matches_fp64_reference(gate):
+    """In fp32 the chunked form (bounded and unbounded gates alike) stays within fp32 rounding of the fp64
+    recurrence, outputs, final state and gradients (the exponents are sums over spans, never differences of
+    large cumsums: a -400 gate beside gates near 0 costs no precision)."""
+    inputs = make_inputs(2, 45, 2, 16, 8, seed=13, gate=gate, state=True)
+    ref = outputs_and_grads(kda_recurrent, inputs)
+    for a, b in zip(outputs_and_grads(kda_chunked, inputs, dtype=torch.float32), ref):
+        assert_close(a, b, tol=1e-5)
+
+
+@pytest.mark.parametrize("C", [1, 2, 4, 8, 16, 32, 64])
+def test_pair_matrices_from_anchors(C):
+    """The block-anchored pair matrices equal their definition, sum_d x_id k_jd exp(G_id - G_jd) for j < i (and
+    j <= i for q), on gates mixing -400 with values near 0."""
+    gen = torch.Generator().manual_seed(C)
+    q, k = torch.randn(2, 3, C, 8, generator=gen), torch.randn(2, 3, C, 8, generator=gen)
+    g = torch.where(torch.rand(2, 3, C, 8, generator=gen) < 0.1, -400.0, -torch.rand(2, 3, C, 8, generator=gen))
+    plan = _anchor_plan(C, g.dtype, g.device)
+    decay_in, decay_out, row_decays, col_decays = _span_decays(g, plan)
+    A_qk, A_kk = _pair_matrices(q, k, row_decays, col_decays, plan)
+    G = g.cumsum(-2)
+    i, j = torch.arange(C)[:, None], torch.arange(C)[None, :]
+    decay = (G.unsqueeze(-2) - G.unsqueeze(-3)).masked_fill((j > i)[..., None], float("-inf")).exp()
+    pairwise = lambda x: torch.einsum("...id,...ijd,...jd->...ij", x, decay, k)  # noqa: E731
+    assert_close(A_qk, pairwise(q), tol=1e-12)
+    assert_close(A_kk, pairwise(k).tril(-1), tol=1e-12)
+    assert_close(decay_in, G.exp(), tol=1e-12)
+    assert_close(decay_out, (G[..., -1:, :] - G).exp(), tol=1e-12)
+
+
+def test_chunk_size_must_be_a_power_of_two():
+    q, k, v, g, b, _ = make_inputs(1, 20, 1, 4, 4, seed=0)
+    with pytest.raises(ValueError, match="chunk_size"):
+        kda_chunked(q, k, v, g, b, chunk_size=12)
 
 
 def test_dispatcher_and_scale():
@@ -201,6 +271,34 @@ def test_states_at_chunk_boundaries_from_one_pass():
     for bad in ((5,), (16, 64), (0,)):
         with pytest.raises(ValueError, match="multiples of chunk_size=16"):
             kda_chunked_with_states(q, k, v, g, b, bad)
+
+
+@pytest.mark.parametrize("gate", ["random", "extreme"])
+def test_states_at_chunk_boundaries_gradients(gate):
+    """kda_chunked_with_states: gradients through the output, the kept states and the final state (after a padded
+    last chunk) equal those of the recurrence stopped at each offset."""
+    inputs = make_inputs(2, 45, 2, 8, 4, seed=23, gate=gate, state=True)
+    offsets = (16, 32)
+    weights = torch.randn(len(offsets) + 1, 2, 2, 8, 4, generator=torch.Generator().manual_seed(3))
+
+    def chunked(q, k, v, g, b, s0):
+        o, states, final = kda_chunked_with_states(q, k, v, g, b, offsets, initial_state=s0)
+        return o, [*states, final]
+
+    def recurrent(q, k, v, g, b, s0):
+        o, final = kda_recurrent(q, k, v, g, b, initial_state=s0, output_final_state=True)
+        states = [kda_recurrent(q[:, :t], k[:, :t], v[:, :t], g[:, :t], b[:, :t], initial_state=s0,
+                                output_final_state=True)[1] for t in offsets]
+        return o, [*states, final]
+
+    grads = []
+    for run in (chunked, recurrent):
+        leaves = [t.clone().requires_grad_(True) for t in inputs]
+        o, states = run(*leaves)
+        (o.sum() + sum((w * s).sum() for w, s in zip(weights, states))).backward()
+        grads.append([t.grad for t in leaves])
+    for a, b in zip(*grads):
+        assert_close(a, b)
 
 
 @pytest.mark.parametrize("backend", ["recurrent", "chunked", "triton"])
