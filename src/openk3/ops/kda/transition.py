@@ -23,7 +23,9 @@ naming, "Diag(gamma_C) - (Gamma ⊙ K)^T W": fla's W carries the decay to the ch
 `kda_transition_chunked` computes the chunk maps for all chunks at once and composes them pairwise,
 (M2, b2) ∘ (M1, b1) = (M2 M1, M2 b1 + b2), in log2(chunks) batched steps rather than a loop over chunks. Zero padding
 to a multiple of C is the identity map (k = v = g = beta = 0), and the pairwise decays exp(G_i - G_j), i >= j, are
-formed as in chunked.py, so unbounded gates are safe too. Its memory is that of the pairwise decays, C times k's.
+formed as one [C, C, K] tensor per chunk (no positive exponent), so unbounded gates are safe too. Its memory is that
+of the pairwise decays, C times k's (chunked.py has since moved to block-anchored matmul factors, which this
+could share).
 
 Because each column of the state evolves on its own, the map is also the final state of one ordinary KDA pass over
 an augmented state: with values [v | 0] ([T, V+K]) from S_0 = [0 | I], the final state is [S_ext | M]. `kda_transition`
