@@ -10,9 +10,10 @@ from torch import nn
 from openk3.config import ModelConfig
 from openk3.model.common import KeepFp32, RMSNorm, ShortConv, linear, out_std, shared_cast
 from openk3.ops.conv import causal_conv1d, causal_conv1d_step
+from openk3.ops.fused import use_triton
 from openk3.ops.gates import k3_gate, kimi_gate
 from openk3.ops.kda import BACKENDS, kda, resolve_backend
-from openk3.ops.norms import acc_dtype, l2_norm, rms_norm
+from openk3.ops.norms import acc_dtype, gated_rms_norm, l2_norm
 
 
 class KimiDeltaAttention(KeepFp32, nn.Module):
@@ -168,11 +169,17 @@ class KimiDeltaAttention(KeepFp32, nn.Module):
         return self.output(x_o, o)
 
     def output(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-        """x [B,T,D], KDA output o [B,T,H,V] -> o_proj(RMSNorm_head(o) * sigmoid(output gate(x))) [B,T,D]."""
+        """x [B,T,D], KDA output o [B,T,H,V] -> o_proj(RMSNorm_head(o) * sigmoid(output gate(x))) [B,T,D]. The norm
+        and gate are one Triton pass each way where `ops.fused.use_triton` says so (model.common.RMSNorm's rule),
+        keeping o and the gate's input, not their fp32 copies and products."""
         B, T, H, V = o.shape
-        acc = acc_dtype(x.dtype)
         gate = self.out_gate(x).view(B, T, H, V)
-        o = rms_norm(o.to(acc), self.o_norm.weight, self.o_norm.eps) * torch.sigmoid(gate.to(acc))
+        if use_triton(o) and use_triton(gate):
+            from openk3.ops.triton_norm import gated_rms_norm_triton  # triton is an optional dependency
+
+            o = gated_rms_norm_triton(o, gate, self.o_norm.weight, self.o_norm.eps)
+        else:
+            o = gated_rms_norm(o, gate, self.o_norm.weight, self.o_norm.eps)
         return self.o_proj(o.to(x.dtype).reshape(B, T, H * V))
 
 
