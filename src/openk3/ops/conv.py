@@ -21,9 +21,10 @@ def causal_conv1d(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Full-sequence form. x [B,T,C] -> (y [B,T,C], new state [B,C,W-1]). With the SiLU, one autograd Function
     that keeps x (not the conv's input copy and output, as autograd would) and recomputes the conv in backward;
-    `causal_conv1d_reference` is the plain composition it must equal."""
-    if not activation:
-        return causal_conv1d_reference(x, weight, state, activation=False)
+    `causal_conv1d_reference` is the plain composition it must equal, and what runs while torch.compile traces
+    (Inductor chooses what to recompute itself)."""
+    if not activation or torch.compiler.is_compiling():
+        return causal_conv1d_reference(x, weight, state, activation)
     w = _kernel(weight)
     B, T, C = x.shape
     W = w.shape[-1]
