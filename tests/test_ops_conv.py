@@ -1,4 +1,5 @@
-"""Short causal conv (full vs step vs the formula), gates, norms."""
+"""Short causal conv (full vs step vs the formula; the recomputing conv + SiLU Function vs the plain composition),
+gates, norms."""
 
 import math
 
@@ -6,9 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from openk3.ops.conv import causal_conv1d, causal_conv1d_step
+from openk3.ops.conv import causal_conv1d, causal_conv1d_reference, causal_conv1d_step
 from openk3.ops.gates import k3_gate, kimi_gate
 from openk3.ops.norms import l2_norm, rms_norm
+from saved_tensors import saved_storages
 
 
 def conv_formula(x, w, state):
@@ -51,6 +53,49 @@ def test_conv_split_carries_state():
     y1, s1 = causal_conv1d(x[:, :6], w)
     y2, s2 = causal_conv1d(x[:, 6:], w, s1)
     assert torch.allclose(torch.cat([y1, y2], 1), y) and torch.allclose(s2, s)
+
+
+def _conv_run(fn, x, w, s0, dy, autocast):
+    leaves = [t.clone().requires_grad_() for t in (x, w, s0)]
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        y, s = fn(*leaves)
+    torch.autograd.backward([y, s], [dy.to(y.dtype), torch.ones_like(s)])
+    return [y.detach(), s.detach()] + [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+@pytest.mark.parametrize(("W", "T", "scale"), [(4, 1, 1.0), (4, 2, 30.0), (3, 17, 1.0), (1, 5, 1.0), (4, 13, 1e3)])
+def test_conv_function_matches_reference(W, T, scale, autocast):
+    """The conv + SiLU Function (keeps x, recomputes in backward) against the plain composition on fresh random
+    inputs with a carried state (odd widths, T < W-1, large values where SiLU saturates): outputs, new state and
+    the gradients of x, the kernel and the state identical to the bit, in fp32 and under CPU bf16 autocast (x bf16
+    as the projections give it, fp32 kernel and state), where both run the same bf16 ops."""
+    g = torch.Generator().manual_seed(W * 100 + T)
+    B, C = 2, 7
+    dtype = torch.bfloat16 if autocast else torch.float32
+    x = (torch.randn(B, T, C, generator=g) * scale).to(dtype)
+    w = torch.randn(C, 1, W, generator=g)
+    s0 = torch.randn(B, C, W - 1, generator=g) * scale
+    dy = torch.randn(B, T, C, generator=g)
+    got = _conv_run(causal_conv1d, x, w, s0, dy, autocast)
+    ref = _conv_run(causal_conv1d_reference, x, w, s0, dy, autocast)
+    for name, a, b in zip(("y", "state", "dx", "dw", "dstate"), got, ref):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+
+
+def test_conv_function_keeps_only_its_input():
+    """Under bf16 autocast the Function keeps x and the (zero) state, no copy of the conv's input or its output;
+    the plain composition keeps both, and autocast's bf16 copy of the kernel."""
+    B, T, C, W = 2, 9, 6, 4
+    x = torch.randn(B, T, C, dtype=torch.bfloat16).requires_grad_()
+    w = torch.randn(C, 1, W, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        kept = saved_storages(causal_conv1d, x, w, exclude=[w])
+        kept_ref = saved_storages(causal_conv1d_reference, x, w, exclude=[w])
+    assert sorted(shape for _, shape, _ in kept) == sorted([(B, T, C), (B, C, W - 1)])
+    bf16 = torch.bfloat16
+    assert sorted(kept_ref) == sorted([(bf16, (B, C, W - 1 + T), 2 * B * C * (W - 1 + T)),
+                                       (bf16, (B, C, T), 2 * B * C * T), (bf16, (C, 1, W), 2 * C * W)])
 
 
 def test_k3_gate_bounds_and_formula():

@@ -1,6 +1,6 @@
-"""The fused fp32 islands (SiTU-GLU, RMSNorm + residual) in Triton against their PyTorch references, forward and
-backward; on CPU the kernels run under TRITON_INTERPRET=1 (tests/conftest.py). Buffers the kernels allocate are
-NaN-poisoned, so an element a kernel forgets to write fails the comparison."""
+"""The fused fp32 islands (SiTU-GLU, RMSNorm + residual, RMSNorm + sigmoid gate) in Triton against their PyTorch
+references, forward and backward; on CPU the kernels run under TRITON_INTERPRET=1 (tests/conftest.py). Buffers the
+kernels allocate are NaN-poisoned, so an element a kernel forgets to write fails the comparison."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
 from openk3.model.common import RMSNorm  # noqa: E402
 from openk3.ops import triton_glu, triton_norm  # noqa: E402
 from openk3.ops.activations import glu_activation, situ_glu  # noqa: E402
-from openk3.ops.norms import add_rms_norm, rms_norm  # noqa: E402
+from openk3.ops.norms import add_rms_norm, gated_rms_norm, rms_norm  # noqa: E402
+from saved_tensors import saved_storages  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # the interpreter's sigmoid overflows exp(-x) to inf for x = -1e4 on the way to the right answer, 0
@@ -150,6 +151,44 @@ def test_add_rms_norm_triton_matches_reference(dtypes):
     else:
         torch.testing.assert_close(got[1].cpu(), want[1], rtol=2**-7, atol=0)
     assert_close_rel([t.cpu() for t in got], want, 1e-5 if s_dtype == torch.float32 else 8e-3)
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                    (torch.bfloat16, torch.float32)])
+def test_gated_rms_norm_triton_matches_reference(dtypes, monkeypatch):
+    """RMSNorm(x) * sigmoid(z) (the KDA output's norm and gate): the output (x's dtype) and the gradients of x, z
+    (each in its own dtype) and the weight against gated_rms_norm in fp64, with rows from 1e-2 to 1e3 in scale, a
+    zero row, gate inputs at +-1e4 (sigmoid saturated) and 0, D not a power of two, backward programs that each
+    walk several rows."""
+    monkeypatch.setattr(triton_norm, "MAX_BWD_PROGRAMS", 4)
+    rows, D = 11, 37
+    x = norm_rows(rows, D, 10, dtypes[0]).view(rows, 1, D)
+    z = gate_up_values(rows, D, 11).to(dtypes[1]).view(rows, 1, D)
+    w = torch.rand(D, generator=torch.Generator().manual_seed(12)) + 0.5
+    dy = torch.randn(rows, 1, D, generator=torch.Generator().manual_seed(13)).to(dtypes[0])
+    fused = lambda a, b, c: triton_norm.gated_rms_norm_triton(a, b, c, 1e-5)
+    got = grads(fused, [x.to(DEV), z.to(DEV), w.to(DEV)], [dy.to(DEV)])
+    ref = grads(lambda a, b, c: gated_rms_norm(a, b, c, 1e-5), [x.double(), z.double(), w.double()], [dy.double()])
+    assert_close_rel([t.cpu() for t in got], ref, 1e-5 if dtypes[0] == torch.float32 else 8e-3)
+    leaves = [t.to(DEV).requires_grad_() for t in (x, z)]
+    y = triton_norm.gated_rms_norm_triton(*leaves, w.to(DEV))
+    y.float().sum().backward()
+    assert (y.dtype, leaves[0].grad.dtype, leaves[1].grad.dtype) == (dtypes[0], *dtypes)
+    with pytest.raises(ValueError, match="gate input z"):
+        triton_norm.gated_rms_norm_triton(x, z[:, :, :-1], w)
+
+
+def test_gated_rms_norm_triton_keeps_its_inputs_and_rstd():
+    """Kept for backward: x and z as given (bf16) and rstd per row, where the reference's autograd graph keeps
+    fp32 copies and products (at least four fp32 [rows, D] tensors)."""
+    rows, D = 6, 16
+    x, z = (torch.randn(rows, D, dtype=torch.bfloat16, device=DEV).requires_grad_() for _ in range(2))
+    w = torch.ones(D, device=DEV, requires_grad=True)
+    kept = saved_storages(triton_norm.gated_rms_norm_triton, x, z, w, exclude=[w])
+    assert sorted((str(dtype), n) for dtype, _, n in kept) == sorted([("torch.bfloat16", 2 * rows * D)] * 2
+                                                                     + [("torch.float32", 4 * rows)])
+    kept_ref = saved_storages(gated_rms_norm, x, z, w, exclude=[w])
+    assert sum(dtype == torch.float32 and n == 4 * rows * D for dtype, _, n in kept_ref) >= 4
 
 
 def test_rms_norm_module_on_cpu_is_the_reference():

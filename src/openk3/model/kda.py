@@ -8,11 +8,12 @@ import torch
 from torch import nn
 
 from openk3.config import ModelConfig
-from openk3.model.common import KeepFp32, RMSNorm, ShortConv, linear, out_std
+from openk3.model.common import KeepFp32, RMSNorm, ShortConv, linear, out_std, shared_cast
 from openk3.ops.conv import causal_conv1d, causal_conv1d_step
+from openk3.ops.fused import use_triton
 from openk3.ops.gates import k3_gate, kimi_gate
 from openk3.ops.kda import BACKENDS, kda, resolve_backend
-from openk3.ops.norms import acc_dtype, l2_norm, rms_norm
+from openk3.ops.norms import acc_dtype, gated_rms_norm, l2_norm
 
 
 class KimiDeltaAttention(KeepFp32, nn.Module):
@@ -104,11 +105,12 @@ class KimiDeltaAttention(KeepFp32, nn.Module):
             return k3_gate(f, self.A_log, self.dt_bias, self.lower_bound)
         return kimi_gate(f, self.A_log, self.dt_bias)
 
-    def activate(self, q, k, x, backend: str):
-        """The KDA inputs from the conv outputs q, k and x: L2-normalised q, k, g (fp32) and beta. When the Triton
+    def activate(self, q, k, x, backend: str, x_beta: torch.Tensor | None = None):
+        """The KDA inputs from the conv outputs q, k and x: L2-normalised q, k, g (fp32) and beta; beta's projection
+        reads `x_beta` when given (`forward` passes its own view of the shared autocast copy of x). When the Triton
         kernels will run, one Triton pass does all four (forward and backward; on an H200 it took 0.13 ms where
         PyTorch's elementwise ops took ~1.1 ms at 8192 tokens x 32 heads, bench/NOTES-kda.md run 6)."""
-        b = self.b_proj(x).to(acc_dtype(x.dtype))
+        b = self.b_proj(x if x_beta is None else x_beta).to(acc_dtype(x.dtype))
         if backend == "triton":
             from openk3.ops.kda.triton import kda_activations  # triton is an optional dependency
 
@@ -139,7 +141,9 @@ class KimiDeltaAttention(KeepFp32, nn.Module):
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
         layer_cache = cache.layers[self.layer_idx] if cache is not None else None
-        qkv = qkv_in = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [B,T,3HK]
+        # six projections read x: under autocast, views of one bf16 copy (each would keep its own for backward)
+        x_q, x_k, x_v, x_f, x_b, x_o = shared_cast(x, 6)
+        qkv = qkv_in = torch.cat([self.q_proj(x_q), self.k_proj(x_k), self.v_proj(x_v)], dim=-1)  # [B,T,3HK]
         w = self.conv_weight()
         if layer_cache is not None and T == 1:
             y, conv_state = causal_conv1d_step(qkv[:, 0], w, layer_cache.conv_state)
@@ -148,7 +152,7 @@ class KimiDeltaAttention(KeepFp32, nn.Module):
             qkv, conv_state = causal_conv1d(qkv, w, layer_cache.conv_state if layer_cache is not None else None)
         q, k, v = (t.reshape(B, T, H, K) for t in qkv.split(H * K, dim=-1))
         backend = resolve_backend(self.kda_backend, x.device, T)
-        q, k, g, beta = self.activate(q, k, x, backend)
+        q, k, g, beta = self.activate(q, k, x_f, backend, x_beta=x_b)
         initial = layer_cache.recurrent_state if layer_cache is not None else None
         offsets = [t for t in cache.checkpoint_offsets if 0 < t < T] if cache is not None else []
         if offsets:
@@ -162,14 +166,20 @@ class KimiDeltaAttention(KeepFp32, nn.Module):
             layer_cache.recurrent_state = state
             if T in cache.checkpoint_offsets:
                 cache.record_checkpoint(T, self.layer_idx, conv_state, state)
-        return self.output(x, o)
+        return self.output(x_o, o)
 
     def output(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-        """x [B,T,D], KDA output o [B,T,H,V] -> o_proj(RMSNorm_head(o) * sigmoid(output gate(x))) [B,T,D]."""
+        """x [B,T,D], KDA output o [B,T,H,V] -> o_proj(RMSNorm_head(o) * sigmoid(output gate(x))) [B,T,D]. The norm
+        and gate are one Triton pass each way where `ops.fused.use_triton` says so (model.common.RMSNorm's rule),
+        keeping o and the gate's input, not their fp32 copies and products."""
         B, T, H, V = o.shape
-        acc = acc_dtype(x.dtype)
         gate = self.out_gate(x).view(B, T, H, V)
-        o = rms_norm(o.to(acc), self.o_norm.weight, self.o_norm.eps) * torch.sigmoid(gate.to(acc))
+        if use_triton(o) and use_triton(gate):
+            from openk3.ops.triton_norm import gated_rms_norm_triton  # triton is an optional dependency
+
+            o = gated_rms_norm_triton(o, gate, self.o_norm.weight, self.o_norm.eps)
+        else:
+            o = gated_rms_norm(o, gate, self.o_norm.weight, self.o_norm.eps)
         return self.o_proj(o.to(x.dtype).reshape(B, T, H * V))
 
 

@@ -19,7 +19,62 @@ def _kernel(weight: torch.Tensor) -> torch.Tensor:
 def causal_conv1d(
     x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None = None, activation: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Full-sequence form. x [B,T,C] -> (y [B,T,C], new state [B,C,W-1])."""
+    """Full-sequence form. x [B,T,C] -> (y [B,T,C], new state [B,C,W-1]). With the SiLU, one autograd Function
+    that keeps x (not the conv's input copy and output, as autograd would) and recomputes the conv in backward;
+    `causal_conv1d_reference` is the plain composition it must equal, and what runs while torch.compile traces
+    (Inductor chooses what to recompute itself)."""
+    if not activation or torch.compiler.is_compiling():
+        return causal_conv1d_reference(x, weight, state, activation)
+    w = _kernel(weight)
+    B, T, C = x.shape
+    W = w.shape[-1]
+    state = x.new_zeros(B, C, W - 1) if state is None else state
+    y = _ConvSiLU.apply(x, w, state, _compute_dtype(x, w))
+    new_state = torch.cat([state.to(x.dtype), x[:, max(T - (W - 1), 0):].transpose(1, 2)], dim=-1)
+    return y, new_state[..., new_state.shape[-1] - (W - 1):]
+
+
+def _compute_dtype(x: torch.Tensor, w: torch.Tensor) -> torch.dtype:
+    """The dtype the conv runs in: autocast's when it is on for x's device (it casts F.conv1d's operands), else
+    the weight's."""
+    device = x.device.type
+    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return w.dtype
+
+
+def _conv_silu(x, w, state, dtype):
+    """silu(conv([state | x])) with both operands in `dtype`, autocast off: [B,T,C] in `dtype`."""
+    full = torch.cat([state.to(dtype), x.transpose(1, 2).to(dtype)], dim=-1)  # [B,C,W-1+T]
+    return F.silu(F.conv1d(full, w.to(dtype).unsqueeze(1), groups=w.shape[0])).transpose(1, 2)
+
+
+class _ConvSiLU(torch.autograd.Function):
+    """Forward: the conv + SiLU, keeping only its inputs. Backward: the same ops again under autograd, so the
+    gradients are those of the plain composition (SPEC-K3 §2's short conv)."""
+
+    @staticmethod
+    def forward(ctx, x, w, state, dtype):
+        ctx.dtype = dtype
+        ctx.save_for_backward(x, w, state)
+        with torch.autocast(x.device.type, enabled=False):
+            return _conv_silu(x, w, state, dtype).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w, state = ctx.saved_tensors
+        inputs = [t.detach().requires_grad_(need) for t, need in zip((x, w, state), ctx.needs_input_grad)]
+        with torch.enable_grad(), torch.autocast(x.device.type, enabled=False):
+            y = _conv_silu(*inputs, ctx.dtype)
+            wanted = [t for t in inputs if t.requires_grad]
+            grads = iter(torch.autograd.grad(y, wanted, dy.to(y.dtype)))
+        return *(next(grads) if t.requires_grad else None for t in inputs), None
+
+
+def causal_conv1d_reference(
+    x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None = None, activation: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plain composition (what autograd keeps: the conv's input copy and its output)."""
     B, T, C = x.shape
     w = _kernel(weight)
     W = w.shape[-1]

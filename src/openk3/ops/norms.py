@@ -42,3 +42,10 @@ def l2_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(sum(x^2) + eps) over the last dim (fla's l2norm: eps added, not clamped). fp32 compute."""
     xf = x.to(acc_dtype(x.dtype))
     return (xf / torch.sqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+    """rms_norm(x, weight) * sigmoid(z), fp32 compute, x's dtype out: the KDA output's per-head norm and gate
+    (SPEC-K3 §2); `ops.triton_norm.gated_rms_norm_triton` is its fused form."""
+    acc = acc_dtype(x.dtype)
+    return (rms_norm(x.to(acc), weight, eps) * torch.sigmoid(z.to(acc))).to(x.dtype)
