@@ -129,3 +129,32 @@ def test_bad_arguments_fail_naming_them(kw, match):
         linear_cross_entropy(hidden, weight[:, :2], targets)
     with pytest.raises(ValueError, match="targets"):
         linear_cross_entropy(hidden, weight, targets[:3])
+
+
+def test_training_losses_equal_the_logits_based_losses():
+    """lm_losses (the head applied inside the fused loss, return_logits=False) against the model's logits and
+    F.cross_entropy: the same next-token and MTP losses, the same gradient for every parameter (lm_head included,
+    shared by the main head and the MTP head)."""
+    import torch.nn.functional as F
+
+    from openk3.config import get_preset
+    from openk3.model import K3ForCausalLM
+    from openk3.train.loop import lm_losses
+    from train_tiny import TINY
+
+    torch.manual_seed(0)
+    model = K3ForCausalLM(get_preset("k3-tiny").with_overrides(TINY))
+    batch = torch.randint(0, TINY["vocab_size"], (2, 13))
+    total, lm, mtp = lm_losses(model, batch, mtp_weight=0.3)
+    fused = torch.autograd.grad(total, list(model.parameters()), allow_unused=True)
+
+    out = model(batch[:, :-1])
+    ref_lm = F.cross_entropy(out.logits.flatten(0, 1), batch[:, 1:].flatten())
+    ref_mtp = F.cross_entropy(out.mtp_logits.flatten(0, 1), batch[:, 2:].flatten())
+    ref = torch.autograd.grad(ref_lm + 0.3 * ref_mtp, list(model.parameters()), allow_unused=True)
+    assert_rel_close(lm, ref_lm.detach(), 2e-6)
+    assert abs(mtp - float(ref_mtp)) <= 2e-6 * float(ref_mtp)
+    for (name, _), a, b in zip(model.named_parameters(), fused, ref):
+        assert (a is None) == (b is None), name
+        if a is not None:
+            assert_rel_close(a, b, 1e-5)
