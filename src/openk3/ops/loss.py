@@ -54,14 +54,16 @@ def chunked_loss_and_grads(hidden: torch.Tensor, weight: torch.Tensor, targets: 
         keep = valid[lo:lo + chunk]
         safe = torch.where(keep, targets[lo:lo + chunk], 0).unsqueeze(1)
         logits = (h @ w.t()).to(acc)  # [c, V]
-        lse = torch.logsumexp(logits, dim=-1)
-        total += torch.where(keep, lse - logits.gather(1, safe).squeeze(1), 0).sum()
+        picked = logits.gather(1, safe).squeeze(1)
+        top = logits.amax(dim=-1, keepdim=True)
+        e = logits.sub_(top).exp_()  # in place: the chunk's only [c, V] fp32 buffer, exp taken once
+        denom = e.sum(dim=-1)
+        total += torch.where(keep, top.squeeze(1) + denom.log() - picked, 0).sum()
         if grad_hidden is None and grad_weight is None:
             continue
-        # softmax - onehot, in place over the fp32 logits (the chunk's only [c, V] buffer besides the matmul's)
-        g = logits.sub_(lse.unsqueeze(1)).exp_()
-        g.scatter_add_(1, safe, torch.full_like(safe, -1, dtype=acc))
-        g = g.mul_(torch.where(keep, scale, 0).unsqueeze(1)).to(dtype)
+        row_scale = torch.where(keep, scale, 0)
+        g = e.mul_((row_scale / denom).unsqueeze(1))  # softmax, times the row's scale
+        g = g.scatter_add_(1, safe, -row_scale.unsqueeze(1)).to(dtype)  # minus onehot
         if grad_hidden is not None:
             grad_hidden[lo:lo + chunk] = g @ w
         if grad_weight is not None:
