@@ -6,8 +6,8 @@ A CPU proxy for what `python bench/train.py gpu` keeps alive between forward and
 autograd saves for backward, counted with `torch.autograd.graph.saved_tensors_hooks` (distinct storages, once
 each; parameters and the autocast copies of parameters are left out: they do not grow with the tokens) and
 attributed to the innermost module running when they were saved (forward pre/post hooks keep a module stack), in
-one forward + loss under `torch.autocast("cpu", dtype=torch.bfloat16)` with fp32 weights, as the GPU step runs
-under CUDA autocast.
+one forward + loss (k3: the training loop's fused LM head + CE, `ops.loss`) under `torch.autocast("cpu",
+dtype=torch.bfloat16)` with fp32 weights, as the GPU step runs under CUDA autocast.
 
 The forward takes the code paths a CUDA step takes, so the count is the GPU's (`cuda_code_paths`): the Triton
 autograd Functions of RMSNorm, SiTU-GLU and the KDA activations (their forward kernels replaced by the PyTorch
