@@ -6,8 +6,8 @@ A CPU proxy for what `python bench/train.py gpu` keeps alive between forward and
 autograd saves for backward, counted with `torch.autograd.graph.saved_tensors_hooks` (distinct storages, once
 each; parameters and the autocast copies of parameters are left out: they do not grow with the tokens) and
 attributed to the innermost module running when they were saved (forward pre/post hooks keep a module stack), in
-one forward + loss under `torch.autocast("cpu", dtype=torch.bfloat16)` with fp32 weights, as the GPU step runs
-under CUDA autocast.
+one forward + loss (k3: the training loop's fused LM head + CE, `ops.loss`) under `torch.autocast("cpu",
+dtype=torch.bfloat16)` with fp32 weights, as the GPU step runs under CUDA autocast.
 
 The forward takes the code paths a CUDA step takes, so the count is the GPU's (`cuda_code_paths`): the Triton
 autograd Functions of RMSNorm, SiTU-GLU and the KDA activations (their forward kernels replaced by the PyTorch
@@ -48,6 +48,7 @@ from torch import nn  # noqa: E402
 from openk3.cli_options import int_at_least  # noqa: E402
 from openk3.config import PRESETS, ModelConfig, get_preset  # noqa: E402
 from openk3.model import K3ForCausalLM  # noqa: E402
+from openk3.ops.loss import DEFAULT_CHUNK, linear_cross_entropy  # noqa: E402
 
 HERE = Path(__file__).parent
 MTP_WEIGHT = 0.3  # as bench/train.py's k3 step
@@ -163,6 +164,13 @@ def _norm_forward_reference(x2, r2, weight, eps, s_dtype):
     return (sf * rstd[:, None] * weight.float()).to(s_dtype), s, rstd
 
 
+def _gated_norm_forward_reference(x2, z2, weight, eps):
+    """What `ops.triton_norm._gated_norm_forward`'s kernel writes: (y, rstd), computed in PyTorch."""
+    xf = x2.float()
+    rstd = torch.rsqrt(xf.pow(2).mean(-1) + eps)
+    return (xf * rstd[:, None] * weight.float() * torch.sigmoid(z2.float())).to(x2.dtype), rstd
+
+
 def _glu_forward_reference(g2, u2, n_cols, out_shape, dtype, b1, b2):
     """What `ops.triton_glu._forward`'s kernel writes, computed with the reference `situ_glu`."""
     from openk3.ops.activations import situ_glu
@@ -195,11 +203,12 @@ def _fused_rms_norm(x, normalized_shape, weight=None, eps=None):
 @contextlib.contextmanager
 def cuda_code_paths(census: SavedTensorCensus) -> Iterator[None]:
     """Run a CPU forward through the code a CUDA step runs, so its saved tensors are the GPU's: the Triton
-    autograd Functions of RMSNorm, SiTU-GLU and the KDA activations (each saves what it saves on the GPU; only
-    their forward kernels are replaced by the PyTorch references, which write the same values), the experts'
-    grouped GEMM, SDPA (its CPU flash kernel) and torch's RMSNorm (as `_fused_rms_norm`). The KDA core runs the
-    chunked PyTorch form inside the region "KDA core" (left out of the count: `kda_core_bytes_per_token` gives the
-    Triton Function's). Attention cores run in the region "attention core", the experts' GEMMs in "experts"."""
+    autograd Functions of RMSNorm (plain and the KDA output's gated one), SiTU-GLU and the KDA activations (each
+    saves what it saves on the GPU; only their forward kernels are replaced by the PyTorch references, which
+    write the same values), the experts' grouped GEMM, SDPA (its CPU flash kernel) and torch's RMSNorm (as
+    `_fused_rms_norm`). The KDA core runs the chunked PyTorch form inside the region "KDA core" (left out of the
+    count: `kda_core_bytes_per_token` gives the Triton Function's). Attention cores run in the region "attention
+    core", the experts' GEMMs in "experts"."""
     import openk3.model.common as common
     import openk3.model.kda as model_kda
     import openk3.ops.activations as activations
@@ -215,7 +224,9 @@ def cuda_code_paths(census: SavedTensorCensus) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         for obj, name, value in [
             (activations, "use_triton", use_triton), (common, "use_triton", use_triton),
+            (model_kda, "use_triton", use_triton),
             (triton_norm, "_norm_forward", _norm_forward_reference),
+            (triton_norm, "_gated_norm_forward", _gated_norm_forward_reference),
             (triton_glu, "_forward", _glu_forward_reference),
             (kda_act, "_act_fwd_kernel", _KDAActivationsKernel()),
             (moe, "grouped_mm_usable", lambda *args: True),
@@ -315,7 +326,7 @@ def kind_of(stack: tuple[str, ...], kinds: dict[str, str]) -> str:
         return ATTN_CORE
     if region == "@KDA core":
         return KDA_CORE
-    if kind == MTP or region in ("@MTP head", "@MTP loss"):
+    if kind == MTP or region == "@MTP loss":
         return MTP
     if region == "@experts":
         return EXPERTS
@@ -347,27 +358,14 @@ def k3_census(cfg: ModelConfig, batch: int, seq_len: int) -> dict:
     configure_kda(model, backend="triton")
     ids = _batch(cfg.vocab_size, batch, seq_len)
     census = SavedTensorCensus(model)
-    calls = []
-
-    def head_pre(module, args):  # the LM head's second and later calls are the MTP layers'
-        calls.append(len(calls) > 0)
-        if calls[-1]:
-            census.stack.append("@MTP head")
-
-    def head_post(module, args, out):
-        if calls[-1]:
-            census.stack.pop()
-
-    hooks = [model.lm_head.register_forward_pre_hook(head_pre), model.lm_head.register_forward_hook(head_post)]
     with census, cuda_code_paths(census), torch.autocast("cpu", dtype=torch.bfloat16):
-        out = model(ids[:, :-1])
+        out = model(ids[:, :-1], return_logits=False)  # the head applied inside the fused loss, as `lm_losses`
         with census.region("LM loss"):
-            lm = F.cross_entropy(out.logits.flatten(0, 1).float(), ids[:, 1:].flatten())
+            lm = linear_cross_entropy(out.head_inputs.flatten(0, 1), model.lm_head.weight, ids[:, 1:].flatten())
         with census.region("MTP loss"):
-            mtp = F.cross_entropy(out.mtp_logits.flatten(0, 1).float(), ids[:, 2:].flatten())
+            mtp = linear_cross_entropy(out.mtp_head_inputs[0].flatten(0, 1), model.lm_head.weight,
+                                       ids[:, 2:].flatten())
         (lm + MTP_WEIGHT * mtp).detach()
-    for h in hooks:
-        h.remove()
     kinds = _kinds_total(census, k3_module_kinds(model))
     tokens = batch * seq_len
     cpu_chunked = kinds[KDA_CORE]
@@ -416,20 +414,37 @@ def without_cores(kinds: dict[str, float]) -> float:
 
 
 def predicted_peak(params: int, weight_copies: int, constant: float, per_token_bytes: float, tokens: int,
-                   vocab: int, logits_alive: bool) -> float:
-    """torch.cuda.max_memory_allocated of an AdamW step, in bytes, at the start of backward (where the saved
-    activations are all alive): fp32 weights and AdamW's two fp32 moments (12 B per parameter; the gradients are
-    None after zero_grad(set_to_none=True)), autocast's bf16 weight copies that backward holds, the saved
-    activations, and the cross-entropy backward's two fp32 [tokens, vocab] buffers (the gradient of the
-    log-softmax output and of its input); `logits_alive`: the step still holds its bf16 logits (bench/train.py's
-    dense step keeps them in a local; the k3 step's `lm_losses` drops them)."""
-    transient = 8 * vocab * tokens + (2 * vocab * tokens if logits_alive else 0)
-    return 12 * params + weight_copies + constant + per_token_bytes * tokens + transient
+                   loss_transient: float) -> float:
+    """torch.cuda.max_memory_allocated of an AdamW step, in bytes, at the end of forward / start of backward (where
+    the saved activations are all alive): fp32 weights and AdamW's two fp32 moments (12 B per parameter; the
+    gradients are None after zero_grad(set_to_none=True)), autocast's bf16 weight copies that backward holds, the
+    saved activations, and the loss's transient buffers (`ce_transient` or `fused_ce_transient`)."""
+    return 12 * params + weight_copies + constant + per_token_bytes * tokens + loss_transient
+
+
+def ce_transient(vocab: int, tokens: int, logits_alive: bool) -> float:
+    """F.cross_entropy on [tokens, vocab] logits: its backward's two fp32 [tokens, vocab] buffers (the gradient of
+    the log-softmax output and of its input); `logits_alive`: the step still holds its bf16 logits (bench/train.py's
+    dense step keeps them in a local)."""
+    return 8 * vocab * tokens + (2 * vocab * tokens if logits_alive else 0)
+
+
+def fused_ce_transient(vocab: int, hidden: int, tokens: int, chunk: int = DEFAULT_CHUNK) -> float:
+    """openk3.ops.loss.linear_cross_entropy (the k3 step's `lm_losses`; its saved gradients grad_hidden [tokens,
+    hidden] and grad_weight [vocab, hidden] fp32 are in the census): the larger of its forward's per-chunk buffers
+    (fp32 logits that become the gradient in place, the bf16 matmul output, the bf16 gradient: 8 B per [chunk,
+    vocab] element; the weight's bf16 copy and the bf16 grad_weight product: 4 B per [vocab, hidden] element) and
+    its backward's grad_output-scaled copies of the two stored gradients (fp32)."""
+    forward = 8 * min(chunk, tokens) * vocab + 4 * vocab * hidden
+    backward = 4 * (tokens + vocab) * hidden
+    return max(forward, backward)
 
 
 def measure(cfg: ModelConfig, batch: int, seq_len: int, gpu_tokens: int) -> dict:
     out = {}
-    for name, census, logits_alive in (("k3", k3_census, False), ("dense", dense_census, True)):
+    transients = {"k3": fused_ce_transient(cfg.vocab_size, cfg.hidden_size, gpu_tokens),
+                  "dense": ce_transient(cfg.vocab_size, gpu_tokens, logits_alive=True)}
+    for name, census in (("k3", k3_census), ("dense", dense_census)):
         start = time.perf_counter()
         small, large = census(cfg, batch, seq_len // 2), census(cfg, batch, seq_len)
         row = per_token(small, large) | {k: v for k, v in large.items() if k not in ("kinds", "tokens")}
@@ -437,7 +452,8 @@ def measure(cfg: ModelConfig, batch: int, seq_len: int, gpu_tokens: int) -> dict
         row["total_per_token"] = total
         row["total_per_token_without_cores"] = without_cores(row["per_token"])
         row["predicted_peak_gib"] = predicted_peak(row["params"], row["weight_copies"], row["constant_bytes"], total,
-                                                   gpu_tokens, cfg.vocab_size, logits_alive) / 2**30
+                                                   gpu_tokens, transients[name]) / 2**30
+        row["loss_transient_gib"] = transients[name] / 2**30
         row["seconds"] = time.perf_counter() - start
         out[name] = row
     out["ratio"] = out["k3"]["total_per_token"] / out["dense"]["total_per_token"]

@@ -117,10 +117,14 @@ class MTPLayer(nn.Module):
 
 @dataclass
 class K3Output:
-    logits: torch.Tensor  # [B,T,vocab] (the last `logits_to_keep` positions if set)
+    logits: torch.Tensor | None  # [B,T,vocab] (the last `logits_to_keep` positions if set); None: return_logits=False
     mtp_logits: torch.Tensor | None = None  # [B,T-1,vocab]: position t predicts token t+2
     mtp_logits_all: list[torch.Tensor] | None = None  # depth k (1-based): [B,T-k,vocab], position t -> token t+k+1
     hidden_states: torch.Tensor | None = None  # [B,T,D] before the final norm (what the MTP layers read)
+    # return_logits=False: the LM head's inputs instead of its outputs (training applies the head inside its loss,
+    # openk3.ops.loss): norm(hidden) [B,T,D] and, per MTP depth k, that layer's normed output [B,T-k,D]
+    head_inputs: torch.Tensor | None = None
+    mtp_head_inputs: list[torch.Tensor] | None = None
 
 
 class K3ForCausalLM(nn.Module):
@@ -179,9 +183,11 @@ class K3ForCausalLM(nn.Module):
         return HybridCache.empty(self.config, batch_size, device=p.device, dtype=p.dtype, capacity=capacity)
 
     def forward(self, input_ids: torch.Tensor, cache: HybridCache | None = None, *, logits_to_keep: int = 0,
-                return_mtp: bool = True, images: ImageBatch | None = None,
+                return_mtp: bool = True, return_logits: bool = True, images: ImageBatch | None = None,
                 image_embeds: torch.Tensor | None = None) -> K3Output:
-        """input_ids [B,T]. logits_to_keep > 0 computes logits for the last that many positions only."""
+        """input_ids [B,T]. logits_to_keep > 0 computes logits for the last that many positions only.
+        return_logits=False leaves the logits None and returns the LM head's inputs (K3Output.head_inputs,
+        mtp_head_inputs), for a loss that applies the head itself without [B,T,vocab] logits."""
         B, T = input_ids.shape
         if cache is not None and cache.batch_size != B:
             raise ValueError(f"cache holds {cache.batch_size} sequences but input_ids has batch size {B}")
@@ -190,16 +196,26 @@ class K3ForCausalLM(nn.Module):
         if cache is not None:
             cache.advance(T)
         kept = hidden[:, -logits_to_keep:] if logits_to_keep > 0 else hidden
-        logits = self.lm_head(self.model.norm(kept))
-        out = K3Output(logits=logits, hidden_states=hidden)
+        mtp_heads = None
         if self.mtp is not None and cache is None and return_mtp and T > 1:
-            out.mtp_logits_all = []
+            mtp_heads = []
             h = hidden
             for k, layer in enumerate(self.mtp, start=1):
                 if T - k < 1:
                     break
                 h = layer(h[:, : T - k], embeds[:, k:])
-                out.mtp_logits_all.append(self.lm_head(layer.norm(h)))
+                mtp_heads.append(layer.norm(h))
+        return self.head_output(hidden, self.model.norm(kept), mtp_heads, return_logits)
+
+    def head_output(self, hidden: torch.Tensor, head_input: torch.Tensor, mtp_head_inputs: list[torch.Tensor] | None,
+                    return_logits: bool) -> K3Output:
+        """The K3Output from the LM head's inputs (the main head's, and each MTP depth's when the MTP layers ran):
+        their logits, or (return_logits=False) the inputs themselves."""
+        if not return_logits:
+            return K3Output(logits=None, hidden_states=hidden, head_inputs=head_input, mtp_head_inputs=mtp_head_inputs)
+        out = K3Output(logits=self.lm_head(head_input), hidden_states=hidden)
+        if mtp_head_inputs is not None:
+            out.mtp_logits_all = [self.lm_head(x) for x in mtp_head_inputs]
             out.mtp_logits = out.mtp_logits_all[0] if out.mtp_logits_all else None
         return out
 

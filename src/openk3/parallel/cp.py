@@ -21,13 +21,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from openk3.model.kda import KimiDeltaAttention
 from openk3.model.mla import GatedMLA
 from openk3.model.moe import MoE
 from openk3.model.transformer import K3Output
+from openk3.ops.loss import linear_cross_entropy
 from openk3.parallel.kcp import kda_layer_forward
 from openk3.parallel.layout import SequenceSplit
 from openk3.parallel.mla import mla_layer_forward
@@ -105,33 +105,33 @@ def _wrap_mtp_router(router, depth: int, cp: ContextParallel) -> None:
     router.forward = wrapped
 
 
-def _root_forward(model, input_ids, batch: PackedBatch, rank: int, return_mtp: bool) -> K3Output:
+def _root_forward(model, input_ids, batch: PackedBatch, rank: int, return_mtp: bool, return_logits: bool) -> K3Output:
     """K3ForCausalLM.forward on this rank's slice, the MTP layers fed from the stream (module docstring)."""
     hidden = model.model(input_ids)
-    out = K3Output(logits=model.lm_head(model.model.norm(hidden)), hidden_states=hidden)
-    if model.mtp is None or not return_mtp:
-        return out
-    longest = max(b - a for a, b in zip(batch.split.cu_seqlens, batch.split.cu_seqlens[1:]))
-    out.mtp_logits_all = []
-    h = hidden
-    for k, layer in enumerate(model.mtp, start=1):
-        if longest - k < 1:
-            break
-        h = layer(h, model.model.embed_tokens(batch.ids_ahead(rank, k)))
-        out.mtp_logits_all.append(model.lm_head(layer.norm(h)))
-    out.mtp_logits = out.mtp_logits_all[0] if out.mtp_logits_all else None
-    return out
+    mtp_heads = None
+    if model.mtp is not None and return_mtp:
+        longest = max(b - a for a, b in zip(batch.split.cu_seqlens, batch.split.cu_seqlens[1:]))
+        mtp_heads = []
+        h = hidden
+        for k, layer in enumerate(model.mtp, start=1):
+            if longest - k < 1:
+                break
+            h = layer(h, model.model.embed_tokens(batch.ids_ahead(rank, k)))
+            mtp_heads.append(layer.norm(h))
+    return model.head_output(hidden, model.model.norm(hidden), mtp_heads, return_logits)
 
 
 def _wrap_root(model, cp: ContextParallel) -> None:
     local = model.forward
 
-    def wrapped(input_ids, cache=None, *, logits_to_keep: int = 0, return_mtp: bool = True):
+    def wrapped(input_ids, cache=None, *, logits_to_keep: int = 0, return_mtp: bool = True,
+                return_logits: bool = True):
         if cp.batch is None or cache is not None:
-            return local(input_ids, cache, logits_to_keep=logits_to_keep, return_mtp=return_mtp)
+            return local(input_ids, cache, logits_to_keep=logits_to_keep, return_mtp=return_mtp,
+                         return_logits=return_logits)
         if logits_to_keep:
             raise ValueError("logits_to_keep is not supported under context parallelism")
-        return _root_forward(model, input_ids, cp.batch, cp.rank, return_mtp)
+        return _root_forward(model, input_ids, cp.batch, cp.rank, return_mtp, return_logits)
 
     model.forward = wrapped
 
@@ -168,11 +168,14 @@ def cp_lm_losses(model, batch: torch.Tensor, mtp_weight: float, cp: ContextParal
     flat_targets = targets.reshape(-1)
     want_mtp = mtp_weight > 0 and getattr(model.config, "mtp_layers", 0) > 0
     with cp.active(packed):
-        out = model(packed.local_ids(cp.rank), return_mtp=want_mtp)
-    lm = F.cross_entropy(out.logits[0].float(), flat_targets[lo:hi], reduction="sum") * (cp.size / (B * T))
-    if not want_mtp or out.mtp_logits is None:
+        out = model(packed.local_ids(cp.rank), return_mtp=want_mtp, return_logits=False)
+    head = model.lm_head.weight
+    lm = linear_cross_entropy(out.head_inputs[0], head, flat_targets[lo:hi], reduction="sum") * (cp.size / (B * T))
+    if not want_mtp or not out.mtp_head_inputs:
         return lm, lm.detach(), math.nan
     keep = packed.predicts(cp.rank, 1)
     ahead = flat_targets[(torch.arange(lo, hi, device=batch.device) + 1).clamp(max=B * T - 1)]
-    mtp = F.cross_entropy(out.mtp_logits[0][keep].float(), ahead[keep], reduction="sum") * (cp.size / (B * (T - 1)))
+    ahead = torch.where(keep, ahead, -100)  # positions without a target are ignored
+    mtp = linear_cross_entropy(out.mtp_head_inputs[0][0], head, ahead, ignore_index=-100, reduction="sum")
+    mtp = mtp * (cp.size / (B * (T - 1)))
     return lm + mtp_weight * mtp, lm.detach(), float(mtp.detach())

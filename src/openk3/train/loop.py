@@ -23,13 +23,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from openk3.checkpoints import CheckpointError, latest_checkpoint
 from openk3.config import ModelConfig, get_preset
 from openk3.model import K3ForCausalLM, configure_kda
 from openk3.model.compile import compile_blocks
+from openk3.ops.loss import linear_cross_entropy
 from openk3.parallel import ParallelDims, cp_lm_losses, parallelize
 from openk3.quant.qat import enable_qat
 from openk3.tokenizer import TextTokenizer, load_or_train
@@ -132,14 +132,17 @@ def enable_activation_checkpointing(model: K3ForCausalLM) -> None:
 
 
 def lm_losses(model: nn.Module, batch: torch.Tensor, mtp_weight: float) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """(total loss, next-token CE, MTP CE) for a batch of windows [B, T+1]."""
+    """(total loss, next-token CE, MTP CE) for a batch of windows [B, T+1]. The LM head is applied inside the loss
+    (openk3.ops.loss, chunked: no [tokens, vocab] logits); under FSDP2 the root unit, which holds lm_head, stays
+    unsharded after its forward, so lm_head.weight is the full weight here and its gradient reaches the unit."""
     inputs, targets = batch[:, :-1], batch[:, 1:]
     want_mtp = mtp_weight > 0 and getattr(model.config, "mtp_layers", 0) > 0
-    out = model(inputs, return_mtp=want_mtp)
-    lm = F.cross_entropy(out.logits.flatten(0, 1).float(), targets.flatten())
-    if not want_mtp or out.mtp_logits is None:
+    out = model(inputs, return_mtp=want_mtp, return_logits=False)
+    head = model.lm_head.weight
+    lm = linear_cross_entropy(out.head_inputs.flatten(0, 1), head, targets.flatten())
+    if not want_mtp or not out.mtp_head_inputs:
         return lm, lm.detach(), float("nan")
-    mtp = F.cross_entropy(out.mtp_logits.flatten(0, 1).float(), targets[:, 1:].flatten())
+    mtp = linear_cross_entropy(out.mtp_head_inputs[0].flatten(0, 1), head, targets[:, 1:].flatten())
     return lm + mtp_weight * mtp, lm.detach(), float(mtp.detach())
 
 
@@ -158,11 +161,11 @@ def heldout_loss(model: nn.Module, windows: torch.Tensor, batch_size: int, devic
         mine = torch.cat([mine, windows[-1:].expand(share - counted, -1)])
     for i in range(0, share, batch_size):
         batch = mine[i:i + batch_size].to(device)
-        with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
-            logits = model(batch[:, :-1], return_mtp=False).logits
         keep = max(0, min(batch_size, counted - i))
-        total += float(F.cross_entropy(logits[:keep].flatten(0, 1).float(), batch[:keep, 1:].flatten(),
-                                       reduction="sum")) if keep else 0.0
+        with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
+            normed = model(batch[:, :-1], return_mtp=False, return_logits=False).head_inputs
+            total += float(linear_cross_entropy(normed[:keep].flatten(0, 1), model.lm_head.weight,
+                                                batch[:keep, 1:].flatten(), reduction="sum")) if keep else 0.0
         count += batch[:keep, 1:].numel()
     model.train()
     if world.distributed:

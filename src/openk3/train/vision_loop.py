@@ -13,9 +13,9 @@ is as long as its image's tokens plus the caption); --cp must stay 1 (a caption'
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from openk3.ops.loss import linear_cross_entropy
 from openk3.train.args import TrainArgs
 from openk3.train.loop import Trainer
 from openk3.train.shapes import (
@@ -39,11 +39,13 @@ def caption_losses(model: nn.Module, batch: CaptionBatch, mtp_weight: float) -> 
                                                                                      float]:
     """(total loss, caption CE, MTP CE) for a caption batch; MTP position t predicts target t+1 (IGNORE kept)."""
     want_mtp = mtp_weight > 0 and getattr(model.config, "mtp_layers", 0) > 0
-    out = model(batch.inputs, images=batch.images, return_mtp=want_mtp)
-    lm = F.cross_entropy(out.logits.flatten(0, 1).float(), batch.targets.flatten(), ignore_index=IGNORE)
-    if not want_mtp or out.mtp_logits is None:
+    out = model(batch.inputs, images=batch.images, return_mtp=want_mtp, return_logits=False)
+    head = model.lm_head.weight  # the head applied inside the loss (train.loop.lm_losses says why this is safe)
+    lm = linear_cross_entropy(out.head_inputs.flatten(0, 1), head, batch.targets.flatten(), ignore_index=IGNORE)
+    if not want_mtp or not out.mtp_head_inputs:
         return lm, lm.detach(), float("nan")
-    mtp = F.cross_entropy(out.mtp_logits.flatten(0, 1).float(), batch.targets[:, 1:].flatten(), ignore_index=IGNORE)
+    mtp = linear_cross_entropy(out.mtp_head_inputs[0].flatten(0, 1), head, batch.targets[:, 1:].flatten(),
+                               ignore_index=IGNORE)
     return lm + mtp_weight * mtp, lm.detach(), float(mtp.detach())
 
 
@@ -115,9 +117,10 @@ class CaptionTrainer(Trainer):
             for batch in self.eval_batches:
                 batch = batch.to(self.device)
                 with torch.autocast(self.device.type, dtype=self.amp or torch.float32, enabled=self.amp is not None):
-                    logits = self.model(batch.inputs, images=batch.images, return_mtp=False).logits
-                total += float(F.cross_entropy(logits.flatten(0, 1).float(), batch.targets.flatten(),
-                                               ignore_index=IGNORE, reduction="sum"))
+                    normed = self.model(batch.inputs, images=batch.images, return_mtp=False,
+                                        return_logits=False).head_inputs
+                    total += float(linear_cross_entropy(normed.flatten(0, 1), self.model.lm_head.weight,
+                                                        batch.targets.flatten(), ignore_index=IGNORE, reduction="sum"))
                 count += int((batch.targets != IGNORE).sum())
         self.model.train()
         return total / count

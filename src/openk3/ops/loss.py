@@ -1,0 +1,115 @@
+"""The language-model loss: LM head + cross-entropy, chunked over tokens so that no [tokens, vocab] tensor outlives
+a chunk (the training loss of SPEC §5: next-token and MTP cross-entropy through the shared LM head).
+
+`linear_cross_entropy(hidden, weight, targets)` equals `cross_entropy_reference` (F.linear, then F.cross_entropy on
+fp32 logits). Per chunk of tokens the forward computes the logits in the matmul dtype (the autocast dtype under
+autocast, as F.linear would), the log-sum-exp and the loss in fp32, and right there the chunk's gradients:
+    d loss_i / d logits_i = softmax(logits_i) - onehot(target_i)      (times 1/count for the mean, 0 if ignored)
+    grad_hidden[chunk] = g @ W          grad_weight += g^T @ hidden[chunk]   (accumulated in fp32)
+Backward only scales the stored gradients by grad_output. What stays alive between forward and backward is
+grad_hidden [N, D] and grad_weight [V, D] instead of fp32 log-probabilities [N, V] plus the CE backward's buffers.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from openk3.ops.norms import acc_dtype, fp32_island
+
+DEFAULT_CHUNK = 1024  # tokens per chunk: [1024, 32k] fp32 logits are 128 MiB
+REDUCTIONS = ("mean", "sum")
+
+
+def cross_entropy_reference(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
+                            ignore_index: int = -100, reduction: str = "mean") -> torch.Tensor:
+    """The plain computation: logits = F.linear(hidden, weight) (autocast applies), then CE on fp32 logits."""
+    return F.cross_entropy(F.linear(hidden, weight).float(), targets, ignore_index=ignore_index, reduction=reduction)
+
+
+def matmul_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype F.linear(hidden, weight) would compute in: the autocast dtype where autocast is on, else the
+    promoted dtype of the operands."""
+    device = hidden.device.type
+    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return torch.promote_types(hidden.dtype, weight.dtype)
+
+
+def chunked_loss_and_grads(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
+                           ignore_index: int, reduction: str, dtype: torch.dtype, grad_hidden_needed: bool,
+                           grad_weight_needed: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(loss, d loss/d hidden, d loss/d weight) chunk by chunk (module docstring); matmuls in `dtype` as given."""
+    acc = acc_dtype(dtype)
+    w = weight.to(dtype)
+    valid = targets != ignore_index
+    # mean: each kept token's gradient carries 1/count (no host sync; count 0: loss nan and gradients 0, as
+    # F.cross_entropy gives)
+    scale = 1.0 / valid.sum().to(acc) if reduction == "mean" else torch.ones((), dtype=acc, device=hidden.device)
+    total = torch.zeros((), dtype=acc, device=hidden.device)
+    grad_hidden = torch.empty_like(hidden) if grad_hidden_needed else None
+    grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if grad_weight_needed else None
+    for lo in range(0, hidden.shape[0], chunk):
+        h = hidden[lo:lo + chunk].to(dtype)
+        keep = valid[lo:lo + chunk]
+        safe = torch.where(keep, targets[lo:lo + chunk], 0).unsqueeze(1)
+        logits = (h @ w.t()).to(acc)  # [c, V]
+        picked = logits.gather(1, safe).squeeze(1)
+        top = logits.amax(dim=-1, keepdim=True)
+        e = logits.sub_(top).exp_()  # in place: the chunk's only [c, V] fp32 buffer, exp taken once
+        denom = e.sum(dim=-1)
+        total += torch.where(keep, top.squeeze(1) + denom.log() - picked, 0).sum()
+        if grad_hidden is None and grad_weight is None:
+            continue
+        row_scale = torch.where(keep, scale, 0)
+        g = e.mul_((row_scale / denom).unsqueeze(1))  # softmax, times the row's scale
+        g = g.scatter_add_(1, safe, -row_scale.unsqueeze(1)).to(dtype)  # minus onehot
+        if grad_hidden is not None:
+            grad_hidden[lo:lo + chunk] = g @ w
+        if grad_weight is not None:
+            grad_weight += (g.t() @ h).to(acc)
+    return total * scale, grad_hidden, grad_weight
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk, ignore_index, reduction, dtype, grad_hidden_needed,
+                grad_weight_needed):
+        with fp32_island(hidden):  # the matmuls run in `dtype`, chosen by the caller as autocast would
+            loss, grad_hidden, grad_weight = chunked_loss_and_grads(hidden, weight, targets, chunk, ignore_index,
+                                                                    reduction, dtype, grad_hidden_needed,
+                                                                    grad_weight_needed)
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.weight_dtype = weight.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        if grad_hidden is not None:
+            grad_hidden = grad_hidden * grad_output.to(grad_hidden.dtype)
+        if grad_weight is not None:
+            grad_weight = (grad_weight * grad_output.to(grad_weight.dtype)).to(ctx.weight_dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
+                         chunk: int = DEFAULT_CHUNK, ignore_index: int = -100, reduction: str = "mean") -> torch.Tensor:
+    """cross_entropy(hidden @ weight^T, targets) without materialising the [N, V] logits (module docstring).
+
+    hidden [N, D], weight [V, D] (the LM head's), targets [N]; ignore_index rows count neither in the loss nor in
+    the mean. reduction "mean" (over the kept rows) or "sum". Returns an fp32 scalar (fp64 for fp64 inputs).
+    Gradients flow to hidden and weight (grad_weight accumulated in fp32, returned in weight's dtype)."""
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"hidden [N, D] and weight [V, D] expected, got {tuple(hidden.shape)} and "
+                         f"{tuple(weight.shape)}")
+    if targets.shape != hidden.shape[:1]:
+        raise ValueError(f"targets must be [{hidden.shape[0]}], got {tuple(targets.shape)}")
+    grad = torch.is_grad_enabled()
+    return _LinearCrossEntropy.apply(hidden, weight, targets, chunk, ignore_index, reduction,
+                                     matmul_dtype(hidden, weight), grad and hidden.requires_grad,
+                                     grad and weight.requires_grad)
