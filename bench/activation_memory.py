@@ -6,7 +6,8 @@ A CPU proxy for what `python bench/train.py gpu` keeps alive between forward and
 autograd saves for backward, counted with `torch.autograd.graph.saved_tensors_hooks` (distinct storages, once
 each; parameters and the autocast copies of parameters are left out: they do not grow with the tokens) and
 attributed to the innermost module running when they were saved (forward pre/post hooks keep a module stack), in
-one forward + loss (k3: the training loop's fused LM head + CE, `ops.loss`) under `torch.autocast("cpu",
+one forward + loss (the training loop's fused LM head + CE, `ops.loss`, for both models; the dense model also with
+plain logits + cross-entropy, the baseline the H200 runs measured) under `torch.autocast("cpu",
 dtype=torch.bfloat16)` with fp32 weights, as the GPU step runs under CUDA autocast.
 
 The forward takes the code paths a CUDA step takes, so the count is the GPU's (`cuda_code_paths`): the Triton
@@ -382,17 +383,16 @@ def load_train_bench():
     return module
 
 
-def dense_census(cfg: ModelConfig, batch: int, seq_len: int) -> dict:
-    """The same for bench/train.py's dense model of k3's active size (its step: CE outside autocast)."""
+def dense_census(cfg: ModelConfig, batch: int, seq_len: int, loss: str = "fused") -> dict:
+    """The same for bench/train.py's dense model of k3's active size, with its step's loss (`dense_loss`: "fused",
+    the loss k3's step uses, or "plain" CE on full logits, outside autocast)."""
+    train_bench = load_train_bench()
     torch.manual_seed(0)
-    model, meta = load_train_bench().dense_like(cfg)
+    model, meta = train_bench.dense_like(cfg)
     ids = _batch(cfg.vocab_size, batch, seq_len)
     census = SavedTensorCensus(model)
-    with census, cuda_code_paths(census):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            logits = model(ids[:, :-1])
-        with census.region("LM loss"):
-            F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten()).detach()
+    with census, cuda_code_paths(census), census.region("LM loss"), patched(train_bench, "DEVICE", "cpu"):
+        train_bench.dense_loss(model, ids, loss).detach()
     return {"tokens": batch * seq_len, "kinds": _kinds_total(census, dense_module_kinds(model)),
             "weight_copies": census.weight_copies, "ffn": meta["ffn"],
             "params": sum(p.numel() for p in model.parameters())}
@@ -442,9 +442,12 @@ def fused_ce_transient(vocab: int, hidden: int, tokens: int, chunk: int = DEFAUL
 
 def measure(cfg: ModelConfig, batch: int, seq_len: int, gpu_tokens: int) -> dict:
     out = {}
-    transients = {"k3": fused_ce_transient(cfg.vocab_size, cfg.hidden_size, gpu_tokens),
-                  "dense": ce_transient(cfg.vocab_size, gpu_tokens, logits_alive=True)}
-    for name, census in (("k3", k3_census), ("dense", dense_census)):
+    fused = fused_ce_transient(cfg.vocab_size, cfg.hidden_size, gpu_tokens)
+    transients = {"k3": fused, "dense": fused, "dense_plain_ce": ce_transient(cfg.vocab_size, gpu_tokens,
+                                                                               logits_alive=False)}
+    censuses = {"k3": k3_census, "dense": dense_census,
+                "dense_plain_ce": lambda *a: dense_census(*a, loss="plain")}
+    for name, census in censuses.items():
         start = time.perf_counter()
         small, large = census(cfg, batch, seq_len // 2), census(cfg, batch, seq_len)
         row = per_token(small, large) | {k: v for k, v in large.items() if k not in ("kinds", "tokens")}
@@ -460,6 +463,8 @@ def measure(cfg: ModelConfig, batch: int, seq_len: int, gpu_tokens: int) -> dict
     out["ratio_without_cores"] = out["k3"]["total_per_token_without_cores"] / out["dense"][
         "total_per_token_without_cores"]
     out["predicted_peak_ratio"] = out["k3"]["predicted_peak_gib"] / out["dense"]["predicted_peak_gib"]
+    out["predicted_peak_ratio_vs_plain_ce"] = out["k3"]["predicted_peak_gib"] / out["dense_plain_ce"][
+        "predicted_peak_gib"]
     return out
 
 
@@ -479,7 +484,9 @@ def print_table(result: dict) -> None:
     print(f"\nk3 / dense: {result['ratio']:.2f}x, {result['ratio_without_cores']:.2f}x without the attention cores."
           f"\nPredicted GPU peak at {env['gpu_tokens']:,} tokens (AdamW, `predicted_peak`): {env['preset']} "
           f"{k3['predicted_peak_gib']:.1f} GiB, dense {dense['predicted_peak_gib']:.1f} GiB "
-          f"({result['predicted_peak_ratio']:.2f}x).")
+          f"({result['predicted_peak_ratio']:.2f}x; both with the fused loss); the dense model with plain logits + "
+          f"cross-entropy {result['dense_plain_ce']['predicted_peak_gib']:.1f} GiB "
+          f"({result['predicted_peak_ratio_vs_plain_ce']:.2f}x).")
 
 
 def main() -> None:

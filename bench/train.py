@@ -5,8 +5,10 @@
       CUDA only (without it: a one-line error). k3-debug in bf16 autocast (MTP weight 0.3) eager, with activation
       checkpointing and with compile_blocks (torch.compile per block; the warm-up steps include compiling), beside
       a dense pre-norm transformer (torch SDPA causal attention, SwiGLU) with the same active parameter count and
-      the same tokens, all with AdamW so the models are compared, plus k3-debug with per-head Muon for the
-      optimizer's cost; one run. Reports step time, tokens/s, model FLOP utilisation and
+      the same tokens, all with AdamW so the models are compared (the dense model twice: with the fused LM head +
+      cross-entropy k3's rows use, `openk3.ops.loss`, so that pair differs in the model only, and with plain
+      logits + F.cross_entropy, the baseline of the 2026-11-30 / 12-01 measurements), plus k3-debug with per-head
+      Muon for the optimizer's cost; one run. Reports step time, tokens/s, model FLOP utilisation and
       torch.cuda.max_memory_allocated per row; then the top 10 kernels of one profiled k3-debug AdamW step with
       their share of its kernel time, and k3-debug's MLA attention alone (which SDPA kernel torch picks with v as
       it is and zero-padded to the q/k head dim, and the time of each). Estimated at 3-5 minutes on an H200.
@@ -49,6 +51,7 @@ from openk3.info import count_parameters
 from openk3.model import K3ForCausalLM
 from openk3.model.compile import compile_blocks
 from openk3.ops.attention import causal_sdpa, fused_sdpa_choice, padded_v_for_flash
+from openk3.ops.loss import linear_cross_entropy
 from openk3.train.loop import enable_activation_checkpointing, lm_losses
 from openk3.train.optim import build_optimizer
 
@@ -82,11 +85,15 @@ class DenseLM(nn.Module):
         self.norm, self.head = nn.RMSNorm(dim), nn.Linear(dim, vocab, bias=False)
         self.heads = heads
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def head_inputs(self, ids: torch.Tensor) -> torch.Tensor:
+        """The normed hidden states the LM head reads [B, T, D]."""
         h = self.embed(ids)
         for block in self.blocks:
             h = block(h)
-        return self.head(self.norm(h))
+        return self.norm(h)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.head_inputs(ids))
 
 
 def dense_like(cfg: ModelConfig) -> tuple[DenseLM, dict]:
@@ -187,24 +194,33 @@ def k3_result(cfg: ModelConfig, variant: str, optimizer: str, args: argparse.Nam
     return result_row(cfg.name, optimizer, variant, seconds, warmup_s, k3_flops_per_token(cfg, args.seq_len), args)
 
 
-def dense_result(cfg: ModelConfig, args: argparse.Namespace, batch) -> dict:
+def dense_loss(dense: DenseLM, ids: torch.Tensor, loss: str) -> torch.Tensor:
+    """The dense model's next-token loss, "fused" through openk3's chunked LM head + CE (as k3's `lm_losses`) or
+    "plain" (bf16 logits, then F.cross_entropy on their fp32 copy)."""
+    if loss == "fused":
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            h = dense.head_inputs(ids[:, :-1])
+            return linear_cross_entropy(h.flatten(0, 1), dense.head.weight, ids[:, 1:].flatten())
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        logits = dense(ids[:, :-1])
+    return F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten())
+
+
+def dense_result(cfg: ModelConfig, args: argparse.Namespace, batch, loss: str) -> dict:
     torch.manual_seed(0)
     dense, meta = dense_like(cfg)
     dense = dense.to(DEVICE)
     opt = torch.optim.AdamW(dense.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
 
     def step():
-        ids = batch()
-        with torch.autocast(DEVICE, dtype=torch.bfloat16):
-            logits = dense(ids[:, :-1])
-        F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten()).backward()
+        dense_loss(dense, batch(), loss).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
     torch.cuda.reset_peak_memory_stats()
     seconds, warmup_s = time_steps(step, args.steps, args.warmup)
-    return result_row(f"dense SDPA (ffn {meta['ffn']}, same active params)", "adamw", "eager", seconds, warmup_s,
-                      dense_flops_per_token(dense, args.seq_len), args)
+    return result_row(f"dense SDPA (ffn {meta['ffn']}, same active params)", "adamw", f"eager, {loss} loss",
+                      seconds, warmup_s, dense_flops_per_token(dense, args.seq_len), args)
 
 
 def top_kernels(prof, rows: int = 10, device_type=None) -> list[dict]:
@@ -313,8 +329,9 @@ def gpu(args: argparse.Namespace) -> list[dict]:
             results.append({"model": cfg.name, "optimizer": optimizer, "variant": variant,
                             "error": f"{type(e).__name__}: {e}".splitlines()[0][:200]})
         free_gpu()
-    results.append(dense_result(cfg, args, batch))
-    free_gpu()
+    for loss in ("fused", "plain"):  # fused: the loss k3's rows use, so the pair differs in the model only
+        results.append(dense_result(cfg, args, batch, loss))
+        free_gpu()
     profile = profile_k3_step(cfg, batch, args.profile)
     free_gpu()
     mla = mla_attention_timing(cfg, args)

@@ -82,11 +82,11 @@ def test_gpu_run_logic_on_cpu(monkeypatch, tmp_path, capsys):
     data = json.loads((tmp_path / "train_gpu.json").read_text())
     rows = {(r["model"].split(" ")[0], r["optimizer"], r["variant"]) for r in data["results"]}
     assert rows == {("k3-tiny", "adamw", "eager"), ("k3-tiny", "adamw", "act. ckpt"), ("k3-tiny", "muon", "eager"),
-                    ("dense", "adamw", "eager")}
+                    ("dense", "adamw", "eager, fused loss"), ("dense", "adamw", "eager, plain loss")}
     for r in data["results"]:
         assert {"model", "optimizer", "variant", "step_ms", "mfu", "peak_gib"} <= r.keys()
         assert r["step_ms"] > 0 and r["mfu"] > 0 and r["peak_gib"] == 1.0
     assert {"unpadded_backend", "padded_backend", "unpadded_ms", "padded_ms"} <= data["mla_attention"].keys()
     assert "top_kernels" in data["profile"]
     last = capsys.readouterr().out.strip().splitlines()
-    assert last[-1].startswith("| dense SDPA") and last[-6].startswith("| model | optimizer | variant")
+    assert last[-1].startswith("| dense SDPA") and last[-7].startswith("| model | optimizer | variant")
