@@ -39,6 +39,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from unittest.mock import patch
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: the Triton Functions run on CPU tensors
 
@@ -138,16 +139,6 @@ def is_weight_copy(t: torch.Tensor) -> bool:
     return False
 
 
-@contextlib.contextmanager
-def patched(obj, name: str, value) -> Iterator[None]:
-    old = getattr(obj, name)
-    setattr(obj, name, value)
-    try:
-        yield
-    finally:
-        setattr(obj, name, old)
-
-
 def in_region(census: SavedTensorCensus, name: str, fn: Callable) -> Callable:
     def wrapped(*args, **kwargs):
         with census.region(name):
@@ -235,8 +226,8 @@ def cuda_code_paths(census: SavedTensorCensus) -> Iterator[None]:
             (F, "scaled_dot_product_attention", in_region(census, "attention core", F.scaled_dot_product_attention)),
             (F, "rms_norm", _fused_rms_norm),
         ]:
-            stack.enter_context(patched(obj, name, value))
-        stack.enter_context(patched(model_kda, "kda", in_region(
+            stack.enter_context(patch.object(obj, name, value))
+        stack.enter_context(patch.object(model_kda, "kda", in_region(
             census, "KDA core", lambda *a, **kw: real_kda(*a, **{**kw, "backend": "chunked"}))))
         yield
 
@@ -391,7 +382,7 @@ def dense_census(cfg: ModelConfig, batch: int, seq_len: int, loss: str = "fused"
     model, meta = train_bench.dense_like(cfg)
     ids = _batch(cfg.vocab_size, batch, seq_len)
     census = SavedTensorCensus(model)
-    with census, cuda_code_paths(census), census.region("LM loss"), patched(train_bench, "DEVICE", "cpu"):
+    with census, cuda_code_paths(census), census.region("LM loss"), patch.object(train_bench, "DEVICE", "cpu"):
         train_bench.dense_loss(model, ids, loss).detach()
     return {"tokens": batch * seq_len, "kinds": _kinds_total(census, dense_module_kinds(model)),
             "weight_copies": census.weight_copies, "ffn": meta["ffn"],

@@ -24,6 +24,7 @@ import argparse
 import contextlib
 import copy
 import sys
+from unittest.mock import patch
 
 import torch
 import torch.nn.functional as F
@@ -106,8 +107,8 @@ def check_model(preset: str) -> bool:
     print(f"    {preset} bf16 forward vs fp32 with routing free (near-ties flip experts): {free:.2e}")
     variants = {
         "as configured": contextlib.nullcontext(),
-        "no grouped GEMM": _patched(moe, "grouped_mm_usable", lambda *a: False),
-        "grouped GEMM forced": _patched(moe, "grouped_mm_usable", lambda x, *a: x.is_cuda),
+        "no grouped GEMM": patch.object(moe, "grouped_mm_usable", lambda *a: False),
+        "grouped GEMM forced": patch.object(moe, "grouped_mm_usable", lambda x, *a: x.is_cuda),
         "SDPA without cuDNN": sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                                            SDPBackend.MATH]),
         "KDA on the chunked PyTorch path": _kda_backend(m16, "chunked"),
@@ -179,18 +180,9 @@ def _kda_backend(model, backend: str):
 
 @contextlib.contextmanager
 def _no_fused_triton():
-    with _patched(model_common, "use_triton", lambda x: False), _patched(activations, "use_triton", lambda x: False):
+    off = lambda x: False  # noqa: E731
+    with patch.object(model_common, "use_triton", off), patch.object(activations, "use_triton", off):
         yield
-
-
-@contextlib.contextmanager
-def _patched(module, name, value):
-    old = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        yield
-    finally:
-        setattr(module, name, old)
 
 
 def main() -> None:
