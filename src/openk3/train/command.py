@@ -47,7 +47,7 @@ def add_train_parser(subparsers) -> None:
     number("batch_size", int, "global batch (sequences per step, all processes together; default: 8, or 16 "
                               "captioned images for a preset with a vision tower)")
     p.add_argument("--max-steps", type=flag_type("max_steps", int), default=None,
-                   help=f"optimizer steps (default: {DEFAULT_STEPS}, or the resumed checkpoint's schedule; 800 for a "
+                   help=f"optimizer steps (default: {DEFAULT_STEPS}, or the resumed checkpoint's schedule; 1200 for a "
                         "preset with a vision tower)")
     number("lr", float, "peak learning rate (Muon and AdamW)")
     number("weight_decay", float, "decoupled weight decay")
