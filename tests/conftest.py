@@ -27,3 +27,11 @@ def o1_server(o1_checkpoint_dir):
 
     with serve_process("--ckpt", o1_checkpoint_dir, "--model-name", "k3-tiny") as (url, _):
         yield url
+
+
+@pytest.fixture
+def client(server):
+    """The official `openai` client on the module's `server` fixture (a base URL)."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=120)

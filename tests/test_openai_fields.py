@@ -30,10 +30,6 @@ def server(o1_server):
     return o1_server
 
 
-@pytest.fixture
-def client(server):
-    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=120)
-
 
 @pytest.fixture(scope="module")
 def model(o1_checkpoint_dir):

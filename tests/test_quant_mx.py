@@ -51,20 +51,27 @@ def nearest(value: float, table: list[float]) -> int:
     return min(range(len(table)), key=lambda i: (abs(table[i] - abs(value)), i % 2))
 
 
-def spec_mxfp4(x: torch.Tensor) -> tuple[list[list[int]], list[list[int]]]:
+def spec_mx(x: torch.Tensor, emax: int, largest: float, table: list[float], sign_bit: int
+            ) -> tuple[list[list[int]], list[list[int]]]:
+    """The OCP MX rule element by element: per 32-block the E8M0 scale (255 for an all-zero / NaN block), each
+    element's magnitude rounded to the nearest `table` entry (saturating at `largest`) and its sign bit."""
     codes, scales = [], []
     for row in x.float().tolist():
         row_codes, row_scales = [], []
         for start in range(0, len(row), 32):
             block = row[start:start + 32]
-            s = spec_scale(block, 2)
+            s = spec_scale(block, emax)
             row_scales.append(255 if s is None else s)
             for v in block:
-                magnitude = 0 if s is None else nearest(min(abs(math.ldexp(v, 127 - s)), 6.0), list(E2M1))
-                row_codes.append(magnitude | (8 if s is not None and math.copysign(1, v) < 0 else 0))
+                magnitude = 0 if s is None else nearest(min(abs(math.ldexp(v, 127 - s)), largest), table)
+                row_codes.append(magnitude | (sign_bit if s is not None and math.copysign(1, v) < 0 else 0))
         codes.append(row_codes)
         scales.append(row_scales)
     return codes, scales
+
+
+def spec_mxfp4(x: torch.Tensor) -> tuple[list[list[int]], list[list[int]]]:
+    return spec_mx(x, 2, 6.0, list(E2M1), 8)
 
 
 def e4m3_table() -> list[float]:
@@ -73,20 +80,7 @@ def e4m3_table() -> list[float]:
 
 
 def spec_mxfp8(x: torch.Tensor) -> tuple[list[list[int]], list[list[int]]]:
-    table = e4m3_table()
-    codes, scales = [], []
-    for row in x.float().tolist():
-        row_codes, row_scales = [], []
-        for start in range(0, len(row), 32):
-            block = row[start:start + 32]
-            s = spec_scale(block, 8)
-            row_scales.append(255 if s is None else s)
-            for v in block:
-                magnitude = 0 if s is None else nearest(min(abs(math.ldexp(v, 127 - s)), 448.0), table)
-                row_codes.append(magnitude | (0x80 if s is not None and math.copysign(1, v) < 0 else 0))
-        codes.append(row_codes)
-        scales.append(row_scales)
-    return codes, scales
+    return spec_mx(x, 8, 448.0, e4m3_table(), 0x80)
 
 
 # ---- inputs that reach every corner ------------------------------------------------------------------------

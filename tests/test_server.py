@@ -24,10 +24,6 @@ def server(o1_server):
     return o1_server
 
 
-@pytest.fixture
-def client(server):
-    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=120)
-
 
 def test_models_health_and_metrics(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]

@@ -9,7 +9,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-import openai
 import pytest
 
 from serve_process import metric, serve_process
@@ -23,10 +22,6 @@ def server():
     with serve_process("--preset", MODEL, "--seed", "0") as (url, _):
         yield url
 
-
-@pytest.fixture
-def client(server):
-    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def post(server, path, body, timeout=60):
