@@ -28,11 +28,6 @@ from openk3.ops.norms import acc_dtype
 # Each expert's group of rows is padded to a multiple of 16 bytes' worth of rows: in the weight-gradient GEMM the
 # token dimension is the contracted unit-stride one, which TMA wants 16-byte aligned (SPEC §14).
 GROUP_ALIGN_BYTES = 16
-# torch._grouped_mm returned inconsistent bf16 results on CUDA depending on the kernels run before it (pytorch
-# #186365, reported and fixed in the 2.13 cycle); on torch 2.11 an H200's bf16 forward of k3-debug came out far
-# from its fp32 forward with this path on (bench/RESULTS.md, 2026-12-01), and the path was not isolated as the
-# cause there. Older torch takes the loop until `python bench/gpu_checks.py` shows the grouped path exact.
-GROUPED_MM_MIN_TORCH = (2, 13)
 
 
 class Routing(NamedTuple):
@@ -120,11 +115,8 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def grouped_mm_usable(x_sorted: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
-    """The grouped-GEMM fast path: CUDA, torch >= GROUPED_MM_MIN_TORCH, compute capability >= 9.0 (its CUTLASS
-    kernel), bf16, and widths whose rows are whole multiples of 16 bytes (strides the kernel accepts)."""
+    """The grouped-GEMM fast path: CUDA, compute capability >= 9.0 (its CUTLASS kernel), bf16, and widths whose rows are whole multiples of 16 bytes (strides the kernel accepts)."""
     if not x_sorted.is_cuda or _grouped_mm_fn() is None or compute_dtype(x_sorted) != torch.bfloat16:
-        return False
-    if tuple(int(v) for v in torch.__version__.split(".")[:2]) < GROUPED_MM_MIN_TORCH:
         return False
     if torch.cuda.get_device_capability(x_sorted.device) < (9, 0):
         return False
