@@ -1,16 +1,19 @@
 """Where the serving engine's time goes on one GPU: the decode step's parts and a long prefill, in one process.
 
-    python bench/decode_profile.py [--preset k3-debug] [--batches 1 8 32 64] [--prefill-tokens 12288] [--json F]
+    python bench/decode_profile.py [--preset k3-debug] [--batches 1 8 32 64] [--prefill-tokens 12288]
+                                   [--compile both|on|off] [--json F]
 
-For each batch size B: B requests (16-token prompts, greedy, ignore_eos) run through `Engine.step` until all
-decode; then, averaged over `--steps` steady decode steps:
+For the decode step as the engine runs it by default on a GPU (torch.compile'd, then captured as CUDA graphs) and,
+with `--compile both`, captured without compiling (the comparison), and for each batch size B: B requests (16-token
+prompts, greedy, ignore_eos) run through `Engine.step` until all decode; then, averaged over `--steps` steady decode
+steps:
   - step_ms: one whole `Engine.step` (scheduling, the decode forward, sampling, bookkeeping, events);
   - forward_ms: `ModelRunner.decode` alone at the same batch (the CUDA-graph replay and its input copy), synced;
   - host_ms = step_ms - forward_ms: what the engine adds around the forward.
 Then the top operators of a torch.profiler trace of a few steps at the largest batch (CPU self time and device
 time), and the time of one prefill of `--prefill-tokens` tokens through `ModelRunner.prefill` in chunks of the
-engine's size (what bounds time to first token). Prints tables and writes JSON. The peer for these numbers is
-bench/serve_gpu.py (HF transformers' generate); this script explains them.
+engine's size (what bounds time to first token) with its top operators by device time. Prints tables and writes
+JSON. The peer for these numbers is bench/serve_gpu.py (HF transformers' generate); this script explains them.
 """
 
 from __future__ import annotations
@@ -71,14 +74,21 @@ def profiled_steps(engine: Engine, batch: int, vocab: int, steps: int = 5, rows:
                 for _ in range(batch)]
     while any(r.prefilling or r.slot is None for r in requests):
         engine.step()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.runner.device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
+    with profiled(engine.runner.device) as prof:
         for _ in range(steps):
             engine.step()
         sync(engine.runner.device)
     for r in requests:
         engine.cancel(r.rid)
     engine.step()
+    return top_operators(prof, steps, rows)
+
+
+def profiled(device: torch.device):
+    return profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else []))
+
+
+def top_operators(prof, steps: int, rows: int) -> dict:
     events = prof.key_averages()
     cpu = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:rows]
     dev = sorted(events, key=lambda e: getattr(e, "self_device_time_total", 0), reverse=True)[:rows]
@@ -103,7 +113,13 @@ def prefill_time(engine: Engine, tokens: int, vocab: int, reps: int = 3) -> dict
             engine.runner.prefill([prompt[at:at + chunk]], [slot], [at])
         sync(engine.runner.device)
         times.append(time.perf_counter() - start)
-    return {"tokens": tokens, "chunk": chunk, "ms": min(times[1:]) * 1e3}
+    with profiled(engine.runner.device) as prof:
+        engine.states.reset(slot)
+        for at in range(0, tokens, chunk):
+            engine.runner.prefill([prompt[at:at + chunk]], [slot], [at])
+        sync(engine.runner.device)
+    return {"tokens": tokens, "chunk": chunk, "ms": min(times[1:]) * 1e3,
+            "profile": top_operators(prof, 1, 16)["device"]}
 
 
 def main() -> None:
@@ -113,33 +129,43 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--prefill-tokens", type=int, default=12288)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--compile", choices=["both", "on", "off"], default="both",
+                    help="decode step compiled before capture, not, or both (the comparison)")
     ap.add_argument("--json", default="bench/decode_profile.json")
     args = ap.parse_args()
     device = torch.device(args.device)
     cfg = get_preset(args.preset)
     torch.manual_seed(0)
     model = K3ForCausalLM(cfg).to(device, torch.bfloat16 if device.type == "cuda" else torch.float32).eval()
-    started = time.perf_counter()
-    engine = Engine(model, ByteTokenizer(), EngineConfig(prefix_cache=False,
-                                                         scheduler=SchedulerConfig(max_running=max(args.batches))))
-    print(f"engine ready in {time.perf_counter() - started:.1f} s ({device}, {args.preset})", flush=True)
-    rows = [steady_decode(engine, b, args.steps, cfg.vocab_size) for b in args.batches]
-    print("| batch | engine step ms | decode forward ms | host ms | tok/s |\n|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['batch']} | {r['step_ms']:.2f} | {r['forward_ms']:.2f} | {r['host_ms']:.2f} | "
-              f"{r['tok_per_s']:,.0f} |", flush=True)
+    variants = {"both": [False, True], "on": [True], "off": [False]}[args.compile]
+    decode = {}
+    for compiled in variants:
+        name = "compiled + CUDA graphs" if compiled else "CUDA graphs"
+        started = time.perf_counter()
+        engine = Engine(model, ByteTokenizer(), EngineConfig(
+            prefix_cache=False, compile_decode=compiled, scheduler=SchedulerConfig(max_running=max(args.batches))))
+        print(f"\n{name}: engine ready in {time.perf_counter() - started:.1f} s ({device}, {args.preset}; "
+              f"graphs {sorted(engine.runner.graphs) or engine.runner.graph_error})", flush=True)
+        rows = [steady_decode(engine, b, args.steps, cfg.vocab_size) for b in args.batches]
+        print("| batch | engine step ms | decode forward ms | host ms | tok/s |\n|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['batch']} | {r['step_ms']:.2f} | {r['forward_ms']:.2f} | {r['host_ms']:.2f} | "
+                  f"{r['tok_per_s']:,.0f} |", flush=True)
+        decode[name] = {"startup_s": time.perf_counter() - started, "rows": rows}
     prof = profiled_steps(engine, max(args.batches), cfg.vocab_size)
-    print("\ntop operators by CPU self time per step:")
+    print(f"\n{name}: top operators by CPU self time per step:")
     for e in prof["cpu"]:
         print(f"  {e['self_cpu_ms_per_step']:8.3f} ms  {e['calls']:6d}x  {e['op'][:90]}")
     print("top operators by device time per step:")
     for e in prof["device"]:
         print(f"  {e['device_ms_per_step']:8.3f} ms  {e['calls']:6d}x  {e['op'][:90]}")
     pre = prefill_time(engine, args.prefill_tokens, cfg.vocab_size)
-    print(f"\nprefill of {pre['tokens']} tokens in chunks of {pre['chunk']}: {pre['ms']:.1f} ms", flush=True)
+    print(f"\nprefill of {pre['tokens']} tokens in chunks of {pre['chunk']}: {pre['ms']:.1f} ms; by device time:")
+    for e in pre["profile"]:
+        print(f"  {e['device_ms_per_step']:8.3f} ms  {e['calls']:6d}x  {e['op'][:90]}", flush=True)
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "preset": args.preset,
-              "decode": rows, "profile": prof, "prefill": pre}
+              "decode": decode, "profile": prof, "prefill": pre}
     with open(args.json, "w") as f:
         f.write(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.json}")

@@ -4,6 +4,7 @@ only the slots and pages it addresses."""
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from openk3.cache.paged import BlockTables, PagePool
@@ -23,12 +24,12 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def make_runner(model, kernels, page_size=5, slots=4, pages=40):
+def make_runner(model, kernels, page_size=5, slots=4, pages=40, compile_backend=None):
     cfg = model.config
     pool = PagePool(len(cfg.mla_layers), pages, page_size, cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim)
     tables = BlockTables(slots, -(-cfg.max_seq_len // page_size))
     states = StatePool(cfg, slots)
-    return ModelRunner(model, pool, tables, states, max_batch=slots, kernels=kernels)
+    return ModelRunner(model, pool, tables, states, max_batch=slots, kernels=kernels, compile_backend=compile_backend)
 
 
 def give_pages(runner, slot, tokens, rng):
@@ -142,8 +143,8 @@ def dense_grouped_glu_mlp(x_sorted, counts, gate_up, down, act):
 
 def test_gpu_decode_step_never_waits_for_the_host(monkeypatch):
     """The Triton decode path has no host synchronisation apart from the expert matmuls of `grouped_glu_mlp`
-    (today's loop reads the group sizes on the host; a grouped GEMM drops in with the same signature): with a
-    sync-free stand-in for it, one decode step issues no op that would wait for the host, so it can be captured."""
+    (the CPU's loop reads the group sizes on the host; a GPU's grouped GEMM does not): with a sync-free stand-in
+    for it, one decode step issues no op that would wait for the host, so it can be captured."""
     x, counts = torch.randn(7, 6), torch.tensor([3, 0, 4])
     gate_up, down = torch.randn(3, 10, 6), torch.randn(3, 6, 5)
     torch.testing.assert_close(dense_grouped_glu_mlp(x, counts, gate_up, down, swiglu),
@@ -160,3 +161,35 @@ def test_gpu_decode_step_never_waits_for_the_host(monkeypatch):
     with torch.no_grad(), HostSyncs(monkeypatch) as syncs:
         logits = runner._forward(2)
     assert syncs.seen == [] and torch.isfinite(logits).all()
+
+
+def test_compiled_decode_step_is_one_graph_per_bucket_and_equals_eager(monkeypatch):
+    """The decode step torch.compile'd as the engine does on a GPU (Dynamo's tracing with the aot_eager backend:
+    Inductor's code generation takes minutes on this CPU) traces whole, with the Triton kernels (interpreted) as
+    custom ops updating the pools in place: no graph break, one graph per bucket, and the eager step's logits,
+    KDA states, conv windows and latent pages (apart from the scratch rows that padding writes)."""
+    monkeypatch.setattr(moe_ops, "grouped_glu_mlp", dense_grouped_glu_mlp)  # the CPU's loop reads counts on host
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = randomize(K3ForCausalLM(CONFIGS["k3-small-mla-first"]()), seed=5)
+    runners = [make_runner(model, "triton"), make_runner(model, "triton", compile_backend="aot_eager")]
+    results = []
+    for runner in runners:
+        rng = torch.Generator().manual_seed(6)
+        for slot in (0, 2, 3):
+            give_pages(runner, slot, 12, rng)
+        runner.states.recurrent.normal_(generator=rng)
+        runner.states.conv.normal_(generator=rng)
+        runner.pages.pages.normal_(generator=rng)
+        with torch.no_grad():
+            logits = [runner.decode([3, 9, 4], [2, 0, 3], [5, 9, 1]), runner.decode([7], [0], [10])]
+        live = slice(0, runner.states.padding_slot)  # a bucket's padded rows write the padding slot and page 0
+        states = runner.states
+        results.append((logits, states.recurrent[:, live], states.conv[:, live], runner.pages.pages[:, 1:]))
+    assert not counters["graph_break"]
+    assert counters["stats"]["unique_graphs"] == 2  # buckets 4 and 1
+    for got, want in zip(results[1][0], results[0][0]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for got, want in zip(results[1][1:], results[0][1:]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -68,7 +68,8 @@ def kda_decode_step(layer: KimiDeltaAttention, x: torch.Tensor, j: int, batch: D
 
         y = causal_conv_step(qkv, conv_pool, layer.conv_weight(), None, batch.slots, activation="silu")
         q, k, v = (t.reshape(B, 1, H, K) for t in y.split(H * K, dim=-1))
-        q, k, g, beta = layer.activate(q, k, x, "triton")
+        # compiled (`ModelRunner`), the activations are PyTorch ops for Inductor to fuse with their neighbours
+        q, k, g, beta = layer.activate(q, k, x, "torch" if torch.compiler.is_compiling() else "triton")
         o = kda_decode(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state_pool, batch.slots).unsqueeze(1)
     else:
         backend = resolve_backend(layer.kda_backend, x.device, 1)  # the model's own choice for one token

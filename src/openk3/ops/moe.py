@@ -115,7 +115,8 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def grouped_mm_usable(x_sorted: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
-    """The grouped-GEMM fast path: CUDA, compute capability >= 9.0 (its CUTLASS kernel), bf16, and widths whose rows are whole multiples of 16 bytes (strides the kernel accepts)."""
+    """The grouped-GEMM fast path: CUDA, compute capability >= 9.0 (its CUTLASS kernel), bf16, and widths whose
+    rows are whole multiples of 16 bytes (strides the kernel accepts)."""
     if not x_sorted.is_cuda or _grouped_mm_fn() is None or compute_dtype(x_sorted) != torch.bfloat16:
         return False
     if torch.cuda.get_device_capability(x_sorted.device) < (9, 0):

@@ -60,12 +60,23 @@ def combine_splits(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
 def paged_mla_decode(q: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, rows: torch.Tensor,
                      lengths: torch.Tensor, latent_dim: int, scale: float, num_splits: int = 1) -> torch.Tensor:
     """The Triton kernel (same contract as `paged_mla_decode_reference`). Returns [N,H,R] fp32."""
-    N, H, D = q.shape
-    R, r = latent_dim, D - latent_dim
+    D = q.shape[-1]
     if pool.shape[-1] != D or not pool.is_contiguous():
         raise ValueError(f"pool must be a contiguous [pages, P, {D}] tensor, got {tuple(pool.shape)}")
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    out, lse = paged_mla_splits(q, pool, tables, rows, lengths, latent_dim, scale, num_splits)
+    return combine_splits(out, lse) if num_splits > 1 else out[:, 0]
+
+
+# A torch custom op, so that torch.compile keeps the launch whole in a compiled decode step (`openk3.serve.runner`)
+@torch.library.custom_op("openk3::paged_mla_splits", mutates_args=())
+def paged_mla_splits(q: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, rows: torch.Tensor,
+                     lengths: torch.Tensor, latent_dim: int, scale: float, num_splits: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's per-split outputs: out [N,S,H,R] fp32 and log-sum-exp [N,S,H] (S = num_splits)."""
+    N, H, D = q.shape
+    R, r = latent_dim, D - latent_dim
     out = torch.empty(N, num_splits, H, R, dtype=torch.float32, device=q.device)
     lse = torch.empty(N, num_splits, H, dtype=torch.float32, device=q.device)
     if N:
@@ -75,7 +86,14 @@ def paged_mla_decode(q: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, 
             tables.stride(0), P=pool.shape[1], R=R, RS=r, BLOCK_R=triton.next_power_of_2(R),
             BLOCK_RS=max(16, triton.next_power_of_2(max(r, 1))), BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N,
             NUM_SPLITS=num_splits, PREC="ieee" if pool.dtype == torch.float32 else "tf32", num_warps=4)
-    return combine_splits(out, lse) if num_splits > 1 else out[:, 0]
+    return out, lse
+
+
+@paged_mla_splits.register_fake
+def _(q, pool, tables, rows, lengths, latent_dim, scale, num_splits):
+    N, H, _ = q.shape
+    return (q.new_empty(N, num_splits, H, latent_dim, dtype=torch.float32),
+            q.new_empty(N, num_splits, H, dtype=torch.float32))
 
 
 if triton is not None:

@@ -71,7 +71,8 @@ def build_engine(args: argparse.Namespace):
         cache_bytes=int(args.cache_mb * (1 << 20)), host_cache_bytes=int(args.host_cache_mb * (1 << 20)),
         disk_cache_dir=args.disk_cache_dir, disk_cache_bytes=int(args.disk_cache_mb * (1 << 20)),
         checkpoint_every=args.checkpoint_every, prefill_chunk_blocks=args.prefill_chunk_blocks,
-        kv_pages=args.kv_pages, kernels=args.kernels, cuda_graphs=not args.no_cuda_graphs, seed=args.seed,
+        kv_pages=args.kv_pages, kernels=args.kernels, cuda_graphs=not args.no_cuda_graphs,
+        compile_decode=not args.no_compile, seed=args.seed,
         speculative=args.speculative,
         scheduler=SchedulerConfig(
             max_running=args.max_running, max_queue=args.max_queue,
@@ -200,6 +201,8 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--kernels", default="auto", choices=["auto", "triton", "torch"],
                    help="decode kernels: triton (the GPU path), torch (the reference); auto: by device")
     p.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly on a GPU (no CUDA graphs)")
+    p.add_argument("--no-compile", action="store_true",
+                   help="capture the decode step without torch.compile (faster start-up, slower decode)")
     p.add_argument("--allow-remote-images", action="store_true",
                    help="fetch http(s) image URLs in chat requests (10 s and 20 MiB at most each, no redirects); "
                         "by default only inline data: URLs are accepted")

@@ -89,6 +89,7 @@ class EngineConfig:
     kv_pages: int | None = None  # physical pages in the pool (None: room for max_live_tokens + the cache)
     kernels: str = "auto"  # decode kernels: "triton" (the GPU path), "torch" (the reference), auto: by device
     cuda_graphs: bool = True  # capture decode as CUDA graphs at start-up (CUDA only)
+    compile_decode: bool = True  # torch.compile (Inductor) the decode step (CUDA only)
     speculative: int = 0  # draft tokens per verification (needs the engine's draft model); 0: off
     seed: int = 0
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -208,7 +209,8 @@ class Engine:
         self.states = StatePool(mc, sched.max_running, dtype=dtype, device=device)
         kernels = config.kernels if config.kernels != "auto" else ("triton" if gpu else "torch")
         self.runner = ModelRunner(model, self.pages, self.tables, self.states, max_batch=sched.max_running,
-                                  kernels=kernels, cuda_graphs=config.cuda_graphs, draft=self.draft)
+                                  kernels=kernels, cuda_graphs=config.cuda_graphs, draft=self.draft,
+                                  compile_backend="inductor" if config.compile_decode and gpu else None)
         self.runner.capture()
 
         self.prefix_cache = PrefixCache(PrefixCacheConfig(

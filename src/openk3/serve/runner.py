@@ -4,7 +4,11 @@ Decode (`ModelRunner.decode`): the step's token ids, slots and lengths are copie
 `openk3.model.decode.decode_logits` runs on it. On CUDA the step is captured once at start-up as a CUDA graph per
 bucketed batch size (1, 2, 4, 8, 16, 32, 64, ... up to `max_batch`); a step of n sequences replays the smallest
 bucket >= n with the extra rows on the padding slot (its block table is all null pages, its KDA state is scratch).
-Without CUDA (or with graphs off) the same function runs eagerly at the exact batch size.
+Without CUDA (or with graphs off) the same function runs eagerly at the exact batch size. With `compile_backend`
+(the engine's default on a GPU: Inductor) the step is torch.compile'd, one graph per bucket, before it is captured:
+a decode step is thousands of small operations at these batch sizes (norms, Block AttnRes, routing, the experts'
+bookkeeping), and launching them, even from a CUDA graph, costs more than their arithmetic; Inductor fuses them.
+The Triton decode kernels are torch custom ops, opaque to the compiler.
 
 Prefill (`ModelRunner.prefill`): the model's own forward on a `HybridCache` gathered from the pools (the KDA states
 of the slots; each sequence's latents so far, read through its block table; with the image tokens of the chunks'
@@ -50,7 +54,8 @@ def split_kv(batch: int, processors: int) -> int:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, pages: PagePool, tables: BlockTables, states: StatePool, *,
-                 max_batch: int, kernels: str = "torch", cuda_graphs: bool = False, draft: EagleDraft | None = None):
+                 max_batch: int, kernels: str = "torch", cuda_graphs: bool = False, compile_backend: str | None = None,
+                 draft: EagleDraft | None = None):
         self.model = model
         self.draft = draft  # its latents: the pool's last layer, after the target's MLA layers
         self.pages, self.tables, self.states = pages, tables, states
@@ -63,6 +68,10 @@ class ModelRunner:
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self.capture_seconds = 0.0
         self.graph_error: str | None = None
+        # compiled: one static-shape graph per bucket (a compiled step always runs at a bucket's size)
+        self.compiled = compile_backend is not None
+        self.step = torch.compile(decode_logits, backend=compile_backend, dynamic=False) if self.compiled \
+            else decode_logits
         cfg = model.config
         self.kda_layers, self.mla_layers = sorted(cfg.kda_layers), sorted(cfg.mla_layers)
         gpu = self.device.type == "cuda"
@@ -75,7 +84,8 @@ class ModelRunner:
                            kernels=self.kernels, num_splits=split_kv(size, self.processors))
 
     def _forward(self, size: int) -> torch.Tensor:
-        return decode_logits(self.model, self.inputs[0, :size], self._batch(size))
+        with torch._dynamo.config.patch(recompile_limit=len(self.buckets)):
+            return self.step(self.model, self.inputs[0, :size], self._batch(size))
 
     def capture(self) -> float:
         """Capture the decode step at every bucket size (CUDA only); returns the seconds it took. If capture fails
@@ -88,7 +98,8 @@ class ModelRunner:
         try:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # compile the Triton kernels, set up cuBLAS, outside any capture
+            # compile the Triton kernels (and the step, with compile_backend), set up cuBLAS, outside any capture
+            with torch.cuda.stream(side):
                 for size in self.buckets:
                     self._forward(size)
             torch.cuda.current_stream().wait_stream(side)
@@ -112,7 +123,7 @@ class ModelRunner:
     def decode(self, ids: list[int], slots: list[int], lengths: list[int]) -> torch.Tensor:
         """One token for each of n sequences: ids, slots, lengths (tokens before it) -> logits [n, vocab]."""
         n = len(ids)
-        size = next((b for b in self.buckets if b >= n), n) if self.graphs else n
+        size = next((b for b in self.buckets if b >= n), n) if self.graphs or self.compiled else n
         if size > self.max_batch:
             raise ValueError(f"a decode batch holds at most {self.max_batch} sequences, got {n}")
         pad = size - n

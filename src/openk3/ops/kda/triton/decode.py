@@ -46,7 +46,11 @@ def _kda_decode_kernel(q, k, v, g, beta, pool, slots, o, scale,
         tl.store(o + (n * H + h) * V + cv, tl.zeros([BV], dtype=tl.float32).to(o.dtype.element_ty), mask=cv < V)
 
 
-def kda_decode(q, k, v, g, beta, state_pool, slots, scale: float | None = None) -> torch.Tensor:
+# The two launches are torch custom ops (declared in-place on their pools) so that torch.compile keeps them whole
+# in a compiled decode step and fuses the operations around them (`openk3.serve.runner`).
+@torch.library.custom_op("openk3::kda_decode", mutates_args=("state_pool",))
+def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+               state_pool: torch.Tensor, slots: torch.Tensor, scale: float | None = None) -> torch.Tensor:
     """One KDA step for N sequences. q, k, g [N,H,K]; v [N,H,V]; beta [N,H]; state_pool [P,H,K,V] fp32,
     updated in place at rows slots [N] (int32). Returns o [N,H,V] in v's dtype."""
     N, H, K = q.shape
@@ -63,6 +67,11 @@ def kda_decode(q, k, v, g, beta, state_pool, slots, scale: float | None = None) 
             q, k, v, g, beta, state_pool, slots.to(torch.int32), o, scale, H=H, K=K, V=V, BK=BK, BV=BV,
             num_warps=4)
     return o
+
+
+@kda_decode.register_fake
+def _(q, k, v, g, beta, state_pool, slots, scale=None):
+    return v.new_empty(q.shape[0], q.shape[1], v.shape[-1])
 
 
 def kda_decode_reference(q, k, v, g, beta, state_pool, slots, scale: float | None = None) -> torch.Tensor:
@@ -111,7 +120,9 @@ def _conv_step_kernel(x, conv_state, slots, weight, bias, y, D, W: tl.constexpr,
         tl.store(y + n * D + cd, tl.zeros([BD], dtype=tl.float32).to(y.dtype.element_ty), mask=md)
 
 
-def causal_conv_step(x, conv_state, weight, bias=None, slots=None, activation: str | None = "silu"):
+@torch.library.custom_op("openk3::causal_conv_step", mutates_args=("conv_state",))
+def causal_conv_step(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                     slots: torch.Tensor | None = None, activation: str | None = "silu") -> torch.Tensor:
     """One step of a depthwise causal conv for N sequences. x [N,D]; conv_state [P,D,W-1] (P = N without
     slots), updated in place; weight [D,W]; bias [D] or None; activation "silu" or None. Returns y [N,D]."""
     N, D = x.shape
@@ -128,6 +139,11 @@ def causal_conv_step(x, conv_state, weight, bias=None, slots=None, activation: s
             BW=max(2, triton.next_power_of_2(W - 1)), HAS_BIAS=bias is not None, SILU=activation == "silu",
             num_warps=4)
     return y
+
+
+@causal_conv_step.register_fake
+def _(x, conv_state, weight, bias=None, slots=None, activation="silu"):
+    return torch.empty_like(x)
 
 
 def causal_conv_step_reference(x, conv_state, weight, bias=None, slots=None, activation: str | None = "silu"):
