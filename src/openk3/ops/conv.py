@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from openk3.ops.norms import autocast_enabled
+
 
 def _kernel(weight: torch.Tensor) -> torch.Tensor:
     return weight.reshape(weight.shape[0], weight.shape[-1])
@@ -37,10 +39,7 @@ def causal_conv1d(
 def _compute_dtype(x: torch.Tensor, w: torch.Tensor) -> torch.dtype:
     """The dtype the conv runs in: autocast's when it is on for x's device (it casts F.conv1d's operands), else
     the weight's."""
-    device = x.device.type
-    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
-        return torch.get_autocast_dtype(device)
-    return w.dtype
+    return torch.get_autocast_dtype(x.device.type) if autocast_enabled(x) else w.dtype
 
 
 def _conv_silu(x, w, state, dtype):

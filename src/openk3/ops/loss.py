@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from openk3.ops.norms import acc_dtype, fp32_island
+from openk3.ops.norms import acc_dtype, autocast_enabled, fp32_island
 
 DEFAULT_CHUNK = 1024  # tokens per chunk: [1024, 32k] fp32 logits are 128 MiB
 REDUCTIONS = ("mean", "sum")
@@ -30,9 +30,8 @@ def cross_entropy_reference(hidden: torch.Tensor, weight: torch.Tensor, targets:
 def matmul_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     """The dtype F.linear(hidden, weight) would compute in: the autocast dtype where autocast is on, else the
     promoted dtype of the operands."""
-    device = hidden.device.type
-    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
-        return torch.get_autocast_dtype(device)
+    if autocast_enabled(hidden):
+        return torch.get_autocast_dtype(hidden.device.type)
     return torch.promote_types(hidden.dtype, weight.dtype)
 
 

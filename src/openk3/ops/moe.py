@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from openk3.ops.activations import apply_glu
-from openk3.ops.norms import acc_dtype
+from openk3.ops.norms import acc_dtype, autocast_enabled
 
 # Each expert's group of rows is padded to a multiple of 16 bytes' worth of rows: in the weight-gradient GEMM the
 # token dimension is the contracted unit-stride one, which TMA wants 16-byte aligned (SPEC §14).
@@ -101,12 +101,6 @@ def grouped_glu_mlp_loop(x_sorted, counts, gate_up, down, act) -> torch.Tensor:
 def _grouped_mm_fn():
     """torch's grouped GEMM: F.grouped_mm (public from torch 2.10) or torch._grouped_mm, None if neither exists."""
     return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
-
-
-def autocast_enabled(x: torch.Tensor) -> bool:
-    """Whether autocast is on for x's device."""
-    device = x.device.type
-    return torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:

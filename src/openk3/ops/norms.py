@@ -12,13 +12,17 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def autocast_enabled(x: torch.Tensor) -> bool:
+    """Whether autocast is on for x's device. (CUDA and the CPU always have autocast: asking torch.amp first for
+    them would break a torch.compile graph, as Dynamo cannot trace it on torch 2.11.)"""
+    device = x.device.type
+    return (device in ("cuda", "cpu") or torch.amp.is_autocast_available(device)) and torch.is_autocast_enabled(device)
+
+
 def fp32_island(x: torch.Tensor) -> contextlib.AbstractContextManager:
     """Autocast off on x's device: inside, matmuls run in their operands' dtype, so an fp32 island (DESIGN.md:
     AttnRes, the router) keeps fp32 products under a bf16 autocast, which would otherwise cast them down."""
-    device = x.device.type
-    if not torch.amp.is_autocast_available(device):
-        return contextlib.nullcontext()
-    return torch.autocast(device, enabled=False)
+    return torch.autocast(x.device.type, enabled=False) if autocast_enabled(x) else contextlib.nullcontext()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-5) -> torch.Tensor:
