@@ -67,6 +67,27 @@ def steady_decode(engine: Engine, batch: int, steps: int, vocab: int) -> dict:
             "tok_per_s": batch / step_ms * 1e3}
 
 
+def decode_logits_after_prompts(engine: Engine, batch: int, vocab: int, tokens: int = 64) -> torch.Tensor:
+    """The decode logits [batch, vocab] of one step after `batch` random prompts prefilled (the same prompts for
+    every engine), each in its own slot; the slots and pages are given back."""
+    gen = torch.Generator().manual_seed(batch + 100)
+    prompts = torch.randint(0, vocab, (batch, tokens + 1), generator=gen).tolist()
+    slots = [engine.states.alloc() for _ in range(batch)]
+    pages = []
+    for slot in slots:
+        pages.append([engine.pages.alloc() for _ in range(-(-(tokens + 1) // engine.page_size))])
+        engine.tables.set(slot, pages[-1])
+        engine.states.reset(slot)
+    engine.runner.prefill([p[:tokens] for p in prompts], slots, [0] * batch)
+    logits = engine.runner.decode([p[tokens] for p in prompts], slots, [tokens] * batch).float().cpu()
+    for slot, held in zip(slots, pages):
+        engine.tables.set(slot, [])
+        for page in held:
+            engine.pages.release(page)
+        engine.states.free(slot)
+    return logits
+
+
 def profiled_steps(engine: Engine, batch: int, vocab: int, steps: int = 5, rows: int = 12) -> dict:
     gen = torch.Generator().manual_seed(7)
     params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
@@ -151,7 +172,20 @@ def main() -> None:
         for r in rows:
             print(f"| {r['batch']} | {r['step_ms']:.2f} | {r['forward_ms']:.2f} | {r['host_ms']:.2f} | "
                   f"{r['tok_per_s']:,.0f} |", flush=True)
-        decode[name] = {"startup_s": time.perf_counter() - started, "rows": rows}
+        decode[name] = {"startup_s": time.perf_counter() - started, "rows": rows,
+                        "check": {b: decode_logits_after_prompts(engine, b, cfg.vocab_size)
+                                  for b in sorted({1, min(8, max(args.batches))})}}
+    if len(decode) == 2:  # the compiled step against the captured eager one, from the same prefilled states
+        (_, eager), (_, compiled) = decode.items()
+        for b, want in eager["check"].items():
+            got = compiled["check"][b]
+            err = ((got - want).norm() / want.norm()).item()
+            same = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
+            print(f"batch {b}: compiled vs eager decode logits (bf16), relative error {err:.2e}, same argmax "
+                  f"{same:.0%}", flush=True)
+            compiled.setdefault("vs_eager", {})[b] = {"rel_err": err, "same_argmax": same}
+    for d in decode.values():
+        del d["check"]
     prof = profiled_steps(engine, max(args.batches), cfg.vocab_size)
     print(f"\n{name}: top operators by CPU self time per step:")
     for e in prof["cpu"]:

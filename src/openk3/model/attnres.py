@@ -120,7 +120,7 @@ class BlockStream:
         """Steps 1-2: the attention sublayer's input, normalised by `then` if given (its pre-norm; the stream
         then recomputes the two in backward instead of keeping the merged input); opens a block when
         layer_idx % block_size == 0."""
-        merged = bool(self.blocks)
+        merged = len(self.blocks) > 0
         x = self._merge(proj, norm, then) if merged else self.partial
         self._opened = layer_idx % self.block_size == 0
         if self._opened:

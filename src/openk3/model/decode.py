@@ -26,7 +26,7 @@ from openk3.model.mla import GatedMLA
 from openk3.ops.attention import mla_attention_absorbed
 from openk3.ops.conv import causal_conv1d_step
 from openk3.ops.kda import kda, resolve_backend
-from openk3.ops.paged_mla import paged_mla_decode, paged_positions
+from openk3.ops.paged_mla import paged_mla_decode, paged_positions, write_latents
 
 KERNELS = ("triton", "torch")
 
@@ -88,8 +88,7 @@ def mla_decode_step(layer: GatedMLA, x: torch.Tensor, j: int, batch: DecodeBatch
     pool = batch.latents[j]  # [pages, P, R+r]
     P, width = pool.shape[1], pool.shape[2]
     q = layer.query(x)  # [B,1,H,n+r]
-    new = paged_positions(batch.tables, batch.slots, batch.lengths, P)
-    pool.view(-1, width).index_copy_(0, new, layer.latent(x)[:, 0].to(pool.dtype))
+    write_latents(pool, paged_positions(batch.tables, batch.slots, batch.lengths, P), layer.latent(x)[:, 0])
     if batch.kernels == "triton":
         w = layer.kv_b_proj.weight.view(H, n + v, R)
         q_latent = torch.einsum("bhn,hnr->bhr", q[:, 0, :, :n], w[:, :n])  # W_UK folded into the query

@@ -50,6 +50,19 @@ def paged_mla_decode_reference(q: torch.Tensor, pool: torch.Tensor, tables: torc
     return torch.einsum("nhl,nlr->nhr", p, kv[..., :latent_dim])
 
 
+# A torch custom op declared in place on the pool: traced as an index_copy_, Inductor copied the whole page pool
+# (every layer, every page) once per compiled decode step to write B rows (0.39 ms per step on an H200).
+@torch.library.custom_op("openk3::write_latents", mutates_args=("pool",))
+def write_latents(pool: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
+    """pool.view(-1, R+r)[rows] = values, in place: values [N, R+r] at the flat rows [N] (`paged_positions`)."""
+    pool.view(-1, pool.shape[-1]).index_copy_(0, rows, values.to(pool.dtype))
+
+
+@write_latents.register_fake
+def _(pool, rows, values):
+    return None
+
+
 def combine_splits(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     """Merge split partials: out [N,S,H,R] (each normalised over its share), lse [N,S,H] -> [N,H,R]."""
     m = lse.max(dim=1, keepdim=True).values  # every query has >= 1 position, so some split is finite

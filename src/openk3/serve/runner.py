@@ -5,7 +5,7 @@ Decode (`ModelRunner.decode`): the step's token ids, slots and lengths are copie
 bucketed batch size (1, 2, 4, 8, 16, 32, 64, ... up to `max_batch`); a step of n sequences replays the smallest
 bucket >= n with the extra rows on the padding slot (its block table is all null pages, its KDA state is scratch).
 Without CUDA (or with graphs off) the same function runs eagerly at the exact batch size. With `compile_backend`
-(the engine's default on a GPU: Inductor) the step is torch.compile'd, one graph per bucket, before it is captured:
+(the engine's default on a GPU: Inductor) the step is torch.compile'd before it is captured:
 a decode step is thousands of small operations at these batch sizes (norms, Block AttnRes, routing, the experts'
 bookkeeping), and launching them, even from a CUDA graph, costs more than their arithmetic; Inductor fuses them.
 The Triton decode kernels are torch custom ops, opaque to the compiler.
@@ -68,10 +68,10 @@ class ModelRunner:
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self.capture_seconds = 0.0
         self.graph_error: str | None = None
-        # compiled: one static-shape graph per bucket (a compiled step always runs at a bucket's size)
+        # compiled: a compiled step always runs at a bucket's size; Dynamo's automatic dynamic shapes give two
+        # graphs (batch 1, and batch as a symbol from the second size on: one Inductor compile each)
         self.compiled = compile_backend is not None
-        self.step = torch.compile(decode_logits, backend=compile_backend, dynamic=False) if self.compiled \
-            else decode_logits
+        self.step = torch.compile(decode_logits, backend=compile_backend) if self.compiled else decode_logits
         cfg = model.config
         self.kda_layers, self.mla_layers = sorted(cfg.kda_layers), sorted(cfg.mla_layers)
         gpu = self.device.type == "cuda"
@@ -81,7 +81,9 @@ class ModelRunner:
     def _batch(self, size: int) -> DecodeBatch:
         return DecodeBatch(slots=self.inputs[1, :size], lengths=self.inputs[2, :size], latents=self.pages.pages,
                            tables=self.tables.tables, conv=self.states.conv, recurrent=self.states.recurrent,
-                           kernels=self.kernels, num_splits=split_kv(size, self.processors))
+                           kernels=self.kernels,
+                           # compiled, one split count for every batch (a constant of the graph, like the bucket)
+                           num_splits=split_kv(1 if self.compiled else size, self.processors))
 
     def _forward(self, size: int) -> torch.Tensor:
         with torch._dynamo.config.patch(recompile_limit=len(self.buckets)):
