@@ -10,15 +10,17 @@ steps:
   - step_ms: one whole `Engine.step` (scheduling, the decode forward, sampling, bookkeeping, events);
   - forward_ms: `ModelRunner.decode` alone at the same batch (the CUDA-graph replay and its input copy), synced;
   - host_ms = step_ms - forward_ms: what the engine adds around the forward.
-Then the top operators of a torch.profiler trace of a few steps at the largest batch (CPU self time and device
-time), and the time of one prefill of `--prefill-tokens` tokens through `ModelRunner.prefill` in chunks of the
-engine's size (what bounds time to first token) with its top operators by device time. Prints tables and writes
-JSON. The peer for these numbers is bench/serve_gpu.py (HF transformers' generate); this script explains them.
+Then the top operators of a torch.profiler trace of a few steps at the smallest and the largest batch (CPU self time
+and device time), and the time of one prefill of `--prefill-tokens` tokens through `ModelRunner.prefill` in chunks
+of the engine's size (what bounds time to first token) with its top operators by device time. Prints tables and
+writes JSON. The peer for these numbers is bench/serve_gpu.py (HF transformers' generate); this script explains
+them.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 
@@ -27,6 +29,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from openk3.config import get_preset
 from openk3.model import K3ForCausalLM
+from openk3.model.moe import TopkRouter
 from openk3.sampling import SamplingParams
 from openk3.serve.engine import Engine, EngineConfig
 from openk3.serve.scheduler import SchedulerConfig
@@ -86,6 +89,35 @@ def decode_logits_after_prompts(engine: Engine, batch: int, vocab: int, tokens: 
             engine.pages.release(page)
         engine.states.free(slot)
     return logits
+
+
+@contextlib.contextmanager
+def decisive_routing(model: torch.nn.Module, spacing: float = 2.0):
+    """Inside, every router's selection bias is set to distinct values `spacing` apart (a random order per layer),
+    so that each picks the same experts for every token whatever bf16 rounding does to the scores (sigmoid, in
+    (0, 1)): a random-init router's near-ties would otherwise flip experts between two correct runs
+    (bench/RESULTS.md). In place, so captured CUDA graphs see it too."""
+    gen = torch.Generator().manual_seed(0)
+    routers = [m for m in model.modules() if isinstance(m, TopkRouter)]
+    kept = [r.e_score_correction_bias.clone() for r in routers]
+    for r in routers:
+        r.e_score_correction_bias.copy_(torch.randperm(r.num_experts, generator=gen).float() * spacing)
+    try:
+        yield
+    finally:
+        for r, bias in zip(routers, kept):
+            r.e_score_correction_bias.copy_(bias)
+
+
+def compare_engines(engines: dict, model, routing: str, batches: list[int], record: dict) -> None:
+    """The compiled step's decode logits against the captured eager step's, from the same prefilled states."""
+    for b in batches:
+        want, got = (decode_logits_after_prompts(e, b, model.config.vocab_size) for e in engines.values())
+        err = ((got - want).norm() / want.norm()).item()
+        same = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
+        print(f"batch {b}, {routing}: compiled vs eager decode logits (bf16), relative error {err:.2e}, "
+              f"same argmax {same:.0%}", flush=True)
+        record.setdefault("vs_eager", {})[f"{routing}, batch {b}"] = {"rel_err": err, "same_argmax": same}
 
 
 def profiled_steps(engine: Engine, batch: int, vocab: int, steps: int = 5, rows: int = 12) -> dict:
@@ -159,7 +191,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = K3ForCausalLM(cfg).to(device, torch.bfloat16 if device.type == "cuda" else torch.float32).eval()
     variants = {"both": [False, True], "on": [True], "off": [False]}[args.compile]
-    decode = {}
+    decode, engines = {}, {}
     for compiled in variants:
         name = "compiled + CUDA graphs" if compiled else "CUDA graphs"
         started = time.perf_counter()
@@ -172,27 +204,21 @@ def main() -> None:
         for r in rows:
             print(f"| {r['batch']} | {r['step_ms']:.2f} | {r['forward_ms']:.2f} | {r['host_ms']:.2f} | "
                   f"{r['tok_per_s']:,.0f} |", flush=True)
-        decode[name] = {"startup_s": time.perf_counter() - started, "rows": rows,
-                        "check": {b: decode_logits_after_prompts(engine, b, cfg.vocab_size)
-                                  for b in sorted({1, min(8, max(args.batches))})}}
-    if len(decode) == 2:  # the compiled step against the captured eager one, from the same prefilled states
-        (_, eager), (_, compiled) = decode.items()
-        for b, want in eager["check"].items():
-            got = compiled["check"][b]
-            err = ((got - want).norm() / want.norm()).item()
-            same = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
-            print(f"batch {b}: compiled vs eager decode logits (bf16), relative error {err:.2e}, same argmax "
-                  f"{same:.0%}", flush=True)
-            compiled.setdefault("vs_eager", {})[b] = {"rel_err": err, "same_argmax": same}
-    for d in decode.values():
-        del d["check"]
-    prof = profiled_steps(engine, max(args.batches), cfg.vocab_size)
-    print(f"\n{name}: top operators by CPU self time per step:")
-    for e in prof["cpu"]:
-        print(f"  {e['self_cpu_ms_per_step']:8.3f} ms  {e['calls']:6d}x  {e['op'][:90]}")
-    print("top operators by device time per step:")
-    for e in prof["device"]:
-        print(f"  {e['device_ms_per_step']:8.3f} ms  {e['calls']:6d}x  {e['op'][:90]}")
+        decode[name] = {"startup_s": time.perf_counter() - started, "rows": rows}
+        engines[name] = engine
+    if len(engines) == 2:  # the compiled step against the captured eager one, from the same prefilled states
+        for routing in ("random routers", "decisive routing"):
+            with decisive_routing(model) if routing == "decisive routing" else contextlib.nullcontext():
+                compare_engines(engines, model, routing, sorted({1, min(8, max(args.batches))}), decode[name])
+    prof = {}
+    for b in sorted({min(args.batches), max(args.batches)}):
+        prof[b] = profiled_steps(engine, b, cfg.vocab_size)
+        print(f"\n{name}, batch {b}: top operators by CPU self time per step:")
+        for e in prof[b]["cpu"]:
+            print(f"  {e['self_cpu_ms_per_step']:8.3f} ms  {e['calls']:6d}x  {e['op'][:90]}")
+        print("top operators by device time per step:")
+        for e in prof[b]["device"]:
+            print(f"  {e['device_ms_per_step']:8.3f} ms  {e['calls']:6d}x  {e['op'][:90]}")
     pre = prefill_time(engine, args.prefill_tokens, cfg.vocab_size)
     print(f"\nprefill of {pre['tokens']} tokens in chunks of {pre['chunk']}: {pre['ms']:.1f} ms; by device time:")
     for e in pre["profile"]:
