@@ -5,11 +5,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from openk3.ops import moe as moe_ops
 from openk3.ops.activations import glu_activation, situ_glu, softcap, swiglu
 from openk3.ops.moe import (
     combine_rows,
     combine_rows_reference,
     experts_forward,
+    experts_forward_gathered,
     group_by_expert,
     grouped_glu_mlp,
     grouped_glu_mlp_gemm,
@@ -173,6 +175,28 @@ def test_cpu_experts_unchanged_to_the_bit():
     old = grads_of(lambda x, a, b, w: experts_forward_before_grouped_gemm(x, r.indices, w, a, b, act), leaves, dy)
     for a, b in zip(new, old):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("N,k", [(1, 1), (1, 3), (7, 2), (13, 5)])
+def test_gathered_experts_equal_the_sorted_path(N, k):
+    """The gathered path (decode at batch 1) against the sorted one on the same rows, fp32, SiTU-GLU, an expert
+    with no token and large inputs; and the dispatch: one token without autograd takes it."""
+    (x, gate_up, down), r = moe_case(E=6, I=10, Din=12, Dout=9, N=N, k=k, seed=N + k, dead=(1,))
+    x = x * 30  # into SiTU-GLU's softcapped range
+    act = glu_activation("situ")
+    with torch.no_grad():
+        got = experts_forward_gathered(x, r.indices, r.weights, gate_up, down, act)
+        want = experts_forward(x, r.indices, r.weights, gate_up, down, act) if N > 1 else \
+            experts_forward_before_grouped_gemm(x, r.indices, r.weights, gate_up, down, act)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    if N == 1:
+        calls = []
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(moe_ops, "experts_forward_gathered", lambda *a: calls.append(1) or got)
+            with torch.no_grad():
+                experts_forward(x, r.indices, r.weights, gate_up, down, act)
+            experts_forward(x, r.indices, r.weights, gate_up, down, act)  # with autograd: the sorted path
+        assert calls == [1]
 
 
 def reference_grouped_mm(a, b, offs):

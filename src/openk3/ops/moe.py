@@ -180,13 +180,39 @@ def experts_forward(
     down: torch.Tensor,
     act: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:
-    """sum_k w[n,k] * Expert_{idx[n,k]}(x[n]) for x [N,Din] -> [N,Dout] (x's dtype; combined in fp32)."""
+    """sum_k w[n,k] * Expert_{idx[n,k]}(x[n]) for x [N,Din] -> [N,Dout] (x's dtype; combined in fp32).
+
+    One token without autograd (decode at batch 1) whose k experts' weights fit GATHER_MAX_BYTES takes
+    `experts_forward_gathered`; everything else sorts the rows by expert."""
     N, k = routing_indices.shape
+    expert_bytes = (gate_up[0].numel() + down[0].numel()) * gate_up.element_size()
+    if N == 1 and not torch.is_grad_enabled() and k * expert_bytes <= GATHER_MAX_BYTES:
+        return experts_forward_gathered(x, routing_indices, routing_weights, gate_up, down, act)
     order, counts = group_by_expert(routing_indices, gate_up.shape[0])
     token_of = order // k  # which token each sorted row came from
     y_sorted = grouped_glu_mlp(x[token_of], counts, gate_up, down, act)
     w_sorted = routing_weights.reshape(-1)[order].unsqueeze(-1)
     return combine_rows(y_sorted, w_sorted, token_of, N, acc_dtype(x.dtype)).to(x.dtype)
+
+
+# Weights a single token's experts may gather (`experts_forward_gathered`): the k experts read three times (the
+# gather's read and write, the matmul's read) instead of once, against the sort, the group layout and the grouped
+# GEMM's set-up for k rows. k3-debug (4 experts of 1.5 MiB): batch-1 decode 2.31 -> see bench/RESULTS.md.
+GATHER_MAX_BYTES = 16 << 20
+
+
+def experts_forward_gathered(x, routing_indices, routing_weights, gate_up, down, act) -> torch.Tensor:
+    """`experts_forward` as two batched matmuls over the (token, slot) rows, each with its own expert's weights
+    gathered: no sort, no group layout, a handful of kernels. For a few rows only: the weights are copied per
+    row."""
+    N, k = routing_indices.shape
+    dtype = compute_dtype(x)
+    flat = routing_indices.reshape(-1)
+    rows = x.to(dtype).repeat_interleave(k, dim=0).unsqueeze(-1)  # [N*k, Din, 1]: row n*k + j is token n
+    h = torch.bmm(gate_up[flat].to(dtype), rows).squeeze(-1)  # [N*k, 2I], the packed [gate | up]
+    y = torch.bmm(down[flat].to(dtype), apply_glu(act, h).unsqueeze(-1)).squeeze(-1)  # [N*k, Dout]
+    acc = acc_dtype(x.dtype)
+    return (y.view(N, k, -1).to(acc) * routing_weights.unsqueeze(-1).to(acc)).sum(1).to(x.dtype)
 
 
 def combine_rows(y_sorted: torch.Tensor, w_sorted: torch.Tensor, token_of: torch.Tensor, num_tokens: int,
