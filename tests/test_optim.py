@@ -146,6 +146,28 @@ def test_adamw_group_matches_torch_adamw():
     torch.testing.assert_close(ours.data, ref.data, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("foreach", [False, True])
+def test_adamw_group_of_many_matches_torch_adamw(foreach):
+    """A group of parameters of different shapes, one of them without a gradient (left alone, no state), against
+    torch's AdamW with its single-tensor and multi-tensor implementations."""
+    torch.manual_seed(6)
+    shapes = [(7, 3), (5,), (2, 4, 3), (1, 9)]
+    ours = [nn.Parameter(torch.randn(s)) for s in shapes]
+    ref = [nn.Parameter(p.detach().clone()) for p in ours]
+    opt = MuonAdamW([dict(params=ours, algorithm="adamw")], lr=LR, weight_decay=WD)
+    ref_opt = torch.optim.AdamW(ref[:2] + ref[3:], lr=LR, weight_decay=WD, betas=(0.9, 0.95), eps=1e-8,
+                                foreach=foreach)
+    for _ in range(STEPS):
+        for i, (a, b) in enumerate(zip(ours, ref)):
+            g = torch.randn(a.shape) * 10 ** (i - 2)  # gradients from 1e-2 to 10
+            a.grad, b.grad = (None, None) if i == 2 else (g.clone(), g.clone())
+        opt.step()
+        ref_opt.step()
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a.data, b.data, rtol=1e-6, atol=1e-7)
+    assert ours[2] not in opt.state
+
+
 def _rules(model: nn.Module, optimizer: str = "muon") -> dict[int, str]:
     opt = build_optimizer(model, lr=1e-3, weight_decay=0.1, optimizer=optimizer)
     return {id(p): group["split"] if group["algorithm"] == "muon" else "adamw"
