@@ -1,6 +1,7 @@
 """Where the serving engine's time goes on one GPU: the decode step's parts and a long prefill, in one process.
 
     python bench/decode_profile.py [--preset k3-debug] [--batches 1 8 32 64] [--prefill-tokens 12288]
+                                   [--prefill-chunks 4096 8192 16384]
                                    [--compile both|on|off] [--json F]
 
 For the decode step as the engine runs it by default on a GPU (torch.compile'd, then captured as CUDA graphs) and,
@@ -11,10 +12,10 @@ steps:
   - forward_ms: `ModelRunner.decode` alone at the same batch (the CUDA-graph replay and its input copy), synced;
   - host_ms = step_ms - forward_ms: what the engine adds around the forward.
 Then the top operators of a torch.profiler trace of a few steps at the smallest and the largest batch (CPU self time
-and device time), and the time of one prefill of `--prefill-tokens` tokens through `ModelRunner.prefill` in chunks
-of the engine's size (what bounds time to first token) with its top operators by device time. Prints tables and
-writes JSON. The peer for these numbers is bench/serve_gpu.py (HF transformers' generate); this script explains
-them.
+and device time), and the time of one prefill of `--prefill-tokens` tokens through `ModelRunner.prefill` with the
+engine's KDA checkpoints, in chunks of each `--prefill-chunks` size (what bounds time to first token; the engine's
+chunk is 4096 on a GPU), the first with its top operators by device time. Prints tables and writes JSON. The peer
+for these numbers is bench/serve_gpu.py (HF transformers' generate); this script explains them.
 """
 
 from __future__ import annotations
@@ -151,28 +152,40 @@ def top_operators(prof, steps: int, rows: int) -> dict:
                         "calls": e.count} for e in dev]}
 
 
-def prefill_time(engine: Engine, tokens: int, vocab: int, reps: int = 3) -> dict:
-    chunk = engine.chunk_blocks * engine.hash_block
+def prefill_time(engine: Engine, tokens: int, vocab: int, chunk: int, reps: int = 3, profile_it: bool = False
+                 ) -> dict:
+    """One prompt of `tokens` through `ModelRunner.prefill` in chunks of `chunk` tokens, with the KDA checkpoints
+    the engine would take (`Engine._checkpoint_offsets`): the best of `reps` timed runs after a warm one, and
+    with `profile_it` the top operators of one more run by device time."""
     gen = torch.Generator().manual_seed(11)
     prompt = torch.randint(0, vocab, (tokens,), generator=gen).tolist()
     slot = engine.states.alloc()
-    engine.tables.set(slot, [engine.pages.alloc() for _ in range(-(-tokens // engine.page_size))])
+    pages = [engine.pages.alloc() for _ in range(-(-tokens // engine.page_size))]
+    engine.tables.set(slot, pages)
+
+    def run():
+        engine.states.reset(slot)
+        for at in range(0, tokens, chunk):
+            end = min(at + chunk, tokens)
+            engine.runner.prefill([prompt[at:end]], [slot], [at], engine._checkpoint_offsets(at, end))
+        sync(engine.runner.device)
+
     times = []
     for _ in range(reps + 1):
         sync(engine.runner.device)
         start = time.perf_counter()
-        engine.states.reset(slot)
-        for at in range(0, tokens, chunk):
-            engine.runner.prefill([prompt[at:at + chunk]], [slot], [at])
-        sync(engine.runner.device)
+        run()
         times.append(time.perf_counter() - start)
-    with profiled(engine.runner.device) as prof:
-        engine.states.reset(slot)
-        for at in range(0, tokens, chunk):
-            engine.runner.prefill([prompt[at:at + chunk]], [slot], [at])
-        sync(engine.runner.device)
-    return {"tokens": tokens, "chunk": chunk, "ms": min(times[1:]) * 1e3,
-            "profile": top_operators(prof, 1, 16)["device"]}
+    result = {"tokens": tokens, "chunk": chunk, "ms": min(times[1:]) * 1e3}
+    if profile_it:
+        with profiled(engine.runner.device) as prof:
+            run()
+        result["profile"] = top_operators(prof, 1, 16)["device"]
+    engine.tables.set(slot, [])
+    for page in pages:
+        engine.pages.release(page)
+    engine.states.free(slot)
+    return result
 
 
 def main() -> None:
@@ -181,6 +194,8 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--prefill-tokens", type=int, default=12288)
+    ap.add_argument("--prefill-chunks", type=int, nargs="+", default=[4096, 8192, 16384],
+                    help="tokens per prefill forward to time (the first is also profiled; the engine's is 4096)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--compile", choices=["both", "on", "off"], default="both",
                     help="decode step compiled before capture, not, or both (the comparison)")
@@ -219,10 +234,12 @@ def main() -> None:
         print("top operators by device time per step:")
         for e in prof[b]["device"]:
             print(f"  {e['device_ms_per_step']:8.3f} ms  {e['calls']:6d}x  {e['op'][:90]}")
-    pre = prefill_time(engine, args.prefill_tokens, cfg.vocab_size)
-    print(f"\nprefill of {pre['tokens']} tokens in chunks of {pre['chunk']}: {pre['ms']:.1f} ms; by device time:")
-    for e in pre["profile"]:
-        print(f"  {e['device_ms_per_step']:8.3f} ms  {e['calls']:6d}x  {e['op'][:90]}", flush=True)
+    pre = [prefill_time(engine, args.prefill_tokens, cfg.vocab_size, chunk, profile_it=chunk == args.prefill_chunks[0])
+           for chunk in args.prefill_chunks]
+    for p in pre:
+        print(f"\nprefill of {p['tokens']} tokens in chunks of {p['chunk']}: {p['ms']:.1f} ms", flush=True)
+        for e in p.get("profile", []):
+            print(f"  {e['device_ms_per_step']:8.3f} ms  {e['calls']:6d}x  {e['op'][:90]}", flush=True)
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "preset": args.preset,
               "decode": decode, "profile": prof, "prefill": pre}
