@@ -5,10 +5,10 @@ Decode (`ModelRunner.decode`): the step's token ids, slots and lengths are copie
 bucketed batch size (1, 2, 4, 8, 16, 32, 64, ... up to `max_batch`); a step of n sequences replays the smallest
 bucket >= n with the extra rows on the padding slot (its block table is all null pages, its KDA state is scratch).
 Without CUDA (or with graphs off) the same function runs eagerly at the exact batch size. With `compile_backend`
-(the engine's default on a GPU: Inductor) the step is torch.compile'd before it is captured:
-a decode step is thousands of small operations at these batch sizes (norms, Block AttnRes, routing, the experts'
-bookkeeping), and launching them, even from a CUDA graph, costs more than their arithmetic; Inductor fuses them.
-The Triton decode kernels are torch custom ops, opaque to the compiler.
+(the engine's default on a GPU: Inductor) the step is torch.compile'd before it is captured: a decode step is
+thousands of small operations at these batch sizes (norms, Block AttnRes, routing, the experts' bookkeeping), and
+launching them, even from a CUDA graph, costs more than their arithmetic; Inductor fuses them. The Triton decode
+kernels are torch custom ops, opaque to the compiler. A compiled step runs at the bucket's size, graphs or not.
 
 Prefill (`ModelRunner.prefill`): the model's own forward on a `HybridCache` gathered from the pools (the KDA states
 of the slots; each sequence's latents so far, read through its block table; with the image tokens of the chunks'
@@ -86,7 +86,7 @@ class ModelRunner:
                            num_splits=split_kv(1 if self.compiled else size, self.processors))
 
     def _forward(self, size: int) -> torch.Tensor:
-        with torch._dynamo.config.patch(recompile_limit=len(self.buckets)):
+        with torch._dynamo.config.patch(recompile_limit=len(self.buckets)):  # at most one graph per bucket
             return self.step(self.model, self.inputs[0, :size], self._batch(size))
 
     def capture(self) -> float:
