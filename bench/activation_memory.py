@@ -11,15 +11,15 @@ plain logits + cross-entropy, the baseline the H200 runs measured) under `torch.
 dtype=torch.bfloat16)` with fp32 weights, as the GPU step runs under CUDA autocast.
 
 The forward takes the code paths a CUDA step takes, so the count is the GPU's (`cuda_code_paths`): the Triton
-autograd Functions of RMSNorm, SiTU-GLU and the KDA activations (their forward kernels replaced by the PyTorch
-references, which write the same values; what each Function saves is its own), the experts' grouped GEMM (torch's
-CPU kernel), SDPA's flash kernel (the CPU one saves what the GPU's saves: q, k, padded v, the output and the
-log-sum-exp) and, for the dense model, torch's RMSNorm as CUDA's fused kernel (input and rstd). The KDA core is
-the exception: its Triton autograd Function (`ops/kda/triton/chunk.py`) saves q, k, v, g, beta and the state at
-the start of every 16-token chunk, so its row is that count (`kda_core_bytes_per_token`;
-tests/test_activation_memory.py checks it against the Function run by Triton's interpreter); the CPU forward runs
-the chunked PyTorch form, whose saved tensors are left out. Bytes per token are the slope between --seq-len / 2
-and --seq-len tokens (`per_token`).
+autograd Functions of RMSNorm, SiTU-GLU, the KDA short conv + SiLU and the KDA activations (their forward kernels
+replaced by the PyTorch references, which write the same values; what each Function saves is its own), the
+experts' grouped GEMM (torch's CPU kernel), SDPA's flash kernel (the CPU one saves what the GPU's saves: q, k,
+padded v, the output and the log-sum-exp) and, for the dense model, torch's RMSNorm as CUDA's fused kernel (input
+and rstd). The KDA core is the exception: its Triton autograd Function (`ops/kda/triton/chunk.py`) saves q, k, v,
+g, beta and the state at the start of every 16-token chunk, so its row is that count
+(`kda_core_bytes_per_token`; tests/test_activation_memory.py checks it against the Function run by Triton's
+interpreter); the CPU forward runs the chunked PyTorch form, whose saved tensors are left out. Bytes per token are
+the slope between --seq-len / 2 and --seq-len tokens (`per_token`).
 
 Prints bytes per token by module kind for both models and the ratio k3 / dense with and without the attention
 cores, predicts the GPU peak at --gpu-tokens (method in `predicted_peak`), and writes
@@ -170,6 +170,15 @@ def _glu_forward_reference(g2, u2, n_cols, out_shape, dtype, b1, b2):
     return situ_glu(g2[:, :n_cols], u2[:, :n_cols], b1, b2).to(dtype).reshape(out_shape)
 
 
+def _conv_forward_reference(x, w, state, dtype):
+    """What `ops.triton_conv._forward`'s kernel writes, computed with `ops.conv._conv_silu`."""
+    from openk3.ops.conv import _conv_silu
+
+    B, _, C = x.shape
+    state = x.new_zeros(B, C, w.shape[-1] - 1) if state is None else state
+    return _conv_silu(x, w, state, dtype)
+
+
 class _KDAActivationsKernel:
     """Stands in for `_act_fwd_kernel[grid](...)`: writes the same outputs with `kda_activations_reference`."""
 
@@ -195,17 +204,19 @@ def _fused_rms_norm(x, normalized_shape, weight=None, eps=None):
 @contextlib.contextmanager
 def cuda_code_paths(census: SavedTensorCensus) -> Iterator[None]:
     """Run a CPU forward through the code a CUDA step runs, so its saved tensors are the GPU's: the Triton
-    autograd Functions of RMSNorm (plain and the KDA output's gated one), SiTU-GLU and the KDA activations (each
-    saves what it saves on the GPU; only their forward kernels are replaced by the PyTorch references, which
-    write the same values), the experts' grouped GEMM, SDPA (its CPU flash kernel) and torch's RMSNorm (as
-    `_fused_rms_norm`). The KDA core runs the chunked PyTorch form inside the region "KDA core" (left out of the
-    count: `kda_core_bytes_per_token` gives the Triton Function's). Attention cores run in the region "attention
-    core", the experts' GEMMs in "experts"."""
+    autograd Functions of RMSNorm (plain and the KDA output's gated one), SiTU-GLU, the short conv + SiLU and the
+    KDA activations (each saves what it saves on the GPU; only their forward kernels are replaced by the PyTorch
+    references, which write the same values), the experts' grouped GEMM, SDPA (its CPU flash kernel) and torch's
+    RMSNorm (as `_fused_rms_norm`). The KDA core runs the chunked PyTorch form inside the region "KDA core" (left
+    out of the count: `kda_core_bytes_per_token` gives the Triton Function's). Attention cores run in the region
+    "attention core", the experts' GEMMs in "experts"."""
     import openk3.model.common as common
     import openk3.model.kda as model_kda
     import openk3.ops.activations as activations
+    import openk3.ops.conv as conv
     import openk3.ops.kda.triton.activations as kda_act
     import openk3.ops.moe as moe
+    import openk3.ops.triton_conv as triton_conv
     import openk3.ops.triton_glu as triton_glu
     import openk3.ops.triton_norm as triton_norm
 
@@ -216,10 +227,11 @@ def cuda_code_paths(census: SavedTensorCensus) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         for obj, name, value in [
             (activations, "use_triton", use_triton), (common, "use_triton", use_triton),
-            (model_kda, "use_triton", use_triton),
+            (model_kda, "use_triton", use_triton), (conv, "use_triton", use_triton),
             (triton_norm, "_norm_forward", _norm_forward_reference),
             (triton_norm, "_gated_norm_forward", _gated_norm_forward_reference),
             (triton_glu, "_forward", _glu_forward_reference),
+            (triton_conv, "_forward", _conv_forward_reference),
             (kda_act, "_act_fwd_kernel", _KDAActivationsKernel()),
             (moe, "grouped_mm_usable", lambda *args: True),
             (moe, "grouped_glu_mlp", in_region(census, "experts", moe.grouped_glu_mlp)),

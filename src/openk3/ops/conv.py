@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from openk3.ops.fused import use_triton
 from openk3.ops.norms import autocast_enabled
 
 
@@ -22,7 +23,8 @@ def causal_conv1d(
     x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None = None, activation: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Full-sequence form. x [B,T,C] -> (y [B,T,C], new state [B,C,W-1]). With the SiLU, one autograd Function
-    that keeps x (not the conv's input copy and output, as autograd would) and recomputes the conv in backward;
+    that keeps x (not the conv's input copy and output, as autograd would) and recomputes the conv in backward: on
+    CUDA tensors (`ops.fused.use_triton`) the Triton kernels of `ops.triton_conv`, elsewhere `_ConvSiLU`;
     `causal_conv1d_reference` is the plain composition it must equal, and what runs while torch.compile traces
     (Inductor chooses what to recompute itself)."""
     if not activation or torch.compiler.is_compiling():
@@ -30,9 +32,14 @@ def causal_conv1d(
     w = _kernel(weight)
     B, T, C = x.shape
     W = w.shape[-1]
-    state = x.new_zeros(B, C, W - 1) if state is None else state
-    y = _ConvSiLU.apply(x, w, state, _compute_dtype(x, w))
-    new_state = torch.cat([state.to(x.dtype), x[:, max(T - (W - 1), 0):].transpose(1, 2)], dim=-1)
+    past = x.new_zeros(B, C, W - 1) if state is None else state
+    if use_triton(x):
+        from openk3.ops.triton_conv import conv_silu_triton  # triton is an optional dependency
+
+        y = conv_silu_triton(x, w, state, _compute_dtype(x, w))  # no state: its kernels read none
+    else:
+        y = _ConvSiLU.apply(x, w, past, _compute_dtype(x, w))
+    new_state = torch.cat([past.to(x.dtype), x[:, max(T - (W - 1), 0):].transpose(1, 2)], dim=-1)
     return y, new_state[..., new_state.shape[-1] - (W - 1):]
 
 

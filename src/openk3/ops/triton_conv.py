@@ -1,0 +1,190 @@
+"""The short conv + SiLU of the KDA layer (SPEC-K3 §2) in Triton, one pass each way on x [B, T, C] as it is laid
+out (channels contiguous), fp32 math on operands rounded to the compute dtype:
+
+    full = [state | x] along time (state [B, C, W-1], zeros when None),   full[p] = x[p - (W-1)] for p >= W-1
+    pre[t] = sum_{i<W} w[c, i] full[t + i]                               rounded to the compute dtype
+    y[t] = silu(pre[t])
+    g[t] = dy[t] silu'(pre[t]),   silu'(p) = sigmoid(p) (1 + p (1 - sigmoid(p)))
+    d_full[u] = sum_{i<W} w[c, i] g[u - i]       dx[t] = d_full[t + W-1],   dstate[j] = d_full[j] for j < W-1
+    dw[c, i] = sum_{b, t} g[t] full[t + i]
+
+Forward: one program per [BLOCK_T, BLOCK_C] tile; each of the W taps is a shifted load of the tile (the shifts
+overlap, so they come from cache), nothing but x, w and the state is read and y written. Backward recomputes pre
+(the Function keeps only x, w and the state, as `ops.conv._ConvSiLU`): each program walks a run of time tiles,
+writes dx (and, for the first tile of a sequence, dstate) and its partial dw in fp32; the partials are summed
+after, as `ops.triton_norm` does. The references are `ops.conv.causal_conv1d_reference` and `_ConvSiLU`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_T = 64  # time steps per tile (at most)
+BLOCK_C = 128  # channels per tile (at most)
+BWD_PROGRAMS = 2048  # backward programs to aim for (each sums dw over its run of time tiles)
+
+
+@triton.jit
+def _load_full(x_ptr, s_ptr, w_ptr, b, pos, c, T, C, s_sb, s_sc, s_sj, W: tl.constexpr, HAS_STATE: tl.constexpr):
+    """full[b, pos, c] for a [R] tile of positions and [BC] channels, rounded to the compute dtype (w's), in fp32;
+    zero outside [0, W-1+T) and past C."""
+    mc = (c < C)[None, :]
+    src = pos - (W - 1)  # x's time index
+    x = tl.load(x_ptr + b * T * C + src.to(tl.int64)[:, None] * C + c[None, :],
+                mask=((src >= 0) & (src < T))[:, None] & mc, other=0.0)
+    v = x.to(w_ptr.dtype.element_ty).to(tl.float32)
+    if HAS_STATE:
+        s = tl.load(s_ptr + b * s_sb + c.to(tl.int64)[None, :] * s_sc + pos[:, None] * s_sj,
+                    mask=((pos >= 0) & (pos < W - 1))[:, None] & mc, other=0.0)
+        v += s.to(w_ptr.dtype.element_ty).to(tl.float32)
+    return v
+
+
+@triton.jit
+def _pre(x_ptr, s_ptr, w_ptr, b, pos, c, T, C, s_sb, s_sc, s_sj, W: tl.constexpr, HAS_STATE: tl.constexpr):
+    """pre[b, pos, c] = sum_i w[c, i] full[pos + i], fp32 sums rounded to the compute dtype (the conv's output)."""
+    acc = tl.zeros([pos.shape[0], c.shape[0]], dtype=tl.float32)
+    for i in tl.static_range(W):
+        w_i = tl.load(w_ptr + c * W + i, mask=c < C, other=0.0).to(tl.float32)
+        acc += w_i[None, :] * _load_full(x_ptr, s_ptr, w_ptr, b, pos + i, c, T, C, s_sb, s_sc, s_sj, W, HAS_STATE)
+    return acc.to(w_ptr.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
+def _g(x_ptr, s_ptr, w_ptr, dy_ptr, b, pos, c, T, C, s_sb, s_sc, s_sj, W: tl.constexpr, HAS_STATE: tl.constexpr):
+    """g = dy silu'(pre) at a [R] tile of output positions (zero outside [0, T)), fp32."""
+    valid = ((pos >= 0) & (pos < T))[:, None] & (c < C)[None, :]
+    pre = _pre(x_ptr, s_ptr, w_ptr, b, pos, c, T, C, s_sb, s_sc, s_sj, W, HAS_STATE)
+    dy = tl.load(dy_ptr + b * T * C + pos.to(tl.int64)[:, None] * C + c[None, :], mask=valid, other=0.0)
+    sig = tl.sigmoid(pre)
+    g = dy.to(w_ptr.dtype.element_ty).to(tl.float32) * sig * (1.0 + pre * (1.0 - sig))
+    return tl.where(valid, g, 0.0)
+
+
+@triton.jit
+def _conv_fwd_kernel(x_ptr, s_ptr, w_ptr, y_ptr, T, C, s_sb, s_sc, s_sj,
+                     W: tl.constexpr, HAS_STATE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    b = tl.program_id(2).to(tl.int64)
+    pre = _pre(x_ptr, s_ptr, w_ptr, b, t, c, T, C, s_sb, s_sc, s_sj, W, HAS_STATE)
+    y = pre * tl.sigmoid(pre)
+    tl.store(y_ptr + b * T * C + t.to(tl.int64)[:, None] * C + c[None, :], y.to(y_ptr.dtype.element_ty),
+             mask=(t < T)[:, None] & (c < C)[None, :])
+
+
+@triton.jit
+def _conv_bwd_kernel(x_ptr, s_ptr, w_ptr, dy_ptr, dx_ptr, ds_ptr, dw_part_ptr, T, C, s_sb, s_sc, s_sj,
+                     tiles_per_prog, W: tl.constexpr, HAS_STATE: tl.constexpr, BLOCK_T: tl.constexpr,
+                     BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr):
+    pid_t = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    b = tl.program_id(2).to(tl.int64)
+    mc = c < C
+    taps = tl.arange(0, BLOCK_W)  # dw's rows: the kernel's taps i
+    dw = tl.zeros([BLOCK_W, BLOCK_C], dtype=tl.float32)
+    for k in range(0, tiles_per_prog):
+        t = (pid_t * tiles_per_prog + k) * BLOCK_T + tl.arange(0, BLOCK_T)
+        dx = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+        for i in tl.static_range(W):  # dx[t] = d_full[t + W-1] = sum_i w_i g[t + W-1 - i]
+            g = _g(x_ptr, s_ptr, w_ptr, dy_ptr, b, t + (W - 1 - i), c, T, C, s_sb, s_sc, s_sj, W, HAS_STATE)
+            dx += tl.load(w_ptr + c * W + i, mask=mc, other=0.0).to(tl.float32)[None, :] * g
+            if i == W - 1:  # g at t itself: dw[c, j] += sum_t g[t] full[t + j]
+                for j in tl.static_range(W):
+                    f = _load_full(x_ptr, s_ptr, w_ptr, b, t + j, c, T, C, s_sb, s_sc, s_sj, W, HAS_STATE)
+                    dw += tl.where(taps[:, None] == j, tl.sum(g * f, axis=0)[None, :], 0.0)
+        tl.store(dx_ptr + b * T * C + t.to(tl.int64)[:, None] * C + c[None, :], dx.to(dx_ptr.dtype.element_ty),
+                 mask=(t < T)[:, None] & mc[None, :])
+    part = b * tl.num_programs(0) + pid_t
+    tl.store(dw_part_ptr + part * C * W + c.to(tl.int64)[None, :] * W + taps[:, None], dw,
+             mask=(taps < W)[:, None] & mc[None, :])
+    if HAS_STATE:
+        if pid_t == 0:  # dstate[j] = d_full[j] = sum_i w_i g[j - i], j < W-1
+            u = tl.arange(0, BLOCK_W)
+            ds = tl.zeros([BLOCK_W, BLOCK_C], dtype=tl.float32)
+            for i in tl.static_range(W):
+                g = _g(x_ptr, s_ptr, w_ptr, dy_ptr, b, u - i, c, T, C, s_sb, s_sc, s_sj, W, HAS_STATE)
+                ds += tl.load(w_ptr + c * W + i, mask=mc, other=0.0).to(tl.float32)[None, :] * g
+            tl.store(ds_ptr + b * C * (W - 1) + c.to(tl.int64)[None, :] * (W - 1) + u[:, None],
+                     ds.to(ds_ptr.dtype.element_ty), mask=(u < W - 1)[:, None] & mc[None, :])
+
+
+def _tiles(T: int, C: int) -> dict:
+    return dict(BLOCK_T=min(BLOCK_T, triton.next_power_of_2(max(T, 1))),
+                BLOCK_C=min(BLOCK_C, triton.next_power_of_2(max(C, 1))), num_warps=4)
+
+
+def _state_args(state: torch.Tensor | None) -> tuple:
+    """(pointer, strides, HAS_STATE): a state with no columns (W = 1) counts as none."""
+    if state is None or state.shape[-1] == 0:
+        return None, (0, 0, 0), False
+    return state, state.stride(), True
+
+
+def _forward(x: torch.Tensor, w: torch.Tensor, state: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """silu(conv([state | x])) [B, T, C] in `dtype` for contiguous x [B, T, C] and w [C, W] in `dtype`."""
+    B, T, C = x.shape
+    y = torch.empty(x.shape, dtype=dtype, device=x.device)
+    s, strides, has_state = _state_args(state)
+    kw = _tiles(T, C)
+    if y.numel():
+        grid = (triton.cdiv(T, kw["BLOCK_T"]), triton.cdiv(C, kw["BLOCK_C"]), B)
+        _conv_fwd_kernel[grid](x, s if has_state else x, w, y, T, C, *strides, W=w.shape[-1], HAS_STATE=has_state,
+                               **kw)
+    return y
+
+
+def _backward(x, w, state, dy):
+    """(dx in x's dtype, d of the kernel [C, W] in fp32, dstate in the state's dtype or None) for contiguous x, dy
+    and w [C, W] in the compute dtype."""
+    B, T, C = x.shape
+    W = w.shape[-1]
+    if not x.numel():
+        return torch.zeros_like(x), torch.zeros(C, W, device=x.device), None if state is None else \
+            torch.zeros_like(state)
+    s, strides, has_state = _state_args(state)
+    kw = _tiles(T, C)
+    c_tiles, t_tiles = triton.cdiv(C, kw["BLOCK_C"]), triton.cdiv(T, kw["BLOCK_T"])
+    t_programs = max(1, min(t_tiles, BWD_PROGRAMS // max(1, B * c_tiles)))
+    tiles_per_prog = triton.cdiv(t_tiles, t_programs)
+    t_programs = triton.cdiv(t_tiles, tiles_per_prog)
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dstate = torch.empty(state.shape, dtype=state.dtype, device=x.device) if state is not None else None
+    dw_part = torch.empty(B * t_programs, C, W, dtype=torch.float32, device=x.device)
+    _conv_bwd_kernel[(t_programs, c_tiles, B)](
+        x, s if has_state else x, w, dy, dx, dstate if has_state else dx, dw_part, T, C, *strides, tiles_per_prog,
+        W=W, HAS_STATE=has_state, BLOCK_W=triton.next_power_of_2(W), **kw)
+    return dx, dw_part.sum(0), dstate
+
+
+class _ConvSiLUTriton(torch.autograd.Function):
+    """Keeps x, w and the state as given (as `ops.conv._ConvSiLU`); backward recomputes pre."""
+
+    @staticmethod
+    def forward(ctx, x, w, state, dtype):
+        ctx.dtype = dtype
+        ctx.save_for_backward(x, w, state)
+        return _forward(x.contiguous(), w.to(dtype).contiguous(), state, dtype).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w, state = ctx.saved_tensors
+        dx, dw, dstate = _backward(x.contiguous(), w.to(ctx.dtype).contiguous(), state, dy.contiguous())
+        need_x, need_w, need_state = ctx.needs_input_grad[:3]
+        return (dx if need_x else None, dw.to(w.dtype) if need_w else None,
+                dstate if need_state and dstate is not None else None, None)
+
+
+def conv_silu_triton(x: torch.Tensor, w: torch.Tensor, state: torch.Tensor | None = None,
+                     dtype: torch.dtype | None = None) -> torch.Tensor:
+    """silu(depthwise causal conv) of x [B, T, C] with the kernel w [C, W] after `state` [B, C, W-1] (the W-1
+    inputs before x, oldest first; zeros when None), computed in `dtype` (default w's) -> [B, T, C] in x's dtype;
+    differentiable in x, w and the state. The new state is the caller's (`ops.conv.causal_conv1d`)."""
+    if x.dim() != 3 or w.dim() != 2 or w.shape[0] != x.shape[-1]:
+        raise ValueError(f"need x [B, T, C] and w [C, W], got x {tuple(x.shape)} and w {tuple(w.shape)}")
+    B, _, C = x.shape
+    if state is not None and state.shape != (B, C, w.shape[-1] - 1):
+        raise ValueError(f"state must be [{B}, {C}, {w.shape[-1] - 1}], got {tuple(state.shape)}")
+    return _ConvSiLUTriton.apply(x, w, state, w.dtype if dtype is None else dtype)
