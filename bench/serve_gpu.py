@@ -1,6 +1,6 @@
 """`openk3 serve` on one GPU against HF transformers' generate(), in one run (issue 12; SPEC §14).
 
-    python bench/serve_gpu.py [--preset k3-debug] [--json bench/serve_gpu.json]
+    python bench/serve_gpu.py [--preset k3-debug] [--only server|peer] [--json bench/serve_gpu.json]
 
 1. Starts `openk3 serve --preset k3-debug --device cuda` as a real process (bf16, CUDA graphs, up to 64 running
    sequences), waits for /health and reads the CUDA-graph capture time from its log.
@@ -275,6 +275,10 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                     help="the server's and the peer's weights (the 2026-12-01 numbers: bfloat16)")
     ap.add_argument("--smoke", action="store_true", help="run every step on the CPU at toy sizes")
+    ap.add_argument("--only", choices=["server", "peer"], default=None,
+                    help="run one half and keep the other's figures from the --json file if it has them (the server "
+                         "compiles its decode step for ~2 min at start and fla autotunes for minutes: on a device "
+                         "with a 10-minute limit per command they go in two calls)")
     out_dir = os.environ.get("OUT", str(BENCH))
     ap.add_argument("--json", default=os.path.join(out_dir, "serve_gpu.json"))
     args = ap.parse_args()
@@ -291,9 +295,49 @@ def main() -> None:
     for key, value in (small if args.smoke else full).items():
         if getattr(args, key) is None or args.smoke:
             setattr(args, key, value)
-    vocab = get_preset(args.preset).vocab_size
     t0 = time.perf_counter()
+    kept = {}
+    if args.only and os.path.exists(args.json):
+        with open(args.json) as fh:
+            kept = json.load(fh)
+    if args.only == "peer":
+        server_part = {k: kept[k] for k in SERVER_KEYS if k in kept}
+        server_part["rates"] = {r["concurrency"]: r["tok_per_s"] for r in kept.get("rows", []) if r["tok_per_s"]}
+    else:
+        server_part = server_half(args, device, dtype)
+    if args.only == "server":
+        peer, peer_info = {r["concurrency"]: r["peer_tok_per_s"] for r in kept.get("rows", [])}, kept.get("peer")
+    else:
+        peer, peer_info = peer_rates(args, device, dtype)
+    total = time.perf_counter() - t0
+    rates = server_part.get("rates", {})
+    rows = []
+    for c in args.concurrency:
+        ours, theirs = rates.get(c), peer.get(c)
+        rows.append({"concurrency": c, "tok_per_s": ours, "peer_tok_per_s": theirs,
+                     "speedup": ours / theirs if ours and theirs else None})
+    result = {
+        "rows": rows, **{k: v for k, v in server_part.items() if k != "rates"}, "peer": peer_info,
+        "bench_wall_s": total,
+        "info": {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name() if device == "cuda"
+                 else platform.processor() or platform.machine(), "torch": torch.__version__,
+                 "python": platform.python_version(), "preset": args.preset, "new_tokens": args.new_tokens,
+                 "smoke": args.smoke, "only": args.only},
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    with open(args.json, "w") as fh:
+        json.dump(result, fh, indent=1)
+    report(args, result, total)
 
+
+# the server half's entries of the JSON (kept from the file when only the peer runs)
+SERVER_KEYS = ("ttft_12k_s", "ttft_long_prompt_tokens", "ttft_runs_s", "server_startup_s", "cuda_graph_capture_s",
+               "cuda_graphs", "gpu_memory_mib", "agent_trace")
+
+
+def server_half(args: argparse.Namespace, device: str, dtype: torch.dtype) -> dict:
+    """Steps 1-5: the server's decode rates and TTFT, its memory, then the in-process checks and agent trace."""
+    vocab = get_preset(args.preset).vocab_size
     before = gpu_memory_used_mib() if device == "cuda" else None
     server = Server(args, device)
     try:
@@ -311,41 +355,36 @@ def main() -> None:
         after = gpu_memory_used_mib() if device == "cuda" else None
     finally:
         server.stop()
-    memory = after - before if after is not None and before is not None else None
     trace = agent_trace(args, device, dtype)
     print(f"agent trace: {json.dumps(trace)}", flush=True)
-    peer, peer_info = peer_rates(args, device, dtype)
-    total = time.perf_counter() - t0
+    return {"rates": rates, "ttft_12k_s": statistics.median(ttfts), "ttft_long_prompt_tokens": args.ttft_tokens,
+            "ttft_runs_s": ttfts, "server_startup_s": startup, "cuda_graph_capture_s": capture,
+            "cuda_graphs": graphs_line, "agent_trace": trace,
+            "gpu_memory_mib": after - before if after is not None and before is not None else None}
 
-    rows = [{"concurrency": c, "tok_per_s": rates[c], "peer_tok_per_s": peer[c], "speedup": rates[c] / peer[c]}
-            for c in args.concurrency]
-    result = {
-        "rows": rows, "ttft_12k_s": statistics.median(ttfts), "ttft_long_prompt_tokens": args.ttft_tokens,
-        "ttft_runs_s": ttfts, "server_startup_s": startup, "cuda_graph_capture_s": capture, "cuda_graphs": graphs_line,
-        "gpu_memory_mib": memory, "agent_trace": trace, "peer": peer_info, "bench_wall_s": total,
-        "info": {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name() if device == "cuda"
-                 else platform.processor() or platform.machine(), "torch": torch.__version__,
-                 "python": platform.python_version(), "preset": args.preset, "new_tokens": args.new_tokens,
-                 "smoke": args.smoke},
-    }
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as fh:
-        json.dump(result, fh, indent=1)
 
-    k3, base = trace["k3"], trace["baseline"]
-    checks = "; ".join(f"{mode}: max |diff| / max |logit| {c['max_rel_diff']:.2e}, argmax agrees "
-                       f"{c['argmax_agree']:.1%}" for mode, c in trace["decode_vs_forward"].items())
+def report(args: argparse.Namespace, result: dict, total: float) -> None:
+    """The table and summary lines (a half not run and not on file shows as '-')."""
+    fmt = lambda v, spec: format(v, spec) if v is not None else "-"  # noqa: E731
+    peer_info = result["peer"] or {}
     print(f"\nopenk3 serve ({args.preset}, {result['info']['device']}) vs HF KimiLinearForCausalLM.generate() "
-          f"(fla {peer_info['fla']}), {args.new_tokens} new tokens per client, greedy")
+          f"(fla {peer_info.get('fla', '-')}), {args.new_tokens} new tokens per client, greedy")
     print(f"{'clients':>7} {'openk3 tok/s':>13} {'HF tok/s':>10} {'speedup':>8}")
-    for row in rows:
-        print(f"{row['concurrency']:>7} {row['tok_per_s']:>13.1f} {row['peer_tok_per_s']:>10.1f} "
-              f"{row['speedup']:>7.1f}x")
-    graphs = f"{capture:.2f} s" if capture is not None else f"none ({graphs_line})"
+    for row in result["rows"]:
+        print(f"{row['concurrency']:>7} {fmt(row['tok_per_s'], '13.1f'):>13} {fmt(row['peer_tok_per_s'], '10.1f'):>10} "
+              f"{fmt(row['speedup'], '7.1f') + 'x' if row['speedup'] else '-':>8}")
+    if "agent_trace" not in result:
+        print(f"bench {total:.0f} s; json: {args.json}")
+        return
+    capture, memory, trace = result["cuda_graph_capture_s"], result["gpu_memory_mib"], result["agent_trace"]
+    graphs = f"{capture:.2f} s" if capture is not None else f"none ({result['cuda_graphs']})"
     mem = f"{memory / 1024:.2f} GiB" if memory is not None else "n/a"
     print(f"TTFT of a {args.ttft_tokens}-token prompt: {result['ttft_12k_s'] * 1000:.1f} ms (median of 3); "
-          f"server start-up {startup:.1f} s; CUDA-graph capture {graphs}; GPU memory {mem}")
+          f"server start-up {result['server_startup_s']:.1f} s; CUDA-graph capture {graphs}; GPU memory {mem}")
+    checks = "; ".join(f"{mode}: max |diff| / max |logit| {c['max_rel_diff']:.2e}, argmax agrees "
+                       f"{c['argmax_agree']:.1%}" for mode, c in trace["decode_vs_forward"].items())
     print(f"decode step vs the model's forward (teacher-forced, {args.preset}): {checks}")
+    k3, base = trace["k3"], trace["baseline"]
     print(f"agent trace: K3 reuses {k3['reuse_of_ideal']:.1%} of ideal ({k3['reused_tokens']} tokens, TTFT mean "
           f"{k3['ttft_mean_s'] * 1000:.1f} ms); block-aligned baseline {base['reuse_of_ideal']:.1%} "
           f"(TTFT mean {base['ttft_mean_s'] * 1000:.1f} ms); bench {total:.0f} s; json: {args.json}")
