@@ -2,6 +2,9 @@
 GPU path's Triton kernels under TRITON_INTERPRET=1) give the logits of one full forward; the decode step touches
 only the slots and pages it addresses."""
 
+import ast
+from pathlib import Path
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -12,6 +15,7 @@ from openk3.cache.state_pool import StatePool
 from openk3.model import K3ForCausalLM
 from openk3.ops import moe as moe_ops
 from openk3.ops.activations import swiglu
+from openk3.ops.transfer import to_device
 from openk3.serve.runner import ModelRunner, graph_buckets
 from test_model_decode import CONFIGS, randomize
 
@@ -194,3 +198,23 @@ def test_compiled_decode_step_is_two_graphs_and_equals_eager(monkeypatch):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     for got, want in zip(results[1][1:], results[0][1:]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def synchronous_copies(source: str) -> list[int]:
+    """Lines of `torch.tensor(..., device=...)` calls: a copy from pageable memory, which makes the host wait for
+    every kernel queued on the GPU."""
+    return [node.lineno for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Call)
+            and ast.unparse(node.func) == "torch.tensor" and any(k.arg == "device" for k in node.keywords)]
+
+
+def test_serving_copies_to_the_device_without_waiting_for_it():
+    """The engine, the runner and the caches build their index tensors with `ops.transfer.to_device` (pinned
+    memory, non_blocking): with `torch.tensor(..., device=...)` the host waited for the GPU at every prefill chunk,
+    so a chunk cost its host time plus its device time instead of the larger of the two."""
+    assert synchronous_copies("x = torch.tensor([1], device=d)\ny = torch.tensor([1])") == [1]
+    src = Path(__file__).resolve().parents[1] / "src" / "openk3"
+    paths = sorted([*src.glob("serve/*.py"), *src.glob("cache/*.py")])
+    offenders = [f"{path.relative_to(src)}:{line}" for path in paths for line in synchronous_copies(path.read_text())]
+    assert offenders == []
+    x = to_device([[1, 2], [3, 4]], "cpu", torch.int32)
+    assert x.dtype == torch.int32 and x.device.type == "cpu" and x.tolist() == [[1, 2], [3, 4]]

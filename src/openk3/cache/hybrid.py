@@ -6,6 +6,7 @@ import torch
 
 from openk3.cache.state import KDAState, MLAState, SequenceState
 from openk3.config import ModelConfig
+from openk3.ops.transfer import to_device
 
 
 class KDALayerCache:
@@ -68,7 +69,7 @@ class HybridCache:
     def __init__(self, layers: list[KDALayerCache | MLALayerCache], lengths: list[int], device: torch.device):
         self.layers = layers
         self._lengths = list(lengths)
-        self.lengths = torch.tensor(self._lengths, dtype=torch.long, device=device)
+        self.lengths = to_device(self._lengths, device, torch.long)
         self.checkpoint_offsets: tuple[int, ...] = ()
         self.checkpoints: dict[int, dict[int, KDALayerCache]] = {}
 
@@ -137,7 +138,7 @@ class HybridCache:
                 self.layers[i].conv_state[b] = saved.conv_state[b]
                 self.layers[i].recurrent_state[b] = saved.recurrent_state[b]
         self._lengths = [length - forwarded + n for length, n in zip(self._lengths, kept)]
-        self.lengths = torch.tensor(self._lengths, dtype=torch.long, device=self.lengths.device)
+        self.lengths = to_device(self._lengths, self.lengths.device, torch.long)
 
     def extract(self, i: int) -> SequenceState:
         """A self-contained copy of sequence i's state."""

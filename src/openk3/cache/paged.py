@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from openk3.ops.transfer import to_device
+
 NULL_PAGE = 0
 
 
@@ -95,9 +97,8 @@ class BlockTables:
         if len(pages) > self.max_pages:
             raise ValueError(f"a sequence may hold {self.max_pages} pages, got {len(pages)}")
         self.pages[slot] = list(pages)
-        row = torch.full((self.max_pages,), NULL_PAGE, dtype=torch.int32)
-        row[: len(pages)] = torch.tensor(pages, dtype=torch.int32)
-        self.tables[slot].copy_(row)
+        self.tables[slot].copy_(to_device(list(pages) + [NULL_PAGE] * (self.max_pages - len(pages)),
+                                          self.tables.device, torch.int32))
 
     def append(self, slot: int, pid: int) -> None:
         i = len(self.pages[slot])

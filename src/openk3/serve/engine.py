@@ -53,6 +53,7 @@ import torch
 from openk3.cache.paged import BlockTables, PagePool
 from openk3.cache.state_pool import StatePool
 from openk3.draft import EagleDraft, accept_drafts, accept_greedy, draw, target_distribution
+from openk3.ops.transfer import to_device
 from openk3.sampling import SamplingParams, sample_token, token_logprobs
 from openk3.serve.prefix_cache import PrefixCache, PrefixCacheConfig, image_keyed_tokens
 from openk3.serve.runner import ModelRunner
@@ -426,13 +427,13 @@ class Engine:
         K, runner, device = self.config.speculative, self.runner, self.runner.device
         slots, starts = [r.slot for r in requests], [r.fed for r in requests]
         prev = torch.stack([self._feature(r) for r in requests]).unsqueeze(1)  # [B,1,D]
-        hidden = runner.draft_step(prev, torch.tensor([[r.output[-1]] for r in requests], device=device), slots,
+        hidden = runner.draft_step(prev, to_device([[r.output[-1]] for r in requests], device), slots,
                                    starts)
         drafts = [SpeculativeRow(r) for r in requests]
         for i in range(K):
             self._draw_drafts(drafts, self.draft.logits(hidden[:, -1])[:, : self.vocab_limit])
             if i + 1 < K:
-                ids = torch.tensor([[d.drafted[-1]] for d in drafts], device=device)
+                ids = to_device([[d.drafted[-1]] for d in drafts], device)
                 hidden = runner.draft_step(hidden, ids, slots, [n + 1 + i for n in starts])
         logits, checkpoints, features = runner.forward([[r.output[-1], *d.drafted] for r, d in zip(requests, drafts)],
                                                        slots, starts, tuple(range(1, K + 1)), all_logits=True)
@@ -506,7 +507,7 @@ class Engine:
                                                                 image_embeds=image_embeds)
             logits = logits[:, -1]
             prev = torch.stack([self._feature(r) for r in requests]).unsqueeze(1)
-            self.runner.draft_step(torch.cat([prev, features[:, :-1]], dim=1), torch.tensor(chunks, device=prev.device),
+            self.runner.draft_step(torch.cat([prev, features[:, :-1]], dim=1), to_device(chunks, prev.device),
                                    slots, starts)
         sample = self._sampler(requests, logits)
         for row, (r, end) in enumerate(zip(requests, ends)):

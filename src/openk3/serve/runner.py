@@ -34,6 +34,7 @@ from openk3.cache.state_pool import StatePool
 from openk3.draft import EagleDraft, tapped_hidden_states
 from openk3.model.decode import DecodeBatch, decode_logits
 from openk3.ops.paged_mla import paged_positions
+from openk3.ops.transfer import to_device
 
 log = logging.getLogger(__name__)
 
@@ -129,8 +130,8 @@ class ModelRunner:
         if size > self.max_batch:
             raise ValueError(f"a decode batch holds at most {self.max_batch} sequences, got {n}")
         pad = size - n
-        host = torch.tensor([ids + [0] * pad, slots + [self.states.padding_slot] * pad, lengths + [0] * pad])
-        self.inputs[:, :size].copy_(host, non_blocking=True)
+        self.inputs[:, :size].copy_(to_device([ids + [0] * pad, slots + [self.states.padding_slot] * pad,
+                                               lengths + [0] * pad], self.device))
         if size in self.graphs:
             graph, out = self.graphs[size]
             graph.replay()
@@ -157,7 +158,7 @@ class ModelRunner:
         last's), the checkpoints, the draft's features of the chunk's positions [B, T, D] or None without a
         draft)."""
         B, T = len(chunks), len(chunks[0])
-        slot_t = torch.tensor(slots, device=self.device)
+        slot_t = to_device(slots, self.device)
         conv, recurrent = self.states.gather(slot_t)
         P, width = self.pages.page_size, self.pages.width
         past = max(starts)
@@ -172,7 +173,7 @@ class ModelRunner:
                 layers.append(KDALayerCache(conv[j], recurrent[j]))
         cache = HybridCache(layers, starts, self.device)
         cache.checkpoint_offsets = checkpoint_offsets
-        ids = torch.tensor(chunks, device=self.device)
+        ids = to_device(chunks, self.device)
         features = None
         keep = 0 if all_logits else 1
         if self.draft is None:
@@ -186,7 +187,7 @@ class ModelRunner:
         if kda_caches:
             self.states.scatter(slot_t, torch.stack([c.conv_state for c in kda_caches]),
                                 torch.stack([c.recurrent_state for c in kda_caches]))
-        new = torch.tensor(starts, device=self.device).view(B, 1) + torch.arange(T, device=self.device)
+        new = to_device(starts, self.device).view(B, 1) + torch.arange(T, device=self.device)
         flat = paged_positions(self.tables.tables, slot_t, new, P).reshape(-1)
         rows = torch.arange(B, device=self.device).view(B, 1)
         for j, i in enumerate(self.mla_layers):
@@ -204,12 +205,12 @@ class ModelRunner:
         the draft's own hidden states), ids [B,T]. Reads the slot's draft latents before starts[b] and writes the
         new ones into the pool; returns the draft's hidden states [B,T,D]."""
         B, T = ids.shape
-        slot_t = torch.tensor(slots, device=self.device)
+        slot_t = to_device(slots, self.device)
         P, width = self.pages.page_size, self.pages.width
         pool = self.pages.pages[-1].view(-1, width)
         past = torch.arange(max(starts), device=self.device).expand(B, -1)
         latents = MLALayerCache(pool[paged_positions(self.tables.tables, slot_t, past, P)])
-        lengths = torch.tensor(starts, device=self.device)
+        lengths = to_device(starts, self.device)
         hidden = self.draft.step(prev, ids, latents, lengths)
         new = lengths.view(B, 1) + torch.arange(T, device=self.device)
         rows = torch.arange(B, device=self.device).view(B, 1)

@@ -1,0 +1,20 @@
+"""Small host -> device copies that do not make the host wait for the GPU.
+
+`torch.tensor(values, device="cuda")` copies from pageable memory and synchronises: the host waits for every kernel
+queued before the copy. The prefill built its index tensors that way, so the host could not queue a chunk's
+kernels while the GPU still ran the previous chunk's: each chunk cost its host time plus its device time. From
+pinned memory with non_blocking=True the copy is queued on the stream like a kernel, and PyTorch's pinned-memory
+allocator keeps the host buffer until the copy has run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def to_device(values, device: torch.device | str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """torch.tensor(values, dtype=dtype, device=device), queued without a host synchronisation on CUDA."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
