@@ -92,7 +92,8 @@ class ModelRunner:
 
     def capture(self) -> float:
         """Capture the decode step at every bucket size (CUDA only); returns the seconds it took. If capture fails
-        (an op in the step synchronises with the host), decode stays eager and `graph_error` says why."""
+        (an op in the step synchronises with the host, or a compiled step fails to compile), it is tried once more
+        uncompiled; if that fails too, decode stays eager and uncompiled, and `graph_error` says why."""
         if not self.cuda_graphs:
             return 0.0
         start = time.perf_counter()
@@ -117,8 +118,14 @@ class ModelRunner:
             torch.cuda.synchronize()
         except RuntimeError as err:
             self.graphs.clear()
-            self.cuda_graphs = False
             self.graph_error = str(err).splitlines()[0]
+            if self.compiled:
+                log.warning("capturing the compiled decode step failed, trying it uncompiled: %s", self.graph_error)
+                self.compiled, self.step = False, decode_logits
+                earlier = time.perf_counter() - start
+                self.capture_seconds = earlier + self.capture()
+                return self.capture_seconds
+            self.cuda_graphs = False
             log.warning("CUDA graph capture failed, decoding eagerly: %s", self.graph_error)
         self.capture_seconds = time.perf_counter() - start
         return self.capture_seconds
