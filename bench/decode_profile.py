@@ -14,7 +14,7 @@ steps:
 Then the top operators of a torch.profiler trace of a few steps at the smallest and the largest batch (CPU self time
 and device time), and the time of one prefill of `--prefill-tokens` tokens through `ModelRunner.prefill` with the
 engine's KDA checkpoints, in chunks of each `--prefill-chunks` size (what bounds time to first token; the engine's
-chunk is 4096 on a GPU), the first with its top operators by device time. Prints tables and writes JSON. The peer
+chunk is 16384 on a GPU), the first with its top operators by device time. Prints tables and writes JSON. The peer
 for these numbers is bench/serve_gpu.py (HF transformers' generate); this script explains them.
 """
 
@@ -195,7 +195,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--prefill-tokens", type=int, default=12288)
     ap.add_argument("--prefill-chunks", type=int, nargs="+", default=[4096, 8192, 16384],
-                    help="tokens per prefill forward to time (the first is also profiled; the engine's is 4096)")
+                    help="tokens per prefill forward to time (the first is also profiled; the engine's is 16384)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--compile", choices=["both", "on", "off"], default="both",
                     help="decode step compiled before capture, not, or both (the comparison)")

@@ -48,7 +48,7 @@ sys.path.insert(0, str(BENCH))
 import serve as trace_bench  # noqa: E402  (bench/serve.py: the agent trace and its policies)
 from openk3.config import get_preset  # noqa: E402
 from openk3.model import K3ForCausalLM  # noqa: E402
-from openk3.serve.engine import Engine, EngineConfig, default_block_sizes  # noqa: E402
+from openk3.serve.engine import GPU_PREFILL_TOKENS, Engine, EngineConfig, default_block_sizes  # noqa: E402
 from openk3.serve.scheduler import SchedulerConfig  # noqa: E402
 from openk3.tokenizer import ByteTokenizer  # noqa: E402
 
@@ -266,7 +266,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=None, help="tokens per completion (default 128)")
     ap.add_argument("--ttft-tokens", type=int, default=None, help="long-prompt length (default 12288)")
     ap.add_argument("--cache-mb", type=int, default=4096, help="prefix cache device tier of the engines (MiB)")
-    ap.add_argument("--prefill-tokens", type=int, default=8192, help="prefill budget per step of the trace engines")
+    ap.add_argument("--prefill-tokens", type=int, default=GPU_PREFILL_TOKENS,
+                    help="prefill budget per step of the trace engines (default: the server's on a GPU)")
     ap.add_argument("--trace-sessions", type=int, default=8)
     ap.add_argument("--trace-turns", type=int, default=6)
     ap.add_argument("--trace-system-tokens", type=int, default=1500)

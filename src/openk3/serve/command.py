@@ -10,7 +10,7 @@ The tokenizer is the checkpoint's tokenizer.json when it has one, else the byte-
 (`openk3.tokenizer`). The prefix cache's hash block / page default to K3's ratio scaled to the context
 (h=16, P=192 for toy contexts; h=512, P=6144 at 1M). On a GPU the engine decodes with Triton kernels over its
 paged latent cache and KDA state pool, captures the decode step as CUDA graphs at start-up (the time is printed),
-and prefills up to 8192 tokens per step in chunks of 4096.
+and prefills up to 16384 tokens per step in one forward.
 """
 
 from __future__ import annotations
@@ -187,7 +187,7 @@ def add_serve_parser(subparsers) -> None:
                         "512 tokens on a GPU)")
     p.add_argument("--prefill-chunk-blocks", type=int, default=None,
                    help="hash blocks per prefill forward at most (checkpoints inside it are taken in the same pass; "
-                        "default 12 on CPU, 4096 tokens on a GPU)")
+                        "default 12 on CPU, 16384 tokens on a GPU)")
     p.add_argument("--cache-mb", type=float, default=256, help="prefix cache device tier (MiB)")
     p.add_argument("--host-cache-mb", type=float, default=0, help="prefix cache host tier (MiB, 0: off)")
     p.add_argument("--disk-cache-dir", default=None, help="prefix cache disk tier directory (needs a host tier)")
@@ -195,7 +195,7 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--max-running", type=int, default=32, help="sequences decoded together at most")
     p.add_argument("--max-queue", type=int, default=1024, help="waiting requests before 429s")
     p.add_argument("--prefill-tokens", type=int, default=None,
-                   help="prefill token budget per engine step (default 256 on CPU, 8192 on a GPU)")
+                   help="prefill token budget per engine step (default 256 on CPU, 16384 on a GPU)")
     p.add_argument("--kv-pages", type=int, default=None,
                    help="physical pages of the MLA latent pool (default: room for the live tokens and the cache)")
     p.add_argument("--kernels", default="auto", choices=["auto", "triton", "torch"],

@@ -63,8 +63,10 @@ from openk3.tokenizer import TextStream
 
 log = logging.getLogger(__name__)
 
-GPU_PREFILL_TOKENS = 8192  # prefill token budget per step on a GPU (the CPU default is SchedulerConfig's)
-GPU_PREFILL_CHUNK_TOKENS = 4096  # tokens per prefill forward on a GPU, rounded to hash blocks
+# A prefill forward costs ~25-30 ms of host time on an H200 whatever its length (k3-debug: ~1,500 eager ops), so a
+# long prompt goes in few, long forwards: 12k tokens took 141-151 ms in three of 4096 (bench/RESULTS.md, 2026-12-01).
+GPU_PREFILL_TOKENS = 16384  # prefill token budget per step on a GPU (the CPU default is SchedulerConfig's)
+GPU_PREFILL_CHUNK_TOKENS = 16384  # tokens per prefill forward on a GPU, rounded to hash blocks
 CHECKPOINT_SPACING_TOKENS = 512  # K3's prefill checkpoint spacing on a GPU (SPEC §7: every 512 tokens)
 
 
