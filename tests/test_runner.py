@@ -13,6 +13,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from openk3.cache.paged import BlockTables, PagePool
 from openk3.cache.state_pool import StatePool
 from openk3.model import K3ForCausalLM
+from openk3.model.decode import fuse_kda_inputs, kda_input_projections
+from openk3.model.kda import KimiDeltaAttention
 from openk3.ops import moe as moe_ops
 from openk3.ops.activations import swiglu
 from openk3.ops.transfer import to_device
@@ -218,3 +220,29 @@ def test_serving_copies_to_the_device_without_waiting_for_it():
     assert offenders == []
     x = to_device([[1, 2], [3, 4]], "cpu", torch.int32)
     assert x.dtype == torch.int32 and x.device.type == "cpu" and x.tolist() == [[1, 2], [3, 4]]
+
+
+@pytest.mark.parametrize("name", ["k3-small-mla-first", "kimi-tiny"])  # full-rank and low-rank output gates
+def test_fused_input_projections_keep_the_values_in_one_buffer(name):
+    """fuse_kda_inputs (the engine's start-up): each KDA layer's six input Linears become views of one buffer with
+    the same values (the model's forward unchanged to the bit), one product over it gives the six projections,
+    and a dtype move drops the fusion."""
+    torch.manual_seed(0)
+    model = randomize(K3ForCausalLM(CONFIGS[name]()), seed=7)
+    ids = torch.randint(0, model.config.vocab_size, (2, 9))
+    with torch.no_grad():
+        before = model(ids).logits
+        fuse_kda_inputs(model)
+        layer = next(m for m in model.modules() if isinstance(m, KimiDeltaAttention))
+        fused = layer.fused_input_weight
+        assert all(lin.weight.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
+                   for lin in layer.input_linears())
+        assert torch.equal(model(ids).logits, before)
+        x = torch.randn(3, 1, model.config.hidden_size)
+        got = kda_input_projections(layer, x)
+        layer.fused_input_weight = None
+        for a, b in zip(got, kda_input_projections(layer, x), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    fuse_kda_inputs(model)
+    model.double()
+    assert layer.fused_input_weight is None and layer.q_proj.weight.dtype == torch.float64

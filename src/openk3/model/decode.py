@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from openk3.model.attnres import BlockStream
 from openk3.model.kda import KimiDeltaAttention
@@ -61,24 +62,38 @@ def kda_decode_step(layer: KimiDeltaAttention, x: torch.Tensor, j: int, batch: D
     """x [B,1,D] -> [B,1,D] for KDA layer `layer` (pool index j)."""
     B = x.shape[0]
     H, K = layer.num_heads, layer.head_dim
-    qkv = torch.cat([layer.q_proj(x), layer.k_proj(x), layer.v_proj(x)], dim=-1)[:, 0]  # [B,3HK]
     conv_pool, state_pool = batch.conv[j], batch.recurrent[j]
     if batch.kernels == "triton":
         from openk3.ops.kda.triton import causal_conv_step, kda_decode
 
-        y = causal_conv_step(qkv, conv_pool, layer.conv_weight(), None, batch.slots, activation="silu")
+        qkv, b, f, gate = kda_input_projections(layer, x)
+        y = causal_conv_step(qkv[:, 0], conv_pool, layer.conv_weight(), None, batch.slots, activation="silu")
         q, k, v = (t.reshape(B, 1, H, K) for t in y.split(H * K, dim=-1))
         # compiled (`ModelRunner`), the activations are PyTorch ops for Inductor to fuse with their neighbours
-        q, k, g, beta = layer.activate(q, k, x, "torch" if torch.compiler.is_compiling() else "triton")
+        q, k, g, beta = layer.activate_logits(q, k, f, b, "torch" if torch.compiler.is_compiling() else "triton")
         o = kda_decode(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state_pool, batch.slots).unsqueeze(1)
-    else:
-        backend = resolve_backend(layer.kda_backend, x.device, 1)  # the model's own choice for one token
-        y, conv_pool[batch.slots] = causal_conv1d_step(qkv, layer.conv_weight(), conv_pool[batch.slots])
-        q, k, v = (t.reshape(B, 1, H, K) for t in y.split(H * K, dim=-1))
-        q, k, g, beta = layer.activate(q, k, x, backend)
-        o, state_pool[batch.slots] = kda(q, k, v, g, beta, initial_state=state_pool[batch.slots],
-                                         output_final_state=True, backend=backend, gate_min=layer.gate_min())
+        return layer.output_gated(gate, o, x.dtype)
+    qkv = torch.cat([layer.q_proj(x), layer.k_proj(x), layer.v_proj(x)], dim=-1)[:, 0]  # [B,3HK]
+    backend = resolve_backend(layer.kda_backend, x.device, 1)  # the model's own choice for one token
+    y, conv_pool[batch.slots] = causal_conv1d_step(qkv, layer.conv_weight(), conv_pool[batch.slots])
+    q, k, v = (t.reshape(B, 1, H, K) for t in y.split(H * K, dim=-1))
+    q, k, g, beta = layer.activate(q, k, x, backend)
+    o, state_pool[batch.slots] = kda(q, k, v, g, beta, initial_state=state_pool[batch.slots],
+                                     output_final_state=True, backend=backend, gate_min=layer.gate_min())
     return layer.output(x, o)
+
+
+def kda_input_projections(layer: KimiDeltaAttention, x: torch.Tensor):
+    """x [B,1,D] -> (q|k|v [B,1,3HK], beta's logits [B,1,H], the forget gate's logits [B,1,H,K], the output
+    gate's logits [B,1,HV]): one matrix-vector product over `fused_input_weight` when the layer has it
+    (`KimiDeltaAttention.fuse_input_projections`; the engine fuses at start-up), else one per projection."""
+    B, T, _ = x.shape
+    H, K = layer.num_heads, layer.head_dim
+    linears, fused = layer.input_linears(), layer.fused_input_weight
+    y = F.linear(x, fused) if fused is not None else torch.cat([lin(x) for lin in linears], dim=-1)
+    qkv, b, f_low, g_low = y.split([3 * H * K, H, K, linears[-1].weight.shape[0]], dim=-1)
+    gate = g_low if layer.output_gate == "full" else layer.g_b_proj(g_low)
+    return qkv, b, layer.f_b_proj(f_low).view(B, T, H, K), gate
 
 
 def mla_decode_step(layer: GatedMLA, x: torch.Tensor, j: int, batch: DecodeBatch) -> torch.Tensor:
@@ -103,6 +118,13 @@ def mla_decode_step(layer: GatedMLA, x: torch.Tensor, j: int, batch: DecodeBatch
         o = mla_attention_absorbed(q, kv, layer.kv_b_proj.weight, nope_dim=n, v_dim=v, scale=layer.scale,
                                    lengths=batch.lengths)
     return layer.output(x, o)
+
+
+def fuse_kda_inputs(model) -> None:
+    """`KimiDeltaAttention.fuse_input_projections` on every KDA layer of `model` (the serving engine's start-up)."""
+    for module in model.modules():
+        if isinstance(module, KimiDeltaAttention):
+            module.fuse_input_projections()
 
 
 @torch.no_grad()

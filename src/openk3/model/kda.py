@@ -79,6 +79,7 @@ class KimiDeltaAttention(KeepFp32, nn.Module):
             self.g_b_proj = linear(K, H * K, std)
         self.o_norm = RMSNorm(K, eps=cfg.rms_eps)
         self.o_proj = linear(H * K, D, out_std(cfg))
+        self.fused_input_weight: torch.Tensor | None = None  # set by fuse_input_projections (serving)
 
     def conv_weight(self) -> torch.Tensor:
         """[2HK+HV, W]: the q|k|v conv kernels as one depthwise kernel (the fused and separate layouts alike)."""
@@ -100,7 +101,9 @@ class KimiDeltaAttention(KeepFp32, nn.Module):
 
     def forget_gate(self, x: torch.Tensor) -> torch.Tensor:
         """x [B,T,D] -> g [B,T,H,K] fp32 log decay."""
-        f = self.gate_logits(x)
+        return self._gate(self.gate_logits(x))
+
+    def _gate(self, f: torch.Tensor) -> torch.Tensor:
         if self.gate_kind == "k3":
             return k3_gate(f, self.A_log, self.dt_bias, self.lower_bound)
         return kimi_gate(f, self.A_log, self.dt_bias)
@@ -110,16 +113,43 @@ class KimiDeltaAttention(KeepFp32, nn.Module):
         reads `x_beta` when given (`forward` passes its own view of the shared autocast copy of x). When the Triton
         kernels will run, one Triton pass does all four (forward and backward; on an H200 it took 0.13 ms where
         PyTorch's elementwise ops took ~1.1 ms at 8192 tokens x 32 heads, bench/NOTES-kda.md run 6)."""
-        b = self.b_proj(x if x_beta is None else x_beta).to(acc_dtype(x.dtype))
+        return self.activate_logits(q, k, self.gate_logits(x), self.b_proj(x if x_beta is None else x_beta), backend)
+
+    def activate_logits(self, q, k, f, b, backend: str):
+        """`activate` from the projections of x: the forget gate's logits f [B,T,H,K] and beta's b [B,T,H]."""
+        b = b.to(acc_dtype(f.dtype))
         if backend == "triton":
             from openk3.ops.kda.triton import kda_activations  # triton is an optional dependency
 
-            return kda_activations(q, k, self.gate_logits(x), b, self.A_log, self.dt_bias, gate=self.gate_kind,
-                                   g_min=self.lower_bound)
-        return l2_norm(q), l2_norm(k), self.forget_gate(x), torch.sigmoid(b)
+            return kda_activations(q, k, f, b, self.A_log, self.dt_bias, gate=self.gate_kind, g_min=self.lower_bound)
+        return l2_norm(q), l2_norm(k), self._gate(f), torch.sigmoid(b)
 
     def out_gate(self, x: torch.Tensor) -> torch.Tensor:
         return self.g_proj(x) if self.output_gate == "full" else self.g_b_proj(self.g_a_proj(x))
+
+    def input_linears(self) -> list[nn.Linear]:
+        """The projections that read the layer's input x, in `fuse_input_projections`' order: q, k, v, beta, the
+        forget gate's first matrix, the output gate's (first) matrix."""
+        gate = self.g_proj if self.output_gate == "full" else self.g_a_proj
+        return [self.q_proj, self.k_proj, self.v_proj, self.b_proj, self.f_a_proj, gate]
+
+    def fuse_input_projections(self) -> None:
+        """Put the weights of `input_linears` in one buffer, each Linear's weight now a view of its rows (same
+        values, no extra memory), kept as `fused_input_weight` [rows, D]: a decode step then reads x's six
+        projections with one matrix-vector product instead of six (`openk3.model.decode`). A later dtype or device
+        move drops the fusion (`_apply`)."""
+        linears = self.input_linears()
+        fused = torch.cat([lin.weight.detach() for lin in linears])
+        row = 0
+        for lin in linears:
+            n = lin.weight.shape[0]
+            lin.weight = nn.Parameter(fused[row:row + n], requires_grad=lin.weight.requires_grad)
+            row += n
+        self.fused_input_weight = fused
+
+    def _apply(self, fn, recurse=True):
+        self.fused_input_weight = None  # a dtype or device move gives the Linears new weights: the fusion is gone
+        return super()._apply(fn, recurse)
 
     def gate_min(self) -> float | None:
         """The lower bound of this layer's gate: K3's g_min; none for Kimi Linear's softplus gate."""
@@ -172,15 +202,19 @@ class KimiDeltaAttention(KeepFp32, nn.Module):
         """x [B,T,D], KDA output o [B,T,H,V] -> o_proj(RMSNorm_head(o) * sigmoid(output gate(x))) [B,T,D]. The norm
         and gate are one Triton pass each way where `ops.fused.use_triton` says so (model.common.RMSNorm's rule),
         keeping o and the gate's input, not their fp32 copies and products."""
+        return self.output_gated(self.out_gate(x), o, x.dtype)
+
+    def output_gated(self, gate: torch.Tensor, o: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """`output` from the output gate's logits gate [B,T,H*V] (its projection of x), in `dtype` (x's)."""
         B, T, H, V = o.shape
-        gate = self.out_gate(x).view(B, T, H, V)
+        gate = gate.view(B, T, H, V)
         if use_triton(o) and use_triton(gate):
             from openk3.ops.triton_norm import gated_rms_norm_triton  # triton is an optional dependency
 
             o = gated_rms_norm_triton(o, gate, self.o_norm.weight, self.o_norm.eps)
         else:
             o = gated_rms_norm(o, gate, self.o_norm.weight, self.o_norm.eps)
-        return self.o_proj(o.to(x.dtype).reshape(B, T, H * V))
+        return self.o_proj(o.to(dtype).reshape(B, T, H * V))
 
 
 def configure_kda(model: nn.Module, *, backend: str = "auto", overlap: bool = True) -> None:

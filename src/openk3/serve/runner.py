@@ -32,7 +32,7 @@ from openk3.cache import HybridCache, KDALayerCache, MLALayerCache
 from openk3.cache.paged import BlockTables, PagePool
 from openk3.cache.state_pool import StatePool
 from openk3.draft import EagleDraft, tapped_hidden_states
-from openk3.model.decode import DecodeBatch, decode_logits
+from openk3.model.decode import DecodeBatch, decode_logits, fuse_kda_inputs
 from openk3.ops.paged_mla import paged_positions
 from openk3.ops.transfer import to_device
 
@@ -71,6 +71,8 @@ class ModelRunner:
         self.graph_error: str | None = None
         # compiled: a compiled step always runs at a bucket's size; Dynamo's automatic dynamic shapes give two
         # graphs (batch 1, and batch as a symbol from the second size on: one Inductor compile each)
+        if kernels == "triton":
+            fuse_kda_inputs(model)  # each KDA layer's six input projections as one matrix-vector product
         self.compiled = compile_backend is not None
         self.step = torch.compile(decode_logits, backend=compile_backend) if self.compiled else decode_logits
         cfg = model.config
