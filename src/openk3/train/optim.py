@@ -154,31 +154,38 @@ class MuonAdamW(torch.optim.Optimizer):
         return loss
 
     def _muon_step(self, groups: list[dict]) -> None:
-        """Every Muon group at once: momentum per parameter, then one batched Newton-Schulz per block shape."""
-        todo: list[tuple[torch.Tensor, dict]] = []
+        """Every Muon group at once: momentum (multi-tensor ops per group), then one batched Newton-Schulz per block
+        shape, then the decayed update (multi-tensor ops per group)."""
+        todo: list[tuple[list[torch.Tensor], dict]] = []
         updates, splits = [], []
         for group in groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            for p in params:
+                if "momentum_buffer" not in self.state[p]:
+                    self.state[p]["momentum_buffer"] = torch.zeros_like(p)
+            grads = [p.grad for p in params]
+            bufs = [self.state[p]["momentum_buffer"] for p in params]
             mu = group["momentum"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p)
-                buf = state["momentum_buffer"]
-                buf.mul_(mu).add_(p.grad)
-                nesterov = p.grad.add(buf, alpha=mu)
-                todo.append((p, group))
-                updates.append(nesterov.full_tensor() if _is_dtensor(p) else nesterov)
-                splits.append(group["split"])
-        for (p, group), update in zip(todo, muon_updates(updates, splits), strict=True):
-            update = update.to(p.dtype)
-            if _is_dtensor(p):
-                from torch.distributed.tensor import distribute_tensor
+            torch._foreach_mul_(bufs, mu)
+            torch._foreach_add_(bufs, grads)
+            nesterov = torch._foreach_add(grads, bufs, alpha=mu)
+            todo.append((params, group))
+            updates += [n.full_tensor() if _is_dtensor(n) else n for n in nesterov]
+            splits += [group["split"]] * len(params)
+        results = iter(muon_updates(updates, splits))
+        for params, group in todo:
+            steps = []
+            for p in params:
+                update = next(results).to(p.dtype)
+                if _is_dtensor(p):
+                    from torch.distributed.tensor import distribute_tensor
 
-                update = distribute_tensor(update, p.device_mesh, p.placements, src_data_rank=None)
-            p.mul_(1 - group["lr"] * group["weight_decay"])
-            p.add_(update, alpha=-group["lr"])
+                    update = distribute_tensor(update, p.device_mesh, p.placements, src_data_rank=None)
+                steps.append(update)
+            torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
+            torch._foreach_add_(params, steps, alpha=-group["lr"])
 
     def _adamw_group(self, group: dict) -> None:
         """AdamW through torch's own implementation (multi-tensor on a GPU: a few kernels for the whole group, where
