@@ -10,8 +10,7 @@ import torch
 from torch import nn
 
 from openk3.ops.fused import use_triton
-from openk3.ops.moe import compute_dtype
-from openk3.ops.norms import add_rms_norm, rms_norm
+from openk3.ops.norms import add_rms_norm, compute_dtype, rms_norm
 
 
 class RMSNorm(nn.Module):

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from openk3.ops.fused import use_triton
-from openk3.ops.norms import autocast_enabled
+from openk3.ops.norms import compute_dtype
 
 
 def _kernel(weight: torch.Tensor) -> torch.Tensor:
@@ -36,17 +36,11 @@ def causal_conv1d(
     if use_triton(x):
         from openk3.ops.triton_conv import conv_silu_triton  # triton is an optional dependency
 
-        y = conv_silu_triton(x, w, state, _compute_dtype(x, w))  # no state: its kernels read none
+        y = conv_silu_triton(x, w, state, compute_dtype(x, w.dtype))  # no state: its kernels read none
     else:
-        y = _ConvSiLU.apply(x, w, past, _compute_dtype(x, w))
+        y = _ConvSiLU.apply(x, w, past, compute_dtype(x, w.dtype))
     new_state = torch.cat([past.to(x.dtype), x[:, max(T - (W - 1), 0):].transpose(1, 2)], dim=-1)
     return y, new_state[..., new_state.shape[-1] - (W - 1):]
-
-
-def _compute_dtype(x: torch.Tensor, w: torch.Tensor) -> torch.dtype:
-    """The dtype the conv runs in: autocast's when it is on for x's device (it casts F.conv1d's operands), else
-    the weight's."""
-    return torch.get_autocast_dtype(x.device.type) if autocast_enabled(x) else w.dtype
 
 
 def _conv_silu(x, w, state, dtype):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from openk3.ops.norms import acc_dtype, autocast_enabled, fp32_island
+from openk3.ops.norms import acc_dtype, compute_dtype, fp32_island
 
 DEFAULT_CHUNK = 1024  # tokens per chunk: [1024, 32k] fp32 logits are 128 MiB
 REDUCTIONS = ("mean", "sum")
@@ -25,14 +25,6 @@ def cross_entropy_reference(hidden: torch.Tensor, weight: torch.Tensor, targets:
                             ignore_index: int = -100, reduction: str = "mean") -> torch.Tensor:
     """The plain computation: logits = F.linear(hidden, weight) (autocast applies), then CE on fp32 logits."""
     return F.cross_entropy(F.linear(hidden, weight).float(), targets, ignore_index=ignore_index, reduction=reduction)
-
-
-def matmul_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
-    """The dtype F.linear(hidden, weight) would compute in: the autocast dtype where autocast is on, else the
-    promoted dtype of the operands."""
-    if autocast_enabled(hidden):
-        return torch.get_autocast_dtype(hidden.device.type)
-    return torch.promote_types(hidden.dtype, weight.dtype)
 
 
 def chunked_loss_and_grads(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
@@ -109,6 +101,6 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     if targets.shape != hidden.shape[:1]:
         raise ValueError(f"targets must be [{hidden.shape[0]}], got {tuple(targets.shape)}")
     grad = torch.is_grad_enabled()
-    return _LinearCrossEntropy.apply(hidden, weight, targets, chunk, ignore_index, reduction,
-                                     matmul_dtype(hidden, weight), grad and hidden.requires_grad,
-                                     grad and weight.requires_grad)
+    dtype = compute_dtype(hidden, torch.promote_types(hidden.dtype, weight.dtype))  # as F.linear would run
+    return _LinearCrossEntropy.apply(hidden, weight, targets, chunk, ignore_index, reduction, dtype,
+                                     grad and hidden.requires_grad, grad and weight.requires_grad)

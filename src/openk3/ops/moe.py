@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from openk3.ops.activations import apply_glu
-from openk3.ops.norms import acc_dtype, autocast_enabled
+from openk3.ops.norms import acc_dtype, compute_dtype
 
 # Each expert's group of rows is padded to a multiple of 16 bytes' worth of rows: in the weight-gradient GEMM the
 # token dimension is the contracted unit-stride one, which TMA wants 16-byte aligned (SPEC §14).
@@ -101,11 +101,6 @@ def grouped_glu_mlp_loop(x_sorted, counts, gate_up, down, act) -> torch.Tensor:
 def _grouped_mm_fn():
     """torch's grouped GEMM: F.grouped_mm (public from torch 2.10) or torch._grouped_mm, None if neither exists."""
     return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
-
-
-def compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype the expert matmuls run in: autocast's when it is on for x's device, else x's."""
-    return torch.get_autocast_dtype(x.device.type) if autocast_enabled(x) else x.dtype
 
 
 def grouped_mm_usable(x_sorted: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:

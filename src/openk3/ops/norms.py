@@ -19,6 +19,14 @@ def autocast_enabled(x: torch.Tensor) -> bool:
     return (device in ("cuda", "cpu") or torch.amp.is_autocast_available(device)) and torch.is_autocast_enabled(device)
 
 
+def compute_dtype(x: torch.Tensor, default: torch.dtype | None = None) -> torch.dtype:
+    """The dtype a matmul or conv reading x runs in: autocast's when autocast is on for x's device, else `default`
+    (x's dtype when None)."""
+    if autocast_enabled(x):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype if default is None else default
+
+
 def fp32_island(x: torch.Tensor) -> contextlib.AbstractContextManager:
     """Autocast off on x's device: inside, matmuls run in their operands' dtype, so an fp32 island (DESIGN.md:
     AttnRes, the router) keeps fp32 products under a bf16 autocast, which would otherwise cast them down."""
