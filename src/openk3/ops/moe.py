@@ -180,8 +180,8 @@ def experts_forward(
     One token without autograd (decode at batch 1) whose k experts' weights fit GATHER_MAX_BYTES takes
     `experts_forward_gathered`; everything else sorts the rows by expert."""
     N, k = routing_indices.shape
-    expert_bytes = (gate_up[0].numel() + down[0].numel()) * gate_up.element_size()
-    if N == 1 and not torch.is_grad_enabled() and k * expert_bytes <= GATHER_MAX_BYTES:
+    if N == 1 and not torch.is_grad_enabled() and \
+            k * (gate_up[0].numel() + down[0].numel()) * gate_up.element_size() <= GATHER_MAX_BYTES:
         return experts_forward_gathered(x, routing_indices, routing_weights, gate_up, down, act)
     order, counts = group_by_expert(routing_indices, gate_up.shape[0])
     token_of = order // k  # which token each sorted row came from
@@ -192,7 +192,8 @@ def experts_forward(
 
 # Weights a single token's experts may gather (`experts_forward_gathered`): the k experts read three times (the
 # gather's read and write, the matmul's read) instead of once, against the sort, the group layout and the grouped
-# GEMM's set-up for k rows. k3-debug (4 experts of 1.5 MiB): batch-1 decode 2.31 -> see bench/RESULTS.md.
+# GEMM's set-up for k rows. k3-debug (4 experts of 1.5 MiB) on an H200, CUDA graphs without compile: batch-1 decode
+# 4.75 -> 3.68 ms per step (bench/RESULTS.md).
 GATHER_MAX_BYTES = 16 << 20
 
 

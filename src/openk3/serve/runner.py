@@ -69,10 +69,10 @@ class ModelRunner:
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self.capture_seconds = 0.0
         self.graph_error: str | None = None
-        # compiled: a compiled step always runs at a bucket's size; Dynamo's automatic dynamic shapes give two
-        # graphs (batch 1, and batch as a symbol from the second size on: one Inductor compile each)
         if kernels == "triton":
             fuse_kda_inputs(model)  # each KDA layer's six input projections as one matrix-vector product
+        # compiled: a compiled step always runs at a bucket's size; Dynamo's automatic dynamic shapes give two
+        # graphs (batch 1, and batch as a symbol from the second size on: one Inductor compile each)
         self.compiled = compile_backend is not None
         self.step = torch.compile(decode_logits, backend=compile_backend) if self.compiled else decode_logits
         cfg = model.config
@@ -89,6 +89,8 @@ class ModelRunner:
                            num_splits=split_kv(1 if self.compiled else size, self.processors))
 
     def _forward(self, size: int) -> torch.Tensor:
+        if not self.compiled:
+            return self.step(self.model, self.inputs[0, :size], self._batch(size))
         with torch._dynamo.config.patch(recompile_limit=len(self.buckets)):  # at most one graph per bucket
             return self.step(self.model, self.inputs[0, :size], self._batch(size))
 
