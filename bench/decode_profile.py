@@ -212,14 +212,15 @@ def main() -> None:
         started = time.perf_counter()
         engine = Engine(model, ByteTokenizer(), EngineConfig(
             prefix_cache=False, compile_decode=compiled, scheduler=SchedulerConfig(max_running=max(args.batches))))
-        print(f"\n{name}: engine ready in {time.perf_counter() - started:.1f} s ({device}, {args.preset}; "
+        startup = time.perf_counter() - started
+        print(f"\n{name}: engine ready in {startup:.1f} s ({device}, {args.preset}; "
               f"graphs {sorted(engine.runner.graphs) or engine.runner.graph_error})", flush=True)
         rows = [steady_decode(engine, b, args.steps, cfg.vocab_size) for b in args.batches]
         print("| batch | engine step ms | decode forward ms | host ms | tok/s |\n|---|---|---|---|---|")
         for r in rows:
             print(f"| {r['batch']} | {r['step_ms']:.2f} | {r['forward_ms']:.2f} | {r['host_ms']:.2f} | "
                   f"{r['tok_per_s']:,.0f} |", flush=True)
-        decode[name] = {"startup_s": time.perf_counter() - started, "rows": rows}
+        decode[name] = {"startup_s": startup, "rows": rows}
         engines[name] = engine
     if len(engines) == 2:  # the compiled step against the captured eager one, from the same prefilled states
         for routing in ("random routers", "decisive routing"):
