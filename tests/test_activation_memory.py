@@ -14,6 +14,7 @@ from openk3.model import K3ForCausalLM
 from openk3.model.common import shared_cast
 from openk3.model.moe import MoE
 from saved_tensors import saved_bytes, saved_storages
+from test_ops_attnres import spread_attnres
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "activation_memory.py"
 TINY = {"hidden_size": 48, "num_layers": 5, "mla_layers": [2], "attn_res_block_size": 2, "mtp_layers": 1,
@@ -95,10 +96,7 @@ def test_attnres_recompute_keeps_gradients_to_the_bit(monkeypatch, autocast):
     cfg = get_preset("k3-tiny").with_overrides(TINY)
     torch.manual_seed(1)
     model = K3ForCausalLM(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "_res_proj" in name:
-                p.normal_(0, 0.3)
+    spread_attnres(model, std=0.3, norms=False)
     ids = torch.randint(0, cfg.vocab_size, (2, 13))
     params = list(model.parameters())
     recomputed = _loss_and_grads(model, ids, autocast)

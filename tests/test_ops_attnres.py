@@ -48,17 +48,23 @@ def test_zero_query_is_uniform_mean():
     assert torch.allclose(out, sum(sources) / 3, atol=1e-6)
 
 
+def spread_attnres(model, std: float, norms: bool = True) -> None:
+    """The model's AttnRes pseudo-queries drawn from N(0, std) (their init, zeros, mixes uniformly) and, with
+    `norms`, its AttnRes norm weights from U(0.5, 1.5): a mix over depth far from uniform."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "_res_proj" in name:
+                p.normal_(0, std)
+            elif norms and "_res_norm" in name:
+                p.uniform_(0.5, 1.5)
+
+
 def test_model_block_schedule_matches_spec():
     """K3Model's Block AttnRes equals SPEC §4 steps 1-4 written out here, with the sublayers as black boxes."""
     cfg = get_preset("k3-tiny").with_overrides({"attn_res_block_size": 3, "num_layers": 7, "mla_layers": [2, 6]})
     torch.manual_seed(0)
     model = K3ForCausalLM(cfg).double().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "_res_proj" in name:
-                p.normal_(0, 1.0)
-            elif "_res_norm" in name:
-                p.uniform_(0.5, 1.5)
+    spread_attnres(model, std=1.0)
     ids = torch.randint(0, cfg.vocab_size, (2, 5))
     m = model.model
     mix = lambda srcs, proj, norm: attn_res_direct(srcs, proj.weight[0], norm.weight, norm.eps)
@@ -188,12 +194,7 @@ def test_model_two_phase_matches_one_phase(monkeypatch):
                                                 "mtp_layers": 0})
     torch.manual_seed(0)
     model = K3ForCausalLM(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "_res_proj" in name:
-                p.normal_(0, 0.3)
-            elif "_res_norm" in name:
-                p.uniform_(0.5, 1.5)
+    spread_attnres(model, std=0.3)
     ids = torch.randint(0, cfg.vocab_size, (2, 9))
     unplanned = lambda h, block_size, epochs, phases: BlockStream(h, block_size)
     runs = []
