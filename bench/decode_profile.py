@@ -26,13 +26,14 @@ import json
 import time
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from openk3.config import get_preset
 from openk3.model import K3ForCausalLM
 from openk3.model.moe import TopkRouter
 from openk3.sampling import SamplingParams
-from openk3.serve.engine import Engine, EngineConfig
+from openk3.serve.engine import GPU_PREFILL_CHUNK_TOKENS, Engine, EngineConfig
 from openk3.serve.scheduler import SchedulerConfig
 from openk3.tokenizer import ByteTokenizer
 
@@ -180,7 +181,9 @@ def prefill_time(engine: Engine, tokens: int, vocab: int, chunk: int, reps: int 
     if profile_it:
         with profiled(engine.runner.device) as prof:
             run()
-        result["profile"] = top_operators(prof, 1, 16)["device"]
+        result["profile"] = top_operators(prof, 1, 16)
+        result["device_busy_ms"] = sum(e.self_device_time_total for e in prof.key_averages()
+                                       if e.device_type == DeviceType.CUDA) / 1e3
     engine.tables.set(slot, [])
     for page in pages:
         engine.pages.release(page)
@@ -195,7 +198,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--prefill-tokens", type=int, default=12288)
     ap.add_argument("--prefill-chunks", type=int, nargs="+", default=[4096, 8192, 16384],
-                    help="tokens per prefill forward to time (the first is also profiled; the engine's is 16384)")
+                    help="tokens per prefill forward to time (the engine's GPU default, or else the first, is also profiled)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--compile", choices=["both", "on", "off"], default="both",
                     help="decode step compiled before capture, not, or both (the comparison)")
@@ -235,12 +238,18 @@ def main() -> None:
         print("top operators by device time per step:")
         for e in prof[b]["device"]:
             print(f"  {e['device_ms_per_step']:8.3f} ms  {e['calls']:6d}x  {e['op'][:90]}")
-    pre = [prefill_time(engine, args.prefill_tokens, cfg.vocab_size, chunk, profile_it=chunk == args.prefill_chunks[0])
+    profiled_chunk = GPU_PREFILL_CHUNK_TOKENS if GPU_PREFILL_CHUNK_TOKENS in args.prefill_chunks else \
+        args.prefill_chunks[0]
+    pre = [prefill_time(engine, args.prefill_tokens, cfg.vocab_size, chunk, profile_it=chunk == profiled_chunk)
            for chunk in args.prefill_chunks]
     for p in pre:
         print(f"\nprefill of {p['tokens']} tokens in chunks of {p['chunk']}: {p['ms']:.1f} ms", flush=True)
-        for e in p.get("profile", []):
-            print(f"  {e['device_ms_per_step']:8.3f} ms  {e['calls']:6d}x  {e['op'][:90]}", flush=True)
+        if "profile" in p:
+            print(f"profiled: device busy {p['device_busy_ms']:.1f} ms; top operators by CPU self time, then device:")
+            for e in p["profile"]["cpu"]:
+                print(f"  {e['self_cpu_ms_per_step']:8.3f} ms  {e['calls']:6d}x  {e['op'][:90]}")
+            for e in p["profile"]["device"]:
+                print(f"  {e['device_ms_per_step']:8.3f} ms  {e['calls']:6d}x  {e['op'][:90]}", flush=True)
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "preset": args.preset,
               "decode": decode, "profile": prof, "prefill": pre}

@@ -225,8 +225,8 @@ def test_serving_copies_to_the_device_without_waiting_for_it():
 @pytest.mark.parametrize("name", ["k3-small-mla-first", "kimi-tiny"])  # full-rank and low-rank output gates
 def test_fused_input_projections_keep_the_values_in_one_buffer(name):
     """fuse_kda_inputs (the engine's start-up): each KDA layer's six input Linears become views of one buffer with
-    the same values (the model's forward unchanged to the bit), one product over it gives the six projections,
-    and a dtype move drops the fusion."""
+    the same values (the model's forward unchanged to the bit), fusing again keeps that buffer, one product over
+    it gives the six projections, and a dtype move drops the fusion."""
     torch.manual_seed(0)
     model = randomize(K3ForCausalLM(CONFIGS[name]()), seed=7)
     ids = torch.randint(0, model.config.vocab_size, (2, 9))
@@ -238,6 +238,8 @@ def test_fused_input_projections_keep_the_values_in_one_buffer(name):
         assert all(lin.weight.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
                    for lin in layer.input_linears())
         assert torch.equal(model(ids).logits, before)
+        fuse_kda_inputs(model)  # a second engine on the model: the buffer its first engine's graphs read stays
+        assert layer.fused_input_weight is fused and layer.q_proj.weight.data_ptr() == fused.data_ptr()
         x = torch.randn(3, 1, model.config.hidden_size)
         got = kda_input_projections(layer, x)
         layer.fused_input_weight = None

@@ -65,10 +65,11 @@ def test_conv_silu_triton_matches_reference(B, T, C, W, scale, with_state, dtype
                       [dy])
     assert_close_rel(got, recompute, tol)
 
-    y = triton_conv.conv_silu_triton(*split([t.to(DEV).requires_grad_() for t in leaves]), dtype)
+    on_dev = [t.detach().to(DEV).requires_grad_() for t in leaves]
+    y = triton_conv.conv_silu_triton(*split(on_dev), dtype)
     y.float().sum().backward()
     assert y.dtype == x.dtype
-    assert all(t.grad.dtype == t.dtype for t in leaves)
+    assert all(t.grad.dtype == t.dtype for t in on_dev)
 
 
 def test_conv_silu_triton_state_none_is_zeros():
@@ -85,10 +86,11 @@ def test_conv_silu_triton_state_none_is_zeros():
 
 @pytest.mark.parametrize("with_state", [False, True])
 def test_causal_conv1d_picks_triton_where_use_triton_says(with_state, monkeypatch):
-    """`causal_conv1d` runs the Triton Function when `use_triton` says yes (here forced on CPU tensors), with the
+    """`causal_conv1d` runs the Triton Function when `use_triton` says yes (forced, for CPU tensors), with the
     same new state and the reference's values and gradients; `_ConvSiLU` otherwise."""
     B, T, C, W = 2, 5, 6, 4
-    x, w, state, dy = conv_inputs(B, T, C, W, 1.0, seed=11, with_state=with_state)
+    x, w, state, dy = (t if t is None else t.to(DEV) for t in conv_inputs(B, T, C, W, 1.0, seed=11,
+                                                                          with_state=with_state))
     w = w.view(C, 1, W)  # nn.Conv1d's layout, as the model passes it
     leaves = [x, w] + ([state] if with_state else [])
 
@@ -97,7 +99,7 @@ def test_causal_conv1d_picks_triton_where_use_triton_says(with_state, monkeypatc
         run.grad_fn = type(y.grad_fn).__name__
         return y, new_state
 
-    ds = torch.randn(B, C, W - 1)
+    ds = torch.randn(B, C, W - 1, device=DEV)
     monkeypatch.setattr(conv, "use_triton", lambda t: True)
     got = grads(run, leaves, [dy, ds])
     assert run.grad_fn == "_ConvSiLUTritonBackward"

@@ -137,7 +137,10 @@ class KimiDeltaAttention(KeepFp32, nn.Module):
         """Put the weights of `input_linears` in one buffer, each Linear's weight now a view of its rows (same
         values, no extra memory), kept as `fused_input_weight` [rows, D]: a decode step then reads x's six
         projections with one matrix-vector product instead of six (`openk3.model.decode`). A later dtype or device
-        move drops the fusion (`_apply`)."""
+        move drops the fusion (`_apply`). Fusing again keeps the buffer: a second engine on the same model must
+        not move the weights that the first one's captured CUDA graphs read."""
+        if self.fused_input_weight is not None:
+            return
         linears = self.input_linears()
         fused = torch.cat([lin.weight.detach() for lin in linears])
         row = 0
