@@ -39,6 +39,7 @@ import math
 import platform
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -301,6 +302,12 @@ def print_results(env: dict, results: list[dict], profile: dict, mla: dict) -> N
               f"| {r['mfu']:.1%} | {r['peak_gib']:.2f} | {r['warmup_s']:.1f} |")
 
 
+def error_summary(e: Exception) -> str:
+    """The exception's type, first line and last line (Inductor's errors put the cause last)."""
+    lines = [line for line in str(e).splitlines() if line.strip()] or [""]
+    return f"{type(e).__name__}: {lines[0][:150]}" + (f" ... {lines[-1][:150]}" if len(lines) > 1 else "")
+
+
 def free_gpu() -> None:
     """Release the last row's model and optimizer (compiled code holds on to them until Dynamo is reset), so each
     row's peak memory is its own."""
@@ -327,7 +334,8 @@ def gpu(args: argparse.Namespace) -> list[dict]:
             if variant != "compile":
                 raise
             results.append({"model": cfg.name, "optimizer": optimizer, "variant": variant,
-                            "error": f"{type(e).__name__}: {e}".splitlines()[0][:200]})
+                            "error": error_summary(e)})
+            traceback.print_exc()
         free_gpu()
     for loss in ("fused", "plain"):  # fused: the loss k3's rows use, so the pair differs in the model only
         results.append(dense_result(cfg, args, batch, loss))

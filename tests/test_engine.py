@@ -239,6 +239,29 @@ def test_streamed_deltas_reassemble_the_text(model):
     assert events[-1].completion_tokens == len(r.output) and events[-1].prompt_tokens == len(r.prompt)
 
 
+def test_reply_sent_whole_gets_its_first_and_last_events_and_a_sink_one_batch_per_step(model):
+    """every_token=False (a request without `stream`): the first token's event and the finishing one, which
+    carries the rest of the text and the logprobs, so they reassemble the same reply as a streamed twin's events;
+    with an event_sink set, each step's events reach it in one call, in order, instead of the on_event calls."""
+    engine = make_engine(model)
+    params = SamplingParams(max_tokens=9, temperature=1.0, seed=5, ignore_eos=True, logprobs=2)
+    prompt = ByteTokenizer().encode("whole or streamed")
+    streamed, whole, batches = [], [], []
+    engine.event_sink = batches.append
+    a = engine.add_request(prompt, params, on_event=streamed.append)
+    b = engine.add_request(prompt, params, on_event=whole.append, every_token=False)
+    drain(engine)
+    assert streamed == whole == []  # nothing delivered but through the sink
+    assert [len(batch) for batch in batches] == [2] + [1] * 7 + [2]  # the first tokens, a's next 7, both last
+    for batch in batches:
+        for on_event, event in batch:
+            on_event(event)
+    assert a.output == b.output and len(streamed) == 9
+    assert [e.completion_tokens for e in whole] == [1, 9] and [e.finished for e in whole] == [False, True]
+    assert "".join(e.text for e in whole) == "".join(e.text for e in streamed) == b.text
+    assert [len(e.logprobs) for e in whole] == [1, 8]
+
+
 def full_redecode_events(tokenizer, params: SamplingParams, tokens: list[int]) -> list[tuple[str, bool, str | None]]:
     """The reply's events by the plain rule: after every token decode the whole output (stop tokens left out), cut
     it at the earliest stop string, and send all but a trailing U+FFFD run and the longest end that begins a stop
@@ -282,6 +305,7 @@ def test_incremental_text_is_a_full_redecode(model):
             for r, tokens, _ in replies:
                 if r.finish_reason is None:
                     engine._accept(r, tokens[k])
+        engine._deliver_events()  # (what the end of a step does)
         for r, tokens, events in replies:
             expected = full_redecode_events(tok, r.params, tokens)
             assert [(e.text, e.finished, e.finish_reason) for e in events] == expected

@@ -16,7 +16,9 @@ a request whose own sequence failed in the engine (the others keep running; a st
 Request text is encoded with `encode_plain` (special-token strings stay text: only the chat template inserts
 control tokens). Parsing, validation and tokenization run on a worker thread, never on the event loop, so
 /health and other requests are answered while a large body is tokenized. A client that disconnects, streaming
-or not, has its request cancelled at the engine's next step, which frees its sequence.
+or not, has its request cancelled at the engine's next step, which frees its sequence. The engine runs on its own
+thread and hands each step's events to the event loop at once; a request without `stream` gets only its first
+token's event (for the time-to-first-token metric) and its last.
 """
 
 from __future__ import annotations
@@ -51,6 +53,9 @@ def create_app(engine: Engine, model_name: str, remote_images: RemoteImages | No
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
+        event_loop = asyncio.get_running_loop()
+        # each engine step's events reach the event loop in one hand-over (a wake-up per step, not per token)
+        engine.event_sink = lambda events: event_loop.call_soon_threadsafe(deliver, events)
         loop = EngineLoop(engine).start()
         state["ready"] = True
         yield
@@ -119,16 +124,16 @@ def create_app(engine: Engine, model_name: str, remote_images: RemoteImages | No
     async def generate(request: Request, body: SamplingFields, prompt: list[int], arrival: float, chat: bool,
                        images: list | None = None):
         params = sampling_params(body, engine.model_config.max_seq_len, engine.vocab_limit)
-        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+        events = asyncio.Queue()
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         rids = [rid] if body.n == 1 else [f"{rid}-{i}" for i in range(body.n)]  # one engine request per choice
         leader = None
         try:
             for i, sub in enumerate(rids):
                 seed = params.seed if params.seed is None else choice_seed(params.seed, i)
-                submit = lambda event, i=i: loop.call_soon_threadsafe(events.put_nowait, (i, event))
+                submit = lambda event, i=i: events.put_nowait((i, event))  # on the event loop (`deliver`)
                 r = engine.add_request(prompt, replace(params, seed=seed), rid=sub, on_event=submit, after=leader,
-                                       images=images)
+                                       images=images, every_token=body.stream)
                 leader = leader or r
         except QueueFull as exc:
             cancel(rids)
@@ -190,6 +195,12 @@ def create_app(engine: Engine, model_name: str, remote_images: RemoteImages | No
         return reply.full()
 
     return app
+
+
+def deliver(events: list) -> None:
+    """On the event loop: one engine step's events to their requests' queues."""
+    for on_event, event in events:
+        on_event(event)
 
 
 async def read_body(request: Request) -> bytes:

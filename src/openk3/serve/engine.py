@@ -44,7 +44,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -229,6 +229,9 @@ class Engine:
         self._cancels: set[str] = set()
         self._ids = itertools.count()
         self.wake = threading.Event()
+        self._outbox: list[tuple[Callable[[RequestEvent], None], RequestEvent]] = []  # the step's events
+        # called with a step's events [(on_event, event)] instead of each on_event (openk3.serve.api sets it)
+        self.event_sink: Callable[[list], None] | None = None
 
     @property
     def checkpoint_bytes(self) -> int:
@@ -237,12 +240,14 @@ class Engine:
 
     # ---- the client side (thread-safe) --------------------------------------------------------------------
     def add_request(self, prompt: list[int], params: SamplingParams, rid: str | None = None,
-                    on_event=None, after: Request | None = None, images: list | None = None) -> Request:
+                    on_event=None, after: Request | None = None, images: list | None = None,
+                    every_token: bool = True) -> Request:
         """Queue a request; raises ValueError for an unusable prompt and QueueFull when throttled. `after`: an
         earlier request with the same prompt (another choice of one API request, OpenAI's `n`); with the prefix
         cache on, this one is admitted once that one has prefilled, so it hits the prompt's cached blocks instead of
         prefilling them again. `images`: prepared images (openk3.images.PreparedImage) whose placeholder runs the
-        prompt holds, in order."""
+        prompt holds, in order. `every_token`: an event per token (a stream); False: only the first token's (its
+        time to first token) and the last, which carries everything not yet sent (a reply sent whole)."""
         limit = self.model_config.max_seq_len
         if not prompt:
             raise ValueError("the prompt is empty")
@@ -258,7 +263,7 @@ class Engine:
         seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + number
         request = Request(rid=rid or f"req-{number}", prompt=list(prompt), params=params, on_event=on_event,
                           generator=torch.Generator().manual_seed(seed), images=located if images else None,
-                          after=after if self.prefix_cache is not None else None)
+                          after=after if self.prefix_cache is not None else None, every_token=every_token)
         with self._lock:
             self.scheduler.submit(request)
             self.texts[request] = TextStream(self.tokenizer)
@@ -278,6 +283,12 @@ class Engine:
     # ---- one step -----------------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self) -> None:
+        try:
+            self._step()
+        finally:
+            self._deliver_events()
+
+    def _step(self) -> None:
         with self._lock:
             cancels, self._cancels = self._cancels, set()
             for r in [r for r in (*self.scheduler.waiting, *self.scheduler.running) if r.rid in cancels]:
@@ -589,15 +600,28 @@ class Engine:
                 r.text, reason = r.text[:cut], "stop"
         if reason is not None:
             self._finish(r, reason)
-        else:  # held back: a partial UTF-8 character and a possible stop-string start
+        elif r.every_token or len(r.output) == 1:  # held back: a partial UTF-8 character, a possible stop string
             self._emit(r, sendable(r.text, r.params.stop, r.sent))
 
     def _emit(self, r: Request, upto: int, finished: bool = False) -> None:
         delta, r.sent = r.text[r.sent:upto], upto
         logprobs, r.logprobs = r.logprobs, []
         if r.on_event is not None:
-            r.on_event(RequestEvent(r.rid, delta, finished, r.finish_reason, len(r.prompt), len(r.output),
-                                    r.cached_tokens, logprobs))
+            self._outbox.append((r.on_event, RequestEvent(r.rid, delta, finished, r.finish_reason, len(r.prompt),
+                                                          len(r.output), r.cached_tokens, logprobs)))
+
+    def _deliver_events(self) -> None:
+        """Hand over the events of a step (or of `fail_all`): all at once to `event_sink` when one is set (the
+        server's: one hand-over to its event loop per step instead of one per token), else to each request's
+        on_event in order."""
+        if not self._outbox:
+            return
+        events, self._outbox = self._outbox, []
+        if self.event_sink is not None:
+            self.event_sink(events)
+        else:
+            for on_event, event in events:
+                on_event(event)
 
     def _finish(self, r: Request, reason: str) -> None:
         r.finish_reason = reason
@@ -617,6 +641,7 @@ class Engine:
         with self._lock:
             for r in [*self.scheduler.waiting, *self.scheduler.running]:
                 self._finish(r, reason)
+        self._deliver_events()
 
 
 class EngineLoop:

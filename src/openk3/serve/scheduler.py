@@ -66,6 +66,7 @@ class Request:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # sampled since the last event, not yet sent
     after: Request | None = None  # admitted only once this request (same prompt) has prefilled
     images: Any = None  # the prompt's images (openk3.serve.engine.PromptImages), None for a text prompt
+    every_token: bool = True  # an event per token; False: the first token's and the last (Engine.add_request)
 
     @property
     def prefilling(self) -> bool:

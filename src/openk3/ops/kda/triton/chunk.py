@@ -79,6 +79,9 @@ def checkpoint_slots(offsets: tuple[int, ...], T: int, device) -> tuple[torch.Te
     return slots.to(device), len(inner)
 
 
+# torch.compile (compile_blocks) breaks its graph here instead of tracing into the kernels: they are fused already,
+# and Inductor's re-compilation of them fails on torch 2.11 (the float `scale` typed fp64 inside a tl.dot).
+@torch.compiler.disable
 def _run(q, k, v, g, beta, A_log, dt_bias, gate, scale, initial_state, output_final_state, cu_seqlens, overlap,
          state_offsets):
     K, T = q.shape[-1], q.shape[1]
