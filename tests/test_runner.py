@@ -99,6 +99,27 @@ def test_decode_touches_only_its_slots_and_pages():
     assert changed == [[page, offset]]
 
 
+def test_prefill_attention_never_takes_cudnn(monkeypatch):
+    """The prefill's SDPA runs with cuDNN attention off (its per-shape plan costs 45-70 ms at every new prompt
+    length on an H200) and the settings are restored after; the MLA layers' attention is what sees them."""
+    torch.manual_seed(0)
+    model = randomize(K3ForCausalLM(CONFIGS["k3-small-mla-first"]()), seed=5)
+    runner = make_runner(model, "torch")
+    give_pages(runner, 0, 6, torch.Generator().manual_seed(6))
+    seen = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        seen.append((torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled()))
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    cudnn_before = torch.backends.cuda.cudnn_sdp_enabled()
+    runner.prefill([[1, 2, 3, 4, 5]], [0], [0])
+    assert seen and all(s == (False, True) for s in seen)
+    assert torch.backends.cuda.cudnn_sdp_enabled() == cudnn_before
+
+
 def test_graph_buckets_cover_every_batch_size():
     assert graph_buckets(1) == [1]
     assert graph_buckets(64) == [1, 2, 4, 8, 16, 32, 64]

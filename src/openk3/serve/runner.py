@@ -27,6 +27,7 @@ import logging
 import time
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from openk3.cache import HybridCache, KDALayerCache, MLALayerCache
 from openk3.cache.paged import BlockTables, PagePool
@@ -35,6 +36,12 @@ from openk3.draft import EagleDraft, tapped_hidden_states
 from openk3.model.decode import DecodeBatch, decode_logits, fuse_kda_inputs
 from openk3.ops.paged_mla import paged_positions
 from openk3.ops.transfer import to_device
+
+# MLA prefill attention without cuDNN: cuDNN builds an execution plan for every new (batch, length), 45-70 ms each
+# and about 1 s for the first long one on an H200 (bench/RESULTS.md, 2026-12-01), and a server sees a new prompt
+# length at almost every request; flash (v padded, ops.attention.causal_sdpa) and memory-efficient attention have no
+# such cost. Training keeps cuDNN: its shapes repeat.
+PREFILL_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 log = logging.getLogger(__name__)
 
@@ -187,12 +194,13 @@ class ModelRunner:
         ids = to_device(chunks, self.device)
         features = None
         keep = 0 if all_logits else 1
-        if self.draft is None:
-            logits = self.model(ids, cache=cache, logits_to_keep=keep, image_embeds=image_embeds).logits
-        else:
-            with tapped_hidden_states(self.model, self.draft.taps) as tapped:
+        with sdpa_kernel(PREFILL_SDPA_BACKENDS):
+            if self.draft is None:
                 logits = self.model(ids, cache=cache, logits_to_keep=keep, image_embeds=image_embeds).logits
-                features = self.draft.fuse(tapped)
+            else:
+                with tapped_hidden_states(self.model, self.draft.taps) as tapped:
+                    logits = self.model(ids, cache=cache, logits_to_keep=keep, image_embeds=image_embeds).logits
+                    features = self.draft.fuse(tapped)
 
         kda_caches = [cache.layers[i] for i in self.kda_layers]
         if kda_caches:
