@@ -198,7 +198,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--prefill-tokens", type=int, default=12288)
     ap.add_argument("--prefill-chunks", type=int, nargs="+", default=[4096, 8192, 16384],
-                    help="tokens per prefill forward to time (the engine's GPU default, or else the first, is also profiled)")
+                    help="tokens per prefill forward to time (the engine's GPU default, or else the first, is "
+                         "also profiled)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--compile", choices=["both", "on", "off"], default="both",
                     help="decode step compiled before capture, not, or both (the comparison)")
