@@ -31,7 +31,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from openk3.config import get_preset
 from openk3.model import K3ForCausalLM
-from openk3.model.moe import TopkRouter
+from openk3.model.moe import decisive_routing
 from openk3.sampling import SamplingParams
 from openk3.serve.engine import GPU_PREFILL_CHUNK_TOKENS, Engine, EngineConfig
 from openk3.serve.scheduler import SchedulerConfig
@@ -91,24 +91,6 @@ def decode_logits_after_prompts(engine: Engine, batch: int, vocab: int, tokens: 
             engine.pages.release(page)
         engine.states.free(slot)
     return logits
-
-
-@contextlib.contextmanager
-def decisive_routing(model: torch.nn.Module, spacing: float = 2.0):
-    """Inside, every router's selection bias is set to distinct values `spacing` apart (a random order per layer),
-    so that each picks the same experts for every token whatever bf16 rounding does to the scores (sigmoid, in
-    (0, 1)): a random-init router's near-ties would otherwise flip experts between two correct runs
-    (bench/RESULTS.md). In place, so captured CUDA graphs see it too."""
-    gen = torch.Generator().manual_seed(0)
-    routers = [m for m in model.modules() if isinstance(m, TopkRouter)]
-    kept = [r.e_score_correction_bias.clone() for r in routers]
-    for r in routers:
-        r.e_score_correction_bias.copy_(torch.randperm(r.num_experts, generator=gen).float() * spacing)
-    try:
-        yield
-    finally:
-        for r, bias in zip(routers, kept):
-            r.e_score_correction_bias.copy_(bias)
 
 
 def compare_engines(engines: dict, model, routing: str, batches: list[int], record: dict) -> None:

@@ -9,9 +9,11 @@
    the same C).
 3. TTFT of a 12k-token prompt: a streamed completion, time to the first chunk (median of three fresh prompts).
 4. GPU memory in use with the server loaded (nvidia-smi, the whole card, minus what was used before it started).
-5. In this process, on the same GPU engine: the decode step (CUDA graphs, and eager) teacher-forced against the
-   model's forward in fp32 (logits difference, argmax agreement); then the multi-turn agent trace of bench/serve.py (its
-   code) with the K3 prefix cache and with the block-aligned baseline: reused tokens against the ideal, and TTFT.
+5. In this process, on the same GPU engine: the decode step teacher-forced against the model's forward (logits
+   difference, argmax agreement), in fp32 (graphs, eager) and in the serving dtype with decisive routing
+   (`openk3.model.moe.decisive_routing`; compiled + graphs, graphs, eager); then the multi-turn agent trace of
+   bench/serve.py (its code) with the K3 prefix cache and with the block-aligned baseline: reused tokens against
+   the ideal, and TTFT.
 6. The peer: transformers' KimiLinearForCausalLM with k3-debug's dimensions (Kimi Linear's softplus gate, low-rank
    output gate, plain residuals, full-width MoE), bf16, fla's kernels when fla is importable, generate() of 128
    new tokens at batch = the same client counts, no HTTP.
@@ -48,6 +50,7 @@ sys.path.insert(0, str(BENCH))
 import serve as trace_bench  # noqa: E402  (bench/serve.py: the agent trace and its policies)
 from openk3.config import get_preset  # noqa: E402
 from openk3.model import K3ForCausalLM  # noqa: E402
+from openk3.model.moe import decisive_routing  # noqa: E402
 from openk3.serve.engine import GPU_PREFILL_TOKENS, Engine, EngineConfig, default_block_sizes  # noqa: E402
 from openk3.serve.scheduler import SchedulerConfig  # noqa: E402
 from openk3.tokenizer import ByteTokenizer  # noqa: E402
@@ -146,21 +149,19 @@ async def ttft(url: str, model: str, prompt: list[int]) -> float:
     return first
 
 
-def decode_consistency(model, batch: int = 3, prompt: int = 40, steps: int = 16) -> dict:
-    """Teacher-forced decode through the engine's runner, with CUDA graphs (3 rows run in the 4-row graph: one
-    padding row) and eagerly, against the model's full forward: max |logits difference| / max |logits| and the
-    share of positions whose argmax agrees."""
+def decode_consistency(model, engines: dict[str, dict], batch: int = 3, prompt: int = 40, steps: int = 16) -> dict:
+    """Teacher-forced decode through the engine's runner (3 rows: in CUDA graphs they run in the 4-row graph, one
+    padding row) against the model's full forward in the model's dtype: max |logits difference| / max |logits| and
+    the share of positions whose argmax agrees, for each named engine configuration (`EngineConfig` fields). The
+    key says whether graphs were captured (a capture can fail and fall back to eager)."""
     gen = torch.Generator().manual_seed(5)
     seqs = torch.randint(0, model.config.vocab_size, (batch, prompt + steps), generator=gen)
     with torch.no_grad():
         want = model(seqs.to(next(model.parameters()).device)).logits[:, prompt - 1:-1].float()
     out = {}
-    for graphs in (True, False):
-        # not compiled: this check runs in fp32, where the experts loop (no grouped GEMM) and no graph captures;
-        # bench/decode_profile.py checks the compiled bf16 step against the captured eager one
-        engine = Engine(model, ByteTokenizer(), EngineConfig(prefix_cache=False, cuda_graphs=graphs,
-                                                             compile_decode=False,
-                                                             scheduler=SchedulerConfig(max_running=4)))
+    for name, fields in engines.items():
+        engine = Engine(model, ByteTokenizer(), EngineConfig(prefix_cache=False,
+                                                             scheduler=SchedulerConfig(max_running=4), **fields))
         slots = [engine.states.alloc() for _ in range(batch)]
         for slot in slots:
             engine.tables.set(slot, [engine.pages.alloc() for _ in range(-(-(prompt + steps) // engine.page_size))])
@@ -172,9 +173,9 @@ def decode_consistency(model, batch: int = 3, prompt: int = 40, steps: int = 16)
                 for b in range(batch):
                     rows[b].append(logits[b])
         got = torch.stack([torch.stack(r) for r in rows]).float()
-        key = "graphs" if engine.runner.graphs else "eager"
-        out[key] = {"max_rel_diff": ((got - want).abs().max() / want.abs().max()).item(),
-                    "argmax_agree": (got.argmax(-1) == want.argmax(-1)).float().mean().item()}
+        captured = "graphs captured" if engine.runner.graphs else "eager"
+        out[f"{name} ({captured})"] = {"max_rel_diff": ((got - want).abs().max() / want.abs().max()).item(),
+                                       "argmax_agree": (got.argmax(-1) == want.argmax(-1)).float().mean().item()}
     return out
 
 
@@ -183,10 +184,18 @@ def agent_trace(args: argparse.Namespace, device: str, dtype: torch.dtype) -> di
     first, the decode step checked against the model's forward."""
     torch.manual_seed(0)
     model = K3ForCausalLM(get_preset(args.preset)).to(device=device, dtype=torch.float32).eval()
-    # in fp32: the engine must equal the forward; in bf16 a random router's near-ties would flip experts between two
-    # orders of summation and hide that (bench/RESULTS.md, 2026-12-01)
-    out = {"decode_vs_forward": decode_consistency(model)}
+    # in fp32 the engine must equal the forward (not compiled: the fp32 experts loop reads its counts on the host,
+    # so its graph capture falls back to eager); in `dtype` with decisive routing (a random router's near-ties would
+    # flip experts between two orders of summation, bench/RESULTS.md) the serving configurations, within rounding
+    plain = dict(compile_decode=False)
+    checks = decode_consistency(model, {"fp32 graphs": dict(plain, cuda_graphs=True),
+                                        "fp32 eager": dict(plain, cuda_graphs=False)})
     model = model.to(dtype)
+    name = str(dtype).removeprefix("torch.")
+    with decisive_routing(model):
+        checks |= decode_consistency(model, {f"{name} compiled + graphs": {}, f"{name} graphs": dict(plain),
+                                             f"{name} eager": dict(plain, cuda_graphs=False)})
+    out = {"decode_vs_forward": checks}
     h, P = default_block_sizes(model.config.max_seq_len)
     targs = argparse.Namespace(hash_block=h, page_size=P, cache_mb=args.cache_mb, sparse_every=4,
                                prefill_tokens=args.prefill_tokens, max_tokens=args.trace_new_tokens,
@@ -382,9 +391,9 @@ def report(args: argparse.Namespace, result: dict, total: float) -> None:
     mem = f"{memory / 1024:.2f} GiB" if memory is not None else "n/a"
     print(f"TTFT of a {args.ttft_tokens}-token prompt: {result['ttft_12k_s'] * 1000:.1f} ms (median of 3); "
           f"server start-up {result['server_startup_s']:.1f} s; CUDA-graph capture {graphs}; GPU memory {mem}")
-    checks = "; ".join(f"{mode}: max |diff| / max |logit| {c['max_rel_diff']:.2e}, argmax agrees "
-                       f"{c['argmax_agree']:.1%}" for mode, c in trace["decode_vs_forward"].items())
-    print(f"decode step vs the model's forward (teacher-forced, {args.preset}): {checks}")
+    print(f"decode step vs the model's forward (teacher-forced, {args.preset}), max |diff| / max |logit|, argmax:")
+    for mode, c in trace["decode_vs_forward"].items():
+        print(f"  {mode}: {c['max_rel_diff']:.2e}, {c['argmax_agree']:.1%}")
     k3, base = trace["k3"], trace["baseline"]
     print(f"agent trace: K3 reuses {k3['reuse_of_ideal']:.1%} of ideal ({k3['reused_tokens']} tokens, TTFT mean "
           f"{k3['ttft_mean_s'] * 1000:.1f} ms); block-aligned baseline {base['reuse_of_ideal']:.1%} "

@@ -9,7 +9,7 @@ import torch
 
 from openk3.config import get_preset
 from openk3.model import GatedMLA, K3ForCausalLM, KimiDeltaAttention, TopkRouter, configure_kda
-from openk3.model.moe import pinned_routing
+from openk3.model.moe import decisive_routing, pinned_routing
 
 
 def shapes(model):
@@ -159,6 +159,29 @@ def test_bf16_forward_follows_fp32_once_routing_is_pinned():
         with pinned_routing(m16, choices):
             got = m16(ids).logits.float()
     assert ((got - want).norm() / want.norm()).item() < 3e-2
+
+
+def test_decisive_routing_makes_bf16_pick_the_fp32_experts_and_restores_the_biases():
+    """Inside decisive_routing the two precisions choose the same experts for every token (recorded with
+    pinned_routing), so their logits agree to bf16 rounding; outside, the routers' biases are their own again."""
+    base = get_preset("k3-tiny")
+    cfg = dataclasses.replace(base, moe=dataclasses.replace(base.moe, num_experts=16, top_k=4))
+    torch.manual_seed(4)
+    m32 = K3ForCausalLM(cfg).eval()
+    routers = [router for _, router in m32.routers()]
+    for router in routers:
+        router.e_score_correction_bias.normal_()
+    biases = [r.e_score_correction_bias.clone() for r in routers]
+    m16 = copy.deepcopy(m32).bfloat16()
+    ids = torch.randint(0, cfg.vocab_size, (2, 67))
+    with torch.no_grad(), decisive_routing(m32), decisive_routing(m16):
+        with pinned_routing(m32) as want_choices:
+            want = m32(ids).logits
+        with pinned_routing(m16) as got_choices:
+            got = m16(ids).logits.float()
+    assert all(torch.equal(a, b) for a, b in zip(want_choices, got_choices, strict=True))
+    assert ((got - want).norm() / want.norm()).item() < 3e-2
+    assert all(torch.equal(r.e_score_correction_bias, b) for r, b in zip(routers, biases, strict=True))
 
 
 def test_backward_reaches_every_parameter():

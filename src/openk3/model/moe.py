@@ -94,6 +94,25 @@ def pinned_routing(model: nn.Module, choices: list[torch.Tensor] | None = None) 
             h.remove()
 
 
+@contextmanager
+def decisive_routing(model: nn.Module, spacing: float = 2.0) -> Iterator[None]:
+    """Inside, every router's selection bias is set to distinct values `spacing` apart (a random order per layer),
+    so that each picks the same experts for every token whatever bf16 rounding does to the scores (sigmoid, in
+    (0, 1)): a random-init router's near-ties would otherwise flip experts between two correct runs
+    (bench/RESULTS.md). In place, so captured CUDA graphs see it too; unlike `pinned_routing` it needs no
+    reference run, so two engines stepping in different orders and batch shapes can be compared."""
+    gen = torch.Generator().manual_seed(0)
+    routers = [m for m in model.modules() if isinstance(m, TopkRouter)]
+    kept = [r.e_score_correction_bias.clone() for r in routers]
+    for r in routers:
+        r.e_score_correction_bias.copy_(torch.randperm(r.num_experts, generator=gen).float() * spacing)
+    try:
+        yield
+    finally:
+        for r, bias in zip(routers, kept):
+            r.e_score_correction_bias.copy_(bias)
+
+
 class Experts(nn.Module):
     """E routed experts as 3-D weights (HF's layout): gate_up_proj [E, 2I, Din] (rows [:I] gate, [I:] up),
     down_proj [E, Dout, I]. Din = Dout = the latent width (LatentMoE) or hidden_size (plain MoE)."""
