@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 import torch
 
+from openk3.ops.fused import use_triton
 from openk3.ops.norms import acc_dtype, fp32_island
 
 
@@ -55,7 +56,13 @@ def attn_res_merge(mix: torch.Tensor, lse: torch.Tensor, partial: torch.Tensor, 
     phase 1 (`BlockMix.mix[..., q, :]`, `BlockMix.lse[..., q]`), query [D] = r_q * w_q. In the merged softmax the
     partial sum (score s) weighs e^s / (e^s + e^lse) and the blocks together e^lse / (e^s + e^lse), shared as in
     their own mix: a softmax over the two logits (s, lse), so that neither weight is formed as 1 minus the other
-    (which loses a tiny weight, and its gradient, to rounding). Returns `dtype` (default: the partial sum's)."""
+    (which loses a tiny weight, and its gradient, to rounding). Returns `dtype` (default: the partial sum's).
+    Without autograd, CUDA tensors take one Triton pass (`ops.triton_attnres`, where `ops.fused.use_triton` says)."""
+    if use_triton(partial) and mix.dtype == torch.float32 and not (
+            torch.is_grad_enabled() and any(t.requires_grad for t in (mix, lse, partial, query))):
+        from openk3.ops.triton_attnres import attn_res_merge_triton  # triton is an optional dependency
+
+        return attn_res_merge_triton(mix, lse, partial, query, eps, dtype or partial.dtype)
     pf = partial.to(mix.dtype)
     with fp32_island(pf):
         s = (pf @ query.to(pf.dtype)) * torch.rsqrt(pf.pow(2).mean(-1) + eps)  # [...]
