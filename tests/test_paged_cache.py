@@ -7,7 +7,7 @@ import tempfile
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from openk3.cache.paged import NULL_PAGE, BlockTables, PagePool
@@ -212,6 +212,30 @@ OPS = st.lists(st.tuples(st.sampled_from(["start", "start", "write", "write", "w
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=OPS, seed=st.integers(0, 2**16), tiers=st.sampled_from(["device", "host", "disk"]))
+@example(
+    ops=[('start', 0, 0, False),
+     ('write', 0, 38, False),
+     ('start', 0, 6, False),
+     ('write', 0, 21, True),
+     ('write', 1, 1, False),
+     ('write', 1, 32, False),
+     ('start', 0, 0, False),
+     ('start', 0, 0, False),
+     ('write', 0, 0, False),
+     ('write', 0, 0, True),
+     ('finish', 0, 0, False),
+     ('start', 1, 14, False),
+     ('start', 0, 0, False),
+     ('start', 0, 0, False),
+     ('start', 0, 0, False),
+     ('start', 0, 0, False),
+     ('start', 0, 0, False),
+     ('finish', 0, 0, False),
+     ('write', 1, 1, False),
+     ('start', 0, 18, False)],
+    seed=0,
+    tiers='device',
+).via('discovered failure')
 def test_paged_prefix_cache_random_operations(ops, seed, tiers):
     h, P = 2, 6
     rng = random.Random(seed)

@@ -380,7 +380,11 @@ class PrefixCache:
         depth = len(chain)
         lease.hit_pages = [chain[min(depth, (i + 1) * n) - 1].page.phys for i in range(-(-depth // n))]
         tail = chain[-1].page
-        lease.owns_tail = depth % n != 0 and tail.entries[-1] is chain[-1] and tail.writer in (None, lease)
+        # and the cache's own reference is the physical page's only one: a branch that a sequence continued in its
+        # own copy of the range made another cache page over the same physical page, and a running hit may read it;
+        # writing on past this hit would overwrite their positions (found by tests/test_paged_cache.py's random ops)
+        lease.owns_tail = depth % n != 0 and tail.entries[-1] is chain[-1] and tail.writer in (None, lease) and \
+            self.store.refs[tail.phys] == 1
         if lease.owns_tail:
             tail.writer = lease
 
