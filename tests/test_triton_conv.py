@@ -48,6 +48,8 @@ def test_conv_silu_triton_matches_reference(B, T, C, W, scale, with_state, dtype
     in bf16). Small tiles, so the time and channel tiles split: dx's and dw's shifted reads cross tile edges."""
     monkeypatch.setattr(triton_conv, "BLOCK_T", 8)
     monkeypatch.setattr(triton_conv, "BLOCK_C", 32)
+    monkeypatch.setattr(triton_conv, "BWD_BLOCK_T", 8)
+    monkeypatch.setattr(triton_conv, "BWD_BLOCK_C", 32)
     x, w, state, dy = conv_inputs(B, T, C, W, scale, seed=B * 1000 + T * 10 + W)
     x, dy = x.to(dtype), dy.to(dtype)
     leaves = [x, w] + ([state] if with_state else [])

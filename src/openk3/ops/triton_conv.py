@@ -24,8 +24,12 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_T = 64  # time steps per tile (at most)
-BLOCK_C = 128  # channels per tile (at most)
+BLOCK_T = 64  # forward: time steps per tile (at most)
+BLOCK_C = 128  # forward: channels per tile (at most)
+# backward: [32, 64] tiles at 8 warps keep both kernels out of local memory (ptxas for sm_90, bf16 x, W = 4: pass 1
+# 56 registers without a state, 122 with one; [64, 128] spills)
+BWD_BLOCK_T = 32
+BWD_BLOCK_C = 64
 
 
 @triton.jit
@@ -131,9 +135,9 @@ def _conv_bwd_dx_kernel(g_ptr, w_ptr, dx_ptr, ds_ptr, T, C, W: tl.constexpr, HAS
                      ds.to(ds_ptr.dtype.element_ty), mask=(j < W - 1)[:, None] & mc[None, :])
 
 
-def _tiles(T: int, C: int) -> dict:
-    return dict(BLOCK_T=min(BLOCK_T, triton.next_power_of_2(max(T, 1))),
-                BLOCK_C=min(BLOCK_C, triton.next_power_of_2(max(C, 1))))
+def _tiles(T: int, C: int, block_t: int, block_c: int) -> dict:
+    return dict(BLOCK_T=min(block_t, triton.next_power_of_2(max(T, 1))),
+                BLOCK_C=min(block_c, triton.next_power_of_2(max(C, 1))))
 
 
 def _state_args(state: torch.Tensor | None) -> tuple:
@@ -148,7 +152,7 @@ def _forward(x: torch.Tensor, w: torch.Tensor, state: torch.Tensor | None, dtype
     B, T, C = x.shape
     y = torch.empty(x.shape, dtype=dtype, device=x.device)
     s, strides, has_state = _state_args(state)
-    kw = _tiles(T, C)
+    kw = _tiles(T, C, BLOCK_T, BLOCK_C)
     if y.numel():
         grid = (triton.cdiv(T, kw["BLOCK_T"]), triton.cdiv(C, kw["BLOCK_C"]), B)
         _conv_fwd_kernel[grid](x, s if has_state else x, w, y, T, C, *strides, W=w.shape[-1], HAS_STATE=has_state,
@@ -165,11 +169,10 @@ def _backward(x, w, state, dy):
         return torch.zeros_like(x), torch.zeros(C, W, device=x.device), None if state is None else \
             torch.zeros_like(state)
     s, strides, has_state = _state_args(state)
-    kw = _tiles(T, C)
+    kw = _tiles(T, C, BWD_BLOCK_T, BWD_BLOCK_C)
     grid = (triton.cdiv(T, kw["BLOCK_T"]), triton.cdiv(C, kw["BLOCK_C"]), B)
     g = torch.empty(x.shape, dtype=w.dtype, device=x.device)  # in the compute dtype, as autograd's SiLU backward
     dw_part = torch.empty(B * grid[0], C, W, dtype=torch.float32, device=x.device)
-    # 8 warps: [64, 128] fp32 tiles with g, pre / a tap and dy live at once stay in registers
     _conv_bwd_g_kernel[grid](x, s if has_state else x, w, dy, g, dw_part, T, C, *strides, W=W, HAS_STATE=has_state,
                              num_warps=8, **kw)
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
