@@ -1,5 +1,5 @@
-"""The short conv + SiLU of the KDA layer (SPEC-K3 §2) in Triton, one pass each way on x [B, T, C] as it is laid
-out (channels contiguous), fp32 math on operands rounded to the compute dtype:
+"""The short conv + SiLU of the KDA layer (SPEC-K3 §2) in Triton, one pass forward and two backward on x [B, T, C]
+as it is laid out (channels contiguous), fp32 math on operands rounded to the compute dtype:
 
     full = [state | x] along time (state [B, C, W-1], zeros when None),   full[p] = x[p - (W-1)] for p >= W-1
     pre[t] = sum_{i<W} w[c, i] full[t + i]                               rounded to the compute dtype
