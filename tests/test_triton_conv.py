@@ -32,9 +32,10 @@ def conv_inputs(B, T, C, W, scale, seed, with_state=True):
     return x, w, state, torch.randn(B, T, C, generator=g)
 
 
-CASES = [  # (B, T, C, W, scale, with_state): T = 1, T < W-1, odd C (not a multiple of the tile), extreme values
+CASES = [  # (B, T, C, W, scale, with_state): T = 1, T < W-1, odd C (not a multiple of the tile), extreme values,
+    # T a multiple of the (monkeypatched) tile with W = 3 (the dstate tile wider than W-1)
     (2, 1, 3, 4, 1.0, True), (1, 2, 70, 4, 1.0, True), (2, 5, 3, 2, 1.0, False), (1, 37, 70, 4, 1.0, True),
-    (1, 37, 3, 4, 1.0, False), (2, 5, 70, 2, 1e3, True), (1, 37, 3, 4, 1e3, True),
+    (1, 37, 3, 4, 1.0, False), (2, 5, 70, 2, 1e3, True), (1, 37, 3, 4, 1e3, True), (2, 16, 33, 3, 1.0, True),
 ]
 
 
@@ -44,10 +45,11 @@ def test_conv_silu_triton_matches_reference(B, T, C, W, scale, with_state, dtype
     """y and the gradients of x, the kernel and the state: against the plain composition in fp64 (autograd) on the
     operands the conv sees (rounded to the compute dtype), and against `_ConvSiLU` in the same dtypes. fp32: x,
     kernel and state fp32; bf16: as under autocast (x bf16 from the projections, fp32 kernel and state, the conv
-    in bf16). Small tiles and few backward programs, so the time tiles split and each program walks several."""
+    in bf16). Small tiles, so the time and channel tiles split: dx's and dw's shifted reads cross tile edges."""
     monkeypatch.setattr(triton_conv, "BLOCK_T", 8)
     monkeypatch.setattr(triton_conv, "BLOCK_C", 32)
-    monkeypatch.setattr(triton_conv, "BWD_PROGRAMS", 2)
+    monkeypatch.setattr(triton_conv, "BWD_BLOCK_T", 8)
+    monkeypatch.setattr(triton_conv, "BWD_BLOCK_C", 32)
     x, w, state, dy = conv_inputs(B, T, C, W, scale, seed=B * 1000 + T * 10 + W)
     x, dy = x.to(dtype), dy.to(dtype)
     leaves = [x, w] + ([state] if with_state else [])

@@ -1,5 +1,5 @@
-"""The short conv + SiLU of the KDA layer (SPEC-K3 §2) in Triton, one pass each way on x [B, T, C] as it is laid
-out (channels contiguous), fp32 math on operands rounded to the compute dtype:
+"""The short conv + SiLU of the KDA layer (SPEC-K3 §2) in Triton, one pass forward and two backward on x [B, T, C]
+as it is laid out (channels contiguous), fp32 math on operands rounded to the compute dtype:
 
     full = [state | x] along time (state [B, C, W-1], zeros when None),   full[p] = x[p - (W-1)] for p >= W-1
     pre[t] = sum_{i<W} w[c, i] full[t + i]                               rounded to the compute dtype
@@ -10,9 +10,12 @@ out (channels contiguous), fp32 math on operands rounded to the compute dtype:
 
 Forward: one program per [BLOCK_T, BLOCK_C] tile; each of the W taps is a shifted load of the tile (the shifts
 overlap, so they come from cache), nothing but x, w and the state is read and y written. Backward recomputes pre
-(the Function keeps only x, w and the state, as `ops.conv._ConvSiLU`): each program walks a run of time tiles,
-writes dx (and, for the first tile of a sequence, dstate) and its partial dw in fp32; the partials are summed
-after, as `ops.triton_norm` does. The references are `ops.conv.causal_conv1d_reference` and `_ConvSiLU`.
+(the Function keeps only x, w and the state, as `ops.conv._ConvSiLU`) in two passes over the same tiles, each W
+shifted loads per element: the first recomputes pre, writes g to a [B, T, C] buffer in the compute dtype (the
+rounding autograd's SiLU backward applies in `_ConvSiLU`) and each tile's partial dw from the fp32 g and the same
+taps (read again from cache); the partials are summed after, as `ops.triton_norm` does. The second reads g at W
+shifted positions for dx and, in the first tile of a sequence, for dstate. The references are
+`ops.conv.causal_conv1d_reference` and `_ConvSiLU`.
 """
 
 from __future__ import annotations
@@ -21,9 +24,12 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_T = 64  # time steps per tile (at most)
-BLOCK_C = 128  # channels per tile (at most)
-BWD_PROGRAMS = 2048  # backward programs to aim for (each sums dw over its run of time tiles)
+BLOCK_T = 64  # forward: time steps per tile (at most)
+BLOCK_C = 128  # forward: channels per tile (at most)
+# backward: [32, 64] tiles at 8 warps keep both kernels out of local memory (ptxas for sm_90, bf16 x, W = 4: pass 1
+# 56 registers without a state, 122 with one; [64, 128] spills)
+BWD_BLOCK_T = 32
+BWD_BLOCK_C = 64
 
 
 @triton.jit
@@ -76,44 +82,62 @@ def _conv_fwd_kernel(x_ptr, s_ptr, w_ptr, y_ptr, T, C, s_sb, s_sc, s_sj,
 
 
 @triton.jit
-def _conv_bwd_kernel(x_ptr, s_ptr, w_ptr, dy_ptr, dx_ptr, ds_ptr, dw_part_ptr, T, C, s_sb, s_sc, s_sj,
-                     tiles_per_prog, W: tl.constexpr, HAS_STATE: tl.constexpr, BLOCK_T: tl.constexpr,
-                     BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr):
+def _conv_bwd_g_kernel(x_ptr, s_ptr, w_ptr, dy_ptr, g_ptr, dw_part_ptr, T, C, s_sb, s_sc, s_sj,
+                       W: tl.constexpr, HAS_STATE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Backward pass 1, one program per [BLOCK_T, BLOCK_C] tile: g (stored in g's dtype) and this tile's share of
+    dw, dw_part[tile, c, i] = sum_t g[t] full[t + i] from the fp32 g."""
     pid_t = tl.program_id(0)
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     b = tl.program_id(2).to(tl.int64)
     mc = c < C
-    taps = tl.arange(0, BLOCK_W)  # dw's rows: the kernel's taps i
-    dw = tl.zeros([BLOCK_W, BLOCK_C], dtype=tl.float32)
-    for k in range(0, tiles_per_prog):
-        t = (pid_t * tiles_per_prog + k) * BLOCK_T + tl.arange(0, BLOCK_T)
-        dx = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
-        for i in tl.static_range(W):  # dx[t] = d_full[t + W-1] = sum_i w_i g[t + W-1 - i]
-            g = _g(x_ptr, s_ptr, w_ptr, dy_ptr, b, t + (W - 1 - i), c, T, C, s_sb, s_sc, s_sj, W, HAS_STATE)
-            dx += tl.load(w_ptr + c * W + i, mask=mc, other=0.0).to(tl.float32)[None, :] * g
-            if i == W - 1:  # g at t itself: dw[c, j] += sum_t g[t] full[t + j]
-                for j in tl.static_range(W):
-                    f = _load_full(x_ptr, s_ptr, w_ptr, b, t + j, c, T, C, s_sb, s_sc, s_sj, W, HAS_STATE)
-                    dw += tl.where(taps[:, None] == j, tl.sum(g * f, axis=0)[None, :], 0.0)
-        tl.store(dx_ptr + b * T * C + t.to(tl.int64)[:, None] * C + c[None, :], dx.to(dx_ptr.dtype.element_ty),
-                 mask=(t < T)[:, None] & mc[None, :])
-    part = b * tl.num_programs(0) + pid_t
-    tl.store(dw_part_ptr + part * C * W + c.to(tl.int64)[None, :] * W + taps[:, None], dw,
-             mask=(taps < W)[:, None] & mc[None, :])
+    g = _g(x_ptr, s_ptr, w_ptr, dy_ptr, b, t, c, T, C, s_sb, s_sc, s_sj, W, HAS_STATE)
+    tl.store(g_ptr + b * T * C + t.to(tl.int64)[:, None] * C + c[None, :], g.to(g_ptr.dtype.element_ty),
+             mask=(t < T)[:, None] & mc[None, :])
+    part = dw_part_ptr + (b * tl.num_programs(0) + pid_t) * C * W
+    for i in tl.static_range(W):  # the taps pre just read, again (from cache)
+        f = _load_full(x_ptr, s_ptr, w_ptr, b, t + i, c, T, C, s_sb, s_sc, s_sj, W, HAS_STATE)
+        tl.store(part + c * W + i, tl.sum(g * f, axis=0), mask=mc)
+
+
+@triton.jit
+def _d_full(g_ptr, w_ptr, b, pos, c, T, C, W: tl.constexpr):
+    """d_full[b, pos, c] = sum_i w[c, i] g[pos - i] for a [R] tile of positions of [state | x], g zero outside
+    [0, T), fp32."""
+    mc = c < C
+    acc = tl.zeros([pos.shape[0], c.shape[0]], dtype=tl.float32)
+    for i in tl.static_range(W):
+        src = pos - i  # g's time index
+        g = tl.load(g_ptr + b * T * C + src.to(tl.int64)[:, None] * C + c[None, :],
+                    mask=((src >= 0) & (src < T))[:, None] & mc[None, :], other=0.0)
+        acc += tl.load(w_ptr + c * W + i, mask=mc, other=0.0).to(tl.float32)[None, :] * g.to(tl.float32)
+    return acc
+
+
+@triton.jit
+def _conv_bwd_dx_kernel(g_ptr, w_ptr, dx_ptr, ds_ptr, T, C, W: tl.constexpr, HAS_STATE: tl.constexpr,
+                        BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Backward pass 2, one program per [BLOCK_T, BLOCK_C] tile of dx = d_full[t + W-1]; the first tile of each
+    sequence also writes dstate = d_full[:W-1] ([BLOCK_S] positions) when there is a state."""
+    pid_t = tl.program_id(0)
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    b = tl.program_id(2).to(tl.int64)
+    mc = c < C
+    dx = _d_full(g_ptr, w_ptr, b, t + (W - 1), c, T, C, W)
+    tl.store(dx_ptr + b * T * C + t.to(tl.int64)[:, None] * C + c[None, :], dx.to(dx_ptr.dtype.element_ty),
+             mask=(t < T)[:, None] & mc[None, :])
     if HAS_STATE:
-        if pid_t == 0:  # dstate[j] = d_full[j] = sum_i w_i g[j - i], j < W-1
-            u = tl.arange(0, BLOCK_W)
-            ds = tl.zeros([BLOCK_W, BLOCK_C], dtype=tl.float32)
-            for i in tl.static_range(W):
-                g = _g(x_ptr, s_ptr, w_ptr, dy_ptr, b, u - i, c, T, C, s_sb, s_sc, s_sj, W, HAS_STATE)
-                ds += tl.load(w_ptr + c * W + i, mask=mc, other=0.0).to(tl.float32)[None, :] * g
-            tl.store(ds_ptr + b * C * (W - 1) + c.to(tl.int64)[None, :] * (W - 1) + u[:, None],
-                     ds.to(ds_ptr.dtype.element_ty), mask=(u < W - 1)[:, None] & mc[None, :])
+        if pid_t == 0:
+            j = tl.arange(0, BLOCK_S)
+            ds = _d_full(g_ptr, w_ptr, b, j, c, T, C, W)
+            tl.store(ds_ptr + b * C * (W - 1) + c.to(tl.int64)[None, :] * (W - 1) + j[:, None],
+                     ds.to(ds_ptr.dtype.element_ty), mask=(j < W - 1)[:, None] & mc[None, :])
 
 
-def _tiles(T: int, C: int) -> dict:
-    return dict(BLOCK_T=min(BLOCK_T, triton.next_power_of_2(max(T, 1))),
-                BLOCK_C=min(BLOCK_C, triton.next_power_of_2(max(C, 1))), num_warps=4)
+def _tiles(T: int, C: int, block_t: int, block_c: int) -> dict:
+    return dict(BLOCK_T=min(block_t, triton.next_power_of_2(max(T, 1))),
+                BLOCK_C=min(block_c, triton.next_power_of_2(max(C, 1))))
 
 
 def _state_args(state: torch.Tensor | None) -> tuple:
@@ -128,11 +152,11 @@ def _forward(x: torch.Tensor, w: torch.Tensor, state: torch.Tensor | None, dtype
     B, T, C = x.shape
     y = torch.empty(x.shape, dtype=dtype, device=x.device)
     s, strides, has_state = _state_args(state)
-    kw = _tiles(T, C)
+    kw = _tiles(T, C, BLOCK_T, BLOCK_C)
     if y.numel():
         grid = (triton.cdiv(T, kw["BLOCK_T"]), triton.cdiv(C, kw["BLOCK_C"]), B)
         _conv_fwd_kernel[grid](x, s if has_state else x, w, y, T, C, *strides, W=w.shape[-1], HAS_STATE=has_state,
-                               **kw)
+                               num_warps=4, **kw)
     return y
 
 
@@ -145,17 +169,16 @@ def _backward(x, w, state, dy):
         return torch.zeros_like(x), torch.zeros(C, W, device=x.device), None if state is None else \
             torch.zeros_like(state)
     s, strides, has_state = _state_args(state)
-    kw = _tiles(T, C)
-    c_tiles, t_tiles = triton.cdiv(C, kw["BLOCK_C"]), triton.cdiv(T, kw["BLOCK_T"])
-    t_programs = max(1, min(t_tiles, BWD_PROGRAMS // max(1, B * c_tiles)))
-    tiles_per_prog = triton.cdiv(t_tiles, t_programs)
-    t_programs = triton.cdiv(t_tiles, tiles_per_prog)
+    kw = _tiles(T, C, BWD_BLOCK_T, BWD_BLOCK_C)
+    grid = (triton.cdiv(T, kw["BLOCK_T"]), triton.cdiv(C, kw["BLOCK_C"]), B)
+    g = torch.empty(x.shape, dtype=w.dtype, device=x.device)  # in the compute dtype, as autograd's SiLU backward
+    dw_part = torch.empty(B * grid[0], C, W, dtype=torch.float32, device=x.device)
+    _conv_bwd_g_kernel[grid](x, s if has_state else x, w, dy, g, dw_part, T, C, *strides, W=W, HAS_STATE=has_state,
+                             num_warps=8, **kw)
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     dstate = torch.empty(state.shape, dtype=state.dtype, device=x.device) if state is not None else None
-    dw_part = torch.empty(B * t_programs, C, W, dtype=torch.float32, device=x.device)
-    _conv_bwd_kernel[(t_programs, c_tiles, B)](
-        x, s if has_state else x, w, dy, dx, dstate if has_state else dx, dw_part, T, C, *strides, tiles_per_prog,
-        W=W, HAS_STATE=has_state, BLOCK_W=triton.next_power_of_2(W), **kw)
+    _conv_bwd_dx_kernel[grid](g, w, dx, dstate if has_state else dx, T, C, W=W, HAS_STATE=has_state,
+                              BLOCK_S=triton.next_power_of_2(max(W - 1, 1)), num_warps=8, **kw)
     return dx, dw_part.sum(0), dstate
 
 

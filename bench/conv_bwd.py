@@ -1,0 +1,127 @@
+"""The KDA short conv + SiLU on one GPU: the Triton Function (`ops.triton_conv`) beside `ops.conv._ConvSiLU`
+(PyTorch's depthwise conv, recomputed in backward), forward and forward + backward.
+
+    python bench/conv_bwd.py [--json PATH]
+
+x [8, 4096, 3072] and [1, 12288, 3072] bf16 (the k3-debug KDA layer: 3 x 8 heads x 128 channels), the kernel
+[3072, 4] fp32 with the conv in bf16 (as the layer runs it under autocast), no state and a bf16 state [B, C, 3]
+(KCP's halo, serving's conv state). Times with CUDA events, the median of 20 calls after 3 warm-up calls; bwd is
+fwd+bwd minus fwd. Checks the Triton output and gradients (x, kernel, state) against `_ConvSiLU`'s (norm-wise
+relative error, at most 2^-6 as tests/test_triton_conv.py allows bf16) and the Triton backward's bytes moved
+(pass 1 reads x and dy and writes g in bf16 and per-tile dw partials; pass 2 reads g and writes dx) per bwd
+second. Prints a Markdown table and writes bench/conv_bwd.json; exits non-zero on a mismatch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import triton
+
+from openk3.ops import triton_conv
+from openk3.ops.conv import _ConvSiLU
+
+HERE = Path(__file__).parent
+SHAPES = [(8, 4096, 3072), (1, 12288, 3072)]  # B, T, C
+W = 4
+DTYPE = torch.bfloat16
+WARMUP, ITERS = 3, 20
+TOL = 2 ** -6
+
+
+def cuda_ms(fn) -> float:
+    """Median milliseconds of fn over ITERS calls after WARMUP, by CUDA events."""
+    for _ in range(WARMUP):
+        fn()
+    times = []
+    for _ in range(ITERS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def paths(with_state: bool):
+    """name -> fn(x, w, state): the two autograd Functions as `ops.conv.causal_conv1d` calls them."""
+    def triton_fn(x, w, state):
+        return triton_conv.conv_silu_triton(x, w, state, DTYPE)
+
+    def torch_fn(x, w, state):
+        past = state if with_state else x.new_zeros(x.shape[0], x.shape[-1], W - 1)
+        return _ConvSiLU.apply(x, w, past, DTYPE)
+
+    return {"triton": triton_fn, "torch": torch_fn}
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def bwd_bytes(B: int, T: int, C: int) -> int:
+    """What the Triton backward reads and writes in DRAM (once each; the W shifted reads hit cache)."""
+    tiles = B * triton.cdiv(T, triton_conv.BWD_BLOCK_T)
+    act = B * T * C * DTYPE.itemsize
+    return 3 * act + 2 * act + 2 * tiles * C * W * 4  # x, dy, g | g, dx | dw partials written and summed
+
+
+def run(B: int, T: int, C: int, with_state: bool) -> dict:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(B, T, C, device="cuda", dtype=DTYPE, generator=g)
+    w = torch.randn(C, W, device="cuda", generator=g) / W ** 0.5
+    state = torch.randn(B, C, W - 1, device="cuda", dtype=DTYPE, generator=g) if with_state else None
+    dy = torch.randn(B, T, C, device="cuda", dtype=DTYPE, generator=g)
+    leaves = [t.requires_grad_() for t in (x, w, state) if t is not None]
+    row = {"shape": [B, T, C], "W": W, "state": with_state}
+    outs = {}
+    for name, fn in paths(with_state).items():
+        with torch.no_grad():
+            row[f"{name}_fwd_ms"] = cuda_ms(lambda fn=fn: fn(x, w, state))
+        row[f"{name}_fwd_bwd_ms"] = cuda_ms(lambda fn=fn: torch.autograd.grad(fn(x, w, state), leaves, dy))
+        row[f"{name}_bwd_ms"] = row[f"{name}_fwd_bwd_ms"] - row[f"{name}_fwd_ms"]
+        y = fn(x, w, state)
+        outs[name] = [y.detach(), *torch.autograd.grad(y, leaves, dy)]
+    names = ["y", "dx", "dw"] + (["dstate"] if with_state else [])
+    row["rel_err_vs_torch"] = {n: rel(a, b) for n, a, b in zip(names, outs["triton"], outs["torch"])}
+    row["ok"] = all(e <= TOL for e in row["rel_err_vs_torch"].values())
+    row["fwd_bwd_speedup"] = row["torch_fwd_bwd_ms"] / row["triton_fwd_bwd_ms"]
+    row["triton_bwd_bytes"] = bwd_bytes(B, T, C)
+    row["triton_bwd_tb_per_s"] = row["triton_bwd_bytes"] / (row["triton_bwd_ms"] * 1e-3) / 1e12
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", type=Path, default=HERE / "conv_bwd.json")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/conv_bwd.py needs a CUDA device (it times the Triton kernels on a GPU)")
+
+    start = time.time()
+    rows = [run(*shape, with_state) for shape in SHAPES for with_state in (False, True)]
+    print("| shape | state | triton fwd ms | torch fwd ms | triton fwd+bwd ms | torch fwd+bwd ms | torch / triton "
+          "| triton bwd ms (TB/s) | max rel err |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        worst = max(r["rel_err_vs_torch"].values())
+        print(f"| {'x'.join(map(str, r['shape']))} | {'bf16' if r['state'] else 'none'} | {r['triton_fwd_ms']:.3f} "
+              f"| {r['torch_fwd_ms']:.3f} | {r['triton_fwd_bwd_ms']:.3f} | {r['torch_fwd_bwd_ms']:.3f} "
+              f"| {r['fwd_bwd_speedup']:.2f} | {r['triton_bwd_ms']:.3f} ({r['triton_bwd_tb_per_s']:.2f}) "
+              f"| {worst:.1e}{'' if r['ok'] else ' MISMATCH'} |")
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+              "date": time.strftime("%Y-%m-%d"), "seconds": time.time() - start, "rows": rows}
+    args.json.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {args.json} ({result['seconds']:.0f} s)")
+    if not all(r["ok"] for r in rows):
+        raise SystemExit(f"the Triton conv disagrees with _ConvSiLU by more than {TOL:.1e} (rel_err_vs_torch)")
+
+
+if __name__ == "__main__":
+    main()
