@@ -185,6 +185,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--compile", choices=["both", "on", "off"], default="both",
                     help="decode step compiled before capture, not, or both (the comparison)")
+    ap.add_argument("--compile-prefill", action="store_true",
+                    help="the engines compile the prefill's FFN / norm / AttnRes units (EngineConfig.compile_prefill)")
     ap.add_argument("--json", default="bench/decode_profile.json")
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -197,7 +199,8 @@ def main() -> None:
         name = "compiled + CUDA graphs" if compiled else "CUDA graphs"
         started = time.perf_counter()
         engine = Engine(model, ByteTokenizer(), EngineConfig(
-            prefix_cache=False, compile_decode=compiled, scheduler=SchedulerConfig(max_running=max(args.batches))))
+            prefix_cache=False, compile_decode=compiled, compile_prefill=args.compile_prefill,
+            scheduler=SchedulerConfig(max_running=max(args.batches))))
         startup = time.perf_counter() - started
         print(f"\n{name}: engine ready in {startup:.1f} s ({device}, {args.preset}; "
               f"graphs {sorted(engine.runner.graphs) or engine.runner.graph_error})", flush=True)
@@ -235,7 +238,7 @@ def main() -> None:
                 print(f"  {e['device_ms_per_step']:8.3f} ms  {e['calls']:6d}x  {e['op'][:90]}", flush=True)
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "preset": args.preset,
-              "decode": decode, "profile": prof, "prefill": pre}
+              "compile_prefill": args.compile_prefill, "decode": decode, "profile": prof, "prefill": pre}
     with open(args.json, "w") as f:
         f.write(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.json}")

@@ -81,7 +81,8 @@ class Server:
         cmd = [sys.executable, "-m", "openk3", "serve", "--preset", args.preset, "--device", device,
                "--port", str(self.port), "--max-running", str(max(args.concurrency)),
                "--cache-mb", str(args.cache_mb), "--log-level", "warning",
-               "--dtype", "float32" if args.smoke else args.dtype] + (["--threads", "1"] if args.smoke else [])
+               "--dtype", "float32" if args.smoke else args.dtype] + (["--threads", "1"] if args.smoke else []) + \
+            (["--compile-prefill"] if args.compile_prefill else [])
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
 
@@ -285,6 +286,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                     help="the server's and the peer's weights (the 2026-12-01 numbers: bfloat16)")
     ap.add_argument("--smoke", action="store_true", help="run every step on the CPU at toy sizes")
+    ap.add_argument("--compile-prefill", action="store_true",
+                    help="start the server with --compile-prefill (the prefill's FFN / norm / AttnRes units compiled)")
     ap.add_argument("--only", choices=["server", "peer"], default=None,
                     help="run one half and keep the other's figures from the --json file if it has them (the server "
                          "compiles its decode step for ~2 min at start and fla autotunes for minutes: on a device "
@@ -332,7 +335,7 @@ def main() -> None:
         "info": {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name() if device == "cuda"
                  else platform.processor() or platform.machine(), "torch": torch.__version__,
                  "python": platform.python_version(), "preset": args.preset, "new_tokens": args.new_tokens,
-                 "smoke": args.smoke, "only": args.only},
+                 "smoke": args.smoke, "only": args.only, "compile_prefill": args.compile_prefill},
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as fh:

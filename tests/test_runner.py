@@ -3,6 +3,7 @@ GPU path's Triton kernels under TRITON_INTERPRET=1) give the logits of one full 
 only the slots and pages it addresses."""
 
 import ast
+import copy
 from pathlib import Path
 
 import pytest
@@ -30,12 +31,13 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def make_runner(model, kernels, page_size=5, slots=4, pages=40, compile_backend=None):
+def make_runner(model, kernels, page_size=5, slots=4, pages=40, compile_backend=None, prefill_compile_backend=None):
     cfg = model.config
     pool = PagePool(len(cfg.mla_layers), pages, page_size, cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim)
     tables = BlockTables(slots, -(-cfg.max_seq_len // page_size))
     states = StatePool(cfg, slots)
-    return ModelRunner(model, pool, tables, states, max_batch=slots, kernels=kernels, compile_backend=compile_backend)
+    return ModelRunner(model, pool, tables, states, max_batch=slots, kernels=kernels, compile_backend=compile_backend,
+                       prefill_compile_backend=prefill_compile_backend)
 
 
 def give_pages(runner, slot, tokens, rng):
@@ -220,6 +222,35 @@ def test_compiled_decode_step_is_two_graphs_and_equals_eager(monkeypatch):
     for got, want in zip(results[1][0], results[0][0]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     for got, want in zip(results[1][1:], results[0][1:]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_units_compiled_give_the_eager_logits(monkeypatch):
+    """prefill_compile_backend (the engine's compile_prefill): the FFN, norm and AttnRes units compiled in place
+    with dynamic shapes (Dynamo's tracing with aot_eager here) trace without a graph break and give the eager
+    runner's prefill and decode logits, at three prefill shapes and under the decode step compiled whole (which
+    inlines them)."""
+    monkeypatch.setattr(moe_ops, "grouped_glu_mlp", dense_grouped_glu_mlp)  # the CPU's loop reads counts on host
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = randomize(K3ForCausalLM(CONFIGS["k3-small-mla-first"]()), seed=8)
+    runners = [make_runner(copy.deepcopy(model), "triton"),
+               make_runner(model, "triton", compile_backend="aot_eager", prefill_compile_backend="aot_eager")]
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(9)).tolist()
+    results, prefill_graphs = [], []
+    for runner in runners:
+        rng = torch.Generator().manual_seed(10)
+        for slot in (0, 1):
+            give_pages(runner, slot, 16, rng)
+        with torch.no_grad():
+            out = [runner.prefill([ids[0][:7], ids[1][:7]], [0, 1], [0, 0])[0],
+                   runner.prefill([ids[0][7:12]], [0], [7])[0], runner.prefill([ids[1][7:10]], [1], [7])[0]]
+            prefill_graphs.append(counters["stats"]["unique_graphs"])
+            out.append(runner.decode([ids[0][12], ids[1][10]], [0, 1], [12, 10]))
+        results.append(out)
+    assert not counters["graph_break"] and prefill_graphs[0] == 0 < prefill_graphs[1]  # the units did compile
+    for got, want in zip(results[1], results[0], strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 

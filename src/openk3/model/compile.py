@@ -5,7 +5,10 @@ kernels, `ops.fused.use_triton`, so both paths can be measured: `bench/train.py 
 
 Compiled units: each decoder layer's token mixer, FFN and two norms (the MTP blocks' too; the units that
 activation checkpointing and FSDP2 also wrap, compiled in place so parameter names do not change), and the two
-Block AttnRes phases, which run between them on the shared block stream.
+Block AttnRes phases, which run between them on the shared block stream. The serving engine's `compile_prefill`
+compiles all but the token mixers, with dynamic shapes: a prefill runs those units eagerly otherwise, dozens of
+small operations each (the MoE's routing and grouping, AttnRes phase 1); the decode step, compiled whole, inlines
+them.
 """
 
 from __future__ import annotations
@@ -16,12 +19,14 @@ from torch import nn
 from openk3.ops.attnres import attn_res_blocks, attn_res_merge
 
 
-def compile_blocks(model: nn.Module, **options) -> nn.Module:
+def compile_blocks(model: nn.Module, token_mixers: bool = True, **options) -> nn.Module:
     """Compile `model` (a K3ForCausalLM) block by block in place; `options` go to torch.compile (e.g. backend,
-    mode). Apply after activation checkpointing; returns the model."""
+    mode, dynamic). Apply after activation checkpointing; returns the model. token_mixers=False leaves the KDA and
+    MLA layers eager (serving: their cache reads and writes are the engine's)."""
     blocks = list(model.model.layers) + [m.block for m in model.mtp or []]
     for layer in blocks:
-        for unit in (layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm):
+        mixers = (layer.self_attn,) if token_mixers else ()
+        for unit in (*mixers, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm):
             unit.compile(**options)
     if model.model.block_size is not None:
         model.model.attn_res_phases = (torch.compile(attn_res_blocks, **options),

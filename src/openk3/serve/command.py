@@ -72,7 +72,7 @@ def build_engine(args: argparse.Namespace):
         disk_cache_dir=args.disk_cache_dir, disk_cache_bytes=int(args.disk_cache_mb * (1 << 20)),
         checkpoint_every=args.checkpoint_every, prefill_chunk_blocks=args.prefill_chunk_blocks,
         kv_pages=args.kv_pages, kernels=args.kernels, cuda_graphs=not args.no_cuda_graphs,
-        compile_decode=not args.no_compile, seed=args.seed,
+        compile_decode=not args.no_compile, compile_prefill=args.compile_prefill, seed=args.seed,
         speculative=args.speculative,
         scheduler=SchedulerConfig(
             max_running=args.max_running, max_queue=args.max_queue,
@@ -203,6 +203,9 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly on a GPU (no CUDA graphs)")
     p.add_argument("--no-compile", action="store_true",
                    help="capture the decode step without torch.compile (faster start-up, slower decode)")
+    p.add_argument("--compile-prefill", action="store_true",
+                   help="also torch.compile the FFN, norm and AttnRes units that prefill runs (GPU; dynamic shapes; "
+                        "the first prefills of each shape class compile; experimental, not yet measured)")
     p.add_argument("--allow-remote-images", action="store_true",
                    help="fetch http(s) image URLs in chat requests (10 s and 20 MiB at most each, no redirects); "
                         "by default only inline data: URLs are accepted")

@@ -93,6 +93,9 @@ class EngineConfig:
     kernels: str = "auto"  # decode kernels: "triton" (the GPU path), "torch" (the reference), auto: by device
     cuda_graphs: bool = True  # capture decode as CUDA graphs at start-up (CUDA only)
     compile_decode: bool = True  # torch.compile (Inductor) the decode step (CUDA only)
+    # torch.compile (Inductor, dynamic shapes) the FFN, norm and AttnRes units that prefill runs (CUDA only;
+    # `model.compile.compile_blocks` without the token mixers). Off until measured on a GPU (bench/RESULTS.md)
+    compile_prefill: bool = False
     speculative: int = 0  # draft tokens per verification (needs the engine's draft model); 0: off
     seed: int = 0
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -213,7 +216,8 @@ class Engine:
         kernels = config.kernels if config.kernels != "auto" else ("triton" if gpu else "torch")
         self.runner = ModelRunner(model, self.pages, self.tables, self.states, max_batch=sched.max_running,
                                   kernels=kernels, cuda_graphs=config.cuda_graphs, draft=self.draft,
-                                  compile_backend="inductor" if config.compile_decode and gpu else None)
+                                  compile_backend="inductor" if config.compile_decode and gpu else None,
+                                  prefill_compile_backend="inductor" if config.compile_prefill and gpu else None)
         self.runner.capture()
 
         self.prefix_cache = PrefixCache(PrefixCacheConfig(

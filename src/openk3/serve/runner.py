@@ -33,6 +33,7 @@ from openk3.cache import HybridCache, KDALayerCache, MLALayerCache
 from openk3.cache.paged import BlockTables, PagePool
 from openk3.cache.state_pool import StatePool
 from openk3.draft import EagleDraft, tapped_hidden_states
+from openk3.model.compile import compile_blocks
 from openk3.model.decode import DecodeBatch, decode_logits, fuse_kda_inputs
 from openk3.ops.paged_mla import paged_positions
 from openk3.ops.transfer import to_device
@@ -63,7 +64,7 @@ def split_kv(batch: int, processors: int) -> int:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, pages: PagePool, tables: BlockTables, states: StatePool, *,
                  max_batch: int, kernels: str = "torch", cuda_graphs: bool = False, compile_backend: str | None = None,
-                 draft: EagleDraft | None = None):
+                 prefill_compile_backend: str | None = None, draft: EagleDraft | None = None):
         self.model = model
         self.draft = draft  # its latents: the pool's last layer, after the target's MLA layers
         self.pages, self.tables, self.states = pages, tables, states
@@ -78,6 +79,8 @@ class ModelRunner:
         self.graph_error: str | None = None
         if kernels == "triton":
             fuse_kda_inputs(model)  # each KDA layer's six input projections as one matrix-vector product
+        if prefill_compile_backend is not None:  # the FFN, norm and AttnRes units, in place, for any token count
+            compile_blocks(model, token_mixers=False, backend=prefill_compile_backend, dynamic=True)
         # compiled: a compiled step always runs at a bucket's size; Dynamo's automatic dynamic shapes give two
         # graphs (batch 1, and batch as a symbol from the second size on: one Inductor compile each)
         self.compiled = compile_backend is not None
