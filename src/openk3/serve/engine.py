@@ -219,6 +219,8 @@ class Engine:
                                   compile_backend="inductor" if config.compile_decode and gpu else None,
                                   prefill_compile_backend="inductor" if config.compile_prefill and gpu else None)
         self.runner.capture()
+        if self.runner.prefill_compiled:
+            log.info("prefill units compiled in %.1f s", self.runner.warm_up_prefill())
 
         self.prefix_cache = PrefixCache(PrefixCacheConfig(
             hash_block=h, page_size=P, page_bytes=page_bytes,

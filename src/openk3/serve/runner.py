@@ -79,7 +79,8 @@ class ModelRunner:
         self.graph_error: str | None = None
         if kernels == "triton":
             fuse_kda_inputs(model)  # each KDA layer's six input projections as one matrix-vector product
-        if prefill_compile_backend is not None:  # the FFN, norm and AttnRes units, in place, for any token count
+        self.prefill_compiled = prefill_compile_backend is not None
+        if self.prefill_compiled:  # the FFN, norm and AttnRes units, in place, for any token count
             compile_blocks(model, token_mixers=False, backend=prefill_compile_backend, dynamic=True)
         # compiled: a compiled step always runs at a bucket's size; Dynamo's automatic dynamic shapes give two
         # graphs (batch 1, and batch as a symbol from the second size on: one Inductor compile each)
@@ -143,6 +144,17 @@ class ModelRunner:
             log.warning("CUDA graph capture failed, decoding eagerly: %s", self.graph_error)
         self.capture_seconds = time.perf_counter() - start
         return self.capture_seconds
+
+    @torch.no_grad()
+    def warm_up_prefill(self, tokens: int = 16) -> float:
+        """Prefill chunks of one and of two sequences on the padding slot (its KDA state and the null page are
+        scratch), so that compiled prefill units compile now rather than at the first requests: with dynamic shapes
+        one graph serves every token count of one sequence and one every batch of several. Returns the seconds."""
+        start = time.perf_counter()
+        pad = self.states.padding_slot
+        for batch in (1, 2):
+            self.forward([[0] * tokens] * batch, [pad] * batch, [0] * batch)
+        return time.perf_counter() - start
 
     def decode(self, ids: list[int], slots: list[int], lengths: list[int]) -> torch.Tensor:
         """One token for each of n sequences: ids, slots, lengths (tokens before it) -> logits [n, vocab]."""
