@@ -10,7 +10,7 @@
       logits + F.cross_entropy, the baseline of the 2026-11-30 / 12-01 measurements), plus k3-debug with per-head
       Muon for the optimizer's cost; one run. Reports step time, tokens/s, model FLOP utilisation and
       torch.cuda.max_memory_allocated per row; then the top 10 kernels of one profiled k3-debug AdamW step with
-      their share of its kernel time, and k3-debug's MLA attention alone (which SDPA kernel torch picks with v as
+      their share of its kernel time (eager, and compiled when the compiled row ran: JSON `profile_compiled`), and k3-debug's MLA attention alone (which SDPA kernel torch picks with v as
       it is and zero-padded to the q/k head dim, and the time of each). Estimated at 3-5 minutes on an H200.
       --profile: also print torch.profiler's full operator table.
   python bench/train.py cpu   [--steps 3 --batch-size 2 --seq-len 256 --threads N]
@@ -239,11 +239,11 @@ def top_kernels(prof, rows: int = 10, device_type=None) -> list[dict]:
             for e in kernels[:rows]]
 
 
-def profile_k3_step(cfg: ModelConfig, batch, full_tables: bool) -> dict:
-    """One k3 AdamW step (eager) under torch.profiler, after two warm-up steps: the top 10 kernels."""
+def profile_k3_step(cfg: ModelConfig, batch, full_tables: bool, variant: str = "eager") -> dict:
+    """One k3 AdamW step of `variant` under torch.profiler, after two warm-up steps: the top 10 kernels."""
     from torch.profiler import ProfilerActivity, profile
 
-    model, opt = build_k3(cfg, "eager", "adamw")
+    model, opt = build_k3(cfg, variant, "adamw")
     step = k3_train_step(model, opt, batch)
     for _ in range(2):
         step()
@@ -283,15 +283,18 @@ def mla_attention_timing(cfg: ModelConfig, args: argparse.Namespace, reps: int =
     return out
 
 
-def print_results(env: dict, results: list[dict], profile: dict, mla: dict) -> None:
+def print_results(env: dict, results: list[dict], profiles: dict, mla: dict) -> None:
     print(f"{env}\n\nMLA attention (B x H x T = {env['batch']} x {env['mla_heads']} x {env['seq_len']}, fwd+bwd): "
           f"v as is -> {mla['unpadded_backend']} {mla['unpadded_ms']:.2f} ms; v padded -> {mla['padded_backend']} "
           f"{mla['padded_ms']:.2f} ms; the model pads: {mla['auto_pads_v']}")
-    print(f"\nProfile of one {env['preset']} AdamW step: {profile['device_ms']:.1f} ms of kernel time "
-          f"(wall {profile['step_wall_ms_profiled']:.1f} ms under the profiler)\n\n| kernel | ms | share | calls |"
-          "\n|---|---|---|---|")
-    for k in profile["top_kernels"]:
-        print(f"| {k['kernel'][:90]} | {k['ms']:.1f} | {k['share']:.1%} | {k['calls']} |")
+    for variant, profile in profiles.items():
+        if profile is None:
+            continue
+        print(f"\nProfile of one {env['preset']} AdamW step ({variant}): {profile['device_ms']:.1f} ms of kernel "
+              f"time (wall {profile['step_wall_ms_profiled']:.1f} ms under the profiler)\n\n| kernel | ms | share | "
+              "calls |\n|---|---|---|---|")
+        for k in profile["top_kernels"]:
+            print(f"| {k['kernel'][:90]} | {k['ms']:.1f} | {k['share']:.1%} | {k['calls']} |")
     print("\n| model | optimizer | variant | step (ms) | tokens/s | MFU | peak memory (GiB) | warm-up (s) |\n"
           "|---|---|---|---|---|---|---|---|")
     for r in results:
@@ -342,14 +345,18 @@ def gpu(args: argparse.Namespace) -> list[dict]:
         free_gpu()
     profile = profile_k3_step(cfg, batch, args.profile)
     free_gpu()
+    compiled_ran = any(r["variant"] == "compile" and "error" not in r for r in results)
+    profile_compiled = profile_k3_step(cfg, batch, args.profile, "compile") if compiled_ran else None
+    free_gpu()
     mla = mla_attention_timing(cfg, args)
     env = {"gpu": torch.cuda.get_device_name(), "preset": args.preset, "torch": torch.__version__,
            "cudnn": torch.backends.cudnn.version(), "triton": _version("triton"), "batch": args.batch_size,
            "seq_len": args.seq_len, "mla_heads": cfg.mla.num_heads, "steps": args.steps, "warmup": args.warmup,
            "peak_tflops": args.peak_tflops}
     (HERE / "train_gpu.json").write_text(json.dumps({"env": env, "results": results, "profile": profile,
-                                                     "mla_attention": mla}, indent=1))
-    print_results(env, results, profile, mla)
+                                                     "profile_compiled": profile_compiled, "mla_attention": mla},
+                                                    indent=1))
+    print_results(env, results, {"eager": profile, "compile_blocks": profile_compiled}, mla)
     return results
 
 
