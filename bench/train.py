@@ -10,8 +10,9 @@
       logits + F.cross_entropy, the baseline of the 2026-11-30 / 12-01 measurements), plus k3-debug with per-head
       Muon for the optimizer's cost; one run. Reports step time, tokens/s, model FLOP utilisation and
       torch.cuda.max_memory_allocated per row; then the top 10 kernels of one profiled k3-debug AdamW step with
-      their share of its kernel time (eager, and compiled when the compiled row ran: JSON `profile_compiled`), and k3-debug's MLA attention alone (which SDPA kernel torch picks with v as
-      it is and zero-padded to the q/k head dim, and the time of each). Estimated at 3-5 minutes on an H200.
+      their share of its kernel time (eager, and compiled when the compiled row ran: JSON `profile_compiled`),
+      and k3-debug's MLA attention alone (which SDPA kernel torch picks with v as it is and zero-padded to the q/k
+      head dim, and the time of each). Estimated at 3-5 minutes on an H200.
       --profile: also print torch.profiler's full operator table.
   python bench/train.py cpu   [--steps 3 --batch-size 2 --seq-len 256 --threads N]
       One training step (forward + backward + loss) of a small Kimi Linear-shaped model in openk3 beside HF
