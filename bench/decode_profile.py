@@ -2,7 +2,7 @@
 
     python bench/decode_profile.py [--preset k3-debug] [--batches 1 8 32 64] [--prefill-tokens 12288]
                                    [--prefill-chunks 4096 8192 16384]
-                                   [--compile both|on|off] [--json F]
+                                   [--compile both|on|off] [--compile-prefill] [--json F]
 
 For the decode step as the engine runs it by default on a GPU (torch.compile'd, then captured as CUDA graphs) and,
 with `--compile both`, captured without compiling (the comparison), and for each batch size B: B requests (16-token
@@ -14,8 +14,10 @@ steps:
 Then the top operators of a torch.profiler trace of a few steps at the smallest and the largest batch (CPU self time
 and device time), and the time of one prefill of `--prefill-tokens` tokens through `ModelRunner.prefill` with the
 engine's KDA checkpoints, in chunks of each `--prefill-chunks` size (what bounds time to first token; the engine's
-chunk is 16384 on a GPU), the first with its top operators by device time. Prints tables and writes JSON. The peer
-for these numbers is bench/serve_gpu.py (HF transformers' generate); this script explains them.
+chunk is 16384 on a GPU), that one with its top operators (host and device); and short prefills (1, 8 and 32
+prompts of 16 tokens, one of 779: what a new request costs the step it joins, bound by the host's eager operations;
+`--compile-prefill` compiles the units they run). Prints tables and writes JSON. The peer for these numbers is
+bench/serve_gpu.py (HF transformers' generate); this script explains them.
 """
 
 from __future__ import annotations
@@ -135,22 +137,28 @@ def top_operators(prof, steps: int, rows: int) -> dict:
                         "calls": e.count} for e in dev]}
 
 
-def prefill_time(engine: Engine, tokens: int, vocab: int, chunk: int, reps: int = 3, profile_it: bool = False
-                 ) -> dict:
-    """One prompt of `tokens` through `ModelRunner.prefill` in chunks of `chunk` tokens, with the KDA checkpoints
-    the engine would take (`Engine._checkpoint_offsets`): the best of `reps` timed runs after a warm one, and
-    with `profile_it` the top operators of one more run by device time."""
+SHORT_PREFILLS = [(1, 16), (8, 16), (32, 16), (1, 779)]  # (prompts, tokens each): serve_gpu's clients, a chat turn
+
+
+def prefill_time(engine: Engine, tokens: int, vocab: int, chunk: int, batch: int = 1, reps: int = 3,
+                 profile_it: bool = False) -> dict:
+    """`batch` prompts of `tokens` each through `ModelRunner.prefill` together, in chunks of `chunk` tokens, with
+    the KDA checkpoints the engine would take (`Engine._checkpoint_offsets`): the best of `reps` timed runs after a
+    warm one, and with `profile_it` the top operators of one more run (host and device)."""
     gen = torch.Generator().manual_seed(11)
-    prompt = torch.randint(0, vocab, (tokens,), generator=gen).tolist()
-    slot = engine.states.alloc()
-    pages = [engine.pages.alloc() for _ in range(-(-tokens // engine.page_size))]
-    engine.tables.set(slot, pages)
+    prompts = torch.randint(0, vocab, (batch, tokens), generator=gen).tolist()
+    slots = [engine.states.alloc() for _ in range(batch)]
+    pages = {slot: [engine.pages.alloc() for _ in range(-(-tokens // engine.page_size))] for slot in slots}
+    for slot in slots:
+        engine.tables.set(slot, pages[slot])
 
     def run():
-        engine.states.reset(slot)
+        for slot in slots:
+            engine.states.reset(slot)
         for at in range(0, tokens, chunk):
             end = min(at + chunk, tokens)
-            engine.runner.prefill([prompt[at:end]], [slot], [at], engine._checkpoint_offsets(at, end))
+            engine.runner.prefill([p[at:end] for p in prompts], slots, [at] * batch,
+                                  engine._checkpoint_offsets(at, end))
         sync(engine.runner.device)
 
     times = []
@@ -159,17 +167,18 @@ def prefill_time(engine: Engine, tokens: int, vocab: int, chunk: int, reps: int 
         start = time.perf_counter()
         run()
         times.append(time.perf_counter() - start)
-    result = {"tokens": tokens, "chunk": chunk, "ms": min(times[1:]) * 1e3}
+    result = {"batch": batch, "tokens": tokens, "chunk": chunk, "ms": min(times[1:]) * 1e3}
     if profile_it:
         with profiled(engine.runner.device) as prof:
             run()
         result["profile"] = top_operators(prof, 1, 16)
         result["device_busy_ms"] = sum(e.self_device_time_total for e in prof.key_averages()
                                        if e.device_type == DeviceType.CUDA) / 1e3
-    engine.tables.set(slot, [])
-    for page in pages:
-        engine.pages.release(page)
-    engine.states.free(slot)
+    for slot in slots:
+        engine.tables.set(slot, [])
+        for page in pages[slot]:
+            engine.pages.release(page)
+        engine.states.free(slot)
     return result
 
 
@@ -228,6 +237,12 @@ def main() -> None:
         args.prefill_chunks[0]
     pre = [prefill_time(engine, args.prefill_tokens, cfg.vocab_size, chunk, profile_it=chunk == profiled_chunk)
            for chunk in args.prefill_chunks]
+    short = [prefill_time(engine, tokens, cfg.vocab_size, tokens, batch) for batch, tokens in SHORT_PREFILLS
+             if batch <= max(args.batches)]
+    print("\nshort prefills (what a new request costs the step it joins):\n| prompts | tokens each | ms |\n"
+          "|---|---|---|")
+    for p in short:
+        print(f"| {p['batch']} | {p['tokens']} | {p['ms']:.1f} |", flush=True)
     for p in pre:
         print(f"\nprefill of {p['tokens']} tokens in chunks of {p['chunk']}: {p['ms']:.1f} ms", flush=True)
         if "profile" in p:
@@ -238,7 +253,8 @@ def main() -> None:
                 print(f"  {e['device_ms_per_step']:8.3f} ms  {e['calls']:6d}x  {e['op'][:90]}", flush=True)
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "preset": args.preset,
-              "compile_prefill": args.compile_prefill, "decode": decode, "profile": prof, "prefill": pre}
+              "compile_prefill": args.compile_prefill, "decode": decode, "profile": prof, "prefill": pre,
+              "short_prefills": short}
     with open(args.json, "w") as f:
         f.write(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.json}")
