@@ -260,6 +260,26 @@ def test_prefill_units_compiled_give_the_eager_logits(monkeypatch):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_prefill_units_that_fail_to_compile_go_back_to_eager(caplog):
+    """A compile failure in the warm-up (here a backend that raises) is logged and leaves every unit eager: the
+    prefill after it runs and gives the eager runner's logits."""
+    def broken_backend(graph_module, example_inputs):
+        raise RuntimeError("this backend cannot compile")
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = randomize(K3ForCausalLM(CONFIGS["k3-small-mla-first"]()), seed=8)
+    eager = make_runner(copy.deepcopy(model), "torch")
+    runner = make_runner(model, "torch", prefill_compile_backend=broken_backend)
+    runner.warm_up_prefill(tokens=4)
+    assert not runner.prefill_compiled and "prefilling eagerly" in caplog.text
+    ids = torch.randint(0, model.config.vocab_size, (7,), generator=torch.Generator().manual_seed(3)).tolist()
+    for r in (eager, runner):
+        give_pages(r, 0, 7, torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(runner.prefill([ids], [0], [0])[0], eager.prefill([ids], [0], [0])[0])
+
+
 def synchronous_copies(source: str) -> list[int]:
     """Lines of `torch.tensor(..., device=...)` calls: a copy from pageable memory, which makes the host wait for
     every kernel queued on the GPU."""

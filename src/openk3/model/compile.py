@@ -23,12 +23,23 @@ def compile_blocks(model: nn.Module, token_mixers: bool = True, **options) -> nn
     """Compile `model` (a K3ForCausalLM) block by block in place; `options` go to torch.compile (e.g. backend,
     mode, dynamic). Apply after activation checkpointing; returns the model. token_mixers=False leaves the KDA and
     MLA layers eager (serving: their cache reads and writes are the engine's)."""
-    blocks = list(model.model.layers) + [m.block for m in model.mtp or []]
-    for layer in blocks:
-        mixers = (layer.self_attn,) if token_mixers else ()
-        for unit in (*mixers, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm):
-            unit.compile(**options)
+    for unit in _units(model, token_mixers):
+        unit.compile(**options)
     if model.model.block_size is not None:
         model.model.attn_res_phases = (torch.compile(attn_res_blocks, **options),
                                        torch.compile(attn_res_merge, **options))
     return model
+
+
+def uncompile_blocks(model: nn.Module) -> nn.Module:
+    """Undo `compile_blocks`: every unit runs eagerly again (e.g. after a compile failed at start-up)."""
+    for unit in _units(model, token_mixers=True):
+        unit._compiled_call_impl = None  # what nn.Module.compile sets; torch has no public way back
+    model.model.attn_res_phases = (attn_res_blocks, attn_res_merge)
+    return model
+
+
+def _units(model: nn.Module, token_mixers: bool) -> list[nn.Module]:
+    blocks = list(model.model.layers) + [m.block for m in model.mtp or []]
+    return [unit for layer in blocks for unit in ((layer.self_attn,) if token_mixers else ()) +
+            (layer.mlp, layer.input_layernorm, layer.post_attention_layernorm)]

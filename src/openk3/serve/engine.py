@@ -218,9 +218,9 @@ class Engine:
                                   kernels=kernels, cuda_graphs=config.cuda_graphs, draft=self.draft,
                                   compile_backend="inductor" if config.compile_decode and gpu else None,
                                   prefill_compile_backend="inductor" if config.compile_prefill and gpu else None)
+        if self.runner.prefill_compiled:  # first: a unit that fails to compile goes back to eager before capture
+            self.runner.warm_up_prefill()
         self.runner.capture()
-        if self.runner.prefill_compiled:
-            log.info("prefill units compiled in %.1f s", self.runner.warm_up_prefill())
 
         self.prefix_cache = PrefixCache(PrefixCacheConfig(
             hash_block=h, page_size=P, page_bytes=page_bytes,

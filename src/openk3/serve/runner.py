@@ -33,7 +33,7 @@ from openk3.cache import HybridCache, KDALayerCache, MLALayerCache
 from openk3.cache.paged import BlockTables, PagePool
 from openk3.cache.state_pool import StatePool
 from openk3.draft import EagleDraft, tapped_hidden_states
-from openk3.model.compile import compile_blocks
+from openk3.model.compile import compile_blocks, uncompile_blocks
 from openk3.model.decode import DecodeBatch, decode_logits, fuse_kda_inputs
 from openk3.ops.paged_mla import paged_positions
 from openk3.ops.transfer import to_device
@@ -149,11 +149,18 @@ class ModelRunner:
     def warm_up_prefill(self, tokens: int = 16) -> float:
         """Prefill chunks of one and of two sequences on the padding slot (its KDA state and the null page are
         scratch), so that compiled prefill units compile now rather than at the first requests: with dynamic shapes
-        one graph serves every token count of one sequence and one every batch of several. Returns the seconds."""
+        one graph serves every token count of one sequence and one every batch of several. If compiling fails, the
+        units go back to eager (logged). Returns the seconds."""
         start = time.perf_counter()
         pad = self.states.padding_slot
-        for batch in (1, 2):
-            self.forward([[0] * tokens] * batch, [pad] * batch, [0] * batch)
+        try:
+            for batch in (1, 2):
+                self.forward([[0] * tokens] * batch, [pad] * batch, [0] * batch)
+            log.info("prefill units compiled in %.1f s", time.perf_counter() - start)
+        except Exception as err:  # Inductor's errors have no common base class
+            log.warning("compiling the prefill units failed, prefilling eagerly: %s", str(err).splitlines()[0])
+            uncompile_blocks(self.model)
+            self.prefill_compiled = False
         return time.perf_counter() - start
 
     def decode(self, ids: list[int], slots: list[int], lengths: list[int]) -> torch.Tensor:
