@@ -186,8 +186,7 @@ def test_gathered_experts_equal_the_sorted_path(N, k):
     act = glu_activation("situ")
     with torch.no_grad():
         got = experts_forward_gathered(x, r.indices, r.weights, gate_up, down, act)
-        want = experts_forward(x, r.indices, r.weights, gate_up, down, act) if N > 1 else \
-            experts_forward_before_grouped_gemm(x, r.indices, r.weights, gate_up, down, act)
+    want = sorted_path(x, r, gate_up, down, act)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     if N == 1:
         calls = []
@@ -197,6 +196,34 @@ def test_gathered_experts_equal_the_sorted_path(N, k):
                 experts_forward(x, r.indices, r.weights, gate_up, down, act)
             experts_forward(x, r.indices, r.weights, gate_up, down, act)  # with autograd: the sorted path
         assert calls == [1]
+
+
+def sorted_path(x, r, gate_up, down, act):
+    """`experts_forward`'s sorted path (autograd on, which the fast paths leave alone; nothing requires grad)."""
+    with torch.enable_grad():
+        return experts_forward(x, r.indices, r.weights, gate_up, down, act)
+
+
+@pytest.mark.parametrize("E,N,k", [(6, 2, 3), (6, 7, 2), (5, 13, 1), (8, 64, 4)])
+def test_dense_experts_equal_the_sorted_path(E, N, k):
+    """The dense path (decode batches that pick >= E rows: every expert on every token, the picked outputs
+    combined) against the sorted one, fp32, SiTU-GLU, an expert nobody picks, large inputs; and the dispatch:
+    without autograd such a batch takes it, a batch picking fewer rows than experts and autograd do not."""
+    (x, gate_up, down), r = moe_case(E=E, I=10, Din=12, Dout=9, N=N, k=k, seed=E + N + k, dead=(1,))
+    x = x * 30  # into SiTU-GLU's softcapped range
+    act = glu_activation("situ")
+    with torch.no_grad():
+        got = moe_ops.experts_forward_dense(x, r.indices, r.weights, gate_up, down, act)
+    torch.testing.assert_close(got, sorted_path(x, r, gate_up, down, act), rtol=1e-5, atol=1e-5)
+    calls = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(moe_ops, "experts_forward_dense", lambda *a: calls.append(len(a[0])) or got)
+        with torch.no_grad():
+            experts_forward(x, r.indices, r.weights, gate_up, down, act)
+            (xs, _, _), rs = moe_case(E=E, I=10, Din=12, Dout=9, N=2, k=1, seed=1)
+            experts_forward(xs, rs.indices, rs.weights, gate_up, down, act)  # 2 rows < E experts: sorted
+        sorted_path(x, r, gate_up, down, act)
+    assert calls == [N]
 
 
 def reference_grouped_mm(a, b, offs):

@@ -192,12 +192,17 @@ def test_gpu_decode_step_never_waits_for_the_host(monkeypatch):
     assert syncs.seen == [] and torch.isfinite(logits).all()
 
 
-def test_compiled_decode_step_is_two_graphs_and_equals_eager(monkeypatch):
+@pytest.mark.parametrize("dense_experts", [False, True])
+def test_compiled_decode_step_is_few_graphs_and_equals_eager(monkeypatch, dense_experts):
     """The decode step torch.compile'd as the engine does on a GPU (Dynamo's tracing with the aot_eager backend:
     Inductor's code generation takes minutes on this CPU) traces whole, with the Triton kernels (interpreted) as
-    custom ops updating the pools in place: no graph break, two graphs for three buckets, and the eager step's logits,
-    KDA states, conv windows and latent pages (apart from the scratch rows that padding writes)."""
+    custom ops updating the pools in place: no graph break, and the eager step's logits, KDA states, conv windows and
+    latent pages (apart from the scratch rows that padding writes). Graphs for the buckets 1, 2, 4: batch 1, then
+    one with the batch as a symbol; with the dense experts path (6 experts, top-2: from batch 3 on) batch 4 is a
+    third (the engine's price for that path: one more compile at start-up)."""
     monkeypatch.setattr(moe_ops, "grouped_glu_mlp", dense_grouped_glu_mlp)  # the CPU's loop reads counts on host
+    if not dense_experts:
+        monkeypatch.setattr(moe_ops, "DENSE_MAX_TOKENS", 0)
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
@@ -218,7 +223,7 @@ def test_compiled_decode_step_is_two_graphs_and_equals_eager(monkeypatch):
         states = runner.states
         results.append((logits, states.recurrent[:, live], states.conv[:, live], runner.pages.pages[:, 1:]))
     assert not counters["graph_break"]
-    assert counters["stats"]["unique_graphs"] == 2  # batch 1, then one graph with the batch as a symbol (2, 4)
+    assert counters["stats"]["unique_graphs"] == 2 + dense_experts
     for got, want in zip(results[1][0], results[0][0]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     for got, want in zip(results[1][1:], results[0][1:]):

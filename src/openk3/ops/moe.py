@@ -177,12 +177,16 @@ def experts_forward(
 ) -> torch.Tensor:
     """sum_k w[n,k] * Expert_{idx[n,k]}(x[n]) for x [N,Din] -> [N,Dout] (x's dtype; combined in fp32).
 
-    One token without autograd (decode at batch 1) whose k experts' weights fit GATHER_MAX_BYTES takes
-    `experts_forward_gathered`; everything else sorts the rows by expert."""
+    Without autograd: one token whose k experts' weights fit GATHER_MAX_BYTES (decode at batch 1) takes
+    `experts_forward_gathered`; a few tokens that pick at least as many rows as there are experts (decode batches:
+    most experts are read anyway) take `experts_forward_dense`. Everything else sorts the rows by expert."""
     N, k = routing_indices.shape
-    if N == 1 and not torch.is_grad_enabled() and \
-            k * (gate_up[0].numel() + down[0].numel()) * gate_up.element_size() <= GATHER_MAX_BYTES:
-        return experts_forward_gathered(x, routing_indices, routing_weights, gate_up, down, act)
+    E = gate_up.shape[0]
+    if not torch.is_grad_enabled():
+        if N == 1 and k * (gate_up[0].numel() + down[0].numel()) * gate_up.element_size() <= GATHER_MAX_BYTES:
+            return experts_forward_gathered(x, routing_indices, routing_weights, gate_up, down, act)
+        if N <= DENSE_MAX_TOKENS and N * k >= E and E * N * gate_up.shape[1] <= DENSE_MAX_ELEMENTS:
+            return experts_forward_dense(x, routing_indices, routing_weights, gate_up, down, act)
     order, counts = group_by_expert(routing_indices, gate_up.shape[0])
     token_of = order // k  # which token each sorted row came from
     y_sorted = grouped_glu_mlp(x[token_of], counts, gate_up, down, act)
@@ -195,6 +199,26 @@ def experts_forward(
 # GEMM's set-up for k rows. k3-debug (4 experts of 1.5 MiB) on an H200, CUDA graphs without compile: batch-1 decode
 # 4.75 -> 3.68 ms per step (bench/RESULTS.md).
 GATHER_MAX_BYTES = 16 << 20
+
+
+# `experts_forward_dense`: when N tokens pick N * k >= E rows, at least 1 - 1/e of the experts are picked on average,
+# so reading all E experts' weights costs at most ~1.6x the sorted path's reads, and saves its sort, group layout
+# and grouped-GEMM set-up. Bounded to decode-sized batches (the FLOPs are E / k times the routed ones) and to an
+# [E, N, 2I] intermediate of 32M elements.
+DENSE_MAX_TOKENS = 64
+DENSE_MAX_ELEMENTS = 1 << 25
+
+
+def experts_forward_dense(x, routing_indices, routing_weights, gate_up, down, act) -> torch.Tensor:
+    """`experts_forward` with every expert applied to every token (two batched matmuls over the E experts), then
+    each token's k picked outputs gathered and combined in fp32: no sort and no group layout."""
+    N, k = routing_indices.shape
+    dtype = compute_dtype(x)
+    h = torch.matmul(x.to(dtype), gate_up.to(dtype).transpose(-2, -1))  # [E, N, 2I], the packed [gate | up]
+    y = torch.matmul(apply_glu(act, h), down.to(dtype).transpose(-2, -1))  # [E, N, Dout]
+    picked = y[routing_indices, torch.arange(N, device=x.device).unsqueeze(-1)]  # [N, k, Dout]
+    acc = acc_dtype(x.dtype)
+    return (picked.to(acc) * routing_weights.unsqueeze(-1).to(acc)).sum(1).to(x.dtype)
 
 
 def experts_forward_gathered(x, routing_indices, routing_weights, gate_up, down, act) -> torch.Tensor:
