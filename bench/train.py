@@ -12,7 +12,8 @@
       torch.cuda.max_memory_allocated per row; then the top 10 kernels of one profiled k3-debug AdamW step with
       their share of its kernel time (eager, and compiled when the compiled row ran: JSON `profile_compiled`),
       and k3-debug's MLA attention alone (which SDPA kernel torch picks with v as it is and zero-padded to the q/k
-      head dim, and the time of each). Estimated at 3-5 minutes on an H200.
+      head dim, and the time of each). Estimated at 3-5 minutes on an H200. The file's "fsdp" entry (written by
+      bench/fsdp_scaling.py: 1 GPU against FSDP2 on 2) is kept.
       --profile: also print torch.profiler's full operator table.
   python bench/train.py cpu   [--steps 3 --batch-size 2 --seq-len 256 --threads N]
       One training step (forward + backward + loss) of a small Kimi Linear-shaped model in openk3 beside HF
@@ -354,9 +355,10 @@ def gpu(args: argparse.Namespace) -> list[dict]:
            "cudnn": torch.backends.cudnn.version(), "triton": _version("triton"), "batch": args.batch_size,
            "seq_len": args.seq_len, "mla_heads": cfg.mla.num_heads, "steps": args.steps, "warmup": args.warmup,
            "peak_tflops": args.peak_tflops}
-    (HERE / "train_gpu.json").write_text(json.dumps({"env": env, "results": results, "profile": profile,
-                                                     "profile_compiled": profile_compiled, "mla_attention": mla},
-                                                    indent=1))
+    path = HERE / "train_gpu.json"
+    kept = {k: v for k, v in json.loads(path.read_text()).items() if k == "fsdp"} if path.exists() else {}
+    path.write_text(json.dumps({"env": env, "results": results, "profile": profile,
+                                "profile_compiled": profile_compiled, "mla_attention": mla, **kept}, indent=1))
     print_results(env, results, {"eager": profile, "compile_blocks": profile_compiled}, mla)
     return results
 
