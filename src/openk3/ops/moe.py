@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from openk3.ops.activations import apply_glu
+from openk3.ops.fused import triton_available
 from openk3.ops.norms import acc_dtype, compute_dtype
 
 # Each expert's group of rows is padded to a multiple of 16 bytes' worth of rows: in the weight-gradient GEMM the
@@ -117,6 +118,7 @@ def grouped_mm_usable(x_sorted: torch.Tensor, gate_up: torch.Tensor, down: torch
 class GroupedLayout(NamedTuple):
     offsets: torch.Tensor  # [E] int32 end row of each expert's group in the padded buffer (the last one = capacity)
     dest: torch.Tensor  # [M] int64 row of the padded buffer that each sorted row goes to
+    source: torch.Tensor  # [capacity] int64 the sorted row each padded row holds, M for a padding row
     capacity: int  # rows of the padded buffer (a bound that depends on M and E only: no host sync)
 
 
@@ -125,16 +127,24 @@ def grouped_layout(counts: torch.Tensor, num_rows: int, align: int) -> GroupedLa
     starts on a multiple of `align` rows and holds at least `align` rows (empty groups have tripped the kernels'
     stride checks and left their weight gradients unwritten, SPEC §14; padding rows are zeros, so they add
     nothing to any gradient), and the last group runs to the end of the buffer, so no row is left outside the
-    groups (the kernel leaves such rows, and their gradients, uninitialised)."""
+    groups (the kernel leaves such rows, and their gradients, uninitialised). On a GPU one Triton launch
+    (`ops.triton_layout`) does what these twenty-odd small operations do."""
     E = counts.numel()
+    capacity = -(-(num_rows + E * align) // align) * align  # >= sum(padded): each group adds < align + count rows
+    if counts.is_cuda and not torch.compiler.is_compiling() and triton_available():
+        from openk3.ops.triton_layout import grouped_layout_triton  # triton is an optional dependency
+
+        return GroupedLayout(*grouped_layout_triton(counts, num_rows, align, capacity), capacity)
     padded = (counts.clamp_min(1) + align - 1) // align * align
     ends = padded.cumsum(0)
-    capacity = -(-(num_rows + E * align) // align) * align  # >= sum(padded): each group adds < align + count rows
     offsets = torch.cat([ends[:-1], ends.new_full((1,), capacity)]).to(torch.int32)
     shift = (ends - padded) - (counts.cumsum(0) - counts)  # padded start - unpadded start, per expert
     expert_of_row = torch.repeat_interleave(torch.arange(E, device=counts.device), counts, output_size=num_rows)
-    dest = torch.arange(num_rows, device=counts.device) + shift[expert_of_row]
-    return GroupedLayout(offsets, dest, capacity)
+    rows = torch.arange(num_rows, device=counts.device)
+    dest = rows + shift[expert_of_row]
+    source = torch.full((capacity,), num_rows, dtype=dest.dtype, device=counts.device)
+    source[dest] = rows
+    return GroupedLayout(offsets, dest, source, capacity)
 
 
 def grouped_glu_mlp_gemm(x_sorted, counts, gate_up, down, act, *, mm=None) -> torch.Tensor:
@@ -147,10 +157,8 @@ def grouped_glu_mlp_gemm(x_sorted, counts, gate_up, down, act, *, mm=None) -> to
     layout = grouped_layout(counts, M, GROUP_ALIGN_BYTES * 8 // torch.finfo(dtype).bits)
     # the padded rows gathered from the rows plus one zero row: a gather keeps only its index for backward, where
     # index_copy into a zero buffer would keep a copy of all the rows
-    source = torch.full((layout.capacity,), M, dtype=layout.dest.dtype, device=x_sorted.device)
-    source[layout.dest] = torch.arange(M, device=x_sorted.device)
     rows = x_sorted.to(dtype)
-    x_pad = torch.cat([rows, rows.new_zeros(1, rows.shape[1])]).index_select(0, source)
+    x_pad = torch.cat([rows, rows.new_zeros(1, rows.shape[1])]).index_select(0, layout.source)
     h = mm(x_pad, gate_up.to(dtype).transpose(-2, -1), offs=layout.offsets)
     if torch.is_grad_enabled() and not torch.compiler.is_compiling():
         # the GLU's output is recomputed in backward from h (kept anyway for the GLU's own backward) instead of
