@@ -24,13 +24,14 @@ pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:Runt
 
 
 class _Poisoned:
-    """`torch` as the kernel modules see it, with empty/empty_like returning NaN-filled tensors."""
+    """`torch` as the kernel modules see it, with empty() filled with NaN (floats) or -1 (integers)."""
 
     def __getattr__(self, name):
         return getattr(torch, name)
 
     def empty(self, *a, **kw):
-        return torch.empty(*a, **kw).fill_(float("nan"))
+        t = torch.empty(*a, **kw)
+        return t.fill_(float("nan") if t.is_floating_point() else -1)
 
 
 @pytest.fixture(autouse=True)

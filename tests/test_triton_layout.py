@@ -1,8 +1,8 @@
 """The grouped GEMM's padded row layout in one Triton launch (`ops.triton_layout`) against `grouped_layout`'s
 PyTorch form: offsets, each row's destination and each padded row's source, for empty experts first, in the
 middle and last, no rows at all, one expert and a width that is not a power of two. On CPU the kernel runs under
-TRITON_INTERPRET=1 (tests/conftest.py), its outputs NaN-free by construction (integers): `dest` is poisoned with
--1 and `source` checked in full, so an unwritten element fails."""
+TRITON_INTERPRET=1 (tests/conftest.py); the buffers it leaves to the kernel are filled with -1 first and `source`
+is compared whole, so an element the kernel forgets to write fails."""
 
 from __future__ import annotations
 
@@ -11,17 +11,7 @@ import torch
 
 from openk3.ops import moe as moe_ops
 from openk3.ops import triton_layout
-from test_ops_fused import DEV
-
-
-class _Poisoned:
-    """`torch` as the kernel module sees it, with empty() returning -1-filled tensors."""
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-    def empty(self, *a, **kw):
-        return torch.empty(*a, **kw).fill_(-1)
+from test_ops_fused import DEV, _Poisoned
 
 
 @pytest.mark.parametrize("counts", [[0, 3, 0, 5, 9, 0], [4], [0, 0, 0], [1] * 70, [17, 0, 2, 33, 0, 1, 8, 0, 0, 5]])

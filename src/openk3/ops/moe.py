@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from openk3.ops.activations import apply_glu
-from openk3.ops.fused import triton_available
+from openk3.ops.fused import triton_available, use_triton
 from openk3.ops.norms import acc_dtype, compute_dtype
 
 # Each expert's group of rows is padded to a multiple of 16 bytes' worth of rows: in the weight-gradient GEMM the
@@ -45,7 +45,13 @@ def sigmoid_topk_routing(
     renormalize: bool = True,
     scaling: float = 1.0,
 ) -> Routing:
-    """logits [N,E] -> Routing. Selection on sigmoid(logits) + bias; weights from the unbiased scores."""
+    """logits [N,E] -> Routing. Selection on sigmoid(logits) + bias; weights from the unbiased scores. Without
+    autograd, fp32 logits on a GPU take one Triton pass (`ops.triton_routing`)."""
+    if logits.dtype == torch.float32 and use_triton(logits) and top_k <= logits.shape[-1] and not (
+            torch.is_grad_enabled() and logits.requires_grad):
+        from openk3.ops.triton_routing import sigmoid_topk_routing_triton  # triton is an optional dependency
+
+        return Routing(*sigmoid_topk_routing_triton(logits, bias, top_k, renormalize, scaling))
     scores = torch.sigmoid(logits.to(acc_dtype(logits.dtype)))
     choice = scores if bias is None else scores + bias.to(scores.dtype)
     indices = torch.topk(choice, k=top_k, dim=-1).indices

@@ -1,0 +1,53 @@
+"""Sigmoid top-k routing in one Triton pass (`ops.triton_routing`, inference) against `sigmoid_topk_routing`'s
+PyTorch form: weights, indices and scores, with and without the selection bias and renormalisation, k not a power
+of two, k = E, expert counts that are not powers of two, saturated logits; and when `sigmoid_topk_routing` takes
+it. On CPU the kernel runs under TRITON_INTERPRET=1 (tests/conftest.py), its outputs NaN-poisoned."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from openk3.ops import moe as moe_ops
+from openk3.ops import triton_routing
+from test_ops_fused import DEV, _Poisoned
+
+
+@pytest.fixture(autouse=True)
+def poison(monkeypatch):
+    monkeypatch.setattr(triton_routing, "torch", _Poisoned())
+
+
+def reference(logits, bias, k, renormalize, scaling, monkeypatch):
+    with monkeypatch.context() as m:
+        m.setattr(moe_ops, "use_triton", lambda t: False)
+        return moe_ops.sigmoid_topk_routing(logits, bias, k, renormalize=renormalize, scaling=scaling)
+
+
+@pytest.mark.parametrize(("N", "E", "k", "with_bias", "renormalize", "scale"), [
+    (5, 8, 2, True, True, 1.0), (3, 6, 3, True, False, 1.0), (4, 70, 5, False, True, 1.0), (2, 7, 7, True, True, 1.0),
+    (6, 32, 4, True, True, 30.0),  # saturated sigmoids: the bias decides
+])
+def test_routing_kernel_matches_reference(N, E, k, with_bias, renormalize, scale, monkeypatch):
+    g = torch.Generator().manual_seed(N * E + k)
+    logits = (torch.randn(N, E, generator=g) * scale).to(DEV)
+    bias = (torch.randn(E, generator=g) * 0.1).to(DEV) if with_bias else None
+    want = reference(logits, bias, k, renormalize, 2.5, monkeypatch)
+    weights, indices, scores = triton_routing.sigmoid_topk_routing_triton(logits, bias, k, renormalize, 2.5)
+    assert torch.equal(indices, want.indices)
+    torch.testing.assert_close(scores, want.scores, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(weights, want.weights, rtol=1e-6, atol=1e-7)
+
+
+def test_sigmoid_topk_routing_takes_the_kernel_only_without_autograd(monkeypatch):
+    logits = torch.randn(3, 8, generator=torch.Generator().manual_seed(1)).to(DEV)
+    calls = []
+    kernel = triton_routing.sigmoid_topk_routing_triton
+    monkeypatch.setattr(triton_routing, "sigmoid_topk_routing_triton", lambda *a: calls.append(1) or kernel(*a))
+    monkeypatch.setattr(moe_ops, "use_triton", lambda t: True)
+    with torch.no_grad():
+        fast = moe_ops.sigmoid_topk_routing(logits, None, 2)
+    slow = moe_ops.sigmoid_topk_routing(logits.requires_grad_(), None, 2)
+    assert calls == [1] and slow.weights.requires_grad
+    assert torch.equal(fast.indices, slow.indices)
+    torch.testing.assert_close(fast.weights, slow.weights.detach(), rtol=1e-6, atol=1e-7)
