@@ -64,7 +64,11 @@ def attn_res_merge(mix: torch.Tensor, lse: torch.Tensor, partial: torch.Tensor, 
 
         return attn_res_merge_triton(mix, lse, partial, query, eps, dtype or partial.dtype)
     pf = partial.to(mix.dtype)
+    q = query.to(pf.dtype)
     with fp32_island(pf):
-        s = (pf @ query.to(pf.dtype)) * torch.rsqrt(pf.pow(2).mean(-1) + eps)  # [...]
+        # compiled, a product and sum that Inductor fuses with the norm's reduction; eagerly a matrix-vector product
+        # (one read of the partial sum; under torch.compile it stays a cuBLAS call of its own, two kernels at batch 1)
+        dot = (pf * q).sum(-1) if torch.compiler.is_compiling() else pf @ q
+        s = dot * torch.rsqrt(pf.pow(2).mean(-1) + eps)  # [...]
     weights = torch.stack([s, lse], dim=-1).softmax(-1).unsqueeze(-2)  # [..., 1, 2]
     return (weights[..., 0] * pf + weights[..., 1] * mix).to(dtype or partial.dtype)
