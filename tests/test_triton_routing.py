@@ -20,7 +20,7 @@ def poison(monkeypatch):
 
 def reference(logits, bias, k, renormalize, scaling, monkeypatch):
     with monkeypatch.context() as m:
-        m.setattr(moe_ops, "use_triton", lambda t: False)
+        m.setattr(moe_ops, "use_triton", lambda t, compiled=False: False)
         return moe_ops.sigmoid_topk_routing(logits, bias, k, renormalize=renormalize, scaling=scaling)
 
 
@@ -44,10 +44,26 @@ def test_sigmoid_topk_routing_takes_the_kernel_only_without_autograd(monkeypatch
     calls = []
     kernel = triton_routing.sigmoid_topk_routing_triton
     monkeypatch.setattr(triton_routing, "sigmoid_topk_routing_triton", lambda *a: calls.append(1) or kernel(*a))
-    monkeypatch.setattr(moe_ops, "use_triton", lambda t: True)
+    monkeypatch.setattr(moe_ops, "use_triton", lambda t, compiled=False: True)
     with torch.no_grad():
         fast = moe_ops.sigmoid_topk_routing(logits, None, 2)
     slow = moe_ops.sigmoid_topk_routing(logits.requires_grad_(), None, 2)
     assert calls == [1] and slow.weights.requires_grad
     assert torch.equal(fast.indices, slow.indices)
     torch.testing.assert_close(fast.weights, slow.weights.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_routing_kernel_stays_whole_in_compiled_code(monkeypatch):
+    """Inside torch.compile (Dynamo's tracing with aot_eager here; the compiled decode step on a GPU) the kernel is
+    a custom op: no graph break, and the reference's routing."""
+    logits = torch.randn(5, 12, generator=torch.Generator().manual_seed(2)).to(DEV)
+    bias = torch.linspace(-0.1, 0.1, 12).to(DEV)
+    want = reference(logits, bias, 3, True, 1.5, monkeypatch)
+    monkeypatch.setattr(moe_ops, "use_triton", lambda t, compiled=False: compiled)  # the GPU's answer in compiled code
+    torch._dynamo.reset()
+    route = torch.compile(lambda x: moe_ops.sigmoid_topk_routing(x, bias, 3, scaling=1.5), backend="aot_eager",
+                          fullgraph=True)
+    with torch.no_grad():
+        got = route(logits)
+    assert torch.equal(got.indices, want.indices)
+    torch.testing.assert_close(got.weights, want.weights, rtol=1e-6, atol=1e-7)

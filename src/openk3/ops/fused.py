@@ -18,6 +18,7 @@ def triton_available() -> bool:
     return True
 
 
-def use_triton(x: torch.Tensor) -> bool:
+def use_triton(x: torch.Tensor, compiled: bool = False) -> bool:
+    """compiled=True: inside torch.compile too (a kernel behind a torch custom op, which Inductor keeps whole)."""
     return (x.is_cuda and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
-            and not torch.compiler.is_compiling() and triton_available())
+            and (compiled or not torch.compiler.is_compiling()) and triton_available())

@@ -46,8 +46,8 @@ def sigmoid_topk_routing(
     scaling: float = 1.0,
 ) -> Routing:
     """logits [N,E] -> Routing. Selection on sigmoid(logits) + bias; weights from the unbiased scores. Without
-    autograd, fp32 logits on a GPU take one Triton pass (`ops.triton_routing`)."""
-    if logits.dtype == torch.float32 and use_triton(logits) and top_k <= logits.shape[-1] and not (
+    autograd, fp32 logits on a GPU take one Triton pass (`ops.triton_routing`, a custom op: compiled code too)."""
+    if logits.dtype == torch.float32 and use_triton(logits, compiled=True) and top_k <= logits.shape[-1] and not (
             torch.is_grad_enabled() and logits.requires_grad):
         from openk3.ops.triton_routing import sigmoid_topk_routing_triton  # triton is an optional dependency
 

@@ -43,6 +43,9 @@ def _routing_kernel(logits_ptr, bias_ptr, scores_ptr, weights_ptr, indices_ptr, 
     tl.store(weights_ptr + row * TOP_K + slot, weights * scaling, mask=mk)
 
 
+# A torch custom op, so that torch.compile keeps the launch whole (the compiled decode step: Inductor would
+# otherwise lower top-k to two sort kernels of its own and fuse the rest around them)
+@torch.library.custom_op("openk3::sigmoid_topk_routing", mutates_args=())
 def sigmoid_topk_routing_triton(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, renormalize: bool,
                                 scaling: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(weights [N, k] fp32, indices [N, k] int64, scores [N, E] fp32) for logits [N, E]; no autograd."""
@@ -56,3 +59,10 @@ def sigmoid_topk_routing_triton(logits: torch.Tensor, bias: torch.Tensor | None,
                               TOP_K=top_k, HAS_BIAS=bias is not None, RENORMALIZE=renormalize,
                               BLOCK_E=triton.next_power_of_2(E), BLOCK_K=triton.next_power_of_2(top_k))
     return weights, indices, scores
+
+
+@sigmoid_topk_routing_triton.register_fake
+def _(logits, bias, top_k, renormalize, scaling):
+    N, E = logits.shape
+    return (logits.new_empty(N, top_k, dtype=torch.float32), logits.new_empty(N, top_k, dtype=torch.int64),
+            logits.new_empty(N, E, dtype=torch.float32))
