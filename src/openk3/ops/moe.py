@@ -201,7 +201,7 @@ def experts_forward(
             return experts_forward_gathered(x, routing_indices, routing_weights, gate_up, down, act)
         if N <= DENSE_MAX_TOKENS and N * k >= E and E * N * gate_up.shape[1] <= DENSE_MAX_ELEMENTS:
             return experts_forward_dense(x, routing_indices, routing_weights, gate_up, down, act)
-    order, counts = group_by_expert(routing_indices, gate_up.shape[0])
+    order, counts = group_by_expert(routing_indices, E)
     token_of = order // k  # which token each sorted row came from
     y_sorted = grouped_glu_mlp(x[token_of], counts, gate_up, down, act)
     w_sorted = routing_weights.reshape(-1)[order].unsqueeze(-1)
