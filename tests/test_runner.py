@@ -102,7 +102,7 @@ def test_decode_touches_only_its_slots_and_pages():
 
 
 def test_prefill_attention_never_takes_cudnn(monkeypatch):
-    """The prefill's SDPA runs with cuDNN attention off (its per-shape plan costs 45-70 ms at every new prompt
+    """The prefill's SDPA runs with cuDNN attention off (its per-shape plan costs 45-71 ms at every new prompt
     length on an H200) and the settings are restored after; the MLA layers' attention is what sees them."""
     torch.manual_seed(0)
     model = randomize(K3ForCausalLM(CONFIGS["k3-small-mla-first"]()), seed=5)

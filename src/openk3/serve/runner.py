@@ -38,7 +38,7 @@ from openk3.model.decode import DecodeBatch, decode_logits, fuse_kda_inputs
 from openk3.ops.paged_mla import paged_positions
 from openk3.ops.transfer import to_device
 
-# MLA prefill attention without cuDNN: cuDNN builds an execution plan for every new (batch, length), 45-70 ms each
+# MLA prefill attention without cuDNN: cuDNN builds an execution plan for every new (batch, length), 45-71 ms each
 # and about 1 s for the first long one on an H200 (bench/RESULTS.md, 2026-12-01), and a server sees a new prompt
 # length at almost every request; flash (v padded, ops.attention.causal_sdpa) and memory-efficient attention have no
 # such cost. Training keeps cuDNN: its shapes repeat.
