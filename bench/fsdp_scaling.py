@@ -1,11 +1,15 @@
-"""`openk3 train` on one GPU and with FSDP2 on N GPUs of one host, same seed and global batch (issue 13): the
-losses step by step, which the parallel layout must leave alone up to bf16 rounding, and tokens/s per GPU.
+"""`openk3 train` on one GPU and on N GPUs of one host in each parallel layout, same seed and global batch
+(issues 13 and 14): the losses step by step, which the layout must leave alone up to bf16 rounding, and tokens/s
+per GPU.
 
-    python bench/fsdp_scaling.py [--gpus 2] [--preset k3-debug] [--steps 20] [--batch-size 8] [--seq-len 4096]
-                                 [--optimizer adamw] [--smoke] [--json bench/train_gpu.json]
+    python bench/fsdp_scaling.py [--gpus 2] [--layouts fsdp cp ep] [--preset k3-debug] [--steps 20]
+                                 [--batch-size 8] [--seq-len 4096] [--optimizer adamw] [--smoke]
+                                 [--json bench/train_gpu.json]
 
-Both runs are real processes: `python -m openk3 train` alone, then under `torchrun --standalone --nproc-per-node
-N` (FSDP2 data parallel; `--batch-size` is the global batch, so each GPU takes batch / N sequences). Each writes
+Every run is a real process: `python -m openk3 train` alone, then under `torchrun --standalone --nproc-per-node
+N` once per layout: fsdp (FSDP2 data parallel; `--batch-size` is the global batch, so each GPU takes batch / N
+sequences), cp (`--cp N`: one packed stream split over the GPUs, KDA context parallel) and ep (`--ep N`: data
+parallel with the experts split over the GPUs, balanced planner). Each writes
 metrics.jsonl (per step: loss and the global batch's tokens/s); tokens/s is the median over the steps after the
 first three (compilation and allocator warm-up). The result goes under the key "fsdp" of the JSON file (other keys
 kept: by default bench/train_gpu.json, beside bench/train.py's rows): one row per run with `gpus`, `tokens_per_s`,
@@ -28,34 +32,41 @@ from pathlib import Path
 WARMUP_STEPS = 3
 
 
-def train_command(args: argparse.Namespace, out: Path, gpus: int) -> list[str]:
+LAYOUT_FLAGS = {"fsdp": [], "cp": ["--cp"], "ep": ["--ep"]}
+
+
+def train_command(args: argparse.Namespace, out: Path, gpus: int, layout: str) -> list[str]:
     train = ["-m", "openk3", "train", "--preset", args.preset, "--max-steps", str(args.steps), "--seed", "7",
              "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--optimizer", args.optimizer,
              "--out", str(out), "--overwrite", "--no-progress", "--eval-every", "0", "--sample-tokens", "0",
              "--device", "cpu" if args.smoke else "cuda"]
     if gpus == 1:
         return [sys.executable, *train]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}", *train]
+    layout_args = [a for flag in LAYOUT_FLAGS[layout] for a in (flag, str(gpus))]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}", *train,
+            *layout_args]
 
 
-def run(args: argparse.Namespace, gpus: int, workdir: Path) -> dict:
-    out = workdir / f"gpus-{gpus}"
+def run(args: argparse.Namespace, gpus: int, workdir: Path, layout: str) -> dict:
+    out = workdir / f"gpus-{gpus}-{layout}"
     started = time.perf_counter()
-    proc = subprocess.run(train_command(args, out, gpus), capture_output=True, text=True, timeout=args.timeout,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = subprocess.run(train_command(args, out, gpus, layout), capture_output=True, text=True,
+                          timeout=args.timeout, env=dict(os.environ, OMP_NUM_THREADS="1"))
     if proc.returncode != 0:
         log = (proc.stdout + proc.stderr)[-4000:]
-        raise SystemExit(f"bench/fsdp_scaling.py: the {gpus}-process run failed:\n{log}")
+        raise SystemExit(f"bench/fsdp_scaling.py: the {gpus}-process {layout} run failed:\n{log}")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [r for r in records if "loss" in r and "tokens_per_s" in r]
     rate = statistics.median(r["tokens_per_s"] for r in steps[WARMUP_STEPS:] or steps)
-    return {"gpus": gpus, "losses": [r["loss"] for r in steps], "tokens_per_s": rate,
-            "tokens_per_s_per_gpu": rate / gpus, "wall_s": time.perf_counter() - started}
+    return {"gpus": gpus, "layout": layout if gpus > 1 else "1 GPU", "losses": [r["loss"] for r in steps],
+            "tokens_per_s": rate, "tokens_per_s_per_gpu": rate / gpus, "wall_s": time.perf_counter() - started}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--gpus", type=int, default=2, help="processes (GPUs) of the FSDP2 run")
+    ap.add_argument("--gpus", type=int, default=2, help="processes (GPUs) of the parallel runs")
+    ap.add_argument("--layouts", nargs="+", default=list(LAYOUT_FLAGS), choices=list(LAYOUT_FLAGS),
+                    help="parallel layouts to run on --gpus GPUs, each against the 1-GPU run")
     ap.add_argument("--preset", default=None, help="model preset (default k3-debug; k3-tiny with --smoke)")
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps (default 20; 4 with --smoke)")
     ap.add_argument("--batch-size", type=int, default=None, help="global batch (default 8; 4 with --smoke)")
@@ -80,16 +91,18 @@ def main() -> None:
             raise SystemExit(f"bench/fsdp_scaling.py: needs {args.gpus} CUDA GPUs, torch sees "
                              f"{torch.cuda.device_count()}; --smoke runs it on the CPU")
     with tempfile.TemporaryDirectory(prefix="openk3-fsdp-") as tmp:
-        single, parallel = run(args, 1, Path(tmp)), run(args, args.gpus, Path(tmp))
-    diff = max(abs(a - b) for a, b in zip(single["losses"], parallel["losses"], strict=True))
-    rows = [dict(single, loss_max_abs_diff_vs_1gpu=0.0, scaling_efficiency=1.0),
-            dict(parallel, loss_max_abs_diff_vs_1gpu=diff,
-                 scaling_efficiency=parallel["tokens_per_s_per_gpu"] / single["tokens_per_s_per_gpu"])]
+        single = run(args, 1, Path(tmp), "fsdp")
+        rows = [dict(single, loss_max_abs_diff_vs_1gpu=0.0, scaling_efficiency=1.0)]
+        for layout in args.layouts:
+            parallel = run(args, args.gpus, Path(tmp), layout)
+            diff = max(abs(a - b) for a, b in zip(single["losses"], parallel["losses"], strict=True))
+            rows.append(dict(parallel, loss_max_abs_diff_vs_1gpu=diff,
+                             scaling_efficiency=parallel["tokens_per_s_per_gpu"] / single["tokens_per_s_per_gpu"]))
     print(f"\n{args.preset}, global batch {args.batch_size} x {args.seq_len}, {args.optimizer}, {args.steps} steps"
-          f"{' (CPU smoke)' if toy else ''}\n| gpus | tokens/s | tokens/s per GPU | scaling efficiency | "
-          "max |loss - 1-GPU loss| |\n|---|---|---|---|---|")
+          f"{' (CPU smoke)' if toy else ''}\n| gpus | layout | tokens/s | tokens/s per GPU | scaling efficiency | "
+          "max |loss - 1-GPU loss| |\n|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['gpus']} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s_per_gpu']:,.0f} | "
+        print(f"| {r['gpus']} | {r['layout']} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s_per_gpu']:,.0f} | "
               f"{r['scaling_efficiency']:.0%} | {r['loss_max_abs_diff_vs_1gpu']:.2e} |")
     path = Path(args.json)
     data = json.loads(path.read_text()) if path.exists() else {}

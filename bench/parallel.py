@@ -13,8 +13,14 @@ EP=world (32 / world experts per GPU, all_to_all dispatch and combine) with the 
 planner, under the random router's natural routing and with one hot expert that every token picks (half of all
 token-expert rows). tokens/s per GPU = S / step time (the slowest rank's); rows = the most token-expert rows one
 GPU computed.
-Timing: CUDA events, median of --iters steps after --warmup (the first compiles the Triton kernels). Prints a
-Markdown table and writes the JSON to --out. About 2 minutes on 2 H200s (budget: < 8 minutes).
+Checks first (issue 14's equalities on NCCL with the Triton backend, bf16 autocast): the KDA and MLA layers under
+CP against the plain layer run on each document alone, on a packed stream of --check-tokens tokens in three
+layouts (a document across the rank boundary at an odd position, a document boundary exactly on a rank boundary,
+rank 0 holding 2 < W-1 tokens); the MoE layer under EP (both planners, one hot expert, distinct router biases so
+that bf16 rounding cannot flip a choice) against one process on all ranks' tokens. Relative RMS error of the
+output, the input gradient and the worst parameter gradient, each against --check-tol.
+Timing: CUDA events, median of --iters steps after --warmup (the first compiles the Triton kernels). Prints
+Markdown tables and writes the JSON to --out. About 3 minutes on 2 H200s (budget: < 8 minutes).
 """
 
 from __future__ import annotations
@@ -33,10 +39,12 @@ import torch.distributed as dist
 
 from openk3.config import get_preset
 from openk3.model.kda import KimiDeltaAttention
-from openk3.model.moe import MoE
-from openk3.parallel.ep import ExpertParallel, shard_experts
+from openk3.model.mla import GatedMLA
+from openk3.model.moe import MoE, decisive_routing
+from openk3.parallel.ep import ExpertParallel, local_experts, shard_experts
 from openk3.parallel.kcp import kda_layer_forward
 from openk3.parallel.layout import SequenceSplit
+from openk3.parallel.mla import mla_layer_forward
 
 
 def timed(step, iters: int, warmup: int, device: torch.device) -> float:
@@ -134,11 +142,114 @@ def bench_ep(cfg, tokens: int, routing: str, args, rank: int, world: int, device
     return rows
 
 
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((actual.double() - expected.double()).norm() / expected.double().norm().clamp_min(1e-30))
+
+
+def check_layouts(tokens: int, world: int) -> dict[str, SequenceSplit]:
+    """The traps of SPEC §10 at any world size: inner rank bounds off the even split by an odd amount, a document
+    ending exactly on the first rank boundary, a first rank of 2 tokens (its successor's conv halo needs 3)."""
+    even = SequenceSplit.even((0, tokens), world).bounds
+    shifted = (0, *(b + 37 for b in even[1:-1]), tokens)
+    rest = [2 + r * (tokens - 2) // (world - 1) for r in range(world)]
+    return {"document across the boundary": SequenceSplit((0, tokens), shifted),
+            "document boundary on the rank boundary": SequenceSplit((0, even[1] // 3, even[1], tokens), even),
+            "rank 0 holds 2 tokens": SequenceSplit((0, 1, tokens // 2, tokens), (0, *rest))}
+
+
+def weighted_backward(out: torch.Tensor, weight: torch.Tensor) -> None:
+    (out.float() * weight).sum().backward()
+
+
+def check_cp_layer(layer, forward, split: SequenceSplit, rank: int, device: torch.device) -> dict:
+    """forward (the CP wrapper) on this rank's slice against the plain layer on each document alone."""
+    gen = torch.Generator(device).manual_seed(0)
+    x = torch.randn(1, split.total, layer.o_proj.out_features, generator=gen, device=device)
+    weight = torch.randn(x.shape, generator=gen, device=device)
+    ref_x = x.clone().requires_grad_()
+    layer.zero_grad(set_to_none=True)
+    lengths = [b - a for a, b in zip(split.cu_seqlens, split.cu_seqlens[1:])]
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        ref = torch.cat([layer(piece) for piece in ref_x.split(lengths, dim=1)], dim=1)
+    weighted_backward(ref, weight)
+    grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    lo, hi = split.bounds[rank], split.bounds[rank + 1]
+    local_x = x[:, lo:hi].clone().requires_grad_()
+    layer.zero_grad(set_to_none=True)
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        out = forward(layer, local_x, split, rank, dist.group.WORLD)
+    weighted_backward(out, weight[:, lo:hi])
+    param_err = 0.0
+    for name, p in layer.named_parameters():
+        dist.all_reduce(p.grad)
+        param_err = max(param_err, relative_error(p.grad, grads[name]))
+    return {"output": relative_error(out.detach(), ref[:, lo:hi].detach()),
+            "input_grad": relative_error(local_x.grad, ref_x.grad[:, lo:hi]), "param_grad": param_err}
+
+
+def check_ep(cfg, tokens: int, planner: str, rank: int, world: int, device: torch.device) -> dict:
+    """The MoE layer with experts split over the ranks against one process on all ranks' tokens (hot expert)."""
+    torch.manual_seed(0)
+    moe = MoE(cfg).to(device)
+    gen = torch.Generator(device).manual_seed(3)
+    x = torch.randn(world, tokens, cfg.hidden_size, generator=gen, device=device)
+    weight = torch.randn(x.shape, generator=gen, device=device)
+    amp = dict(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    with decisive_routing(moe):
+        with torch.no_grad():  # one expert above all others by a margin: every token picks it
+            moe.gate.e_score_correction_bias[0] = moe.gate.e_score_correction_bias.max() + 10.0
+        ref_x = x.clone().requires_grad_()
+        with torch.autocast(**amp):
+            ref = moe(ref_x.view(1, -1, cfg.hidden_size)).view_as(x)
+        weighted_backward(ref, weight)
+        grads = {n: p.grad.clone() for n, p in moe.named_parameters()}
+        local = copy.deepcopy(moe)
+        local.zero_grad(set_to_none=True)
+        ep = ExpertParallel(dist.group.WORLD, rank, world, planner)
+        shard_experts(local.experts, ep)
+        local_x = x[rank:rank + 1].clone().requires_grad_()
+        with torch.autocast(**amp):
+            out = local(local_x)
+        weighted_backward(out, weight[rank:rank + 1])
+    param_err = 0.0
+    for name, p in local.named_parameters():
+        if name.startswith("experts."):  # the home rank already holds every rank's contribution
+            param_err = max(param_err, relative_error(p.grad, local_experts(grads[name], ep)))
+        else:
+            dist.all_reduce(p.grad)
+            param_err = max(param_err, relative_error(p.grad, grads[name]))
+    return {"output": relative_error(out.detach(), ref[rank:rank + 1].detach()),
+            "input_grad": relative_error(local_x.grad, ref_x.grad[rank:rank + 1]), "param_grad": param_err,
+            "max_rows": int(slowest(local.experts.rows_computed, device))}
+
+
+def run_checks(cfg, args, rank: int, world: int, device: torch.device) -> list[dict]:
+    """Every check's errors, the worst over the ranks, against the tolerance."""
+    torch.manual_seed(0)
+    layers = {"KDA": (KimiDeltaAttention(cfg, 0).to(device), kda_layer_forward),
+              "MLA": (GatedMLA(cfg, cfg.mla_layers[0]).to(device), mla_layer_forward)}
+    cases = [(f"{name} under CP: {where}", lambda l=layer, f=forward, s=split: check_cp_layer(l, f, s, rank, device))
+             for name, (layer, forward) in layers.items()
+             for where, split in check_layouts(args.check_tokens, world).items()]
+    cases += [(f"MoE under EP, {planner} planner, hot expert",
+               lambda p=planner: check_ep(cfg, args.check_tokens // world, p, rank, world, device))
+              for planner in ("balanced", "static")]
+    rows = []
+    for what, check in cases:
+        errors = {key: slowest(value, device) for key, value in check().items()}
+        worst = max(errors[key] for key in ("output", "input_grad", "param_grad"))
+        rows.append({"check": what, **errors, "tol": args.check_tol, "ok": worst <= args.check_tol})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "parallel.json"))
     parser.add_argument("--tokens", type=int, nargs="+", default=[131072, 262144], help="KCP document lengths")
     parser.add_argument("--ep-tokens", type=int, default=16384, help="EP: tokens per GPU")
+    parser.add_argument("--check-tokens", type=int, default=8192, help="tokens of the equality checks")
+    parser.add_argument("--check-tol", type=float, default=2e-2,
+                        help="relative RMS error allowed in the checks (bf16 autocast against the same in one process)")
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--smoke", action="store_true", help="CPU, gloo, k3-tiny sizes: checks the script runs")
@@ -157,16 +268,23 @@ def main() -> None:
         device = torch.device("cpu")
         torch.set_num_threads(1)
         cfg = get_preset("k3-tiny")
-        args.tokens, args.ep_tokens, args.iters, args.warmup = [512], 256, 2, 1
+        args.tokens, args.ep_tokens, args.iters, args.warmup, args.check_tokens = [512], 256, 2, 1, 96
     else:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
         torch.cuda.set_device(device)
         cfg = get_preset("k3-debug")
     started = time.perf_counter()
+    checks = run_checks(cfg, args, rank, world, device)
     kcp = [bench_kcp(cfg, t, args, rank, world, device) for t in args.tokens]
     ep = [row for routing in ("natural", "hot expert")
           for row in bench_ep(cfg, args.ep_tokens, routing, args, rank, world, device)]
     if rank == 0:
+        print(f"\nChecks on {world} ranks against one process ({args.check_tokens} tokens, relative RMS errors, "
+              f"worst rank)\n")
+        print("| check | output | input grad | worst param grad | ok |\n|---|---|---|---|---|")
+        for r in checks:
+            print(f"| {r['check']} | {r['output']:.1e} | {r['input_grad']:.1e} | {r['param_grad']:.1e} | "
+                  f"{'yes' if r['ok'] else 'NO'} |")
         print(f"\nKCP: one {cfg.name} KDA layer ({cfg.kda.num_heads} heads x {cfg.kda_head_dim}), fwd+bwd, one "
               f"document, 1 GPU vs {world}\n")
         print("| tokens | 1 GPU tok/s | KCP tok/s | speedup | 1 GPU peak GiB | KCP peak GiB per GPU | memory ratio |")
@@ -183,12 +301,15 @@ def main() -> None:
                   f"{r['max_rows'] if r['max_rows'] is not None else '-'} |")
         device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (smoke)"
         result = {"device": device_name, "gpus": world, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-                  "kcp": kcp, "ep": ep, "seconds": time.perf_counter() - started}
+                  "checks": checks, "kcp": kcp, "ep": ep, "seconds": time.perf_counter() - started}
         with open(args.out, "w") as f:
             f.write(json.dumps(result, indent=2) + "\n")
         print(f"\nwrote {args.out} ({result['seconds']:.0f} s)")
     dist.barrier()  # rank 0 wrote the JSON; no rank leaves while a peer may still read from it
     dist.destroy_process_group()
+    failed = [r["check"] for r in checks if not r["ok"]]
+    if failed:
+        raise SystemExit(f"bench/parallel.py: {len(failed)} check(s) above the tolerance: {failed}")
 
 
 if __name__ == "__main__":
