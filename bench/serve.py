@@ -80,7 +80,9 @@ def run_policy(model, policy: str, trace: dict, args) -> dict:
     config = EngineConfig(prefix_cache=policy != "none", hash_block=P if policy == "baseline" else h, page_size=P,
                           cache_bytes=args.cache_mb << 20, seed=0,
                           checkpoint_every=args.sparse_every if policy == "k3-sparse" else 1,
-                          scheduler=SchedulerConfig(max_running=64, prefill_tokens_per_step=args.prefill_tokens))
+                          compile_decode=getattr(args, "compile_decode", True),
+                          scheduler=SchedulerConfig(max_running=len(trace["sessions"]),  # the trace's concurrency
+                                                    prefill_tokens_per_step=args.prefill_tokens))
     engine = Engine(model, ByteTokenizer(), config)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     plans = trace["sessions"]

@@ -197,14 +197,18 @@ def agent_trace(args: argparse.Namespace, device: str, dtype: torch.dtype) -> di
         checks |= decode_consistency(model, {f"{name} compiled + graphs": {}, f"{name} graphs": dict(plain),
                                              f"{name} eager": dict(plain, cuda_graphs=False)})
     out = {"decode_vs_forward": checks}
+    print(f"decode checks: {json.dumps(checks)}", flush=True)
     h, P = default_block_sizes(model.config.max_seq_len)
+    # the trace measures reuse and prefill TTFT: its engines capture graphs but skip compiling the decode step
     targs = argparse.Namespace(hash_block=h, page_size=P, cache_mb=args.cache_mb, sparse_every=4,
                                prefill_tokens=args.prefill_tokens, max_tokens=args.trace_new_tokens,
-                               turns=args.trace_turns)
+                               turns=args.trace_turns, compile_decode=False)
     trace = trace_bench.build_trace(0, args.trace_sessions, args.trace_turns, args.trace_system_tokens,
                                     tuple(args.trace_tool_tokens))
     for policy in ("k3", "baseline"):
         res = trace_bench.run_policy(model, policy, trace, targs)
+        print(f"agent trace, {policy}: {res['reused_tokens']} of {res['ideal_tokens']} reusable tokens reused, "
+              f"TTFT mean {res['ttft_mean_s']:.3f} s", flush=True)
         out[policy] = {"reused_tokens": res["reused_tokens"], "ideal_tokens": res["ideal_tokens"],
                        "reuse_of_ideal": res["reused_tokens"] / max(1, res["ideal_tokens"]),
                        "ttft_mean_s": res["ttft_mean_s"], "ttft_p90_s": res["ttft_p90_s"],

@@ -354,6 +354,8 @@ def test_grouped_gemm_path_keeps_no_copy_of_the_rows():
         kept = saved_storages(lambda: grouped_glu_mlp_gemm(x_sorted, counts, gate_up, down, glu_activation("situ")),
                               exclude=[gate_up, down])
     capacity = grouped_layout(counts, N * k, 8).capacity
-    floats = sorted((shape, dtype) for dtype, shape, _ in kept if dtype.is_floating_point and shape[0] != E)
+    # an empty storage holds no bytes (torch 2.11's grouped GEMM saves one)
+    floats = sorted((shape, dtype) for dtype, shape, nbytes in kept
+                    if dtype.is_floating_point and shape[0] != E and nbytes)
     assert floats == [((capacity, Din), torch.bfloat16), ((capacity, 2 * I), torch.bfloat16)]
     assert all(dtype in (torch.int32, torch.int64) for dtype, _, _ in kept if not dtype.is_floating_point)

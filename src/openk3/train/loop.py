@@ -82,8 +82,8 @@ def model_config(args: TrainArgs) -> ModelConfig:
 
 def resolve_device(args: TrainArgs, world: World) -> torch.device:
     name = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and world.distributed:
-        name = f"cuda:{world.local_rank}"
+    if name == "cuda":  # set_device needs an index: this process's GPU under torchrun, else the current one
+        name = f"cuda:{world.local_rank if world.distributed else torch.cuda.current_device()}"
     device = torch.device(name)
     if device.type == "cuda":
         torch.cuda.set_device(device)
