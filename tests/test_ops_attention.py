@@ -74,6 +74,22 @@ def test_ragged_past(T):
     assert torch.allclose(exp, absb, atol=1e-10)
 
 
+@pytest.mark.parametrize("pad_v", [None, True, False])
+@pytest.mark.parametrize("T", [1, 5])
+def test_equal_past_without_lengths_is_the_bottom_right_causal_mask(T, pad_v, monkeypatch):
+    """lengths=None with L > T (every sequence had L - T tokens: a chunk after a prefix) equals the explicit
+    lengths, with v padded or not."""
+    from openk3.ops import attention
+
+    monkeypatch.setattr(attention, "causal_sdpa", lambda q, k, v, scale: causal_sdpa(q, k, v, scale, pad_v=pad_v))
+    q, cache, kv_b = setup(3, T, T + 6, seed=9)
+    ref = naive(q, cache, kv_b, torch.full((3,), 6))
+    out = mla_attention_expanded(q, cache, kv_b, nope_dim=N, v_dim=V)
+    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-10)
+    with pytest.raises(ValueError, match="must hold the T=5 new tokens"):
+        mla_attention_expanded(*setup(1, 5, 4, seed=1), nope_dim=N, v_dim=V)
+
+
 def test_fp32_agreement_and_padding_garbage_ignored():
     lengths = torch.tensor([3, 7])
     q, cache, kv_b = setup(2, 1, 12, seed=3, dtype=torch.float32)

@@ -85,6 +85,11 @@ class HybridCache:
     def max_length(self) -> int:
         return max(self._lengths, default=0)
 
+    @property
+    def uniform(self) -> bool:
+        """Every sequence has the same length (known on the host: no device read)."""
+        return len(set(self._lengths)) <= 1
+
     @classmethod
     def empty(
         cls,

@@ -85,8 +85,11 @@ class GatedMLA(nn.Module):
         else:
             lengths = cache.lengths
             kv_all = cache.layers[self.layer_idx].append(kv, lengths, cache.max_length + T)
-            attend = mla_attention_absorbed if (T == 1 and self.absorb_decode) else mla_attention_expanded
-            o = attend(q, kv_all, self.kv_b_proj.weight, lengths=lengths, **kw)
+            if T == 1 and self.absorb_decode:
+                o = mla_attention_absorbed(q, kv_all, self.kv_b_proj.weight, lengths=lengths, **kw)
+            else:  # equal lengths: the new tokens end every row, a bottom-right causal mask (no dense mask)
+                o = mla_attention_expanded(q, kv_all, self.kv_b_proj.weight, lengths=None if cache.uniform else lengths,
+                                           **kw)
         return self.output(x, o)
 
     def output(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,8 @@ Shared layout:
   q         [B,T,H,n+r]   per head [q_nope (n) | q_slice (r)]
   kv_cache  [B,L,R+r]     per token [RMSNorm(latent) (R) | k_slice (r)], shared by all heads; L >= T
   kv_b      [H*(n+v), R]  the kv_b_proj weight; rows of head h: [k_nope (n) | v (v)] = [W_UK_h ; W_UV_h]
-  lengths   [B] or None   tokens each sequence had *before* the T new ones. None: no past (L == T, causal).
+  lengths   [B] or None   tokens each sequence had *before* the T new ones. None: every sequence had L - T, so
+                          the new tokens are the cache's last T (causal, aligned bottom-right; L == T: no past).
                           Query i of sequence b sees keys j <= lengths[b] + i; cache rows past that are ignored
                           (so a ragged batch padded to L works; padding must be finite, HybridCache keeps zeros).
   out       [B,T,H,v]
@@ -22,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
+from torch.nn.attention.bias import causal_lower_right
 
 from openk3.ops.norms import acc_dtype
 
@@ -69,7 +71,9 @@ def padded_v_for_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tor
 
 def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                 pad_v: bool | None = None) -> torch.Tensor:
-    """Causal softmax attention through torch SDPA. q, k [B,H,T,dk]; v [B,H,T,dv] -> [B,H,T,dv].
+    """Causal softmax attention through torch SDPA. q [B,H,T,dk]; k [B,H,L,dk], v [B,H,L,dv] -> [B,H,T,dv]; with
+    L > T the queries are the last T positions (a bottom-right-aligned mask, which the fused kernels take as such,
+    without a dense L x T mask).
 
     MLA has dk = n + r (192 in K3) > dv (128). Flash attention needs one head dim for q, k and v; cuDNN takes 192 /
     128 forward and backward on sm90 (cuDNN >= 9.11), and torch tries it first on an H200 when its cuDNN is newer
@@ -83,9 +87,11 @@ def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
         padded = None if torch.compiler.is_compiling() else padded_v_for_flash(q, k, v)
     else:
         padded = F.pad(v, (0, q.shape[-1] - dv)) if pad_v else None
-    if padded is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-    return F.scaled_dot_product_attention(q, k, padded, is_causal=True, scale=scale)[..., :dv]
+    T, L = q.shape[-2], k.shape[-2]
+    mask = None if L == T else causal_lower_right(T, L)
+    out = F.scaled_dot_product_attention(q, k, v if padded is None else padded, attn_mask=mask, is_causal=mask is None,
+                                         scale=scale)
+    return out if padded is None else out[..., :dv]
 
 
 def mla_attention_expanded(
@@ -105,8 +111,8 @@ def mla_attention_expanded(
     k, v = mla_expand_kv(kv_cache, kv_b, H, nope_dim, v_dim)
     qh = q.transpose(1, 2)  # [B,H,T,n+r]
     if lengths is None:
-        if L != T:
-            raise ValueError(f"without lengths the cache must hold exactly the T={T} new tokens, got L={L}")
+        if L < T:
+            raise ValueError(f"the cache must hold the T={T} new tokens, got L={L}")
         o = causal_sdpa(qh, k, v, scale)
     else:
         o = F.scaled_dot_product_attention(qh, k, v, attn_mask=mla_mask(lengths, T, L), scale=scale)
