@@ -5,7 +5,8 @@ only the last) and the parameter gradients summed over the ranks must equal the 
 document alone, to 1e-10 in fp64 (exact up to rounding; in fp32 the cancelling sum that is dt_bias's gradient
 alone moves by up to ~1e-5 between two summation orders). The layouts cover the traps of SPEC §10: a document
 crossing 2 and 3 rank boundaries, a document boundary exactly at a rank boundary, ranks holding fewer than W-1 = 3
-tokens (so a conv halo comes from two earlier ranks), a rank lying wholly inside a document.
+tokens (so a conv halo comes from two earlier ranks), a rank lying wholly inside a document, a rank that both
+receives and hands on a state with a document boundary between.
 Model: the whole tiny model (KDA + MLA + MoE + Block AttnRes + MTP) through `parallelize_cp` and `cp_lm_losses`
 gives the single-process loss, every parameter gradient and the routers' balancing statistics, to 1e-5 in fp32.
 """
@@ -45,6 +46,9 @@ CASES = {  # world -> (document lengths, rank bounds)
         ((5, 30, 15), (0, 9, 11, 35, 50)),  # across 2 boundaries through a 2-token rank; a boundary at 35
         ((3, 17), (0, 1, 2, 3, 20)),  # 1-token ranks: rank 3's halo comes from ranks 0-2 ... and none of it is used
         ((2, 21, 7), (0, 1, 2, 22, 30)),  # rank 2 starts a document that ends 1 token into rank 3
+        # rank 1 lies inside a document that rank 2 ends before starting one that goes on into rank 3, which holds
+        # a boundary too: rank 0's terminal gradient folds ranks 1 and 2, rank 2 both receives and sends
+        ((4, 20, 16, 10), (0, 10, 14, 30, 50)),
     ],
 }
 

@@ -1,13 +1,15 @@
 """What KCP computes and exchanges, on one process: KDA as an affine map of its incoming state (chunked form against
-the per-token composition, in fp64), the fp32 chain for bf16 inputs, and the token layout of a split stream."""
+the per-token composition, in fp64), the fp32 chain for bf16 inputs, the gradient of a span's outputs with respect to
+its incoming state (backward exchange), and the token layout of a split stream."""
 
 import pytest
 import torch
 
 from openk3.ops.gates import k3_gate
-from openk3.ops.kda import kda
+from openk3.ops.kda import kda, kda_recurrent
 from openk3.ops.kda.transition import (
     compose_maps,
+    kda_initial_state_grad,
     kda_transition,
     kda_transition_chunked,
     kda_transition_reference,
@@ -93,6 +95,66 @@ def test_compose_maps_in_order():
         total_M, total_b = M[i] @ total_M, M[i] @ total_b + b[i]
     got_M, got_b = compose_maps(M, b)
     assert rel(got_M, total_M) < 1e-14 and rel(got_b, total_b) < 1e-14
+
+
+def _initial_state_grad_reference(q, k, v, g, beta, do, cu_seqlens, gate_min):
+    """Autograd through the token-by-token recurrence from a zero initial-state leaf, fp64."""
+    q, k, v, g, beta, do = (t.double() for t in (q, k, v, g, beta, do))
+    if gate_min is not None:
+        g = g.clamp_min(gate_min)
+    N = k.shape[0] if cu_seqlens is None else len(cu_seqlens) - 1
+    h0 = torch.zeros(N, *k.shape[2:], v.shape[-1], dtype=torch.float64, requires_grad=True)
+    o, _ = kda_recurrent(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu_seqlens)
+    return torch.autograd.grad(o, h0, do)[0]
+
+
+@pytest.mark.parametrize("B, T, cu, gate, gate_min", [
+    (2, 19, None, "random", None),
+    (1, 37, (0, 21, 37), "unbounded", None),  # two sequences, neither a multiple of 16 tokens; the any-gate kernels
+    (1, 45, (0, 1, 40, 45), "floor", -5.0),  # the bounded kernels; a 1-token sequence
+])
+def test_initial_state_grad_triton_and_autograd_against_the_recurrence(B, T, cu, gate, gate_min):
+    """The Triton route (prepare + reverse pass, the interpreter on CPU) and the autograd route (chunked), fp32,
+    both against autograd through the recurrence; odd sizes, several 16-token chunks per sequence."""
+    pytest.importorskip("triton")
+    k, v, g, beta = inputs(B, T, 2, 16, 12, seed=T, gate=gate, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(T + 1)
+    q = torch.randn(B, T, 2, 16, generator=gen)
+    do = 100 * torch.randn(B, T, 2, 12, generator=gen)  # large, so the result is not near the fp32 floor
+    cu_seqlens = None if cu is None else torch.tensor(cu)
+    expected = _initial_state_grad_reference(q, k, v, g, beta, do, cu_seqlens, gate_min)
+    results = {backend: kda_initial_state_grad(q, k, v, g, beta, do, cu_seqlens=cu_seqlens, backend=backend,
+                                               gate_min=gate_min) for backend in ("triton", "chunked")}
+    for got in results.values():
+        assert got.dtype == torch.float32 and got.shape == expected.shape
+        assert rel(got.double(), expected) < 1e-5
+    assert rel(results["triton"], results["chunked"]) < 1e-5
+
+
+def test_initial_state_grad_is_the_adjoint_of_the_initial_state():
+    """fp64, chunked: o is affine in S0, so <o(S0) - o(0), dO> = <dS0, S0> for any S0 (no autograd in the check)."""
+    k, v, g, beta = inputs(1, 29, 3, 4, 6, seed=3, gate="random")
+    gen = torch.Generator().manual_seed(4)
+    q, do = torch.randn_like(k), torch.randn(1, 29, 3, 6, generator=gen, dtype=torch.float64)
+    cu = torch.tensor([0, 10, 29])
+    S0 = torch.randn(2, 3, 4, 6, generator=gen, dtype=torch.float64)
+    o1, _ = kda(q, k, v, g, beta, initial_state=S0, cu_seqlens=cu, backend="chunked")
+    o0, _ = kda(q, k, v, g, beta, cu_seqlens=cu, backend="chunked")
+    dS0 = kda_initial_state_grad(q, k, v, g, beta, do, cu_seqlens=cu, backend="chunked")
+    assert dS0.dtype == torch.float64
+    lhs, rhs = ((o1 - o0) * do).sum(), (dS0 * S0).sum()
+    assert abs(lhs - rhs) < 1e-12 * abs(rhs)
+    for n in range(2):  # each sequence's state reaches only its own outputs
+        S = torch.zeros_like(S0)
+        S[n] = S0[n]
+        o, _ = kda(q, k, v, g, beta, initial_state=S, cu_seqlens=cu, backend="chunked")
+        assert abs(((o - o0) * do).sum() - (dS0[n] * S0[n]).sum()) < 1e-12 * abs(rhs)
+
+
+def test_initial_state_grad_rejects_a_mismatched_do():
+    k, v, g, beta = inputs(1, 5, 1, 4, 3, seed=0)
+    with pytest.raises(ValueError, match="do must have v's shape"):
+        kda_initial_state_grad(k, k, v, g, beta, v[..., :2], backend="chunked")
 
 
 def test_sequence_split_bookkeeping():

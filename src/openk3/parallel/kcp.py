@@ -6,17 +6,19 @@ Per KDA layer and rank r (the token layout is a `SequenceSplit`):
               length min(W-1, tokens of that document before r), gathered from as many earlier ranks as needed, so
               a rank holding fewer than W-1 tokens is fine). Backward: the gathered rows' gradients are summed
               over the ranks and each rank adds its share to its last inputs' gradients (`comm.gather_rows`).
-  state fold  If r's last local sequence goes on past r, r computes that sequence's affine map from a zero
-              state, (S_ext, M) with S_end = M S_0 + S_ext (`ops.kda.transition` on the layer's backend, fp32).
-              One all-gather of [S_ext | M]; a rank whose first sequence began earlier folds S <- M_j S + S_ext_j
-              over the ranks j that hold the rest of it (`SequenceSplit.state_chain`): its true initial state.
-              Then the ordinary KDA runs on the local tokens (`openk3.ops.kda.kda`, any backend; its other
-              sequences start at 0).
-  backward    `_StateFold.backward` gets every rank's initial-state gradient dS_in (one all-gather) and walks the
-              later ranks of r's last sequence backwards: T = dS_in[j] + M_j^T T over the ranks it spans, the
-              terminal state gradient of r's last sequence. Then dS_ext = T and dM = T S_0^T (S_0 = r's initial
-              state when r lies inside one document, else 0); autograd carries them into the tail's k, v, g, beta
-              through the transition, so every rank's gradients are exact, not only the last one's.
+  forward     If r's last local sequence goes on past r, r computes that sequence's affine map from a zero
+              state, (S_ext, M) with S_end = M S_0 + S_ext (`ops.kda.transition`, fp32, no autograd). One
+              all-gather of [S_ext | M]; a rank whose first sequence began earlier folds S <- M_j S + S_ext_j over
+              the ranks j that hold the rest of it (`SequenceSplit.state_chain`): its true initial state S_0, a
+              constant. Then the ordinary KDA runs on the local tokens (`openk3.ops.kda.kda`, any backend; its
+              other sequences start at 0), returning the final state of r's last sequence too.
+  backward    `_TerminalStateGrad` (around the KDA output) first computes dS_ext, the gradient of r's outputs with
+              respect to the initial state of its first sequence with no gradient on its final state
+              (`kda_initial_state_grad` over that sequence's tokens; 0 when it starts on r). One all-gather;
+              T = dS_ext_j + M_j^T T over the later ranks j of r's last sequence (walked backwards, the M term
+              for ranks that lie inside it) is that sequence's terminal state gradient, which the ordinary KDA
+              backward then takes as its final state's gradient. The earlier ranks' share of later outputs
+              arrives through T, so every rank's gradients are exact, not only the last one's.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 
 from openk3.ops.conv import causal_conv1d
 from openk3.ops.kda import kda, resolve_backend
-from openk3.ops.kda.transition import kda_transition
+from openk3.ops.kda.transition import kda_initial_state_grad, kda_transition
 from openk3.parallel.comm import all_gather_padded, gather_rows
 from openk3.parallel.layout import SequenceSplit
 
@@ -60,58 +62,78 @@ def kcp_conv(x: torch.Tensor, weight: torch.Tensor, split: SequenceSplit, rank: 
     return torch.cat(outs, dim=1)
 
 
-class _StateFold(torch.autograd.Function):
-    """(S_ext [H,K,V], M [H,K,K]) of this rank's last sequence -> this rank's initial state [H,K,V] (module docstring).
-
-    `anchor` is any local tensor that requires grad in training: it makes the output require grad on every rank,
-    so every rank reaches this backward and its collective, including ranks with nothing to send."""
-
-    @staticmethod
-    def forward(ctx, S_ext, M, anchor, split, rank, group):
-        V = S_ext.shape[-1]
-        packed = torch.cat([S_ext, M], dim=-1).unsqueeze(0)  # [1,H,K,V+K]
-        gathered = all_gather_padded(packed, [1] * split.num_ranks, group)
-        S_all, M_all = gathered[..., :V], gathered[..., V:]
-        S = torch.zeros_like(S_ext)
-        for j in split.state_chain(rank):
-            S = M_all[j] @ S + S_all[j]
-        ctx.split, ctx.rank, ctx.group = split, rank, group
-        ctx.save_for_backward(M_all, S)
-        return S
+class _TerminalStateGrad(torch.autograd.Function):
+    """(o, final states of the local sequences) -> o. Backward: the KCP exchange (module docstring) gives the
+    final state of this rank's last sequence its gradient T. Every rank reaches it in training (o requires grad),
+    so every rank issues its collective."""
 
     @staticmethod
-    def backward(ctx, dS):
-        M_all, S = ctx.saved_tensors
+    def forward(ctx, o, final, M_all, q, k, v, g, beta, split, rank, group, options):
+        ctx.split, ctx.rank, ctx.group, ctx.options = split, rank, group, options
+        ctx.n_seqs = final.shape[0]
+        ctx.save_for_backward(M_all, q, k, v, g, beta)
+        return o.view_as(o)
+
+    @staticmethod
+    def backward(ctx, do):
+        M_all, *head = ctx.saved_tensors
         split, rank = ctx.split, ctx.rank
-        dS_all = all_gather_padded(dS.contiguous().unsqueeze(0), [1] * split.num_ranks, ctx.group)
-        T = torch.zeros_like(dS)
-        for j in reversed(split.later_chain(rank)):  # terminal gradient of this rank's last sequence
+        _, H, K, _ = M_all.shape
+        if split.continues_from(rank):
+            dS_ext = kda_initial_state_grad(*head, do[:, :head[0].shape[1]], **ctx.options)[0].to(M_all.dtype)
+        else:
+            dS_ext = M_all.new_zeros(H, K, do.shape[-1])
+        dS_all = all_gather_padded(dS_ext.unsqueeze(0), [1] * split.num_ranks, ctx.group)
+        later = split.later_chain(rank)
+        if not later:
+            return (do, *[None] * 11)
+        T = torch.zeros_like(dS_ext)
+        for j in reversed(later):  # terminal gradient of this rank's last sequence
             T = dS_all[j] + (M_all[j].mT @ T if split.spans(j) else 0)
-        dM = T @ S.mT if split.spans(rank) else torch.zeros_like(M_all[rank])
-        return T, dM, None, None, None, None
+        d_final = T.new_zeros(ctx.n_seqs, *T.shape)
+        d_final[-1] = T
+        return (do, d_final, *[None] * 10)
+
+
+def _initial_state(k, v, g, beta, split: SequenceSplit, rank: int, group, backend: str, gate_min):
+    """Forward exchange (module docstring): this rank's initial state S_0 [H,K,V] and every rank's M [R,H,K,K],
+    fp32 (fp64 for fp64 inputs). Collective; no autograd."""
+    _, _, H, K = k.shape
+    V = v.shape[-1]
+    acc = torch.float64 if k.dtype == torch.float64 else torch.float32
+    with torch.no_grad():
+        if split.continues_to(rank):
+            a = split.tail_start(rank)
+            S_ext, M = kda_transition(k[:, a:], v[:, a:], g[:, a:], beta[:, a:], backend=backend, gate_min=gate_min)
+            S_ext, M = S_ext[0], M[0]
+        else:
+            S_ext = k.new_zeros(H, K, V, dtype=acc)
+            M = torch.eye(K, dtype=acc, device=k.device).expand(H, K, K)
+        gathered = all_gather_padded(torch.cat([S_ext, M], dim=-1).unsqueeze(0), [1] * split.num_ranks, group)
+    S_all, M_all = gathered[..., :V], gathered[..., V:]
+    S = torch.zeros_like(S_ext)
+    for j in split.state_chain(rank):
+        S = M_all[j] @ S + S_all[j]
+    return S, M_all
 
 
 def kcp_kda(q, k, v, g, beta, split: SequenceSplit, rank: int, group, *, scale=None, backend: str = "auto",
             gate_min: float | None = None, overlap: bool = True):
     """KDA over this rank's tokens of a packed stream: q, k, g [1,L,H,K], v [1,L,H,V], beta [1,L,H] (activated, as
-    `openk3.ops.kda.kda` takes them) -> o [1,L,H,V]. Collective over `group`."""
-    _, L, H, K = k.shape
-    V = v.shape[-1]
-    acc = torch.float64 if k.dtype == torch.float64 else torch.float32
-    if split.continues_to(rank):
-        a = split.tail_start(rank)
-        S_ext, M = kda_transition(k[:, a:], v[:, a:], g[:, a:], beta[:, a:], backend=backend, gate_min=gate_min)
-        S_ext, M = S_ext[0], M[0]
-    else:
-        S_ext = k.new_zeros(H, K, V, dtype=acc)
-        M = torch.eye(K, dtype=acc, device=k.device).expand(H, K, K).contiguous()
-    initial = _StateFold.apply(S_ext, M, k, split, rank, group)
+    `openk3.ops.kda.kda` takes them) -> o [1,L,H,V]. Collective over `group`, forward and backward."""
+    backend = resolve_backend(backend, k.device, k.shape[1])
+    S0, M_all = _initial_state(k, v, g, beta, split, rank, group, backend, gate_min)
     cu = split.local_cu_seqlens(rank)
-    initial = torch.cat([initial.unsqueeze(0), initial.new_zeros(len(cu) - 2, H, K, V)])
-    cu_seqlens = torch.tensor(cu, dtype=torch.int64, device=k.device)
-    o, _ = kda(q, k, v, g, beta, scale=scale, initial_state=initial, cu_seqlens=cu_seqlens, backend=backend,
-               gate_min=gate_min, overlap=overlap)
-    return o
+    initial = torch.cat([S0.unsqueeze(0), S0.new_zeros(len(cu) - 2, *S0.shape)])
+    o, final = kda(q, k, v, g, beta, scale=scale, initial_state=initial,
+                   cu_seqlens=torch.tensor(cu, dtype=torch.int64, device=k.device), output_final_state=True,
+                   backend=backend, gate_min=gate_min, overlap=overlap)
+    if not o.requires_grad:  # no backward (evaluation), so no backward exchange
+        return o
+    # the tokens of this rank's first local sequence, for its initial-state gradient (none when it starts here)
+    head = [x[:, :cu[1]] if split.continues_from(rank) else None for x in (q, k, v, g, beta)]
+    options = dict(scale=scale, backend=backend, gate_min=gate_min)
+    return _TerminalStateGrad.apply(o, final, M_all, *head, split, rank, group, options)
 
 
 def kda_layer_forward(layer, x: torch.Tensor, split: SequenceSplit, rank: int, group) -> torch.Tensor:

@@ -32,6 +32,12 @@ an augmented state: with values [v | 0] ([T, V+K]) from S_0 = [0 | I], the final
 takes that route on any backend but "chunked" (the Triton kernels on a GPU: no extra memory beyond a KDA pass, and
 its backward is the kernels' own), and the chunk-map form on "chunked". Either way the chain is fp32 (fp64 for fp64
 inputs): M loses accuracy quickly in bf16 (fla #740).
+
+The backward of context parallelism needs the transposed quantity: dS_0 = d<O, dO>/dS_0, the gradient of a
+span's outputs with respect to its incoming state (zero gradient on its final state). It does not depend on S_0
+(O is affine in S_0), and `kda_initial_state_grad` computes it: on the Triton kernels as the reverse state pass
+alone over the prepare kernel's chunk terms (dS <- Diag(gc) dS + Qd^T dO - W^T dpv, dpv = Aqk^T dO + kg dS, from
+dS = 0 at the end: no intra-chunk backward, no input gradients), elsewhere by autograd from a zero initial state.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from openk3.ops.kda import kda, resolve_backend
+from openk3.ops.kda import _check_options, check_kda_inputs, kda, resolve_backend
 from openk3.ops.kda.chunked import CHUNK_SIZE
 
 
@@ -150,4 +156,43 @@ def kda_transition(
     return final[..., :V], final[..., V:]
 
 
-__all__ = ["kda_transition", "kda_transition_chunked", "kda_transition_reference", "compose_maps"]
+def kda_initial_state_grad(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    do: torch.Tensor,
+    *,
+    scale: float | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    backend: str = "auto",
+    gate_min: float | None = None,
+) -> torch.Tensor:
+    """The gradient of sum(o * do) with respect to the initial state of each sequence, the final states taking
+    no gradient (module docstring): q, k, g [B,T,H,K], v and do [B,T,H,V], beta [B,T,H] and the options as
+    `openk3.ops.kda.kda` takes them -> [N,H,K,V] (N = B, or the number of sequences with cu_seqlens), fp32
+    (fp64 for fp64 inputs off the Triton backend). Not differentiable."""
+    check_kda_inputs(q, k, v, g, beta, None, cu_seqlens)
+    _check_options(gate_min, None, q.shape[1], cu_seqlens)
+    if do.shape != v.shape:
+        raise ValueError(f"do must have v's shape {tuple(v.shape)}, got {tuple(do.shape)}")
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    name = resolve_backend(backend, k.device, T)
+    if name == "triton":
+        from openk3.ops.kda.triton import initial_state_grad_triton
+
+        return initial_state_grad_triton(q, k, v, g, beta, do, scale=scale, cu_seqlens=cu_seqlens,
+                                         gate_min=gate_min)
+    h0 = torch.zeros(N, H, K, V, dtype=_acc(k.dtype), device=k.device, requires_grad=True)
+    with torch.enable_grad():
+        o, _ = kda(*(x.detach() for x in (q, k, v, g, beta)), scale=scale, initial_state=h0,
+                   cu_seqlens=cu_seqlens, backend=name, gate_min=gate_min)
+        (dh0,) = torch.autograd.grad(o, h0, do.detach().to(o.dtype))
+    return dh0
+
+
+__all__ = ["kda_transition", "kda_initial_state_grad", "kda_transition_chunked", "kda_transition_reference",
+           "compose_maps"]

@@ -3,11 +3,12 @@
 `kda_triton` is what `openk3.ops.kda.kda(..., backend="triton")` calls; `kda_decode` and
 `causal_conv_step` advance many sequences by one token with their states updated in place;
 `kda_activations` turns raw projections and gate logits into kda_triton's inputs in one pass;
-`kda_triton_fused` does the same inside the chunk kernels.
+`kda_triton_fused` does the same inside the chunk kernels; `initial_state_grad_triton` is the
+reverse state pass alone (KCP's backward exchange).
 """
 
 from openk3.ops.kda.triton.activations import kda_activations, kda_activations_reference
-from openk3.ops.kda.triton.chunk import kda_triton, kda_triton_fused
+from openk3.ops.kda.triton.chunk import initial_state_grad_triton, kda_triton, kda_triton_fused
 from openk3.ops.kda.triton.decode import (
     causal_conv_step,
     causal_conv_step_reference,
@@ -18,6 +19,7 @@ from openk3.ops.kda.triton.decode import (
 __all__ = [
     "kda_triton",
     "kda_triton_fused",
+    "initial_state_grad_triton",
     "kda_activations",
     "kda_activations_reference",
     "kda_decode",

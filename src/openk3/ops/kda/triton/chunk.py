@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 
 from openk3.ops.kda.triton.activations import GATES, activations_backward
-from openk3.ops.kda.triton.chunk_bwd import chunk_kda_bwd
-from openk3.ops.kda.triton.chunk_fwd import GateSpec, chunk_kda_fwd, gate_spec
+from openk3.ops.kda.triton.chunk_bwd import chunk_kda_bwd, reverse_pass
+from openk3.ops.kda.triton.chunk_fwd import GateSpec, chunk_kda_fwd, gate_spec, prepare, state_block
 from openk3.ops.kda.triton.layout import CHUNK, chunk_layout
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -164,3 +164,22 @@ def kda_triton_fused(
                      g_min=float(g_min))
     return _run(q, k, v, f, b, A_log, dt_bias, spec, scale, initial_state, output_final_state, cu_seqlens, overlap,
                 state_offsets)
+
+
+@torch.compiler.disable
+def initial_state_grad_triton(q, k, v, g, beta, do, *, scale=None, cu_seqlens=None, gate_min=None) -> torch.Tensor:
+    """`openk3.ops.kda.transition.kda_initial_state_grad` on the kernels: the prepare kernel's chunk terms (no U)
+    and the reverse state pass from a zero final-state gradient, whose dh0 it is; fp32 [N,H,K,V]. The pass's
+    other outputs (dU, the per-chunk state gradients) are dropped: no intra-chunk backward runs."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    scale = K**-0.5 if scale is None else float(scale)
+    if q.dtype not in _KERNEL_DTYPES:
+        q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
+    flat = [x.reshape(B * T, H, -1).contiguous() for x in (q, k, v, g)]
+    do = do.to(v.dtype).reshape(B * T, H, V).contiguous()
+    lay = chunk_layout(B, T, cu_seqlens, q.device)
+    terms = prepare(*flat, beta.reshape(B * T, H).contiguous(), scale, lay, gate_spec(gate_min), with_u=False)
+    (_, _, dh0), launch = reverse_pass(terms, do, None, True, lay, state_block(lay.n_seqs, H, V), q.dtype)
+    launch()
+    return dh0
