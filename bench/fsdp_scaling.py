@@ -39,7 +39,7 @@ def train_command(args: argparse.Namespace, out: Path, gpus: int, layout: str) -
     train = ["-m", "openk3", "train", "--preset", args.preset, "--max-steps", str(args.steps), "--seed", "7",
              "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--optimizer", args.optimizer,
              "--out", str(out), "--overwrite", "--no-progress", "--eval-every", "0", "--sample-tokens", "0",
-             "--device", "cpu" if args.smoke else "cuda"]
+             "--device", "cpu" if args.smoke else "cuda", *(["--lr", str(args.lr)] if args.lr else [])]
     if gpus == 1:
         return [sys.executable, *train]
     layout_args = [a for flag in LAYOUT_FLAGS[layout] for a in (flag, str(gpus))]
@@ -48,18 +48,27 @@ def train_command(args: argparse.Namespace, out: Path, gpus: int, layout: str) -
 
 
 def run(args: argparse.Namespace, gpus: int, workdir: Path, layout: str) -> dict:
+    """One run; a run that fails keeps the losses of the steps it logged and its error line ("failed")."""
     out = workdir / f"gpus-{gpus}-{layout}"
     started = time.perf_counter()
     proc = subprocess.run(train_command(args, out, gpus, layout), capture_output=True, text=True,
                           timeout=args.timeout, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    if proc.returncode != 0:
-        log = (proc.stdout + proc.stderr)[-4000:]
-        raise SystemExit(f"bench/fsdp_scaling.py: the {gpus}-process {layout} run failed:\n{log}")
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    metrics = out / "metrics.jsonl"
+    lines = metrics.read_text().splitlines() if metrics.exists() else []
+    records = [json.loads(line) for line in lines if line.strip()]
     steps = [r for r in records if "loss" in r and "tokens_per_s" in r]
-    rate = statistics.median(r["tokens_per_s"] for r in steps[WARMUP_STEPS:] or steps)
+    failed = None
+    if proc.returncode != 0:
+        lines = [line for line in (proc.stdout + proc.stderr).splitlines() if "Error" in line] or ["(no error line)"]
+        failed = lines[-1].strip()
+        print(f"bench/fsdp_scaling.py: the {gpus}-process {layout} run failed after {len(steps)} steps: {failed}",
+              file=sys.stderr)
+    rate = statistics.median(r["tokens_per_s"] for r in steps[WARMUP_STEPS:] or steps) if steps else None
+    print(f"{gpus} GPU(s), {layout}: {len(steps)} steps in {time.perf_counter() - started:.0f} s, "
+          f"{rate or 0:,.0f} tokens/s, losses {[round(r['loss'], 4) for r in steps]}", flush=True)
     return {"gpus": gpus, "layout": layout if gpus > 1 else "1 GPU", "losses": [r["loss"] for r in steps],
-            "tokens_per_s": rate, "tokens_per_s_per_gpu": rate / gpus, "wall_s": time.perf_counter() - started}
+            "tokens_per_s": rate, "tokens_per_s_per_gpu": rate / gpus if rate else None, "failed": failed,
+            "wall_s": time.perf_counter() - started}
 
 
 def main() -> None:
@@ -72,6 +81,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=None, help="global batch (default 8; 4 with --smoke)")
     ap.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 4096; 64 with --smoke)")
     ap.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"])
+    ap.add_argument("--lr", type=float, default=None, help="learning rate of every run (default: openk3 train's)")
     ap.add_argument("--timeout", type=float, default=480.0, help="seconds each run may take")
     ap.add_argument("--smoke", action="store_true", help="the same on the CPU (gloo) at toy sizes")
     ap.add_argument("--json", default=str(Path(__file__).resolve().parent / "train_gpu.json"),
@@ -91,19 +101,25 @@ def main() -> None:
             raise SystemExit(f"bench/fsdp_scaling.py: needs {args.gpus} CUDA GPUs, torch sees "
                              f"{torch.cuda.device_count()}; --smoke runs it on the CPU")
     with tempfile.TemporaryDirectory(prefix="openk3-fsdp-") as tmp:
-        single = run(args, 1, Path(tmp), "fsdp")
-        rows = [dict(single, loss_max_abs_diff_vs_1gpu=0.0, scaling_efficiency=1.0)]
-        for layout in args.layouts:
-            parallel = run(args, args.gpus, Path(tmp), layout)
-            diff = max(abs(a - b) for a, b in zip(single["losses"], parallel["losses"], strict=True))
-            rows.append(dict(parallel, loss_max_abs_diff_vs_1gpu=diff,
-                             scaling_efficiency=parallel["tokens_per_s_per_gpu"] / single["tokens_per_s_per_gpu"]))
+        rows = [run(args, 1, Path(tmp), "fsdp")] + [run(args, args.gpus, Path(tmp), layout) for layout in args.layouts]
+    single = rows[0]
+    for r in rows:  # over the steps both logged (a failed run stops early)
+        r["loss_max_abs_diff_vs_1gpu"] = max((abs(a - b) for a, b in zip(single["losses"], r["losses"])), default=None)
+        both = r["tokens_per_s_per_gpu"] and single["tokens_per_s_per_gpu"]
+        r["scaling_efficiency"] = r["tokens_per_s_per_gpu"] / single["tokens_per_s_per_gpu"] if both else None
+    show = lambda v, f: "-" if v is None else format(v, f)
     print(f"\n{args.preset}, global batch {args.batch_size} x {args.seq_len}, {args.optimizer}, {args.steps} steps"
           f"{' (CPU smoke)' if toy else ''}\n| gpus | layout | tokens/s | tokens/s per GPU | scaling efficiency | "
-          "max |loss - 1-GPU loss| |\n|---|---|---|---|---|---|")
+          "max |loss - 1-GPU loss| | failed |\n|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['gpus']} | {r['layout']} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s_per_gpu']:,.0f} | "
-              f"{r['scaling_efficiency']:.0%} | {r['loss_max_abs_diff_vs_1gpu']:.2e} |")
+        print(f"| {r['gpus']} | {r['layout']} | {show(r['tokens_per_s'], ',.0f')} | "
+              f"{show(r['tokens_per_s_per_gpu'], ',.0f')} | {show(r['scaling_efficiency'], '.0%')} | "
+              f"{show(r['loss_max_abs_diff_vs_1gpu'], '.2e')} | {r['failed'] or '-'} |")
+    header = " | ".join(r["layout"] for r in rows)
+    print(f"\nlosses per step\n| step | {header} |\n" + "|---" * (len(rows) + 1) + "|")
+    for step in range(max(len(r["losses"]) for r in rows)):
+        print(f"| {step + 1} | " + " | ".join(show(r["losses"][step] if step < len(r["losses"]) else None, ".4f")
+                                              for r in rows) + " |")
     path = Path(args.json)
     data = json.loads(path.read_text()) if path.exists() else {}
     data["fsdp"] = {"preset": args.preset, "steps": args.steps, "batch_size": args.batch_size,
@@ -111,6 +127,8 @@ def main() -> None:
                     "date": time.strftime("%Y-%m-%d"), "rows": rows}
     path.write_text(json.dumps(data, indent=1))
     print(f"wrote {path} (key 'fsdp')")
+    if any(r["failed"] for r in rows):
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -170,7 +170,8 @@ def decode_consistency(model, engines: dict[str, dict], batch: int = 3, prompt: 
             rows = [[engine.runner.prefill([seq[:prompt].tolist()], [slot], [0])[0][0]] for seq, slot in zip(seqs,
                                                                                                                slots)]
             for t in range(steps - 1):
-                logits = engine.runner.decode(seqs[:, prompt + t].tolist(), slots, [prompt + t] * batch)
+                # a copy: with graphs, decode returns a view of the graph's output, which the next replay rewrites
+                logits = engine.runner.decode(seqs[:, prompt + t].tolist(), slots, [prompt + t] * batch).clone()
                 for b in range(batch):
                     rows[b].append(logits[b])
         got = torch.stack([torch.stack(r) for r in rows]).float()

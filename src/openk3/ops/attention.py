@@ -22,12 +22,17 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from openk3.ops.norms import acc_dtype
 
 FUSED = (SDPBackend.FLASH_ATTENTION.value, SDPBackend.CUDNN_ATTENTION.value)
+# MLA never attends through cuDNN: on an H200 (torch 2.11, cuDNN 9.19) its backward gave wrong gradients for the
+# 192 / 128 heads (relative error 1.3, where memory-efficient attention agrees to bf16 rounding; bench/RESULTS.md,
+# 2026-12-01), and it builds an execution plan per new shape (45-71 ms, a server's every prompt length). Flash on v
+# zero-padded to the q/k width, memory-efficient attention, or the math fallback (CPU) instead.
+MLA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def mla_mask(lengths: torch.Tensor, T: int, L: int) -> torch.Tensor:
@@ -75,22 +80,22 @@ def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     L > T the queries are the last T positions (a bottom-right-aligned mask, which the fused kernels take as such,
     without a dense L x T mask).
 
-    MLA has dk = n + r (192 in K3) > dv (128). Flash attention needs one head dim for q, k and v; cuDNN takes 192 /
-    128 forward and backward on sm90 (cuDNN >= 9.11), and torch tries it first on an H200 when its cuDNN is newer
-    than 9.15; otherwise torch takes memory-efficient attention (fused too, slower than flash) on a GPU and its
-    math fallback (T x T scores) on a CPU. pad_v=None (auto, eager mode): `padded_v_for_flash` (GPU: flash at 20%
-    more attention FLOPs for 192 / 128; CPU: its flash kernel, 3x faster than the math fallback at T 1024); the
-    padded output columns are dropped. pad_v=True / False forces it. `python bench/train.py gpu` prints the
-    choice and times both."""
+    MLA has dk = n + r (192 in K3) > dv (128). Flash attention needs one head dim for q, k and v; cuDNN, which takes
+    192 / 128, is left out (`MLA_SDPA_BACKENDS`), so torch takes memory-efficient attention (fused too, slower
+    than flash) on a GPU and its math fallback (T x T scores) on a CPU. pad_v=None (auto, eager mode):
+    `padded_v_for_flash` (GPU: flash at 20% more attention FLOPs for 192 / 128; CPU: its flash kernel, 3x faster
+    than the math fallback at T 1024); the padded output columns are dropped. pad_v=True / False forces it.
+    `python bench/train.py gpu` prints the choice and times both."""
     dv = v.shape[-1]
-    if pad_v is None:
-        padded = None if torch.compiler.is_compiling() else padded_v_for_flash(q, k, v)
-    else:
-        padded = F.pad(v, (0, q.shape[-1] - dv)) if pad_v else None
     T, L = q.shape[-2], k.shape[-2]
     mask = None if L == T else causal_lower_right(T, L)
-    out = F.scaled_dot_product_attention(q, k, v if padded is None else padded, attn_mask=mask, is_causal=mask is None,
-                                         scale=scale)
+    with sdpa_kernel(MLA_SDPA_BACKENDS):
+        if pad_v is None:
+            padded = None if torch.compiler.is_compiling() else padded_v_for_flash(q, k, v)
+        else:
+            padded = F.pad(v, (0, q.shape[-1] - dv)) if pad_v else None
+        out = F.scaled_dot_product_attention(q, k, v if padded is None else padded, attn_mask=mask,
+                                             is_causal=mask is None, scale=scale)
     return out if padded is None else out[..., :dv]
 
 
@@ -115,7 +120,8 @@ def mla_attention_expanded(
             raise ValueError(f"the cache must hold the T={T} new tokens, got L={L}")
         o = causal_sdpa(qh, k, v, scale)
     else:
-        o = F.scaled_dot_product_attention(qh, k, v, attn_mask=mla_mask(lengths, T, L), scale=scale)
+        with sdpa_kernel(MLA_SDPA_BACKENDS):
+            o = F.scaled_dot_product_attention(qh, k, v, attn_mask=mla_mask(lengths, T, L), scale=scale)
     return o.transpose(1, 2)
 
 

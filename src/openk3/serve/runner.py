@@ -27,7 +27,6 @@ import logging
 import time
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from openk3.cache import HybridCache, KDALayerCache, MLALayerCache
 from openk3.cache.paged import BlockTables, PagePool
@@ -37,12 +36,6 @@ from openk3.model.compile import compile_blocks, uncompile_blocks
 from openk3.model.decode import DecodeBatch, decode_logits, fuse_kda_inputs
 from openk3.ops.paged_mla import paged_positions
 from openk3.ops.transfer import to_device
-
-# MLA prefill attention without cuDNN: cuDNN builds an execution plan for every new (batch, length), 45-71 ms each
-# and about 1 s for the first long one on an H200 (bench/RESULTS.md, 2026-12-01), and a server sees a new prompt
-# length at almost every request; flash (v padded, ops.attention.causal_sdpa) and memory-efficient attention have no
-# such cost. Training keeps cuDNN: its shapes repeat.
-PREFILL_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +157,8 @@ class ModelRunner:
         return time.perf_counter() - start
 
     def decode(self, ids: list[int], slots: list[int], lengths: list[int]) -> torch.Tensor:
-        """One token for each of n sequences: ids, slots, lengths (tokens before it) -> logits [n, vocab]."""
+        """One token for each of n sequences: ids, slots, lengths (tokens before it) -> logits [n, vocab]. With CUDA
+        graphs the logits are a view of the graph's static output: valid until the next decode (copy to keep)."""
         n = len(ids)
         size = next((b for b in self.buckets if b >= n), n) if self.graphs or self.compiled else n
         if size > self.max_batch:
@@ -216,13 +210,12 @@ class ModelRunner:
         ids = to_device(chunks, self.device)
         features = None
         keep = 0 if all_logits else 1
-        with sdpa_kernel(PREFILL_SDPA_BACKENDS):
-            if self.draft is None:
+        if self.draft is None:  # (MLA attends without cuDNN: ops.attention.MLA_SDPA_BACKENDS)
+            logits = self.model(ids, cache=cache, logits_to_keep=keep, image_embeds=image_embeds).logits
+        else:
+            with tapped_hidden_states(self.model, self.draft.taps) as tapped:
                 logits = self.model(ids, cache=cache, logits_to_keep=keep, image_embeds=image_embeds).logits
-            else:
-                with tapped_hidden_states(self.model, self.draft.taps) as tapped:
-                    logits = self.model(ids, cache=cache, logits_to_keep=keep, image_embeds=image_embeds).logits
-                    features = self.draft.fuse(tapped)
+                features = self.draft.fuse(tapped)
 
         kda_caches = [cache.layers[i] for i in self.kda_layers]
         if kda_caches:
