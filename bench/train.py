@@ -47,13 +47,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import SDPBackend
 
 from openk3.config import ModelConfig, get_preset
 from openk3.info import count_parameters
 from openk3.model import K3ForCausalLM
 from openk3.model.compile import compile_blocks
-from openk3.ops.attention import MLA_SDPA_BACKENDS, causal_sdpa, fused_sdpa_choice, padded_v_for_flash
+from openk3.ops.attention import causal_sdpa, fused_sdpa_choice, padded_v_for_flash
 from openk3.ops.loss import linear_cross_entropy
 from openk3.train.loop import enable_activation_checkpointing, lm_losses
 from openk3.train.optim import build_optimizer
@@ -272,13 +272,11 @@ def mla_attention_timing(cfg: ModelConfig, args: argparse.Namespace, reps: int =
     make = lambda d: torch.randn(B, T, H, d, device=DEVICE, dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
     q, k, v = make(dk), make(dk), make(dv)
     grad_out = torch.randn(B, H, T, dv, device=DEVICE, dtype=torch.bfloat16)
-    with sdpa_kernel(MLA_SDPA_BACKENDS):  # the backends causal_sdpa allows
-        out = {"auto_pads_v": padded_v_for_flash(q, k, v) is not None}
-        for pad in (False, True):
-            vv = F.pad(v, (0, dk - dv)) if pad else v
-            out[f"{'padded' if pad else 'unpadded'}_backend"] = SDPBackend(fused_sdpa_choice(q, k, vv)).name
+    out = {"auto_pads_v": padded_v_for_flash(q, k, v) is not None}
     for pad in (False, True):
+        vv = F.pad(v, (0, dk - dv)) if pad else v
         name = "padded" if pad else "unpadded"
+        out[f"{name}_backend"] = SDPBackend(fused_sdpa_choice(q, k, vv)).name
 
         def run(pad=pad):
             causal_sdpa(q, k, v, dk**-0.5, pad_v=pad).backward(grad_out)

@@ -1,6 +1,8 @@
 """MLA: the absorbed form on the latent cache equals the expanded form, and both equal plain softmax attention; the
 training path runs a fused SDPA kernel (no T x T tensor) and its gradients match the written-out attention."""
 
+import functools
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -8,6 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from openk3.config import get_preset
 from openk3.model import GatedMLA
 from openk3.ops.attention import (
+    NO_CUDNN,
     causal_sdpa,
     mla_attention_absorbed,
     mla_attention_expanded,
@@ -81,11 +84,12 @@ def test_equal_past_without_lengths_is_the_bottom_right_causal_mask(T, pad_v, mo
     lengths, with v padded or not."""
     from openk3.ops import attention
 
-    monkeypatch.setattr(attention, "causal_sdpa", lambda q, k, v, scale: causal_sdpa(q, k, v, scale, pad_v=pad_v))
+    monkeypatch.setattr(attention, "causal_sdpa", functools.partial(causal_sdpa, pad_v=pad_v))
     q, cache, kv_b = setup(3, T, T + 6, seed=9)
     ref = naive(q, cache, kv_b, torch.full((3,), 6))
-    out = mla_attention_expanded(q, cache, kv_b, nope_dim=N, v_dim=V)
-    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-10)
+    for backends in (None, NO_CUDNN):  # the serving path restricts the kernels (CPU: the math fallback either way)
+        out = mla_attention_expanded(q, cache, kv_b, nope_dim=N, v_dim=V, backends=backends)
+        torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-10)
     with pytest.raises(ValueError, match="must hold the T=5 new tokens"):
         mla_attention_expanded(*setup(1, 5, 4, seed=1), nope_dim=N, v_dim=V)
 
@@ -116,7 +120,7 @@ def test_training_path_gradients_match_naive(pad_v, monkeypatch):
     latent cache and kv_b against the attention written out per query (fp64, odd T)."""
     from openk3.ops import attention
 
-    monkeypatch.setattr(attention, "causal_sdpa", lambda q, k, v, scale: causal_sdpa(q, k, v, scale, pad_v=pad_v))
+    monkeypatch.setattr(attention, "causal_sdpa", functools.partial(causal_sdpa, pad_v=pad_v))
     q, cache, kv_b = setup(2, 11, 11, seed=5)
     dy = torch.randn(2, 11, H, V, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
     runs = []

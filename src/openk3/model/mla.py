@@ -7,7 +7,7 @@ from torch import nn
 
 from openk3.config import ModelConfig
 from openk3.model.common import RMSNorm, linear, out_std
-from openk3.ops.attention import mla_attention_absorbed, mla_attention_expanded
+from openk3.ops.attention import NO_CUDNN, mla_attention_absorbed, mla_attention_expanded
 from openk3.ops.norms import acc_dtype
 
 
@@ -89,7 +89,7 @@ class GatedMLA(nn.Module):
                 o = mla_attention_absorbed(q, kv_all, self.kv_b_proj.weight, lengths=lengths, **kw)
             else:  # equal lengths: the new tokens end every row, a bottom-right causal mask (no dense mask)
                 o = mla_attention_expanded(q, kv_all, self.kv_b_proj.weight, lengths=None if cache.uniform else lengths,
-                                           **kw)
+                                           backends=NO_CUDNN, **kw)
         return self.output(x, o)
 
     def output(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,8 @@ They are the same function of the inputs (tested).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -28,11 +30,12 @@ from torch.nn.attention.bias import causal_lower_right
 from openk3.ops.norms import acc_dtype
 
 FUSED = (SDPBackend.FLASH_ATTENTION.value, SDPBackend.CUDNN_ATTENTION.value)
-# MLA never attends through cuDNN: on an H200 (torch 2.11, cuDNN 9.19) its backward gave wrong gradients for the
-# 192 / 128 heads (relative error 1.3, where memory-efficient attention agrees to bf16 rounding; bench/RESULTS.md,
-# 2026-12-01), and it builds an execution plan per new shape (45-71 ms, a server's every prompt length). Flash on v
-# zero-padded to the q/k width, memory-efficient attention, or the math fallback (CPU) instead.
-MLA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+# Serving and context parallelism attend without cuDNN. cuDNN builds an execution plan for every new shape (45-71
+# ms on an H200, and a server sees a new prompt length at almost every request), and on the context-parallel path's
+# tensors (q a slice of [L,H,d], one document per SDPA call) its backward gave wrong MLA gradients on an H200
+# (torch 2.11, cuDNN 9.19: relative error 1.3 where memory-efficient attention agrees to bf16 rounding; the
+# training path's tensors agreed; bench/RESULTS.md, 2026-12-01). Training keeps torch's choice (cuDNN there).
+NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def mla_mask(lengths: torch.Tensor, T: int, L: int) -> torch.Tensor:
@@ -74,22 +77,23 @@ def padded_v_for_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tor
     return padded if fused_sdpa_choice(q, k, padded) in FUSED else None
 
 
-def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                pad_v: bool | None = None) -> torch.Tensor:
+def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, pad_v: bool | None = None,
+                backends: list[SDPBackend] | None = None) -> torch.Tensor:
     """Causal softmax attention through torch SDPA. q [B,H,T,dk]; k [B,H,L,dk], v [B,H,L,dv] -> [B,H,T,dv]; with
     L > T the queries are the last T positions (a bottom-right-aligned mask, which the fused kernels take as such,
-    without a dense L x T mask).
+    without a dense L x T mask). `backends`: the SDPA kernels allowed (None: torch's choice; `NO_CUDNN`).
 
-    MLA has dk = n + r (192 in K3) > dv (128). Flash attention needs one head dim for q, k and v; cuDNN, which takes
-    192 / 128, is left out (`MLA_SDPA_BACKENDS`), so torch takes memory-efficient attention (fused too, slower
-    than flash) on a GPU and its math fallback (T x T scores) on a CPU. pad_v=None (auto, eager mode):
-    `padded_v_for_flash` (GPU: flash at 20% more attention FLOPs for 192 / 128; CPU: its flash kernel, 3x faster
-    than the math fallback at T 1024); the padded output columns are dropped. pad_v=True / False forces it.
-    `python bench/train.py gpu` prints the choice and times both."""
+    MLA has dk = n + r (192 in K3) > dv (128). Flash attention needs one head dim for q, k and v; cuDNN takes 192 /
+    128 forward and backward on sm90 (cuDNN >= 9.11), and torch tries it first on an H200 when its cuDNN is newer
+    than 9.15; otherwise torch takes memory-efficient attention (fused too, slower than flash) on a GPU and its
+    math fallback (T x T scores) on a CPU. pad_v=None (auto, eager mode): `padded_v_for_flash` (GPU: flash at 20%
+    more attention FLOPs for 192 / 128; CPU: its flash kernel, 3x faster than the math fallback at T 1024); the
+    padded output columns are dropped. pad_v=True / False forces it. `python bench/train.py gpu` prints the
+    choice and times both."""
     dv = v.shape[-1]
     T, L = q.shape[-2], k.shape[-2]
     mask = None if L == T else causal_lower_right(T, L)
-    with sdpa_kernel(MLA_SDPA_BACKENDS):
+    with sdpa_kernel(backends) if backends else contextlib.nullcontext():
         if pad_v is None:
             padded = None if torch.compiler.is_compiling() else padded_v_for_flash(q, k, v)
         else:
@@ -108,8 +112,10 @@ def mla_attention_expanded(
     v_dim: int,
     scale: float | None = None,
     lengths: torch.Tensor | None = None,
+    backends: list[SDPBackend] | None = None,
 ) -> torch.Tensor:
-    """Expanded-K/V MLA through torch SDPA (the prefill / training path). Returns [B,T,H,v]."""
+    """Expanded-K/V MLA through torch SDPA (the prefill / training path; `backends` as in `causal_sdpa`). Returns
+    [B,T,H,v]."""
     B, T, H, _ = q.shape
     L = kv_cache.shape[1]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -118,9 +124,9 @@ def mla_attention_expanded(
     if lengths is None:
         if L < T:
             raise ValueError(f"the cache must hold the T={T} new tokens, got L={L}")
-        o = causal_sdpa(qh, k, v, scale)
+        o = causal_sdpa(qh, k, v, scale, backends=backends)
     else:
-        with sdpa_kernel(MLA_SDPA_BACKENDS):
+        with sdpa_kernel(backends) if backends else contextlib.nullcontext():
             o = F.scaled_dot_product_attention(qh, k, v, attn_mask=mla_mask(lengths, T, L), scale=scale)
     return o.transpose(1, 2)
 

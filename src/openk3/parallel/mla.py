@@ -4,15 +4,16 @@ Each rank computes the per-token cache entry [RMSNorm(latent) | k_slice] (kv_lor
 576 at K3 size) of its own tokens; one differentiable all-gather (`comm.gather_rows`: backward sums the gradient
 over the ranks and keeps this rank's rows) gives every rank the whole stream's entries. A query at global position
 p of document d attends the keys of d up to p: for each local piece of a document, the keys from the document's
-start to the piece's last token, with a bottom-right-aligned causal mask (`ops.attention.causal_sdpa`, the
-training path's attention: the fused SDPA kernels take the mask without materialising it).
+start to the piece's last token, with a bottom-right-aligned causal mask (`ops.attention.causal_sdpa`: the fused
+SDPA kernels take the mask without materialising it), never through cuDNN (`ops.attention.NO_CUDNN`: its backward
+was wrong on these tensors on an H200).
 """
 
 from __future__ import annotations
 
 import torch
 
-from openk3.ops.attention import causal_sdpa, mla_expand_kv
+from openk3.ops.attention import NO_CUDNN, causal_sdpa, mla_expand_kv
 from openk3.parallel.comm import gather_rows
 from openk3.parallel.layout import SequenceSplit
 
@@ -27,7 +28,7 @@ def mla_attention_documents(q: torch.Tensor, kv_all: torch.Tensor, kv_b: torch.T
     for a, b in zip(cu, cu[1:]):
         doc_start = split.cu_seqlens[split.doc_of(lo + a)]
         k, v = mla_expand_kv(kv_all[None, doc_start:lo + b], kv_b, H, nope_dim, v_dim)  # [1,H,Lk,.]
-        outs.append(causal_sdpa(q[None, a:b].transpose(1, 2), k, v, scale)[0].transpose(0, 1))
+        outs.append(causal_sdpa(q[None, a:b].transpose(1, 2), k, v, scale, backends=NO_CUDNN)[0].transpose(0, 1))
     return torch.cat(outs)
 
 

@@ -210,7 +210,7 @@ class ModelRunner:
         ids = to_device(chunks, self.device)
         features = None
         keep = 0 if all_logits else 1
-        if self.draft is None:  # (MLA attends without cuDNN: ops.attention.MLA_SDPA_BACKENDS)
+        if self.draft is None:  # (with a cache, MLA attends without cuDNN: ops.attention.NO_CUDNN)
             logits = self.model(ids, cache=cache, logits_to_keep=keep, image_embeds=image_embeds).logits
         else:
             with tapped_hidden_states(self.model, self.draft.taps) as tapped:
