@@ -81,7 +81,9 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=None, help="global batch (default 8; 4 with --smoke)")
     ap.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 4096; 64 with --smoke)")
     ap.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"])
-    ap.add_argument("--lr", type=float, default=None, help="learning rate of every run (default: openk3 train's)")
+    ap.add_argument("--lr", type=float, default=None,
+                    help="learning rate of every run (default 3e-4; with --smoke openk3 train's): at openk3 train's "
+                         "3e-3 k3-debug's loss spikes, and a 2-GPU run went to NaN at step 15 (bench/RESULTS.md)")
     ap.add_argument("--timeout", type=float, default=480.0, help="seconds each run may take")
     ap.add_argument("--smoke", action="store_true", help="the same on the CPU (gloo) at toy sizes")
     ap.add_argument("--json", default=str(Path(__file__).resolve().parent / "train_gpu.json"),
@@ -89,7 +91,7 @@ def main() -> None:
     args = ap.parse_args()
     toy = args.smoke
     for key, full, small in (("preset", "k3-debug", "k3-tiny"), ("steps", 20, 4), ("batch_size", 8, 4),
-                             ("seq_len", 4096, 64)):
+                             ("seq_len", 4096, 64), ("lr", 3e-4, None)):
         if getattr(args, key) is None:
             setattr(args, key, small if toy else full)
     if args.batch_size % args.gpus:
@@ -123,7 +125,7 @@ def main() -> None:
     path = Path(args.json)
     data = json.loads(path.read_text()) if path.exists() else {}
     data["fsdp"] = {"preset": args.preset, "steps": args.steps, "batch_size": args.batch_size,
-                    "seq_len": args.seq_len, "optimizer": args.optimizer, "smoke": toy,
+                    "seq_len": args.seq_len, "optimizer": args.optimizer, "lr": args.lr, "smoke": toy,
                     "date": time.strftime("%Y-%m-%d"), "rows": rows}
     path.write_text(json.dumps(data, indent=1))
     print(f"wrote {path} (key 'fsdp')")
