@@ -94,7 +94,8 @@ class EngineConfig:
     cuda_graphs: bool = True  # capture decode as CUDA graphs at start-up (CUDA only)
     compile_decode: bool = True  # torch.compile (Inductor) the decode step (CUDA only)
     # torch.compile (Inductor, dynamic shapes) the FFN, norm and AttnRes units that prefill runs (CUDA only;
-    # `model.compile.compile_blocks` without the token mixers). Off until measured on a GPU (bench/RESULTS.md)
+    # `model.compile.compile_blocks` without the token mixers). Off: on an H200, prefills of new shapes recompiled
+    # inside a timed 32-client run (bench/RESULTS.md, 2026-12-01)
     compile_prefill: bool = False
     speculative: int = 0  # draft tokens per verification (needs the engine's draft model); 0: off
     seed: int = 0
