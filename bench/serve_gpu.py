@@ -6,7 +6,8 @@
    sequences), waits for /health and reads the CUDA-graph capture time from its log.
 2. Decode: C = 1, 8, 32, 64 concurrent clients, each one /v1/completions of 128 new tokens (`ignore_eos`, greedy)
    from its own 16-token prompt; wall-clock tokens per second over all clients (after a short warm-up round at
-   the same C).
+   the same C), and the engine's side of each run from /metrics (its steps and their mean wall time, its prefill
+   forwards, the slowest step so far).
 3. TTFT of a 12k-token prompt: a streamed completion, time to the first chunk (median of three fresh prompts).
 4. GPU memory in use with the server loaded (nvidia-smi, the whole card, minus what was used before it started).
 5. In this process, on the same GPU engine: the decode step teacher-forced against the model's forward (logits
@@ -134,6 +135,16 @@ async def decode_rate(url: str, model: str, clients: int, new_tokens: int, vocab
         done = await asyncio.gather(*(complete(client, model, p, new_tokens) for p in prompts))
         wall = time.perf_counter() - start
     return sum(done) / wall
+
+
+def engine_counters(url: str) -> dict[str, float]:
+    """The engine's step counters from /metrics (steps, step seconds, prefill forwards, the slowest step so far)."""
+    names = {"openk3_engine_steps_total": "steps", "openk3_engine_step_seconds_total": "step_s",
+             "openk3_engine_prefill_forwards_total": "prefill_forwards",
+             "openk3_engine_slowest_step_seconds": "slowest_step_s"}
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return {names[line.split()[0]]: float(line.split()[1]) for line in text.splitlines()
+            if line.split() and line.split()[0] in names}
 
 
 async def ttft(url: str, model: str, prompt: list[int]) -> float:
@@ -350,7 +361,7 @@ def main() -> None:
 
 # the server half's entries of the JSON (kept from the file when only the peer runs)
 SERVER_KEYS = ("ttft_12k_s", "ttft_long_prompt_tokens", "ttft_runs_s", "server_startup_s", "cuda_graph_capture_s",
-               "cuda_graphs", "gpu_memory_mib", "agent_trace")
+               "cuda_graphs", "gpu_memory_mib", "agent_trace", "engine_steps")
 
 
 def server_half(args: argparse.Namespace, device: str, dtype: torch.dtype) -> dict:
@@ -361,11 +372,19 @@ def server_half(args: argparse.Namespace, device: str, dtype: torch.dtype) -> di
     try:
         startup = server.wait_healthy(timeout=600)
         capture, graphs_line = server.graphs()
-        rates = {}
+        rates, steps = {}, {}
         for c in args.concurrency:  # a short warm-up at each batch size compiles its prefill shapes
             asyncio.run(decode_rate(server.url, args.preset, c, 4, vocab, seed=1000 + c))
+            start_counts = engine_counters(server.url)
             rates[c] = asyncio.run(decode_rate(server.url, args.preset, c, args.new_tokens, vocab, seed=c))
-            print(f"decode, {c} clients: {rates[c]:.1f} tok/s", flush=True)  # kept if a later step is cut short
+            counts = engine_counters(server.url)
+            # the engine's side of the run: its steps, their mean wall time, its prefill forwards, the slowest step
+            steps[c] = {key: counts[key] - start_counts[key] for key in ("steps", "step_s", "prefill_forwards")}
+            steps[c]["slowest_step_s_so_far"] = counts["slowest_step_s"]
+            mean_ms = 1e3 * steps[c]["step_s"] / max(1, steps[c]["steps"])
+            print(f"decode, {c} clients: {rates[c]:.1f} tok/s ({steps[c]['steps']:.0f} engine steps, {mean_ms:.2f} ms "
+                  f"mean, {steps[c]['prefill_forwards']:.0f} prefill forwards; slowest step so far "
+                  f"{1e3 * counts['slowest_step_s']:.0f} ms)", flush=True)  # kept if a later step is cut short
         rng = random.Random(7)
         ttfts = [asyncio.run(ttft(server.url, args.preset, [rng.randrange(vocab) for _ in range(args.ttft_tokens)]))
                  for _ in range(3)]
@@ -375,8 +394,9 @@ def server_half(args: argparse.Namespace, device: str, dtype: torch.dtype) -> di
         server.stop()
     trace = agent_trace(args, device, dtype)
     print(f"agent trace: {json.dumps(trace)}", flush=True)
-    return {"rates": rates, "ttft_12k_s": statistics.median(ttfts), "ttft_long_prompt_tokens": args.ttft_tokens,
-            "ttft_runs_s": ttfts, "server_startup_s": startup, "cuda_graph_capture_s": capture,
+    return {"rates": rates, "engine_steps": steps, "ttft_12k_s": statistics.median(ttfts),
+            "ttft_long_prompt_tokens": args.ttft_tokens, "ttft_runs_s": ttfts, "server_startup_s": startup,
+            "cuda_graph_capture_s": capture,
             "cuda_graphs": graphs_line, "agent_trace": trace,
             "gpu_memory_mib": after - before if after is not None and before is not None else None}
 

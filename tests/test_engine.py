@@ -326,6 +326,27 @@ def test_admission_throttles_running_and_queue(model):
     assert most == 2 and all(r.finish_reason == "length" for r in requests)
 
 
+def test_step_timing_and_slow_steps_are_reported(model, monkeypatch, caplog):
+    """The engine's step-time counters (the /metrics series) and the slow-step log line: prompts of different
+    lengths prefill in separate forwards; with the threshold at 0 every step is 'slow' and says what it held."""
+    from openk3.serve import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "SLOW_STEP_S", 0.0)
+    engine = make_engine(model)
+    tok = ByteTokenizer()
+    for text in ("a short one", "a somewhat longer prompt"):
+        engine.add_request(tok.encode(text), SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    with caplog.at_level("INFO", logger="openk3.serve.engine"):
+        while engine.has_work():
+            engine.step()
+    m = engine.metrics
+    assert m.prefill_forwards >= 2 and m.steps >= 2
+    assert 0 < m.slowest_step_seconds <= m.step_seconds
+    slow = [r.getMessage() for r in caplog.records if r.getMessage().startswith("slow engine step")]
+    assert len(slow) == m.steps
+    assert sum(int(line.split(" with ")[1].split()[0]) for line in slow) == m.prefill_forwards
+
+
 def test_bad_prompts_are_refused(model):
     engine = make_engine(model)
     with pytest.raises(ValueError):

@@ -63,6 +63,8 @@ from openk3.tokenizer import TextStream
 
 log = logging.getLogger(__name__)
 
+SLOW_STEP_S = 0.25  # an engine step longer than this is logged (INFO) with what it held
+
 # A prefill forward costs ~25-30 ms of host time on an H200 whatever its length (k3-debug: ~1,500 eager ops), so a
 # long prompt goes in few, long forwards: 12k tokens took 141-151 ms in three of 4096 (bench/RESULTS.md, 2026-12-01).
 GPU_PREFILL_TOKENS = 16384  # prefill token budget per step on a GPU (the CPU default is SchedulerConfig's)
@@ -158,6 +160,9 @@ class EngineMetrics:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     steps: int = 0
+    step_seconds: float = 0.0  # wall time inside `Engine.step`, summed
+    slowest_step_seconds: float = 0.0
+    prefill_forwards: int = 0  # batched prefill forwards (one per group of equal chunks)
     spec_drafts: int = 0  # speculative verifications (one per sequence and round)
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
@@ -290,10 +295,20 @@ class Engine:
     # ---- one step -----------------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self) -> None:
+        started, prefills = time.perf_counter(), self.metrics.prefill_forwards
         try:
             self._step()
         finally:
             self._deliver_events()
+            self._time_step(time.perf_counter() - started, self.metrics.prefill_forwards - prefills)
+
+    def _time_step(self, seconds: float, prefills: int) -> None:
+        m = self.metrics
+        m.step_seconds += seconds
+        m.slowest_step_seconds = max(m.slowest_step_seconds, seconds)
+        if seconds > SLOW_STEP_S:  # one step stalls every running sequence: say what it held
+            log.info("slow engine step: %.0f ms with %d prefill forwards, %d running, %d waiting", seconds * 1e3,
+                     prefills, len(self.scheduler.running), len(self.scheduler.waiting))
 
     def _step(self) -> None:
         with self._lock:
@@ -513,6 +528,7 @@ class Engine:
 
     def _prefill(self, chunks: list[tuple[Request, int]]) -> None:
         """The next chunk (same length for all) of each request's prompt: (request, end of its chunk)."""
+        self.metrics.prefill_forwards += 1
         requests, ends = [r for r, _ in chunks], [end for _, end in chunks]
         offsets = self._checkpoint_offsets(requests[0].fed, ends[0])
         images = [e for r, end in chunks if r.images for e in r.images.chunk_embeds(r.fed, end, self.model)]

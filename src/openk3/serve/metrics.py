@@ -2,7 +2,9 @@
 
 Read from the engine at each scrape (counters and gauges): openk3_requests_received_total and
 openk3_requests_finished_total{reason} (engine requests: one per choice), openk3_prompt_tokens_total,
-openk3_generation_tokens_total, openk3_engine_steps_total, openk3_queue_requests, openk3_running_requests,
+openk3_generation_tokens_total, openk3_engine_steps_total, openk3_engine_step_seconds_total (wall time inside the
+engine's steps), openk3_engine_slowest_step_seconds, openk3_engine_prefill_forwards_total (batched prefill
+forwards), openk3_queue_requests, openk3_running_requests,
 openk3_prefix_cache_queried_tokens_total, openk3_prefix_cache_hit_tokens_total, openk3_prefix_cache_utilisation,
 and with --speculative (0 otherwise) openk3_spec_decode_drafts_total (verifications, one per sequence and round),
 openk3_spec_decode_draft_tokens_total and openk3_spec_decode_accepted_tokens_total (vLLM's acceptance length is
@@ -44,6 +46,12 @@ class EngineCollector(Collector):
         yield CounterMetricFamily("openk3_prompt_tokens", "Prompt tokens of admitted requests.", value=m.prompt_tokens)
         yield CounterMetricFamily("openk3_generation_tokens", "Generated tokens.", value=m.generation_tokens)
         yield CounterMetricFamily("openk3_engine_steps", "Engine steps.", value=m.steps)
+        yield CounterMetricFamily("openk3_engine_step_seconds", "Wall time of the engine's steps.",
+                                  value=m.step_seconds)
+        yield GaugeMetricFamily("openk3_engine_slowest_step_seconds", "The longest engine step so far.",
+                                value=m.slowest_step_seconds)
+        yield CounterMetricFamily("openk3_engine_prefill_forwards", "Batched prefill forwards.",
+                                  value=m.prefill_forwards)
         yield GaugeMetricFamily("openk3_queue_requests", "Requests waiting for admission.",
                                 value=len(engine.scheduler.waiting))
         yield GaugeMetricFamily("openk3_running_requests", "Requests being prefilled or decoded.",
