@@ -32,7 +32,13 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
-from openk3.ops.kda.triton import kda_activations, kda_decode, kda_triton, kda_triton_fused  # noqa: E402
+from openk3.ops.kda.triton import (  # noqa: E402
+    kda_activations,
+    kda_decode,
+    kda_final_state_triton,
+    kda_triton,
+    kda_triton_fused,
+)
 
 SHAPES = [  # name, B, T, H, cu_seqlens
     ("B1 T8192 H32", 1, 8192, 32, None),
@@ -216,8 +222,8 @@ def gate_modes(name, B, T, H, cu, results):
 
 def stages(name, B, T, H, cu, tune=False):
     """Time each launch of ours alone: forward (prepare, state pass), backward (prepare, reverse pass, intra),
-    pre-activated and fused; with `tune`, warps per kernel and the reverse
-    pass's V block and reduction."""
+    pre-activated and fused; KCP's transition at width V + K (the full forward on [v | 0] against the state-only
+    pass); with `tune`, warps per kernel and the reverse pass's V block and reduction."""
     from openk3.ops.kda.triton import chunk_bwd, chunk_fwd
     from openk3.ops.kda.triton.layout import chunk_layout
 
@@ -255,6 +261,7 @@ def stages(name, B, T, H, cu, tune=False):
            "bwd total": ms(bwd),
            "bwd total, no overlap": ms(lambda: bwd(overlap=False))}  # the same passes one after the other
     row["state pass"] = row["fwd total"] - row["prepare"]
+    row.update(transition(activate(r), cu_t))
     print({a: (round(b, 4) if isinstance(b, float) else b) for a, b in row.items()}, flush=True)
     if not tune:
         return
@@ -267,6 +274,22 @@ def stages(name, B, T, H, cu, tune=False):
             t_fwd = ms(lambda: fwd(*raw, act=act))
             print(f"  {kernel} warps={nw}: fwd fused {t_fwd:.4f} bwd {ms(bwd):.4f}", flush=True)
     chunk_fwd.WARPS.update(default)
+
+
+def transition(inputs, cu):
+    """KCP's transition (ops/kda/transition.py): the final state from [0 | I] with values [v | 0], by the full
+    forward (outputs written, nobody reads them) and by the state-only pass (v itself, no q side, no outputs)."""
+    _, k, v, g, beta = inputs
+    B, T, H, _ = k.shape
+    N = B if cu is None else len(cu) - 1
+    eye = torch.eye(K, device="cuda").expand(N, H, K, K)
+    start = torch.cat([eye.new_zeros(N, H, K, V), eye], dim=-1)
+    padded = torch.cat([v, v.new_zeros(B, T, H, K)], dim=-1)
+    with torch.no_grad():
+        full = lambda: kda_triton(k, k, padded, g, beta, initial_state=start, output_final_state=True,
+                                  cu_seqlens=cu, gate_min=G_MIN)
+        alone = lambda: kda_final_state_triton(k, v, g, beta, initial_state=start, cu_seqlens=cu, gate_min=G_MIN)
+        return {"transition full fwd": ms(full), "transition state only": ms(alone)}
 
 
 def decode_variants(N, H):

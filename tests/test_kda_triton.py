@@ -30,6 +30,7 @@ from openk3.ops.kda.triton import (  # noqa: E402
     kda_activations_reference,
     kda_decode,
     kda_decode_reference,
+    kda_final_state_triton,
     kda_triton,
     kda_triton_fused,
 )
@@ -253,6 +254,49 @@ def test_schedules_order_chunks_for_the_state_passes():
     padded = chunk_layout(1, 40, torch.tensor([0, 16, 32, 40]), "cpu")
     assert padded.n_chunks == 5
     assert padded.fwd_schedule.tolist() == [[0, 0, 16], [1, 16, 32], [2, 32, 40], [3, 0, 0], [4, 0, 0]]
+
+
+@pytest.mark.parametrize("gate_min, h0, cu", [
+    (-5.0, True, None),  # the bounded kernels, two sequences of 37 tokens (3 chunks, the last partial)
+    (-5.0, False, (0, 1, 20, 37)),  # a 1-token sequence, boundaries mid-chunk
+    (None, True, (0, 1, 20, 37)),  # the any-gate kernels, steep gates down to -30
+    (None, False, None),
+])
+def test_final_state_alone_matches_the_full_forward(gate_min, h0, cu):
+    """kda_final_state_triton (no q-side terms, no outputs) against the full forward's final state from the same
+    kernels: equal to fp32 rounding, in both gate modes, with and without an initial state, dense and varlen."""
+    B = 2 if cu is None else 1
+    q, k, v, g, beta = make(B, 37, 2, 16, 12, torch.float32, seed=37 + (cu is None))
+    if gate_min is None:
+        g = g * 6
+    cu = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=DEV)
+    N = B if cu is None else len(cu) - 1
+    state = torch.randn(N, 2, 16, 12).to(DEV) if h0 else None
+    with torch.no_grad():
+        _, expected = kda_triton(q, k, v, g, beta, initial_state=state, output_final_state=True, cu_seqlens=cu,
+                                 gate_min=gate_min)
+        got = kda_final_state_triton(k, v, g, beta, initial_state=state, cu_seqlens=cu, gate_min=gate_min)
+    assert got.dtype == torch.float32 and got.shape == expected.shape
+    assert rel(got, expected) < 1e-6
+
+
+def test_final_state_wider_than_v_takes_zero_values():
+    """A state wider than v ([N,H,K,V+7]) evolves as if v were zero-padded: the full forward on [v | 0]."""
+    q, k, v, g, beta = make(1, 40, 2, 16, 12, torch.float32, seed=40)
+    cu = torch.tensor([0, 23, 40], dtype=torch.int32, device=DEV)
+    state = torch.randn(2, 2, 16, 19).to(DEV)
+    padded = torch.cat([v, torch.zeros_like(v[..., :7])], dim=-1)
+    _, expected = kda_triton(q, k, padded, g, beta, initial_state=state, output_final_state=True, cu_seqlens=cu)
+    got = kda_final_state_triton(k, v, g, beta, initial_state=state, cu_seqlens=cu)
+    assert got.shape == (2, 2, 16, 19) and rel(got, expected) < 1e-6
+
+
+def test_final_state_alone_rejects_gradients_and_narrow_states():
+    q, k, v, g, beta = make(1, 5, 1, 16, 8, torch.float32)
+    with pytest.raises(RuntimeError, match="not differentiable"):
+        kda_final_state_triton(k, v.requires_grad_(), g, beta)
+    with pytest.raises(ValueError, match="initial_state"):
+        kda_final_state_triton(k, v.detach(), g, beta, initial_state=torch.zeros(1, 1, 16, 4))
 
 
 def test_dispatch_and_no_grad():

@@ -58,6 +58,26 @@ def test_transition_on_the_triton_backend():
         assert rel(a.detach(), b.detach()) < 1e-4
 
 
+@pytest.mark.parametrize("gate, gate_min, dtype", [("near0", None, torch.float32), ("random", -5.0, torch.float32),
+                                                    ("near0", -5.0, torch.bfloat16)])
+def test_transition_without_grad_runs_the_state_only_pass(gate, gate_min, dtype, monkeypatch):
+    """Under no_grad (KCP's forward exchange) the Triton route is the state recurrence alone (no full KDA pass:
+    `kda` must not be called), in both gate modes and for bf16 inputs; fp32 results against the fp64 composition."""
+    pytest.importorskip("triton")
+    from openk3.ops.kda import transition
+
+    def full_pass(*args, **kwargs):
+        raise AssertionError("the full forward ran")
+
+    monkeypatch.setattr(transition, "kda", full_pass)
+    k, v, g, beta = inputs(2, 21, 2, 16, 12, seed=21, gate=gate, dtype=dtype)
+    S_ref, M_ref = kda_transition_reference(*(t.double() for t in (k, v, g, beta)))
+    with torch.no_grad():
+        S, M = kda_transition(k, v, g, beta, backend="triton", gate_min=gate_min)
+    assert S.dtype == M.dtype == torch.float32
+    assert rel(S.double(), S_ref) < 1e-5 and (M.double() - M_ref).abs().max() < 1e-5
+
+
 @pytest.mark.parametrize("T", [5, 33])
 def test_transition_is_kda_as_an_affine_map(T):
     """kda from any incoming state S0 ends at M S0 + S_ext, and the gradients of (S_ext, M) match the reference's."""

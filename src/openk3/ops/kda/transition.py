@@ -29,9 +29,11 @@ could share).
 
 Because each column of the state evolves on its own, the map is also the final state of one ordinary KDA pass over
 an augmented state: with values [v | 0] ([T, V+K]) from S_0 = [0 | I], the final state is [S_ext | M]. `kda_transition`
-takes that route on any backend but "chunked" (the Triton kernels on a GPU: no extra memory beyond a KDA pass, and
-its backward is the kernels' own), and the chunk-map form on "chunked". Either way the chain is fp32 (fp64 for fp64
-inputs): M loses accuracy quickly in bf16 (fla #740).
+takes that route on the Triton backend (no extra memory beyond a KDA pass): without a gradient to take (KCP's
+forward exchange) the kernels' state recurrence alone, `kda_final_state_triton` (no outputs, no q-side terms, and
+the zero value columns never stored); with one the full differentiable forward, whose backward is the kernels' own.
+The other backends take the chunk-map form. Either way the chain is fp32 (fp64 for fp64 inputs): M loses accuracy
+quickly in bf16 (fla #740).
 
 The backward of context parallelism needs the transposed quantity: dS_0 = d<O, dO>/dS_0, the gradient of a
 span's outputs with respect to its incoming state (zero gradient on its final state). It does not depend on S_0
@@ -138,8 +140,9 @@ def kda_transition(
     gate_min: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The affine map of KDA over each row of k, g [B,T,H,K], v [B,T,H,V], beta [B,T,H] (activated, as `kda`
-    takes them): (S_ext [B,H,K,V], M [B,H,K,K]) with S_end = M S_0 + S_ext. fp32 (fp64 for fp64 inputs);
-    differentiable. T = 0 gives the identity map. `backend` and `gate_min` as in `openk3.ops.kda.kda`."""
+    takes them): (S_ext [B,H,K,V], M [B,H,K,K]) with S_end = M S_0 + S_ext. fp32 (fp64 for fp64 inputs off the
+    Triton backend); differentiable (on Triton without a gradient to take, e.g. under no_grad, the cheaper
+    state-only pass runs). T = 0 gives the identity map. `backend` and `gate_min` as in `openk3.ops.kda.kda`."""
     name = resolve_backend(backend, k.device, k.shape[1])
     if gate_min is not None:
         g = g.clamp_min(gate_min)
@@ -150,9 +153,14 @@ def kda_transition(
     acc = _acc(k.dtype)
     eye = torch.eye(K, dtype=acc, device=k.device).expand(B, H, K, K)
     start = torch.cat([eye.new_zeros(B, H, K, V), eye], dim=-1)  # [0 | I]
-    values = torch.cat([v, v.new_zeros(B, T, H, K)], dim=-1)  # [v | 0]
-    _, final = kda(k, k, values, g, beta, initial_state=start, output_final_state=True, backend=name,  # q: unused
-                   gate_min=gate_min)
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (k, v, g, beta)):
+        values = torch.cat([v, v.new_zeros(B, T, H, K)], dim=-1)  # [v | 0]
+        _, final = kda(k, k, values, g, beta, initial_state=start, output_final_state=True, backend=name,  # q: unused
+                       gate_min=gate_min)
+    else:
+        from openk3.ops.kda.triton import kda_final_state_triton
+
+        final = kda_final_state_triton(k, v, g, beta, initial_state=start, gate_min=gate_min)  # values [v | 0]
     return final[..., :V], final[..., V:]
 
 

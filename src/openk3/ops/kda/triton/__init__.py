@@ -4,11 +4,17 @@
 `causal_conv_step` advance many sequences by one token with their states updated in place;
 `kda_activations` turns raw projections and gate logits into kda_triton's inputs in one pass;
 `kda_triton_fused` does the same inside the chunk kernels; `initial_state_grad_triton` is the
-reverse state pass alone (KCP's backward exchange).
+reverse state pass alone (KCP's backward exchange), `kda_final_state_triton` the forward's state recurrence
+alone (its forward exchange).
 """
 
 from openk3.ops.kda.triton.activations import kda_activations, kda_activations_reference
-from openk3.ops.kda.triton.chunk import initial_state_grad_triton, kda_triton, kda_triton_fused
+from openk3.ops.kda.triton.chunk import (
+    initial_state_grad_triton,
+    kda_final_state_triton,
+    kda_triton,
+    kda_triton_fused,
+)
 from openk3.ops.kda.triton.decode import (
     causal_conv_step,
     causal_conv_step_reference,
@@ -20,6 +26,7 @@ __all__ = [
     "kda_triton",
     "kda_triton_fused",
     "initial_state_grad_triton",
+    "kda_final_state_triton",
     "kda_activations",
     "kda_activations_reference",
     "kda_decode",

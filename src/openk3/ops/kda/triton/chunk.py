@@ -15,9 +15,17 @@ from __future__ import annotations
 
 import torch
 
+from openk3.ops.kda import _check_options, check_kda_inputs
 from openk3.ops.kda.triton.activations import GATES, activations_backward
 from openk3.ops.kda.triton.chunk_bwd import chunk_kda_bwd, reverse_pass
-from openk3.ops.kda.triton.chunk_fwd import GateSpec, chunk_kda_fwd, gate_spec, prepare, state_block
+from openk3.ops.kda.triton.chunk_fwd import (
+    GateSpec,
+    chunk_kda_final_state,
+    chunk_kda_fwd,
+    gate_spec,
+    prepare,
+    state_block,
+)
 from openk3.ops.kda.triton.layout import CHUNK, chunk_layout
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -183,3 +191,31 @@ def initial_state_grad_triton(q, k, v, g, beta, do, *, scale=None, cu_seqlens=No
     (_, _, dh0), launch = reverse_pass(terms, do, None, True, lay, state_block(lay.n_seqs, H, V), q.dtype)
     launch()
     return dh0
+
+
+@torch.compiler.disable
+def kda_final_state_triton(k, v, g, beta, *, initial_state=None, cu_seqlens=None, gate_min=None) -> torch.Tensor:
+    """The final state of each sequence alone: `kda_triton(q, k, v, g, beta, ..., output_final_state=True)[1]`
+    without the outputs, so without q (the prepare kernel skips Qd and Aqk, the state pass skips O). fp32
+    [N,H,K,V'] (N = B, or the number of sequences with cu_seqlens). initial_state (any float dtype) may be wider
+    than v, [N,H,K,V'] with V' >= V: its columns past V then take zero values, as if v were zero-padded to V'
+    (KCP's transition, `openk3.ops.kda.transition`). Not differentiable: raises if asked for a gradient."""
+    check_kda_inputs(k, k, v, g, beta, None, cu_seqlens)
+    _check_options(gate_min, None, k.shape[1], cu_seqlens)
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    if initial_state is not None and (initial_state.dim() != 4 or tuple(initial_state.shape[:3]) != (N, H, K)
+                                      or initial_state.shape[-1] < V):
+        raise ValueError(f"initial_state must be [{N},{H},{K},V'] with V' >= V = {V}, got "
+                         f"{tuple(initial_state.shape)}")
+    leaves = [x for x in (k, v, g, beta, initial_state) if x is not None]
+    if torch.is_grad_enabled() and any(x.requires_grad for x in leaves):
+        raise RuntimeError("kda_final_state_triton is not differentiable: call it under torch.no_grad() (or use "
+                           "kda_triton(..., output_final_state=True))")
+    if k.dtype not in _KERNEL_DTYPES:
+        k, v, g, beta = (x.float() for x in (k, v, g, beta))
+    flat = [x.reshape(B * T, H, -1).contiguous() for x in (k, v, g)]
+    h0 = None if initial_state is None else initial_state.float().contiguous()
+    lay = chunk_layout(B, T, cu_seqlens, k.device)
+    return chunk_kda_final_state(*flat, beta.reshape(B * T, H).contiguous(), h0, lay, gate_spec(gate_min))

@@ -8,6 +8,8 @@ Kd = K e^G, Ki = K e^-G, Qd = scale Q e^G (Gamma ⊙ K, K / Gamma, Gamma ⊙ Q i
         W   = T Diag(beta) Kd,  U = T Diag(beta) V,  Aqk = Tril(Qd Ki^T),  kg = K e^(G_C - G),  gc = e^G_C
     state pass (one program per sequence, head and block of V columns; columns of S evolve independently):
         pv = U - W S,   O = Qd S + Aqk pv,   S <- Diag(gc) S + kg^T pv
+A pass for the final states alone (`chunk_kda_final_state`, KCP's transition) drops the q side: no Aqk, Qd in
+the prepare kernel, no O in the state pass.
 
 The pair products Kd Ki^T and Qd Ki^T carry e^(G_i - G_j), i > j, split into two factors, in one of two gate
 modes (constexpr HIER, chosen by `gate_mode` from the floor the caller declares for g):
@@ -84,10 +86,11 @@ def wy_inverse(P, b, i, j, PREC: tl.constexpr):
 
 @triton.jit
 def load_slice(q, k, g, A_log, dt_bias, rows, rmask, h, H, K: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
-               c0, ACT: tl.constexpr, G_MIN: tl.constexpr, G_FLOOR: tl.constexpr):
-    """Channels c0:c0+BS of one chunk: q and k as stored (raw under ACT), the gate g clamped at G_FLOOR (padded
-    rows have g = 0), G = its cumsum, G_C (G at the chunk's end) and where the clamp acted (those gates get no
-    gradient). Under ACT the gate is computed from its logits."""
+               c0, ACT: tl.constexpr, G_MIN: tl.constexpr, G_FLOOR: tl.constexpr, WITH_Q: tl.constexpr = True):
+    """Channels c0:c0+BS of one chunk: q and k as stored (raw under ACT; without WITH_Q q is not read and k
+    stands in for it), the gate g clamped at G_FLOOR (padded rows have g = 0), G = its cumsum, G_C (G at the
+    chunk's end) and where the clamp acted (those gates get no gradient). Under ACT the gate is computed from its
+    logits."""
     i = tl.arange(0, BT)[:, None]
     gg = _load_rows(g, rows, rmask, H, h, K, BS, c0)
     if ACT != 0:
@@ -100,8 +103,12 @@ def load_slice(q, k, g, A_log, dt_bias, rows, rmask, h, H, K: tl.constexpr, BT: 
     gg = tl.where(clamped, G_FLOOR, gg)
     G = tl.cumsum(gg, axis=0)
     GC = tl.sum(tl.where(i == BT - 1, G, 0.0), axis=0)
-    qq = _load_rows(q, rows, rmask, H, h, K, BS, c0)
-    return qq, _load_rows(k, rows, rmask, H, h, K, BS, c0), gg, G, GC, clamped
+    if WITH_Q:
+        qq = _load_rows(q, rows, rmask, H, h, K, BS, c0)
+    kk = _load_rows(k, rows, rmask, H, h, K, BS, c0)
+    if not WITH_Q:
+        qq = kk
+    return qq, kk, gg, G, GC, clamped
 
 
 @triton.jit
@@ -160,9 +167,10 @@ def _prepare_kernel(q, k, v, g, beta, A_log, dt_bias, sched, ready, W, U, QG, KG
                     H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                     BS: tl.constexpr, PREC: tl.constexpr,
                     ACT: tl.constexpr, G_MIN: tl.constexpr, G_FLOOR: tl.constexpr, HIER: tl.constexpr,
-                    STORE_U: tl.constexpr):
+                    STORE_U: tl.constexpr, WITH_Q: tl.constexpr):
     """The state-independent terms of one chunk, BS channels at a time: everything is per channel except
-    the two products over K (accumulated) and T, so slices keep the register tiles small."""
+    the two products over K (accumulated) and T, so slices keep the register tiles small. Without WITH_Q the
+    q-side terms (Aqk, Qd: only the outputs need them) are neither computed nor stored, and q is not read."""
     c, h, t0, t1 = scheduled_chunk(sched, H)
     rows = t0 + tl.arange(0, BT)
     rmask = rows < t1
@@ -178,29 +186,34 @@ def _prepare_kernel(q, k, v, g, beta, A_log, dt_bias, sched, ready, W, U, QG, KG
     sq_k = tl.zeros([BT], dtype=tl.float32)
     for c0 in range(0, K, BS):
         qq, kk, gg, G, GC, _ = load_slice(q, k, g, A_log, dt_bias, rows, rmask, h, H, K, BT, BS, c0, ACT, G_MIN,
-                                          G_FLOOR)
+                                          G_FLOOR, WITH_Q)
         for lv in tl.static_range(4 if HIER else 1):
             fi, fj, pairs = pair_factors(gg, G, lv, i, j, BT, BS, HIER)
             Ki = kk * fj
             P += tl.where(pairs, tl.dot(kk * fi, tl.trans(Ki), input_precision=PREC), 0.0)
-            Aqk += tl.where(pairs, tl.dot(qq * fi, tl.trans(Ki), input_precision=PREC), 0.0)
-        qk += tl.sum(qq * kk, axis=1)
+            if WITH_Q:
+                Aqk += tl.where(pairs, tl.dot(qq * fi, tl.trans(Ki), input_precision=PREC), 0.0)
+        if WITH_Q:
+            qk += tl.sum(qq * kk, axis=1)
         if ACT != 0:
-            sq_q += tl.sum(qq * qq, axis=1)
+            if WITH_Q:
+                sq_q += tl.sum(qq * qq, axis=1)
             sq_k += tl.sum(kk * kk, axis=1)
     rq = inverse_norm(sq_q, ACT)
     rk = inverse_norm(sq_k, ACT)
-    Aqk = (Aqk + tl.where(i == j, qk[:, None], 0.0)) * (scale * rq)[:, None] * rk[None, :]
     P = P * rk[:, None] * rk[None, :]
-    _store_rows(AQK, Aqk, rows, rmask, H, h, BT, BT)
+    if WITH_Q:
+        Aqk = (Aqk + tl.where(i == j, qk[:, None], 0.0)) * (scale * rq)[:, None] * rk[None, :]
+        _store_rows(AQK, Aqk, rows, rmask, H, h, BT, BT)
     Tb = wy_inverse(P, b, i, j, PREC) * b[None, :]  # T Diag(beta)
     # pass 2 reloads each slice (cache hits) and writes its terms
     for c0 in range(0, K, BS):
         qq, kk, _, G, GC, _ = load_slice(q, k, g, A_log, dt_bias, rows, rmask, h, H, K, BT, BS, c0, ACT, G_MIN,
-                                         G_FLOOR)
+                                         G_FLOOR, WITH_Q)
         kk = kk * rk[:, None]
         eG = tl.exp(G)
-        _store_rows(QG, qq * (scale * rq)[:, None] * eG, rows, rmask, H, h, K, BS, c0)
+        if WITH_Q:
+            _store_rows(QG, qq * (scale * rq)[:, None] * eG, rows, rmask, H, h, K, BS, c0)
         _store_rows(KG, kk * tl.exp(GC[None, :] - G), rows, rmask, H, h, K, BS, c0)
         _store_rows(W, tl.dot(Tb, kk * eG, input_precision=PREC), rows, rmask, H, h, K, BS, c0)
         cols = c0 + tl.arange(0, BS)
@@ -214,9 +227,11 @@ def _prepare_kernel(q, k, v, g, beta, A_log, dt_bias, sched, ready, W, U, QG, KG
 
 @triton.jit
 def _state_fwd_kernel(W, U, QG, KG, AQK, GCX, h0, ht, hs, ckpt_slot, ckpt, o, cu, chunk_off,
-                      N, H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                      N, H, K: tl.constexpr, V: tl.constexpr, VU: tl.constexpr, BT: tl.constexpr,
                       BK: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr,
-                      SAVE_STATES: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
+                      SAVE_STATES: tl.constexpr, OUTPUT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
+    """The chain of one (sequence, head, block of BV state columns). U has VU <= V columns, the state V: the
+    columns past VU take zero values. Without OUTPUT only the state recurrence runs (QG, AQK and o unread)."""
     n = tl.program_id(0)
     h = tl.program_id(1)
     iv = tl.program_id(2)
@@ -246,17 +261,20 @@ def _state_fwd_kernel(W, U, QG, KG, AQK, GCX, h0, ht, hs, ckpt_slot, ckpt, o, cu
         xk = (rows[:, None] * H + h) * K + ck[None, :]
         mk = rmask[:, None] & (ck[None, :] < K)
         w = tl.load(W + xk, mask=mk, other=0.0).to(dt)
-        qg = tl.load(QG + xk, mask=mk, other=0.0).to(dt)
+        if OUTPUT:
+            qg = tl.load(QG + xk, mask=mk, other=0.0).to(dt)
         kg = tl.load(KG + xk, mask=mk, other=0.0).to(dt)
-        xv = (rows[:, None] * H + h) * V + cv[None, :]
-        mv = rmask[:, None] & (cv[None, :] < V)
-        u = tl.load(U + xv, mask=mv, other=0.0).to(tl.float32)
-        aqk = tl.load(AQK + (rows[:, None] * H + h) * BT + tt[None, :], mask=rmask[:, None], other=0.0).to(dt)
+        xu = (rows[:, None] * H + h) * VU + cv[None, :]
+        u = tl.load(U + xu, mask=rmask[:, None] & (cv[None, :] < VU), other=0.0).to(tl.float32)
+        if OUTPUT:
+            aqk = tl.load(AQK + (rows[:, None] * H + h) * BT + tt[None, :], mask=rmask[:, None], other=0.0).to(dt)
         gc = tl.load(GCX + ((c0 + c) * H + h) * K + ck, mask=ck < K, other=0.0).to(tl.float32)
         Sd = S.to(dt)
         pv = (u - tl.dot(w, Sd, input_precision=PREC)).to(dt)
-        out = tl.dot(qg, Sd, input_precision=PREC) + tl.dot(aqk, pv, input_precision=PREC)
-        tl.store(o + xv, out.to(o.dtype.element_ty), mask=mv)
+        if OUTPUT:
+            out = tl.dot(qg, Sd, input_precision=PREC) + tl.dot(aqk, pv, input_precision=PREC)
+            xv = (rows[:, None] * H + h) * V + cv[None, :]
+            tl.store(o + xv, out.to(o.dtype.element_ty), mask=rmask[:, None] & (cv[None, :] < V))
         S = S * gc[:, None] + tl.dot(tl.trans(kg), pv, input_precision=PREC)
     if STORE_FINAL:
         tl.store(ht + (n * H + h) * K * V + s_offs, S, mask=smask)
@@ -327,49 +345,58 @@ def gate_spec(floor: float | None, A_log=None, dt_bias=None, kimi: bool = False,
     return GateSpec(clamp, hier, A_log, dt_bias, kimi, float(g_min))
 
 
-def chunk_terms(q, v, n_chunks: int, with_u=True):
-    """Empty W, U, QG, KG, AQK, GC for the prepare kernel (U None without `with_u`)."""
+def chunk_terms(q, v, n_chunks: int, with_u=True, with_q=True):
+    """Empty W, U, QG, KG, AQK, GC for the prepare kernel (U None without `with_u`, QG and AQK None without
+    `with_q`); q sets their shape and precision (k stands in for it without `with_q`)."""
     T, H, K = q.shape
     torch_dtypes = {tl.float32: torch.float32, tl.bfloat16: torch.bfloat16, tl.float16: torch.float16}
     dt = torch_dtypes[dot_dtype(q.dtype, q.device)]
-    W, QG, KG = (torch.empty(T, H, K, dtype=dt, device=q.device) for _ in range(3))
+    W, KG = (torch.empty(T, H, K, dtype=dt, device=q.device) for _ in range(2))
+    QG = torch.empty(T, H, K, dtype=dt, device=q.device) if with_q else None
     U = torch.empty(T, H, v.shape[-1], dtype=dt, device=q.device) if with_u else None
-    AQK = torch.empty(T, H, CHUNK, dtype=dt, device=q.device)
+    AQK = torch.empty(T, H, CHUNK, dtype=dt, device=q.device) if with_q else None
     GC = torch.empty(max(n_chunks, 1), H, K, dtype=torch.float32, device=q.device)
     return W, U, QG, KG, AQK, GC
 
 
 def launch_prepare(q, k, v, g, beta, scale: float, terms, schedule, n_chunks: int, gate: GateSpec, ready=None):
     """The prepare kernel on flat [T,H,*] inputs into `terms` (chunk_terms), chunks in `schedule` order,
-    flagging each in `ready` when given."""
+    flagging each in `ready` when given. The terms left None (U, or QG and AQK) are not computed."""
     T, H, K = q.shape
     V = v.shape[-1]
     W, U, QG, KG, AQK, GC = terms
     if n_chunks:
         _prepare_kernel[(n_chunks * H,)](
-            q, k, v, g, beta, sched=schedule, ready=ready, W=W, U=W if U is None else U, QG=QG, KG=KG, AQK=AQK,
-            GCX=GC, scale=scale, H=H, K=K, V=V, BT=CHUNK, BS=slice_width(K, V), PREC=precision(q.dtype),
-            STORE_U=U is not None, num_warps=WARPS["prepare"], maxnreg=PREPARE_MAX_REGISTERS, **gate.kernel_args(q))
+            q, k, v, g, beta, sched=schedule, ready=ready, W=W, U=W if U is None else U, QG=W if QG is None else QG,
+            KG=KG, AQK=W if AQK is None else AQK, GCX=GC, scale=scale, H=H, K=K, V=V, BT=CHUNK,
+            BS=slice_width(K, V), PREC=precision(q.dtype), STORE_U=U is not None, WITH_Q=QG is not None,
+            num_warps=WARPS["prepare"], maxnreg=PREPARE_MAX_REGISTERS, **gate.kernel_args(q))
 
 
-def prepare(q, k, v, g, beta, scale: float, lay: ChunkLayout, gate: GateSpec, with_u=True):
-    """The prepare kernel alone (forward schedule, no flags); returns (W, U, QG, KG, AQK, GC)."""
-    terms = chunk_terms(q, v, lay.n_chunks, with_u)
+def prepare(q, k, v, g, beta, scale: float, lay: ChunkLayout, gate: GateSpec, with_u=True, with_q=True):
+    """The prepare kernel alone (forward schedule, no flags); returns (W, U, QG, KG, AQK, GC), U None without
+    `with_u`, QG and AQK None without `with_q` (q then unread: pass k)."""
+    terms = chunk_terms(q, v, lay.n_chunks, with_u, with_q)
     launch_prepare(q, k, v, g, beta, scale, terms, lay.fwd_schedule, lay.n_chunks, gate)
     return terms
 
 
 def state_pass(terms, v, dtype, initial_state, output_final_state, lay: ChunkLayout, save_states,
-               checkpoints: tuple[torch.Tensor, int] | None = None):
+               checkpoints: tuple[torch.Tensor, int] | None = None, with_output=True):
     """The forward state pass over a prepare kernel's `terms` (`dtype`: q's, which set the terms' precision).
     Returns o (v's dtype), the final state (fp32 or None), the state before every chunk (or None) and, with
     `checkpoints` = (slot per chunk of a sequence, int32, -1 for none; number of slots), the fp32 states before
-    the chunks that have a slot, [slots, N, H, K, V] (or None)."""
+    the chunks that have a slot, [slots, N, H, K, V] (or None). Without `with_output` (terms without QG and AQK
+    will do) o is None and only the state recurrence runs; the state may then be wider than v (initial_state
+    [N, H, K, V'], V' > V): its columns past V take zero values."""
     W, U, QG, KG, AQK, GC = terms
     T, H, K = W.shape
-    V = v.shape[-1]
+    VU = v.shape[-1]
+    V = VU if initial_state is None else initial_state.shape[-1]
+    if V != VU and with_output:
+        raise ValueError(f"a state wider than v ({V} > {VU} columns) takes no output: pass with_output=False")
     N = lay.n_seqs
-    o = torch.empty(T, H, V, dtype=v.dtype, device=v.device)
+    o = torch.empty(T, H, V, dtype=v.dtype, device=v.device) if with_output else None
     ht = torch.empty(N, H, K, V, dtype=torch.float32, device=v.device) if output_final_state else None
     hs = torch.empty(max(lay.n_chunks, 1), H, K, V, dtype=W.dtype, device=v.device) if save_states else None
     slots, ckpt = None, None
@@ -378,10 +405,10 @@ def state_pass(terms, v, dtype, initial_state, output_final_state, lay: ChunkLay
         ckpt = torch.empty(n_slots, N, H, K, V, dtype=torch.float32, device=v.device)
     BV = state_block(N, H, V)
     _state_fwd_kernel[(N, H, triton.cdiv(V, BV))](
-        W, U, QG, KG, AQK, GC, initial_state, ht, hs, slots, ckpt, o, lay.cu_seqlens, lay.chunk_offsets,
-        N=N, H=H, K=K, V=V, BT=CHUNK, BK=_pow2(K), BV=BV, HAS_H0=initial_state is not None,
-        STORE_FINAL=output_final_state, SAVE_STATES=save_states, PREC=precision(dtype), DT=dot_dtype(dtype, v.device),
-        num_warps=WARPS["state"])
+        W, U, W if QG is None else QG, KG, W if AQK is None else AQK, GC, initial_state, ht, hs, slots, ckpt,
+        W if o is None else o, lay.cu_seqlens, lay.chunk_offsets, N=N, H=H, K=K, V=V, VU=VU, BT=CHUNK, BK=_pow2(K),
+        BV=BV, HAS_H0=initial_state is not None, STORE_FINAL=output_final_state, SAVE_STATES=save_states,
+        OUTPUT=with_output, PREC=precision(dtype), DT=dot_dtype(dtype, v.device), num_warps=WARPS["state"])
     return o, ht, hs, ckpt
 
 
@@ -393,3 +420,10 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, la
     `gate`, g and beta are the gate and beta logits and q, k are not yet normalised."""
     terms = prepare(q, k, v, g, beta, scale, lay, gate)
     return state_pass(terms, v, q.dtype, initial_state, output_final_state, lay, save_states, checkpoints)
+
+
+def chunk_kda_final_state(k, v, g, beta, initial_state, lay: ChunkLayout, gate: GateSpec):
+    """Flat [T,H,*] final states alone, fp32 [N,H,K,V'] (V' = initial_state's width, >= V; the columns past V
+    take zero values): the prepare kernel without the q-side terms, then the state pass without outputs."""
+    terms = prepare(k, k, v, g, beta, 1.0, lay, gate, with_q=False)  # q and the scale feed only QG and AQK
+    return state_pass(terms, v, k.dtype, initial_state, True, lay, False, with_output=False)[1]
