@@ -36,40 +36,39 @@ class EngineCollector(Collector):
 
     def collect(self):
         engine, m = self.engine, self.engine.metrics
-        yield CounterMetricFamily("openk3_requests_received", "Engine requests accepted (one per choice).",
-                                  value=m.requests_received)
+        cache = engine.prefix_cache
+        stats = cache.stats if cache is not None else None
         finished = CounterMetricFamily("openk3_requests_finished", "Engine requests finished, by reason.",
                                        labels=["reason"])
         for reason, count in sorted(m.requests_finished.items()):
             finished.add_metric([reason], count)
         yield finished
-        yield CounterMetricFamily("openk3_prompt_tokens", "Prompt tokens of admitted requests.", value=m.prompt_tokens)
-        yield CounterMetricFamily("openk3_generation_tokens", "Generated tokens.", value=m.generation_tokens)
-        yield CounterMetricFamily("openk3_engine_steps", "Engine steps.", value=m.steps)
-        yield CounterMetricFamily("openk3_engine_step_seconds", "Wall time of the engine's steps.",
-                                  value=m.step_seconds)
-        yield GaugeMetricFamily("openk3_engine_slowest_step_seconds", "The longest engine step so far.",
-                                value=m.slowest_step_seconds)
-        yield CounterMetricFamily("openk3_engine_prefill_forwards", "Batched prefill forwards.",
-                                  value=m.prefill_forwards)
-        yield GaugeMetricFamily("openk3_queue_requests", "Requests waiting for admission.",
-                                value=len(engine.scheduler.waiting))
-        yield GaugeMetricFamily("openk3_running_requests", "Requests being prefilled or decoded.",
-                                value=len(engine.scheduler.running))
-        cache = engine.prefix_cache
-        stats = cache.stats if cache is not None else None
-        yield CounterMetricFamily("openk3_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache.",
-                                  value=stats.queried_tokens if stats else 0)
-        yield CounterMetricFamily("openk3_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache.",
-                                  value=stats.hit_tokens if stats else 0)
-        yield GaugeMetricFamily("openk3_prefix_cache_utilisation", "Used fraction of the prefix cache's device tier.",
-                                value=cache.utilisation if cache is not None else 0.0)
-        yield CounterMetricFamily("openk3_spec_decode_drafts", "Speculative verifications (per sequence and round).",
-                                  value=m.spec_drafts)
-        yield CounterMetricFamily("openk3_spec_decode_draft_tokens", "Tokens proposed by the draft model.",
-                                  value=m.spec_draft_tokens)
-        yield CounterMetricFamily("openk3_spec_decode_accepted_tokens", "Drafted tokens the target accepted.",
-                                  value=m.spec_accepted_tokens)
+        counters = [
+            ("requests_received", "Engine requests accepted (one per choice).", m.requests_received),
+            ("prompt_tokens", "Prompt tokens of admitted requests.", m.prompt_tokens),
+            ("generation_tokens", "Generated tokens.", m.generation_tokens),
+            ("engine_steps", "Engine steps.", m.steps),
+            ("engine_step_seconds", "Wall time of the engine's steps.", m.step_seconds),
+            ("engine_prefill_forwards", "Batched prefill forwards.", m.prefill_forwards),
+            ("prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache.",
+             stats.queried_tokens if stats else 0),
+            ("prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache.",
+             stats.hit_tokens if stats else 0),
+            ("spec_decode_drafts", "Speculative verifications (per sequence and round).", m.spec_drafts),
+            ("spec_decode_draft_tokens", "Tokens proposed by the draft model.", m.spec_draft_tokens),
+            ("spec_decode_accepted_tokens", "Drafted tokens the target accepted.", m.spec_accepted_tokens),
+        ]
+        gauges = [
+            ("engine_slowest_step_seconds", "The longest engine step so far.", m.slowest_step_seconds),
+            ("queue_requests", "Requests waiting for admission.", len(engine.scheduler.waiting)),
+            ("running_requests", "Requests being prefilled or decoded.", len(engine.scheduler.running)),
+            ("prefix_cache_utilisation", "Used fraction of the prefix cache's device tier.",
+             cache.utilisation if cache is not None else 0.0),
+        ]
+        for name, text, value in counters:
+            yield CounterMetricFamily(f"openk3_{name}", text, value=value)
+        for name, text, value in gauges:
+            yield GaugeMetricFamily(f"openk3_{name}", text, value=value)
 
 
 class ServerMetrics:
