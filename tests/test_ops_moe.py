@@ -258,6 +258,29 @@ def test_grouped_gemm_path_matches_loop(mm, dtype):
         assert torch.equal(grouped[3][e], torch.zeros_like(grouped[3][e]))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_moved_by_gathers_equal_index_select_to_the_bit(dtype):
+    """The padded layout's row moves (`_MoveRows`: backward a gather by the inverse map) against index_select,
+    whose backward is an index_add: outputs and gradients bitwise, empty experts included."""
+    from openk3.ops.moe import _MoveRows
+
+    g = torch.Generator().manual_seed(11)
+    counts = torch.tensor([0, 5, 1, 0, 9, 3])
+    M, D = int(counts.sum()), 7
+    layout = grouped_layout(counts, M, 4)
+    x = torch.randn(M, D, generator=g).to(dtype).requires_grad_()
+    d_pad = torch.randn(layout.capacity, D, generator=g).to(dtype)
+    ours = _MoveRows.apply(x, layout.source, layout.dest, True)
+    ref = torch.cat([x, x.new_zeros(1, D)]).index_select(0, layout.source)
+    assert torch.equal(ours, ref)
+    assert torch.equal(*(torch.autograd.grad(out, x, d_pad)[0] for out in (ours, ref)))
+    y = torch.randn(layout.capacity, D, generator=g).to(dtype).requires_grad_()
+    d_rows = torch.randn(M, D, generator=g).to(dtype)
+    ours, ref = _MoveRows.apply(y, layout.dest, layout.source, False), y.index_select(0, layout.dest)
+    assert torch.equal(ours, ref)
+    assert torch.equal(*(torch.autograd.grad(out, y, d_rows)[0] for out in (ours, ref)))
+
+
 def test_grouped_layout_properties():
     g = torch.Generator().manual_seed(7)
     for align in (4, 8):

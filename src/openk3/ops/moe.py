@@ -153,6 +153,29 @@ def grouped_layout(counts: torch.Tensor, num_rows: int, align: int) -> GroupedLa
     return GroupedLayout(offsets, dest, source, capacity)
 
 
+def _gather_rows(x: torch.Tensor, index: torch.Tensor, zero_row: bool) -> torch.Tensor:
+    """x[index], where with `zero_row` index may also name one row past x's last: a row of zeros."""
+    return (torch.cat([x, x.new_zeros(1, x.shape[1])]) if zero_row else x).index_select(0, index)
+
+
+class _MoveRows(torch.autograd.Function):
+    """Rows moved between the sorted order and the grouped GEMM's padded buffer (`GroupedLayout`'s source / dest
+    maps): each row lands in one place, so the gradient is the gather by the inverse map, where index_select's
+    backward is an index_add (atomic adds: 0.58 ms a call for k3-debug's bf16 rows on an H200, bench/RESULTS.md).
+    Exact: every gradient row is one incoming row or zero, as index_add into zeros gives it."""
+
+    @staticmethod
+    def forward(ctx, x, forward_map, backward_map, zero_row: bool):
+        ctx.save_for_backward(backward_map)
+        ctx.zero_row = zero_row
+        return _gather_rows(x, forward_map, zero_row)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (backward_map,) = ctx.saved_tensors
+        return _gather_rows(grad, backward_map, not ctx.zero_row), None, None, None
+
+
 def grouped_glu_mlp_gemm(x_sorted, counts, gate_up, down, act, *, mm=None) -> torch.Tensor:
     """`grouped_glu_mlp` as two grouped GEMMs over a padded copy of the rows (`grouped_layout`), the GLU between
     them on the packed [gate | up] product. Runs in `compute_dtype(x_sorted)`; `mm` defaults to torch's grouped
@@ -163,8 +186,7 @@ def grouped_glu_mlp_gemm(x_sorted, counts, gate_up, down, act, *, mm=None) -> to
     layout = grouped_layout(counts, M, GROUP_ALIGN_BYTES * 8 // torch.finfo(dtype).bits)
     # the padded rows gathered from the rows plus one zero row: a gather keeps only its index for backward, where
     # index_copy into a zero buffer would keep a copy of all the rows
-    rows = x_sorted.to(dtype)
-    x_pad = torch.cat([rows, rows.new_zeros(1, rows.shape[1])]).index_select(0, layout.source)
+    x_pad = _MoveRows.apply(x_sorted.to(dtype), layout.source, layout.dest, True)
     h = mm(x_pad, gate_up.to(dtype).transpose(-2, -1), offs=layout.offsets)
     if torch.is_grad_enabled() and not torch.compiler.is_compiling():
         # the GLU's output is recomputed in backward from h (kept anyway for the GLU's own backward) instead of
@@ -174,7 +196,7 @@ def grouped_glu_mlp_gemm(x_sorted, counts, gate_up, down, act, *, mm=None) -> to
                        preserve_rng_state=False)
     else:
         y = _glu_down(act, h, down, dtype, layout.offsets, mm)
-    return y.index_select(0, layout.dest)
+    return _MoveRows.apply(y, layout.dest, layout.source, False)
 
 
 def _glu_down(act, h, down, dtype, offsets, mm) -> torch.Tensor:
