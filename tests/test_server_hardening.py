@@ -68,7 +68,7 @@ def timed_413(http: httpx.Client, prompt):
 def test_tokenization_is_linear_and_off_the_event_loop(server):
     """64k copies of a special-token string cost about what 64k plain characters do (the old byte tokenizer
     re-scanned the rest of the text per special token: 32 s against milliseconds; 1-3x measured now, with 7x
-    the bytes), and /health answers while requests of 3.5 MB of special strings are parsed and tokenized."""
+    the bytes), and /health answers while requests of 7.7 MB of special strings are parsed and tokenized."""
     specials, plain = "<|eos|>" * 65536, "x" * 65536
     times = {"specials": [], "plain": []}
     with httpx.Client(base_url=server, timeout=60) as http:
@@ -91,7 +91,9 @@ def test_tokenization_is_linear_and_off_the_event_loop(server):
     prober.start()
     try:
         with httpx.Client(base_url=server, timeout=60) as http:
-            big = [timed_413(http, "<|eos|>" * 500_000) for _ in range(6)]  # 3.5 MB of special strings each
+            # 7.7 MB of special strings each, near the 8 MiB body limit: the longer each one takes, the wider the
+            # gap between /health off the event loop (GIL switches, ~10 ms on 2 busy cores) and on it (~half of one)
+            big = [timed_413(http, "<|eos|>" * 1_100_000) for _ in range(6)]
     finally:
         done.set()
         prober.join(timeout=60)
