@@ -205,7 +205,8 @@ def add_serve_parser(subparsers) -> None:
                    help="capture the decode step without torch.compile (faster start-up, slower decode)")
     p.add_argument("--compile-prefill", action="store_true",
                    help="also torch.compile the FFN, norm and AttnRes units that prefill runs (GPU; dynamic shapes; "
-                        "the first prefills of each shape class compile; experimental, not yet measured)")
+                        "experimental: on an H200 prefills of new shapes recompiled inside a 32-client run, "
+                        "bench/RESULTS.md)")
     p.add_argument("--allow-remote-images", action="store_true",
                    help="fetch http(s) image URLs in chat requests (10 s and 20 MiB at most each, no redirects); "
                         "by default only inline data: URLs are accepted")

@@ -31,6 +31,11 @@ from openk3.ops.kda.triton.layout import CHUNK, chunk_layout
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def _flat(B: int, T: int, *xs: torch.Tensor) -> list[torch.Tensor]:
+    """[B,T,H,*] -> contiguous [B*T,H,*]: the kernels' token-major layout (beta [B,T,H] -> [B*T,H])."""
+    return [x.reshape(B * T, *x.shape[2:]).contiguous() for x in xs]
+
+
 class _KDAChunkFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, scale, cu_seqlens, output_final_state, save,
@@ -39,8 +44,7 @@ class _KDAChunkFunction(torch.autograd.Function):
         `checkpoints`: None or (slot per chunk, number of slots); the states there come out non-differentiable."""
         B, T, H, K = q.shape
         V = v.shape[-1]
-        flat = [x.reshape(B * T, H, -1).contiguous() for x in (q, k, v, g)]
-        beta_flat = beta.reshape(B * T, H).contiguous()
+        *flat, beta_flat = _flat(B, T, q, k, v, g, beta)
         h0 = None if initial_state is None else initial_state.float().contiguous()
         lay = chunk_layout(B, T, cu_seqlens, q.device)
         o, ht, hs, ckpt = chunk_kda_fwd(*flat, beta_flat, scale, h0, output_final_state, lay, save_states=save,
@@ -184,10 +188,9 @@ def initial_state_grad_triton(q, k, v, g, beta, do, *, scale=None, cu_seqlens=No
     scale = K**-0.5 if scale is None else float(scale)
     if q.dtype not in _KERNEL_DTYPES:
         q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
-    flat = [x.reshape(B * T, H, -1).contiguous() for x in (q, k, v, g)]
-    do = do.to(v.dtype).reshape(B * T, H, V).contiguous()
+    *flat, do = _flat(B, T, q, k, v, g, beta, do.to(v.dtype))
     lay = chunk_layout(B, T, cu_seqlens, q.device)
-    terms = prepare(*flat, beta.reshape(B * T, H).contiguous(), scale, lay, gate_spec(gate_min), with_u=False)
+    terms = prepare(*flat, scale, lay, gate_spec(gate_min), with_u=False)
     (_, _, dh0), launch = reverse_pass(terms, do, None, True, lay, state_block(lay.n_seqs, H, V), q.dtype)
     launch()
     return dh0
@@ -215,7 +218,6 @@ def kda_final_state_triton(k, v, g, beta, *, initial_state=None, cu_seqlens=None
                            "kda_triton(..., output_final_state=True))")
     if k.dtype not in _KERNEL_DTYPES:
         k, v, g, beta = (x.float() for x in (k, v, g, beta))
-    flat = [x.reshape(B * T, H, -1).contiguous() for x in (k, v, g)]
     h0 = None if initial_state is None else initial_state.float().contiguous()
     lay = chunk_layout(B, T, cu_seqlens, k.device)
-    return chunk_kda_final_state(*flat, beta.reshape(B * T, H).contiguous(), h0, lay, gate_spec(gate_min))
+    return chunk_kda_final_state(*_flat(B, T, k, v, g, beta), h0, lay, gate_spec(gate_min))
