@@ -78,10 +78,12 @@ class Server:
     def __init__(self, args: argparse.Namespace, device: str):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="openk3-serve-", suffix=".log", delete=False)
+        self.keep_log = args.server_log is not None
+        self.log = open(args.server_log, "w+") if self.keep_log else \
+            tempfile.NamedTemporaryFile("w+", prefix="openk3-serve-", suffix=".log", delete=False)
         cmd = [sys.executable, "-m", "openk3", "serve", "--preset", args.preset, "--device", device,
                "--port", str(self.port), "--max-running", str(max(args.concurrency)),
-               "--cache-mb", str(args.cache_mb), "--log-level", "warning",
+               "--cache-mb", str(args.cache_mb), "--log-level", "info" if self.keep_log else "warning",
                "--dtype", "float32" if args.smoke else args.dtype] + (["--threads", "1"] if args.smoke else []) + \
             (["--compile-prefill"] if args.compile_prefill else [])
         env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -115,7 +117,8 @@ class Server:
             self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-        os.unlink(self.log.name)
+        if not self.keep_log:
+            os.unlink(self.log.name)
 
 
 async def complete(client: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int) -> int:
@@ -308,6 +311,8 @@ def main() -> None:
                     help="run one half and keep the other's figures from the --json file if it has them (the server "
                          "compiles its decode step for ~2 min at start and fla autotunes for minutes: on a device "
                          "with a 10-minute limit per command they go in two calls)")
+    ap.add_argument("--server-log", default=None,
+                    help="keep the server's log here, at log level info (its slow engine steps, each request)")
     out_dir = os.environ.get("OUT", str(BENCH))
     ap.add_argument("--json", default=os.path.join(out_dir, "serve_gpu.json"))
     args = ap.parse_args()

@@ -69,7 +69,7 @@ def _g(x_ptr, s_ptr, w_ptr, dy_ptr, b, pos, c, T, C, s_sb, s_sc, s_sj, W: tl.con
     return tl.where(valid, g, 0.0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # one compile for every prompt length (a serving engine meets them all)
 def _conv_fwd_kernel(x_ptr, s_ptr, w_ptr, y_ptr, T, C, s_sb, s_sc, s_sj,
                      W: tl.constexpr, HAS_STATE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -152,7 +152,8 @@ def _forward(x: torch.Tensor, w: torch.Tensor, state: torch.Tensor | None, dtype
     B, T, C = x.shape
     y = torch.empty(x.shape, dtype=dtype, device=x.device)
     s, strides, has_state = _state_args(state)
-    kw = _tiles(T, C, BLOCK_T, BLOCK_C)
+    # one tile height for every T (not fitted to short inputs): a prompt of any length reuses one compiled kernel
+    kw = _tiles(BLOCK_T, C, BLOCK_T, BLOCK_C)
     if y.numel():
         grid = (triton.cdiv(T, kw["BLOCK_T"]), triton.cdiv(C, kw["BLOCK_C"]), B)
         _conv_fwd_kernel[grid](x, s if has_state else x, w, y, T, C, *strides, W=w.shape[-1], HAS_STATE=has_state,

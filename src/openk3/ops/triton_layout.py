@@ -16,7 +16,7 @@ import triton.language as tl
 BLOCK_R = 64  # rows per program
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "capacity"])  # one compile for every token count
 def _layout_kernel(counts_ptr, offsets_ptr, dest_ptr, source_ptr, E, M, capacity, ALIGN: tl.constexpr,
                    BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr):
     e = tl.arange(0, BLOCK_E)

@@ -224,7 +224,7 @@ class Engine:
                                   kernels=kernels, cuda_graphs=config.cuda_graphs, draft=self.draft,
                                   compile_backend="inductor" if config.compile_decode and gpu else None,
                                   prefill_compile_backend="inductor" if config.compile_prefill and gpu else None)
-        if self.runner.prefill_compiled:  # first: a unit that fails to compile goes back to eager before capture
+        if gpu or self.runner.prefill_compiled:  # first: a unit that fails to compile goes back to eager
             self.runner.warm_up_prefill()
         self.runner.capture()
 

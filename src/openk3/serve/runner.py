@@ -140,17 +140,22 @@ class ModelRunner:
 
     @torch.no_grad()
     def warm_up_prefill(self, tokens: int = 16) -> float:
-        """Prefill chunks of one and of two sequences on the padding slot (its KDA state and the null page are
-        scratch), so that compiled prefill units compile now rather than at the first requests: with dynamic shapes
-        one graph serves every token count of one sequence and one every batch of several. If compiling fails, the
-        units go back to eager (logged). Returns the seconds."""
+        """Prefill chunks on the padding slot (its KDA state and the null page are scratch) of 1, 2 and `max_batch`
+        sequences, with and without a KDA checkpoint, so that what compiles on first use compiles now rather than
+        inside a request's step (1-2 s each on an H200, bench/RESULTS.md): the Triton kernels' variants (block sizes
+        chosen by the batch, the checkpoint path) and, with compiled prefill units, their graphs (dynamic shapes:
+        one for one sequence, one for several). If compiling the units fails, they go back to eager (logged).
+        Returns the seconds."""
         start = time.perf_counter()
         pad = self.states.padding_slot
         try:
-            for batch in (1, 2):
-                self.forward([[0] * tokens] * batch, [pad] * batch, [0] * batch)
-            log.info("prefill units compiled in %.1f s", time.perf_counter() - start)
+            for batch in sorted({1, 2, self.max_batch}):
+                for offsets in ((), (tokens,)):
+                    self.forward([[0] * tokens] * batch, [pad] * batch, [0] * batch, offsets)
+            log.info("prefill warmed up in %.1f s", time.perf_counter() - start)
         except Exception as err:  # Inductor's errors have no common base class
+            if not self.prefill_compiled:
+                raise
             log.warning("compiling the prefill units failed, prefilling eagerly: %s", str(err).splitlines()[0])
             uncompile_blocks(self.model)
             self.prefill_compiled = False

@@ -60,7 +60,7 @@ def _row_block(n_rows, H, K: tl.constexpr, BK: tl.constexpr, R: tl.constexpr):
     return r, rm, r % H, c, m, r[:, None].to(tl.int64) * K + c[None, :]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])  # one compile for every token count
 def _act_fwd_kernel(q, k, f, b, A_log, dt_bias, qo, ko, go, bo, n_rows, H,
                     K: tl.constexpr, BK: tl.constexpr, R: tl.constexpr, G_MIN: tl.constexpr, KIMI: tl.constexpr):
     r, rm, h, c, m, offs = _row_block(n_rows, H, K, BK, R)

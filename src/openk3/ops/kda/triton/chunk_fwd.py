@@ -225,7 +225,7 @@ def _prepare_kernel(q, k, v, g, beta, A_log, dt_bias, sched, ready, W, U, QG, KG
     signal_ready(ready, c, h, H)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])  # one compile for every batch size (a serving engine meets them all)
 def _state_fwd_kernel(W, U, QG, KG, AQK, GCX, h0, ht, hs, ckpt_slot, ckpt, o, cu, chunk_off,
                       N, H, K: tl.constexpr, V: tl.constexpr, VU: tl.constexpr, BT: tl.constexpr,
                       BK: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr,
