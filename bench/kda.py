@@ -304,7 +304,8 @@ def decode_variants(N, H):
     o, g = torch.empty_like(v), -g.abs()
     for BV, nw in ((64, 4), (64, 2), (32, 4)):
         t = ms(lambda BV=BV, nw=nw: decode._kda_decode_kernel[(N, H, V // BV)](
-            q, k, v, g, beta, pool, slots, o, K**-0.5, H=H, K=K, V=V, BK=K, BV=BV, num_warps=nw))
+            q, k, v, g, beta, pool, slots, o, None, K**-0.5, H=H, K=K, V=V, T=1, BK=K, BV=BV, SAVE_STATES=False,
+            num_warps=nw))
         print(f"decode N={N} BV={BV} warps={nw}: {t:.4f} ms {2 * N * H * K * V * 4 / t / 1e9:.2f} TB/s", flush=True)
 
 

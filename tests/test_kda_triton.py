@@ -333,6 +333,51 @@ def test_decode_matches_reference_and_recurrence(dtype):
     assert torch.equal(pool[[0, 2, 3, 5]], h0[[0, 2, 3, 5]])  # untouched slots
 
 
+# T-token decode (speculative verification, SPEC-K3 §11) against T one-token launches: the same fp32 arithmetic in
+# registers instead of through the pool, so fp32 values agree to SEQ_TOL; bf16 outputs to one bf16 rounding.
+SEQ_TOL = {torch.float32: 1e-6, torch.bfloat16: 4e-3}
+SENTINEL = 7.0  # padding rows of states_out must keep it
+
+
+@pytest.mark.parametrize("T", [1, 2, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_tokens_match_sequential_steps(T, dtype):
+    """One launch over T tokens = T one-token launches: outputs, final pool, and snapshot t = the pool after t+1
+    launches; a padding row gets zero outputs and no state writes."""
+    N, H, K, V, P = 3, 2, 12, 70, 5  # V = 70: two V blocks, both masked
+    slots = torch.tensor([3, -1, 0], dtype=torch.int32, device=DEV)
+    pool = torch.randn(P, H, K, V, device=DEV)
+    q, k, v, g, beta = make(N, T, H, K, V, dtype, seed=20 + T)
+    step_pool, step_o, step_pools = pool.clone(), [], []
+    for t in range(T):
+        step_o.append(kda_decode(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], step_pool, slots))
+        step_pools.append(step_pool.clone())
+    states = torch.full((N, T - 1, H, K, V), SENTINEL, device=DEV)
+    o = kda_decode(q, k, v, g, beta, pool, slots, states_out=states)
+    assert o.shape == v.shape and o.dtype == dtype
+    assert rel(o, torch.stack(step_o, dim=1)) < SEQ_TOL[dtype] and rel(pool, step_pool) < SEQ_TOL[torch.float32]
+    for t in range(T - 1):
+        assert rel(states[[0, 2], t], step_pools[t][[3, 0]]) < SEQ_TOL[torch.float32]
+    assert torch.equal(o[1], torch.zeros_like(o[1])) and (states[1] == SENTINEL).all()
+
+
+@pytest.mark.parametrize("save", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_tokens_match_reference(save, dtype):
+    N, T, H, K, V, P = 3, 3, 2, 12, 19, 6
+    slots = torch.tensor([-1, 5, 2], dtype=torch.int32, device=DEV)
+    pool = torch.randn(P, H, K, V, device=DEV)
+    pool_ref = pool.clone()
+    q, k, v, g, beta = make(N, T, H, K, V, dtype, gate="bound", beta_mode="high", seed=31)
+    states, states_ref = (torch.full((N, T - 1, H, K, V), SENTINEL, device=DEV) if save else None for _ in "ab")
+    o = kda_decode(q, k, v, g, beta, pool, slots, 0.3, states)
+    o_ref = kda_decode_reference(q, k, v, g, beta, pool_ref, slots, 0.3, states_ref)
+    assert rel(o, o_ref) < (1e-5 if dtype == torch.float32 else 8e-3) and rel(pool, pool_ref) < 1e-5
+    assert torch.equal(pool[[0, 1, 3, 4]], pool_ref[[0, 1, 3, 4]])  # untouched slots
+    if save:
+        assert rel(states[1:], states_ref[1:]) < 1e-5 and (states[0] == SENTINEL).all()
+
+
 @pytest.mark.parametrize("gate", ["k3", "kimi"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_activations_match_reference(gate, dtype):
@@ -408,3 +453,97 @@ def test_conv_step_matches_reference(bias):
     window = torch.cat([state[2], x[0, :, None]], dim=-1)
     ref = (window * weight).sum(-1) + (b if bias else 0)
     assert rel(y3[0], ref) < 1e-6
+
+
+def conv_inputs(N, T, D, W, P, bias, x_dtype, state_dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen).to(DEV)
+    return r(N, T, D).to(x_dtype), r(P, D, W - 1).to(state_dtype), r(D, W), (r(D) if bias else None)
+
+
+@pytest.mark.parametrize("T", [1, 2, 4])
+@pytest.mark.parametrize("W", [2, 4])
+@pytest.mark.parametrize("bias,x_dtype,state_dtype", [(True, torch.float32, torch.float32),
+                                                      (False, torch.bfloat16, torch.bfloat16),
+                                                      (True, torch.float32, torch.bfloat16)])
+def test_conv_tokens_match_sequential_steps(T, W, bias, x_dtype, state_dtype):
+    """One launch over T tokens = T one-token launches: outputs, final windows (a bf16 window holds each token
+    rounded, as the one-token pool does), window snapshots; a padding row is left alone."""
+    N, D, P = 3, 150, 4  # D = 150: two channel blocks, the second masked
+    slots = torch.tensor([1, -1, 3], dtype=torch.int32, device=DEV)
+    x, state, weight, b = conv_inputs(N, T, D, W, P, bias, x_dtype, state_dtype, seed=40 + T + W)
+    step_state, step_y, step_states = state.clone(), [], []
+    for t in range(T):
+        step_y.append(causal_conv_step(x[:, t], step_state, weight, b, slots))
+        step_states.append(step_state.clone())
+    snaps = torch.full((N, T - 1, D, W - 1), SENTINEL, dtype=state_dtype, device=DEV)
+    y = causal_conv_step(x, state, weight, b, slots, states_out=snaps)
+    assert y.shape == x.shape and y.dtype == x_dtype
+    assert rel(y, torch.stack(step_y, dim=1)) < SEQ_TOL[x_dtype] and torch.equal(state, step_state)
+    for t in range(T - 1):
+        assert torch.equal(snaps[[0, 2], t], step_states[t][[1, 3]])
+    assert torch.equal(y[1], torch.zeros_like(y[1])) and (snaps[1] == SENTINEL).all()
+
+
+@pytest.mark.parametrize("W", [2, 4])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("save", [True, False])
+def test_conv_tokens_match_reference(W, bias, save):
+    N, T, D, P = 3, 3, 40, 5
+    slots = torch.tensor([4, 0, -1], dtype=torch.int32, device=DEV)
+    x, state, weight, b = conv_inputs(N, T, D, W, P, bias, torch.float32, torch.float32, seed=50 + W)
+    s1, s2 = state.clone(), state.clone()
+    snaps, snaps_ref = (torch.full((N, T - 1, D, W - 1), SENTINEL, device=DEV) if save else None for _ in "ab")
+    y1 = causal_conv_step(x, s1, weight, b, slots, "silu", snaps)
+    y2 = causal_conv_step_reference(x, s2, weight, b, slots, "silu", snaps_ref)
+    assert rel(y1, y2) < 1e-6 and torch.equal(s1, s2)
+    if save:
+        assert torch.equal(snaps, snaps_ref) and (snaps[2] == SENTINEL).all()
+    y3 = causal_conv_step(x, state.clone()[:N], weight, b, activation=None)  # slots None: row n is state n
+    y4 = causal_conv_step_reference(x, state.clone()[:N], weight, b, activation=None)
+    assert rel(y3, y4) < 1e-6
+
+
+def test_states_out_rejects_wrong_shape_or_dtype():
+    N, T, H, K, V, D, W = 2, 3, 1, 8, 8, 8, 4
+    slots = torch.arange(N, dtype=torch.int32, device=DEV)
+    q, k, v, g, beta = make(N, T, H, K, V, torch.float32)
+    pool = torch.zeros(N, H, K, V, device=DEV)
+    x, conv, weight = torch.zeros(N, T, D, device=DEV), torch.zeros(N, D, W - 1, device=DEV), torch.ones(D, W)
+    for bad in (torch.zeros(N, T, H, K, V), torch.zeros(N, T - 1, H, K, V, dtype=torch.bfloat16)):
+        with pytest.raises(ValueError, match="states_out"):
+            kda_decode(q, k, v, g, beta, pool, slots, states_out=bad.to(DEV))
+    for bad in (torch.zeros(N, T - 1, D, W), torch.zeros(N, T - 1, D, W - 1, dtype=torch.float16)):
+        with pytest.raises(ValueError, match="states_out"):
+            causal_conv_step(x, conv, weight.to(DEV), states_out=bad.to(DEV))
+
+
+def test_multi_token_ops_compile_whole():
+    """Both ops with T = 3 tokens and snapshots: opcheck (the schemas declare every tensor they write, states_out
+    included; the fake registrations match), and traced in one graph (fullgraph: no break) they give the eager
+    values."""
+    N, T, H, K, W, P = 3, 3, 2, 8, 4, 4
+    D, V = 3 * H * K, K
+    gen = torch.Generator().manual_seed(60)
+    r = lambda *s: torch.randn(*s, generator=gen).to(DEV)
+    slots = torch.tensor([2, -1, 0], dtype=torch.int32, device=DEV)
+    x, g, beta, weight = r(N, T, D), -torch.rand(N, T, H, K, generator=gen).to(DEV), r(N, T, H).sigmoid(), r(D, W)
+
+    def verify(x, g, beta, conv, pool, conv_snaps, snaps):
+        y = causal_conv_step(x, conv, weight, None, slots, states_out=conv_snaps)
+        q, k, v = y.view(N, T, 3, H, K).unbind(2)
+        return kda_decode(F.normalize(q, dim=-1), F.normalize(k, dim=-1), v, g, beta, pool, slots, states_out=snaps)
+
+    buffers = [r(P, D, W - 1), r(P, H, K, V), torch.zeros(N, T - 1, D, W - 1, device=DEV),
+               torch.zeros(N, T - 1, H, K, V, device=DEV)]
+    q, k, v = (F.normalize(r(N, T, H, K), dim=-1) for _ in range(3))
+    torch.library.opcheck(kda_decode, (q, k, v, g, beta, buffers[1].clone(), slots),
+                          dict(states_out=buffers[3].clone()))
+    torch.library.opcheck(causal_conv_step, (x, buffers[0].clone(), weight, None, slots),
+                          dict(states_out=buffers[2].clone()))
+    eager = [b.clone() for b in buffers]
+    o = torch.compile(verify, fullgraph=True, backend="aot_eager")(x, g, beta, *buffers)
+    o_ref = verify(x, g, beta, *eager)
+    assert rel(o, o_ref) < 1e-6
+    for a, b in zip(buffers, eager):
+        assert rel(a, b) < 1e-6

@@ -1,7 +1,8 @@
 """Triton kernels for Kimi Delta Attention (SPEC-K3 §2): chunked forward/backward, decode, conv step.
 
 `kda_triton` is what `openk3.ops.kda.kda(..., backend="triton")` calls; `kda_decode` and
-`causal_conv_step` advance many sequences by one token with their states updated in place;
+`causal_conv_step` advance many sequences by one token, or by T tokens in one launch (speculative verification,
+optionally recording the state after each token for rollback), with their states updated in place;
 `kda_activations` turns raw projections and gate logits into kda_triton's inputs in one pass;
 `kda_triton_fused` does the same inside the chunk kernels; `initial_state_grad_triton` is the
 reverse state pass alone (KCP's backward exchange), `kda_final_state_triton` the forward's state recurrence

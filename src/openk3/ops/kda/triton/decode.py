@@ -1,11 +1,14 @@
-"""Decode kernels: one KDA token step and one causal-conv step for many sequences, states updated in place.
+"""Decode kernels: KDA token steps and causal-conv steps for many sequences, states updated in place.
 
 KDA step per sequence n and head h (SPEC-K3 §2), on the state S = pool[slots[n], h] (fp32 [K, V]):
     S <- Diag(e^g) S;   S <- S + beta k (v - S^T k)^T;   o = S^T (scale q)
 Depthwise causal conv step per channel d with kernel width W, on state c = conv_state[slots[n], d] ([W-1]):
     y = act(sum_{w<W-1} c[w] weight[d,w] + x weight[d,W-1] + bias[d]);   c <- (c[1:], x)
-Plain-PyTorch references sit beside each kernel. A slot < 0 marks padding: its state is left alone and its
-output is zero.
+Both take T >= 1 tokens per sequence in one launch, exactly as T one-token calls would: speculative verification
+runs the drafts plus one token (SPEC-K3 §11). The state after the last token goes back into the pool; the optional
+`states_out` records the state after each earlier token, the snapshots a rejected draft rolls back to (§11,
+strategy 1). Plain-PyTorch references sit beside each kernel. A slot < 0 marks padding: its states (pool and
+states_out rows) are left alone and its output is zero.
 """
 
 from __future__ import annotations
@@ -16,68 +19,98 @@ import triton
 import triton.language as tl
 
 
+def _num_tokens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> int:
+    """T of the one-token form (q, k, g [N,H,K]; v [N,H,V]; beta [N,H]) or the T-token form ([N,T,...])."""
+    if (q.dim() not in (3, 4) or k.shape != q.shape or g.shape != q.shape or v.dim() != q.dim()
+            or v.shape[:-1] != q.shape[:-1] or beta.shape != q.shape[:-1] or (q.dim() == 4 and q.shape[1] < 1)):
+        raise ValueError(f"kda_decode wants q, k, g [N,H,K] or [N,T,H,K] (T >= 1) with v [N,(T,)H,V] and beta "
+                         f"[N,(T,)H]; got q {tuple(q.shape)}, k {tuple(k.shape)}, g {tuple(g.shape)}, "
+                         f"v {tuple(v.shape)}, beta {tuple(beta.shape)}")
+    return q.shape[1] if q.dim() == 4 else 1
+
+
+def _check_states_out(states_out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    if states_out is not None and (tuple(states_out.shape) != shape or states_out.dtype != dtype
+                                   or not states_out.is_contiguous()):
+        raise ValueError(f"states_out must be a contiguous {dtype} tensor of shape {shape} (the state after each "
+                         f"token but the last), got {states_out.dtype} {tuple(states_out.shape)}")
+
+
 @triton.jit
-def _kda_decode_kernel(q, k, v, g, beta, pool, slots, o, scale,
-                       H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+def _kda_decode_kernel(q, k, v, g, beta, pool, slots, o, states_out, scale, H, K: tl.constexpr, V: tl.constexpr,
+                       T: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SAVE_STATES: tl.constexpr):
     n = tl.program_id(0)
     h = tl.program_id(1)
     iv = tl.program_id(2)
     slot = tl.load(slots + n).to(tl.int64)
+    cv = iv * BV + tl.arange(0, BV)
+    mv = cv < V
     if slot >= 0:
         ck = tl.arange(0, BK)
-        cv = iv * BV + tl.arange(0, BV)
         mk = ck < K
-        mv = cv < V
-        x = n * H + h
-        kk = tl.load(k + x * K + ck, mask=mk, other=0.0).to(tl.float32)
-        qq = tl.load(q + x * K + ck, mask=mk, other=0.0).to(tl.float32) * scale
-        gg = tl.load(g + x * K + ck, mask=mk, other=0.0).to(tl.float32)
-        vv = tl.load(v + x * V + cv, mask=mv, other=0.0).to(tl.float32)
-        b = tl.load(beta + x).to(tl.float32)
-        s_ptr = pool + (slot * H + h) * K * V + ck[:, None] * V + cv[None, :]
+        tile = ck[:, None] * V + cv[None, :]
         smask = mk[:, None] & mv[None, :]
-        S = tl.load(s_ptr, mask=smask, other=0.0) * tl.exp(gg)[:, None]
-        err = vv - tl.sum(S * kk[:, None], axis=0)
-        S += (b * kk)[:, None] * err[None, :]
+        s_ptr = pool + (slot * H + h) * K * V + tile
+        S = tl.load(s_ptr, mask=smask, other=0.0)  # loaded once, carried through the T steps in registers
+        for t in tl.static_range(T):
+            x = (n * T + t) * H + h
+            kk = tl.load(k + x * K + ck, mask=mk, other=0.0).to(tl.float32)
+            qq = tl.load(q + x * K + ck, mask=mk, other=0.0).to(tl.float32) * scale
+            gg = tl.load(g + x * K + ck, mask=mk, other=0.0).to(tl.float32)
+            vv = tl.load(v + x * V + cv, mask=mv, other=0.0).to(tl.float32)
+            b = tl.load(beta + x).to(tl.float32)
+            S = S * tl.exp(gg)[:, None]
+            err = vv - tl.sum(S * kk[:, None], axis=0)
+            S += (b * kk)[:, None] * err[None, :]
+            tl.store(o + x * V + cv, tl.sum(S * qq[:, None], axis=0).to(o.dtype.element_ty), mask=mv)
+            if SAVE_STATES:
+                if t < T - 1:
+                    snap = ((n.to(tl.int64) * (T - 1) + t) * H + h) * K * V
+                    tl.store(states_out + snap + tile, S, mask=smask)
         tl.store(s_ptr, S, mask=smask)
-        tl.store(o + x * V + cv, tl.sum(S * qq[:, None], axis=0).to(o.dtype.element_ty), mask=mv)
     else:
-        cv = iv * BV + tl.arange(0, BV)
-        tl.store(o + (n * H + h) * V + cv, tl.zeros([BV], dtype=tl.float32).to(o.dtype.element_ty), mask=cv < V)
+        for t in tl.static_range(T):
+            tl.store(o + ((n * T + t) * H + h) * V + cv, tl.zeros([BV], dtype=tl.float32).to(o.dtype.element_ty),
+                     mask=mv)
 
 
-# The two launches are torch custom ops (declared in-place on their pools) so that torch.compile keeps them whole
-# in a compiled decode step and fuses the operations around them (`openk3.serve.runner`).
-@torch.library.custom_op("openk3::kda_decode", mutates_args=("state_pool",))
+# The two launches are torch custom ops (declared in-place on their pools and snapshots) so that torch.compile
+# keeps them whole in a compiled decode step and fuses the operations around them (`openk3.serve.runner`).
+@torch.library.custom_op("openk3::kda_decode", mutates_args=("state_pool", "states_out"))
 def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-               state_pool: torch.Tensor, slots: torch.Tensor, scale: float | None = None) -> torch.Tensor:
-    """One KDA step for N sequences. q, k, g [N,H,K]; v [N,H,V]; beta [N,H]; state_pool [P,H,K,V] fp32,
-    updated in place at rows slots [N] (int32). Returns o [N,H,V] in v's dtype."""
-    N, H, K = q.shape
+               state_pool: torch.Tensor, slots: torch.Tensor, scale: float | None = None,
+               states_out: torch.Tensor | None = None) -> torch.Tensor:
+    """KDA steps for N sequences of T tokens. q, k, g [N,H,K] (one token) or [N,T,H,K]; v [N,H,V] or [N,T,H,V];
+    beta [N,H] or [N,T,H]; state_pool [P,H,K,V] fp32, rows slots [N] (int32) updated in place to the state after
+    the last token; states_out, optional fp32 [N,T-1,H,K,V], receives the state after each earlier token.
+    Returns o in v's shape and dtype (token t's output reads the state after token t)."""
+    T = _num_tokens(q, k, v, g, beta)
+    N, H, K = q.shape[0], q.shape[-2], q.shape[-1]
     V = v.shape[-1]
     if state_pool.dtype != torch.float32 or not state_pool.is_contiguous():
         raise ValueError("state_pool must be a contiguous fp32 tensor [P,H,K,V]")
+    _check_states_out(states_out, (N, T - 1, H, K, V), torch.float32)
     scale = K**-0.5 if scale is None else float(scale)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-    o = torch.empty(N, H, V, dtype=v.dtype, device=v.device)
+    o = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     BK = triton.next_power_of_2(K)
     BV = min(triton.next_power_of_2(V), 64)  # 64 x 4 warps: 81-87% of copy bandwidth on an H200
     if N:
         _kda_decode_kernel[(N, H, triton.cdiv(V, BV))](
-            q, k, v, g, beta, state_pool, slots.to(torch.int32), o, scale, H=H, K=K, V=V, BK=BK, BV=BV,
-            num_warps=4)
+            q, k, v, g, beta, state_pool, slots.to(torch.int32), o, states_out, scale, H=H, K=K, V=V, T=T, BK=BK,
+            BV=BV, SAVE_STATES=states_out is not None, num_warps=4)
     return o
 
 
 @kda_decode.register_fake
-def _(q, k, v, g, beta, state_pool, slots, scale=None):
-    return v.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+def _(q, k, v, g, beta, state_pool, slots, scale=None, states_out=None):
+    T = _num_tokens(q, k, v, g, beta)
+    _check_states_out(states_out, (q.shape[0], T - 1, *q.shape[-2:], v.shape[-1]), torch.float32)
+    return v.new_empty(v.shape)
 
 
-def kda_decode_reference(q, k, v, g, beta, state_pool, slots, scale: float | None = None) -> torch.Tensor:
-    """Plain-PyTorch `kda_decode` (same in-place contract)."""
-    K = q.shape[-1]
-    scale = K**-0.5 if scale is None else scale
+def _kda_step_reference(q, k, v, g, beta, state_pool, slots, scale: float) -> torch.Tensor:
+    """One token: q, k, g [N,H,K]; v [N,H,V]; beta [N,H]."""
     live = (slots >= 0).nonzero().flatten()
     idx = slots[live].long()
     S = state_pool[idx] * g[live].float().exp().unsqueeze(-1)
@@ -90,66 +123,114 @@ def kda_decode_reference(q, k, v, g, beta, state_pool, slots, scale: float | Non
     return o.to(v.dtype)
 
 
+def kda_decode_reference(q, k, v, g, beta, state_pool, slots, scale: float | None = None,
+                         states_out: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain-PyTorch `kda_decode` (same shapes and in-place contract), one token at a time."""
+    T = _num_tokens(q, k, v, g, beta)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if q.dim() == 3:
+        return _kda_step_reference(q, k, v, g, beta, state_pool, slots, scale)
+    live = (slots >= 0).nonzero().flatten()
+    outs = []
+    for t in range(T):
+        outs.append(_kda_step_reference(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state_pool, slots, scale))
+        if states_out is not None and t < T - 1:
+            states_out[live, t] = state_pool[slots[live].long()]
+    return torch.stack(outs, dim=1)
+
+
 @triton.jit
-def _conv_step_kernel(x, conv_state, slots, weight, bias, y, D, W: tl.constexpr, BD: tl.constexpr,
-                      BW: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
+def _conv_window(x, conv_state, n, slot, cd, md, cw, D, t: tl.constexpr, T: tl.constexpr, W: tl.constexpr):
+    """[BD, BW] taps of sequence n's window after its tokens < t, in fp32 holding conv_state's precision (as the
+    window in memory after t one-token steps): old taps t..W-2, then tokens max(0, t-W+1)..t-1."""
+    j = t + cw
+    win = tl.load(conv_state + (slot * D + cd[:, None]) * (W - 1) + j[None, :], mask=md[:, None] & (j[None, :] < W - 1),
+                  other=0.0).to(tl.float32)
+    for s in tl.static_range(t):
+        if s >= t - (W - 1):  # token s sits in tap s - t + W - 1
+            xs = tl.load(x + (n * T + s) * D + cd, mask=md, other=0.0).to(conv_state.dtype.element_ty)
+            win = tl.where(cw[None, :] == s - t + W - 1, xs.to(tl.float32)[:, None], win)
+    return win
+
+
+@triton.jit
+def _conv_step_kernel(x, conv_state, slots, weight, bias, y, states_out, D, T: tl.constexpr, W: tl.constexpr,
+                      BD: tl.constexpr, BW: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+                      SAVE_STATES: tl.constexpr):
     n = tl.program_id(0)
     cd = tl.program_id(1) * BD + tl.arange(0, BD)
     md = cd < D
     slot = tl.load(slots + n).to(tl.int64)
     if slot >= 0:
         cw = tl.arange(0, BW)
-        xn = tl.load(x + n * D + cd, mask=md, other=0.0).to(tl.float32)
-        c_ptr = conv_state + (slot * D + cd[:, None]) * (W - 1) + cw[None, :]
-        cmask = md[:, None] & (cw[None, :] < W - 1)
-        c = tl.load(c_ptr, mask=cmask, other=0.0).to(tl.float32)  # [BD, BW]: taps 0..W-2
-        wt = tl.load(weight + cd[:, None] * W + cw[None, :], mask=cmask, other=0.0).to(tl.float32)
+        taps = md[:, None] & (cw[None, :] < W - 1)
+        wt = tl.load(weight + cd[:, None] * W + cw[None, :], mask=taps, other=0.0).to(tl.float32)
         w_last = tl.load(weight + cd * W + W - 1, mask=md, other=0.0).to(tl.float32)
-        acc = tl.sum(c * wt, axis=1) + xn * w_last
-        if HAS_BIAS:
-            acc += tl.load(bias + cd, mask=md, other=0.0).to(tl.float32)
-        if SILU:
-            acc = acc * tl.sigmoid(acc)
-        tl.store(y + n * D + cd, acc.to(y.dtype.element_ty), mask=md)
-        # shift left by one tap and append x: new c[w] = old c[w+1], new c[W-2] = x
-        nxt = tl.load(c_ptr + 1, mask=md[:, None] & (cw[None, :] < W - 2), other=0.0).to(tl.float32)
-        nxt = tl.where(cw[None, :] == W - 2, xn[:, None], nxt)
+        for t in tl.static_range(T):
+            acc = tl.sum(_conv_window(x, conv_state, n, slot, cd, md, cw, D, t, T, W) * wt, axis=1)
+            acc += tl.load(x + (n * T + t) * D + cd, mask=md, other=0.0).to(tl.float32) * w_last
+            if HAS_BIAS:
+                acc += tl.load(bias + cd, mask=md, other=0.0).to(tl.float32)
+            if SILU:
+                acc = acc * tl.sigmoid(acc)
+            tl.store(y + (n * T + t) * D + cd, acc.to(y.dtype.element_ty), mask=md)
+            if SAVE_STATES:
+                if t < T - 1:
+                    snap = states_out + ((n.to(tl.int64) * (T - 1) + t) * D + cd[:, None]) * (W - 1) + cw[None, :]
+                    after = _conv_window(x, conv_state, n, slot, cd, md, cw, D, t + 1, T, W)
+                    tl.store(snap, after.to(states_out.dtype.element_ty), mask=taps)
+        last = _conv_window(x, conv_state, n, slot, cd, md, cw, D, T, T, W)
         tl.debug_barrier()  # every thread has read the old taps before any is overwritten
-        tl.store(c_ptr, nxt.to(conv_state.dtype.element_ty), mask=cmask)
+        tl.store(conv_state + (slot * D + cd[:, None]) * (W - 1) + cw[None, :], last.to(conv_state.dtype.element_ty),
+                 mask=taps)
     else:
-        tl.store(y + n * D + cd, tl.zeros([BD], dtype=tl.float32).to(y.dtype.element_ty), mask=md)
+        for t in tl.static_range(T):
+            tl.store(y + (n * T + t) * D + cd, tl.zeros([BD], dtype=tl.float32).to(y.dtype.element_ty), mask=md)
 
 
-@torch.library.custom_op("openk3::causal_conv_step", mutates_args=("conv_state",))
+def _conv_tokens(x: torch.Tensor) -> int:
+    """T of the one-token form (x [N,D]) or the T-token form ([N,T,D])."""
+    if x.dim() not in (2, 3) or (x.dim() == 3 and x.shape[1] < 1):
+        raise ValueError(f"causal_conv_step wants x [N,D] or [N,T,D] (T >= 1), got {tuple(x.shape)}")
+    return x.shape[1] if x.dim() == 3 else 1
+
+
+@torch.library.custom_op("openk3::causal_conv_step", mutates_args=("conv_state", "states_out"))
 def causal_conv_step(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                     slots: torch.Tensor | None = None, activation: str | None = "silu") -> torch.Tensor:
-    """One step of a depthwise causal conv for N sequences. x [N,D]; conv_state [P,D,W-1] (P = N without
-    slots), updated in place; weight [D,W]; bias [D] or None; activation "silu" or None. Returns y [N,D]."""
-    N, D = x.shape
+                     slots: torch.Tensor | None = None, activation: str | None = "silu",
+                     states_out: torch.Tensor | None = None) -> torch.Tensor:
+    """Depthwise causal conv steps for N sequences of T tokens. x [N,D] (one token) or [N,T,D]; conv_state
+    [P,D,W-1] (P = N without slots), updated in place to the window after the last token; weight [D,W]; bias [D]
+    or None; activation "silu" or None; states_out, optional [N,T-1,D,W-1] in conv_state's dtype, receives the
+    window after each earlier token. Returns y in x's shape."""
+    T = _conv_tokens(x)
+    N, D = x.shape[0], x.shape[-1]
     W = weight.shape[-1]
     if activation not in ("silu", None):
         raise ValueError(f"activation must be 'silu' or None, got {activation!r}")
+    _check_states_out(states_out, (N, T - 1, D, W - 1), conv_state.dtype)
     if slots is None:
         slots = torch.arange(N, dtype=torch.int32, device=x.device)
+    x = x.contiguous()
     y = torch.empty_like(x)
     BD = 128
     if N:
         _conv_step_kernel[(N, triton.cdiv(D, BD))](
-            x.contiguous(), conv_state, slots.to(torch.int32), weight.contiguous(), bias, y, D, W=W, BD=BD,
+            x, conv_state, slots.to(torch.int32), weight.contiguous(), bias, y, states_out, D, T=T, W=W, BD=BD,
             BW=max(2, triton.next_power_of_2(W - 1)), HAS_BIAS=bias is not None, SILU=activation == "silu",
-            num_warps=4)
+            SAVE_STATES=states_out is not None, num_warps=4)
     return y
 
 
 @causal_conv_step.register_fake
-def _(x, conv_state, weight, bias=None, slots=None, activation="silu"):
-    return torch.empty_like(x)
+def _(x, conv_state, weight, bias=None, slots=None, activation="silu", states_out=None):
+    T = _conv_tokens(x)
+    _check_states_out(states_out, (x.shape[0], T - 1, x.shape[-1], weight.shape[-1] - 1), conv_state.dtype)
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-def causal_conv_step_reference(x, conv_state, weight, bias=None, slots=None, activation: str | None = "silu"):
-    """Plain-PyTorch `causal_conv_step` (same in-place contract)."""
-    N = x.shape[0]
-    idx = torch.arange(N, device=x.device) if slots is None else slots.long()
+def _conv_step_reference(x, conv_state, weight, bias, idx, activation: str | None) -> torch.Tensor:
+    """One token: x [N,D]; idx [N] the state rows (< 0: padding)."""
     live = (idx >= 0).nonzero().flatten()
     window = torch.cat([conv_state[idx[live]].float(), x[live].float().unsqueeze(-1)], dim=-1)  # [n,D,W]
     out = (window * weight.float()).sum(-1)
@@ -161,3 +242,19 @@ def causal_conv_step_reference(x, conv_state, weight, bias=None, slots=None, act
     y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     y[live] = out
     return y.to(x.dtype)
+
+
+def causal_conv_step_reference(x, conv_state, weight, bias=None, slots=None, activation: str | None = "silu",
+                               states_out: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain-PyTorch `causal_conv_step` (same shapes and in-place contract), one token at a time."""
+    idx = torch.arange(x.shape[0], device=x.device) if slots is None else slots.long()
+    if x.dim() == 2:
+        return _conv_step_reference(x, conv_state, weight, bias, idx, activation)
+    live = (idx >= 0).nonzero().flatten()
+    T = x.shape[1]
+    ys = []
+    for t in range(T):
+        ys.append(_conv_step_reference(x[:, t], conv_state, weight, bias, idx, activation))
+        if states_out is not None and t < T - 1:
+            states_out[live, t] = conv_state[idx[live]]
+    return torch.stack(ys, dim=1)
