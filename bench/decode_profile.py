@@ -212,7 +212,7 @@ def main() -> None:
             scheduler=SchedulerConfig(max_running=max(args.batches))))
         startup = time.perf_counter() - started
         print(f"\n{name}: engine ready in {startup:.1f} s ({device}, {args.preset}; "
-              f"graphs {sorted(engine.runner.graphs) or engine.runner.graph_error})", flush=True)
+              f"graphs {engine.runner.captured() or engine.runner.graph_error})", flush=True)
         rows = [steady_decode(engine, b, args.steps, cfg.vocab_size) for b in args.batches]
         print("| batch | engine step ms | decode forward ms | host ms | tok/s |\n|---|---|---|---|---|")
         for r in rows:

@@ -10,11 +10,11 @@ the target's own distribution; decode tokens/s with `speculative` K against with
    weights under bf16 autocast) on windows the target sampled itself (the engine, temperature 1, 16-token random
    prompts), fresh windows every 50 steps.
 2. Held-out alpha (the mean of sum_x min(p, q) per unrolled step) on windows sampled apart.
-3. The engine in bf16 as `openk3 serve` runs it (CUDA graphs, compiled decode) with C requests of --new-tokens
-   tokens each from 16-token prompts, temperature 1 (speculation keeps the target's distribution exactly), with
-   speculative K and without: generated tokens per second of wall time, and accepted drafts per verification. The
-   verification forward of K + 1 positions runs eagerly (the decode step's CUDA graphs hold one position), so on a
-   GPU its host time decides; `--compile-prefill` compiles the units it runs.
+3. Two engines in bf16 as `openk3 serve` runs them (one without speculation: compiled decode in CUDA graphs; one
+   with speculative K: the compiled verification of K + 1 positions and the draft passes in CUDA graphs), each
+   started once for the largest client count, with C requests of --new-tokens tokens each from 16-token prompts,
+   temperature 1 (speculation keeps the target's distribution exactly): generated tokens per second of wall time,
+   and accepted drafts per verification.
 Prints a table and writes JSON. `--smoke`: k3-tiny on the CPU, a few steps, to check the script.
 """
 
@@ -41,7 +41,11 @@ PROMPT_TOKENS = 16
 def engine_for(model, draft, k: int, clients: int, gpu: bool, compile_prefill: bool) -> Engine:
     config = EngineConfig(prefix_cache=False, speculative=k, compile_decode=gpu, compile_prefill=compile_prefill,
                           scheduler=SchedulerConfig(max_running=max(clients, 2)))
-    return Engine(model, ByteTokenizer(), config, draft=draft if k else None)
+    started = time.perf_counter()
+    engine = Engine(model, ByteTokenizer(), config, draft=draft if k else None)
+    print(f"engine with K={k} started in {time.perf_counter() - started:.0f} s (graphs: "
+          f"{engine.runner.captured() or engine.runner.graph_error})", flush=True)
+    return engine
 
 
 def generate(engine: Engine, clients: int, new_tokens: int, seed: int) -> tuple[list[list[int]], float]:
@@ -56,6 +60,31 @@ def generate(engine: Engine, clients: int, new_tokens: int, seed: int) -> tuple[
     while engine.has_work():
         engine.step()
     return [r.prompt + r.output for r in requests], time.perf_counter() - start
+
+
+def verify_vs_decode(engine: Engine, batch: int = 3, prompt: int = 40) -> dict:
+    """The engine's verification step against K + 1 of its plain decode steps on the same tokens after the same
+    prompts (each as captured): max |logits difference| / max |logits| and the share of argmaxes that agree."""
+    runner, K, V = engine.runner, engine.config.speculative, engine.vocab_limit
+    gen = torch.Generator().manual_seed(5)
+    slots = [engine.states.alloc() for _ in range(batch)]
+    for slot in slots:
+        engine.tables.set(slot, [engine.pages.alloc() for _ in range(-(-(prompt + K + 1) // engine.page_size))])
+    with torch.no_grad():
+        for slot in slots:
+            runner.prefill([torch.randint(0, V, (prompt,), generator=gen).tolist()], [slot], [0])
+        rows = torch.randint(0, V, (batch, K + 1), generator=gen).tolist()
+        saved = engine.states.conv[:, slots].clone(), engine.states.recurrent[:, slots].clone()
+        got = runner.verify(rows, slots, [prompt] * batch)[0].float().clone()
+        engine.states.conv[:, slots], engine.states.recurrent[:, slots] = saved  # (the latents are rewritten alike)
+        want = torch.stack([runner.decode([r[t] for r in rows], slots, [prompt + t] * batch).float().clone()
+                            for t in range(K + 1)], dim=1)
+    for slot in slots:
+        for pid in engine.tables.clear(slot):
+            engine.pages.release(pid)
+        engine.states.free(slot)
+    return {"max_rel_diff": ((got - want).abs().max() / want.abs().max()).item(),
+            "argmax_agree": (got.argmax(-1) == want.argmax(-1)).float().mean().item()}
 
 
 def fit_draft(model, draft, sampler: Engine, args, device) -> list[float]:
@@ -120,25 +149,27 @@ def main() -> None:
     if gpu:
         model.to(torch.bfloat16)
         draft.to(torch.bfloat16)
-    rows = []
-    for clients in args.clients:
-        row = {"clients": clients}
-        for k in (0, args.k):
-            engine = engine_for(model, draft, k, clients, gpu, args.compile_prefill)
-            generate(engine, clients, args.new_tokens, seed=1)  # warm-up: Triton, cuBLAS, the allocator
+    rows = [{"clients": clients} for clients in args.clients]
+    for k in (0, args.k):
+        engine = engine_for(model, draft, k, max(args.clients), gpu, args.compile_prefill)
+        for row in rows:
+            clients = row["clients"]
+            generate(engine, clients, args.new_tokens, seed=1)  # warm-up: the allocator, this batch's shapes
             before = (engine.metrics.spec_drafts, engine.metrics.spec_accepted_tokens)
             outputs, seconds = generate(engine, clients, args.new_tokens, seed=2)
             tokens = sum(len(o) - PROMPT_TOKENS for o in outputs)
             row[f"tok_per_s_k{k}"] = tokens / seconds
             if k:
+                row["verify_vs_decode"] = verify_vs_decode(engine)
                 rounds = engine.metrics.spec_drafts - before[0]
                 row["accepted_per_verification"] = (engine.metrics.spec_accepted_tokens - before[1]) / max(1, rounds)
-            del engine
+        del engine
+    for row in rows:
+        clients = row["clients"]
         row["speedup"] = row[f"tok_per_s_k{args.k}"] / row["tok_per_s_k0"]
-        rows.append(row)
         print(f"{clients} clients: {row['tok_per_s_k0']:,.0f} tok/s without, {row[f'tok_per_s_k{args.k}']:,.0f} "
               f"with K={args.k} ({row['speedup']:.2f}x; {row['accepted_per_verification']:.2f} drafts accepted "
-              "per verification)", flush=True)
+              f"per verification; verification vs decode steps: {row['verify_vs_decode']})", flush=True)
     print(f"\n| clients | tok/s | tok/s, K={args.k} | speedup | accepted per verification |\n|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['clients']} | {r['tok_per_s_k0']:,.0f} | {r[f'tok_per_s_k{args.k}']:,.0f} | {r['speedup']:.2f}x "

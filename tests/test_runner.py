@@ -184,11 +184,11 @@ def test_gpu_decode_step_never_waits_for_the_host(monkeypatch):
     runner.tables.set(1, [runner.pages.alloc(), runner.pages.alloc()])
     runner.inputs[1, :2] = torch.tensor([1, runner.states.padding_slot])
     with torch.no_grad(), HostSyncs(monkeypatch) as syncs:
-        runner._forward(2)
+        runner._run("decode", 2)
     assert "tolist" in syncs.seen  # today's loop reads the group sizes: the detector sees it
     monkeypatch.setattr(moe_ops, "grouped_glu_mlp", dense_grouped_glu_mlp)
     with torch.no_grad(), HostSyncs(monkeypatch) as syncs:
-        logits = runner._forward(2)
+        logits = runner._run("decode", 2)
     assert syncs.seen == [] and torch.isfinite(logits).all()
 
 

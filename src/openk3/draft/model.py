@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from openk3.cache import MLALayerCache
+from openk3.model.decode import DecodeBatch, mla_decode_step
 from openk3.ops.attention import mla_expand_kv, mla_mask
 
 DRAFT_CONFIG = "draft.json"
@@ -122,6 +123,14 @@ class EagleDraft(nn.Module):
         a = self.layer.block.input_layernorm(x)
         kv = latents.append(self.layer.block.self_attn.latent(a), lengths, int(lengths.max()) + T)
         return self._block(x, a, kv, mla_mask(lengths, T, kv.shape[1]))
+
+    def decode(self, prev: torch.Tensor, tokens: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
+        """`step` over the serving engine's pools with static shapes (`openk3.model.decode`, CUDA-graph safe):
+        positions batch.lengths[b] .. + T - 1, the draft's latents in the last layer of batch.latents."""
+        block = self.layer.block
+        x = self._block_input(prev, tokens)
+        h = x + mla_decode_step(block.self_attn, block.input_layernorm(x), batch.latents.shape[0] - 1, batch)
+        return h + block.mlp(block.post_attention_layernorm(h))
 
     def unroll(self, features: torch.Tensor, tokens: torch.Tensor, steps: int) -> list[torch.Tensor]:
         """Training-time test over windows: features F [B,T,D] and tokens [B,T] -> logits [B,T,V] per step i <

@@ -1,17 +1,22 @@
-"""One decode step of the hybrid model over the serving engine's pools: one new token for each of B sequences.
+"""One decode step of the hybrid model over the serving engine's pools: T new tokens for each of B sequences.
 
 The model's own `forward` (with a `HybridCache`) is the prefill and reference path; this is the static-shape
-decode walk the engine runs, and captures as CUDA graphs on a GPU. It reads the layers' weights and submodules
-and keeps the model's order of operations (Block AttnRes stream, norms, FFN / MoE; SPEC §4, §5). State lives in
-preallocated pools addressed per sequence (`DecodeBatch`):
-- KDA (SPEC §2): the conv window and the fp32 recurrent state of the sequence's slot, updated in place;
-- Gated MLA (SPEC §3): the new token's latent is written into the sequence's pages (block table row = its slot)
-  at position `lengths[b]`, then attention runs in the absorbed form on the paged latents: W_UK folded into the
-  query, W_UV applied to p . latent; the k_slice is used unrotated (NoPE).
+decode walk the engine runs, and captures as CUDA graphs on a GPU: T = 1 for plain decode, T = K + 1 for the
+verification of K speculative drafts (SPEC §11). It reads the layers' weights and submodules and keeps the model's
+order of operations (Block AttnRes stream, norms, FFN / MoE; SPEC §4, §5). State lives in preallocated pools
+addressed per sequence (`DecodeBatch`):
+- KDA (SPEC §2): the conv window and the fp32 recurrent state of the sequence's slot, advanced by the T tokens in
+  place; with `conv_out` / `recurrent_out` the states after each of the first T - 1 tokens are recorded too (the
+  verification's rollback points);
+- Gated MLA (SPEC §3): the new tokens' latents are written into the sequence's pages (block table row = its slot)
+  at positions lengths[b] .. lengths[b] + T - 1, then attention runs in the absorbed form on the paged latents:
+  W_UK folded into the query, W_UV applied to p . latent; the k_slice is used unrotated (NoPE). Each of the T
+  queries is one row of the paged kernel, attending to the positions up to its own.
 
 Two kernel sets, same math: "triton" (the GPU path: `kda_decode`, `causal_conv_step`, `paged_mla_decode`, updating
-the pools in place with no host synchronisation) and "torch" (the model's own ops on gathered states: the
-reference, the CPU default, bit-for-bit the model's single-token forward up to the padding of the latents).
+the pools in place with no host synchronisation) and "torch" (the model's own ops on gathered states, one token at
+a time: the reference, the CPU default, bit-for-bit the model's single-token forward up to the padding of the
+latents).
 """
 
 from __future__ import annotations
@@ -37,11 +42,13 @@ class DecodeBatch:
     """Per-step inputs (B rows) and the pools they address.
 
     slots     [B] int    the sequence's state-pool slot, also its block-table row
-    lengths   [B] int    tokens the sequence had before this step's token (where its latent is written)
+    lengths   [B] int    tokens the sequence had before this step's tokens (where the first latent is written)
     latents   [n_mla, pages, P, R+r]    MLA latent pages (`PagePool.pages`), layer order = sorted MLA layers
     tables    [slots + 1, max_pages] int32  block tables (`BlockTables.tables`)
     conv      [n_kda, slots + 1, C, W-1]    KDA conv windows (`StatePool.conv`), layer order = sorted KDA layers
     recurrent [n_kda, slots + 1, H, K, V]   KDA states, fp32 (`StatePool.recurrent`)
+    conv_out, recurrent_out  None, or [n_kda, B, T-1, ...] of the above's row shapes: filled with each sequence's
+              states after each of its first T - 1 tokens (the state after the last one is in the pools)
     """
 
     slots: torch.Tensor
@@ -51,7 +58,9 @@ class DecodeBatch:
     conv: torch.Tensor
     recurrent: torch.Tensor
     kernels: str = "torch"
-    num_splits: int = 1  # split-KV programs per sequence in the paged MLA kernel
+    num_splits: int = 1  # split-KV programs per query in the paged MLA kernel
+    conv_out: torch.Tensor | None = None
+    recurrent_out: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.kernels not in KERNELS:
@@ -59,28 +68,37 @@ class DecodeBatch:
 
 
 def kda_decode_step(layer: KimiDeltaAttention, x: torch.Tensor, j: int, batch: DecodeBatch) -> torch.Tensor:
-    """x [B,1,D] -> [B,1,D] for KDA layer `layer` (pool index j)."""
-    B = x.shape[0]
+    """x [B,T,D] -> [B,T,D] for KDA layer `layer` (pool index j)."""
+    B, T, _ = x.shape
     H, K = layer.num_heads, layer.head_dim
     conv_pool, state_pool = batch.conv[j], batch.recurrent[j]
+    conv_out = None if batch.conv_out is None else batch.conv_out[j]
+    state_out = None if batch.recurrent_out is None else batch.recurrent_out[j]
     if batch.kernels == "triton":
         from openk3.ops.kda.triton import causal_conv_step, kda_decode
 
         qkv, b, f, gate = kda_input_projections(layer, x)
-        y = causal_conv_step(qkv[:, 0], conv_pool, layer.conv_weight(), None, batch.slots, activation="silu")
-        q, k, v = (t.reshape(B, 1, H, K) for t in y.split(H * K, dim=-1))
+        y = causal_conv_step(qkv, conv_pool, layer.conv_weight(), None, batch.slots, activation="silu",
+                             states_out=conv_out)
+        q, k, v = (t.reshape(B, T, H, K) for t in y.split(H * K, dim=-1))
         # compiled (`ModelRunner`), the activations are PyTorch ops for Inductor to fuse with their neighbours
         q, k, g, beta = layer.activate_logits(q, k, f, b, "torch" if torch.compiler.is_compiling() else "triton")
-        o = kda_decode(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state_pool, batch.slots).unsqueeze(1)
+        o = kda_decode(q, k, v, g, beta, state_pool, batch.slots, states_out=state_out)
         return layer.output_gated(gate, o, x.dtype)
-    qkv = torch.cat([layer.q_proj(x), layer.k_proj(x), layer.v_proj(x)], dim=-1)[:, 0]  # [B,3HK]
-    backend = resolve_backend(layer.kda_backend, x.device, 1)  # the model's own choice for one token
-    y, conv_pool[batch.slots] = causal_conv1d_step(qkv, layer.conv_weight(), conv_pool[batch.slots])
-    q, k, v = (t.reshape(B, 1, H, K) for t in y.split(H * K, dim=-1))
-    q, k, g, beta = layer.activate(q, k, x, backend)
-    o, state_pool[batch.slots] = kda(q, k, v, g, beta, initial_state=state_pool[batch.slots],
-                                     output_final_state=True, backend=backend, gate_min=layer.gate_min())
-    return layer.output(x, o)
+    outputs = []
+    for t in range(T):  # the reference: the model's one-token ops, a token at a time
+        xt = x[:, t:t + 1]
+        qkv = torch.cat([layer.q_proj(xt), layer.k_proj(xt), layer.v_proj(xt)], dim=-1)[:, 0]  # [B,3HK]
+        backend = resolve_backend(layer.kda_backend, x.device, 1)  # the model's own choice for one token
+        y, conv_pool[batch.slots] = causal_conv1d_step(qkv, layer.conv_weight(), conv_pool[batch.slots])
+        q, k, v = (t_.reshape(B, 1, H, K) for t_ in y.split(H * K, dim=-1))
+        q, k, g, beta = layer.activate(q, k, xt, backend)
+        o, state_pool[batch.slots] = kda(q, k, v, g, beta, initial_state=state_pool[batch.slots],
+                                         output_final_state=True, backend=backend, gate_min=layer.gate_min())
+        if t < T - 1 and conv_out is not None:
+            conv_out[:, t], state_out[:, t] = conv_pool[batch.slots], state_pool[batch.slots]
+        outputs.append(layer.output(xt, o))
+    return torch.cat(outputs, dim=1)
 
 
 def kda_input_projections(layer: KimiDeltaAttention, x: torch.Tensor):
@@ -97,24 +115,28 @@ def kda_input_projections(layer: KimiDeltaAttention, x: torch.Tensor):
 
 
 def mla_decode_step(layer: GatedMLA, x: torch.Tensor, j: int, batch: DecodeBatch) -> torch.Tensor:
-    """x [B,1,D] -> [B,1,D] for MLA layer `layer` (pool index j)."""
-    B = x.shape[0]
+    """x [B,T,D] -> [B,T,D] for MLA layer `layer` (pool index j): the T latents are written first, then token t
+    attends to the positions up to lengths[b] + t."""
+    B, T, _ = x.shape
     H, n, v, R = layer.num_heads, layer.nope_dim, layer.v_head_dim, layer.kv_lora_rank
     pool = batch.latents[j]  # [pages, P, R+r]
     P, width = pool.shape[1], pool.shape[2]
-    q = layer.query(x)  # [B,1,H,n+r]
-    write_latents(pool, paged_positions(batch.tables, batch.slots, batch.lengths, P), layer.latent(x)[:, 0])
+    q = layer.query(x)  # [B,T,H,n+r]
+    positions = batch.lengths.view(B, 1) + torch.arange(T, device=x.device)  # [B,T]
+    write_latents(pool, paged_positions(batch.tables, batch.slots, positions, P).reshape(-1),
+                  layer.latent(x).reshape(B * T, width))
     if batch.kernels == "triton":
         w = layer.kv_b_proj.weight.view(H, n + v, R)
-        q_latent = torch.einsum("bhn,hnr->bhr", q[:, 0, :, :n], w[:, :n])  # W_UK folded into the query
-        q_absorbed = torch.cat([q_latent, q[:, 0, :, n:]], dim=-1)
-        o_latent = paged_mla_decode(q_absorbed, pool, batch.tables, batch.slots, batch.lengths + 1, R, layer.scale,
+        q_latent = torch.einsum("bhn,hnr->bhr", q[..., :n].reshape(B * T, H, n), w[:, :n])  # W_UK into the query
+        q_absorbed = torch.cat([q_latent, q[..., n:].reshape(B * T, H, -1)], dim=-1)
+        rows = batch.slots.repeat_interleave(T)  # one kernel row per query, each with its own length
+        o_latent = paged_mla_decode(q_absorbed, pool, batch.tables, rows, positions.reshape(-1) + 1, R, layer.scale,
                                     batch.num_splits)
-        o = torch.einsum("bhr,hvr->bhv", o_latent.to(q.dtype), w[:, n:]).unsqueeze(1)  # W_UV on the way out
+        o = torch.einsum("bhr,hvr->bhv", o_latent.to(q.dtype), w[:, n:]).view(B, T, H, v)  # W_UV on the way out
     else:
-        L = int(batch.lengths.max()) + 1
-        positions = torch.arange(L, device=x.device).expand(B, L)
-        kv = pool.view(-1, width)[paged_positions(batch.tables, batch.slots, positions, P)]  # [B,L,R+r]
+        L = int(batch.lengths.max()) + T
+        every = torch.arange(L, device=x.device).expand(B, L)
+        kv = pool.view(-1, width)[paged_positions(batch.tables, batch.slots, every, P)]  # [B,L,R+r]
         o = mla_attention_absorbed(q, kv, layer.kv_b_proj.weight, nope_dim=n, v_dim=v, scale=layer.scale,
                                    lengths=batch.lengths)
     return layer.output(x, o)
@@ -128,29 +150,39 @@ def fuse_kda_inputs(model) -> None:
 
 
 @torch.no_grad()
-def decode_logits(model, ids: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
-    """ids [B] (one new token per sequence) -> logits [B, vocab]; the pools advance by that token in place."""
+def decode_forward(model, ids: torch.Tensor, batch: DecodeBatch, taps: tuple[int, ...] = ()):
+    """ids [B,T] (T new tokens per sequence) -> (logits [B,T,vocab], the hidden states entering the layers in
+    `taps` (what their input norms read: `openk3.draft.tapped_hidden_states`), [B,T,D] each, in taps' order); the
+    pools advance by the T tokens in place."""
     cfg = model.config
     index = {i: j for j, i in enumerate(sorted(cfg.kda_layers))}
     index.update({i: j for j, i in enumerate(sorted(cfg.mla_layers))})
+    tapped: dict[int, torch.Tensor] = {}
 
     def attention(layer, h: torch.Tensor) -> torch.Tensor:
+        if layer.layer_idx in taps:
+            tapped[layer.layer_idx] = h
         step = kda_decode_step if layer.attn_kind == "kda" else mla_decode_step
-        return step(layer.self_attn, h, index[layer.layer_idx], batch)
+        return step(layer.self_attn, layer.input_layernorm(h), index[layer.layer_idx], batch)
 
     m = model.model
-    h = m.embed_tokens(ids.unsqueeze(1))  # [B,1,D]
+    h = m.embed_tokens(ids)  # [B,T,D]
     if m.block_size is None:
         for layer in m.layers:
-            h = h + attention(layer, layer.input_layernorm(h))
+            h = h + attention(layer, h)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
     else:
         stream = BlockStream(h, m.block_size)
         for layer in m.layers:
             x = stream.attn_input(layer.layer_idx, getattr(layer, "attn_res_proj", None),
                                   getattr(layer, "attn_res_norm", None))
-            stream.add_attn(attention(layer, layer.input_layernorm(x)))
+            stream.add_attn(attention(layer, x))
             x = stream.mlp_input(layer.mlp_res_proj, layer.mlp_res_norm)
             stream.add_mlp(layer.mlp(layer.post_attention_layernorm(x)))
         h = stream.output(m.output_res_proj, m.output_res_norm)
-    return model.lm_head(m.norm(h))[:, 0]
+    return model.lm_head(m.norm(h)), [tapped[i] for i in taps]
+
+
+def decode_logits(model, ids: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
+    """ids [B] (one new token per sequence) -> logits [B, vocab]; the pools advance by that token in place."""
+    return decode_forward(model, ids.unsqueeze(1), batch)[0][:, 0]

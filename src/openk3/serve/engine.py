@@ -26,15 +26,18 @@ Each prefill chunk passes the model the image tokens of the placeholders it hold
 and the prefix cache keys the prompt by image content (`PromptImages.cache_prompt`). Decode never sees an image.
 
 Speculative decoding (`speculative` K > 0 with an `EagleDraft`, SPEC §11): the decoding sequences take one round each
-per step instead of one token. The draft proposes K tokens (its first position reads the target feature of the last
-token the target consumed, kept per sequence; the next K - 1 its own hidden states), the target verifies all rows'
-K + 1 tokens in one batched forward that records the KDA states after each of the first K, and each row keeps its
-accepted drafts plus one token (`openk3.draft.speculative.accept_drafts`: the target's distribution exactly, greedy
-text unchanged); rows accept different numbers, and each rolls its slot's KDA state back to its own offset (the MLA
-latents past it are left to be overwritten). The draft's latents live in the page pool's last layer, written for a
-position only from target features (a catch-up pass over the accepted drafts), so a page that reaches the prefix
-cache holds the same draft latents whatever drafted them, and hash blocks are registered only up to the accepted
-tokens, each KDA checkpoint carrying the draft feature of its boundary ("feature") for a sequence resuming there.
+per step instead of one token, every pass a static-shape step of the runner (CUDA graphs on a GPU). The round's
+first draft pass writes the draft latents of the sequence's pending positions (the accepted tokens of its last
+round, each read with the target feature before it: at most K + 1, ending at the token the target has not consumed
+yet) and drafts the first token there; K - 1 one-position passes draft the rest from the draft's own hidden states.
+The target verifies all rows' K + 1 tokens in one batched step that records the KDA states after each of the first
+K, and each row keeps its accepted drafts plus one token (`openk3.draft.speculative.accept_drafts`: the target's
+distribution exactly, greedy text unchanged); rows accept different numbers, and each rolls its slot's KDA state
+back to its own offset (the MLA latents past it are left to be overwritten). The draft's latents live in the page
+pool's last layer and end up written for a position only from target features (a drafted position's latent is
+rewritten by the next round's first pass), so a page that reaches the prefix cache holds the same draft latents
+whatever drafted them, and hash blocks are registered only up to the accepted tokens, each KDA checkpoint carrying
+the draft feature of its boundary ("feature") for a sequence resuming there.
 A sequence within K + 1 tokens of the context limit decodes one token per step.
 """
 
@@ -49,6 +52,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
 
 from openk3.cache.paged import BlockTables, PagePool
 from openk3.cache.state_pool import StatePool
@@ -197,7 +202,9 @@ class Engine:
         if config.speculative and draft is None:
             raise ValueError("engine field 'speculative' needs a draft model: a checkpoint of `openk3 draft`")
         self.draft = draft if config.speculative else None
-        self.features: dict[Request, torch.Tensor] = {}  # speculative: the draft feature of each one's last token
+        # speculative: each one's pending draft positions: the target features [n, D] of its last n consumed tokens,
+        # whose draft latents (at the n positions up to r.fed) the next round's first draft pass writes
+        self.features: dict[Request, torch.Tensor] = {}
         self.texts: dict[Request, TextStream] = {}  # each live request's reply text, decoded token by token
         embed = model.model.embed_tokens.weight
         device, dtype = embed.device, embed.dtype
@@ -222,6 +229,7 @@ class Engine:
         kernels = config.kernels if config.kernels != "auto" else ("triton" if gpu else "torch")
         self.runner = ModelRunner(model, self.pages, self.tables, self.states, max_batch=sched.max_running,
                                   kernels=kernels, cuda_graphs=config.cuda_graphs, draft=self.draft,
+                                  speculative=config.speculative if self.draft is not None else 0,
                                   compile_backend="inductor" if config.compile_decode and gpu else None,
                                   prefill_compile_backend="inductor" if config.compile_prefill and gpu else None)
         if gpu or self.runner.prefill_compiled:  # first: a unit that fails to compile goes back to eager
@@ -418,7 +426,7 @@ class Engine:
                     pages[-1] = own
                 self.states.load(r.slot, r.lease.hit_checkpoint)
                 if self.draft is not None and r.lease.hit_checkpoint.get("feature") is not None:
-                    self.features[r] = r.lease.hit_checkpoint["feature"]
+                    self.features[r] = r.lease.hit_checkpoint["feature"].unsqueeze(0)
                 r.fed = r.cached_tokens = hit
         self.tables.set(r.slot, pages)
 
@@ -451,43 +459,41 @@ class Engine:
                 self._register_blocks(r, r.fed - 1)
                 self._accept(r, token)
 
-    def _feature(self, r: Request) -> torch.Tensor:
-        """The draft feature of the last token the target consumed (zeros before the first token)."""
+    def _pending(self, r: Request) -> torch.Tensor:
+        """The target features [n, D] of the last n tokens the target consumed, whose draft latents are pending
+        (one row of zeros before the first token or after a plain decode step, which computes no feature)."""
         if r in self.features:
             return self.features[r]
-        return self.model.model.embed_tokens.weight.new_zeros(self.model_config.hidden_size)
+        return self.model.model.embed_tokens.weight.new_zeros(1, self.model_config.hidden_size)
 
     def _speculate(self, requests: list[Request]) -> None:
         """One speculative round for every sequence in `requests` (module docstring; their pages are in place)."""
-        K, runner, device = self.config.speculative, self.runner, self.runner.device
+        K, runner = self.config.speculative, self.runner
         slots, starts = [r.slot for r in requests], [r.fed for r in requests]
-        prev = torch.stack([self._feature(r) for r in requests]).unsqueeze(1)  # [B,1,D]
-        hidden = runner.draft_step(prev, to_device([[r.output[-1]] for r in requests], device), slots,
-                                   starts)
+        # the first draft pass: each row's pending positions (up to K + 1, ending at r.fed; rows padded to K + 1:
+        # the padding's latents, past r.fed, are rewritten before anything reads them), its output at r.fed
+        pending = [self._pending(r) for r in requests]
+        prev = pad_sequence(pending, batch_first=True)
+        prev = F.pad(prev, (0, 0, 0, K + 1 - prev.shape[1]))  # [B, K+1, D]
+        ids = [r.output[-len(p):] + [0] * (K + 1 - len(p)) for r, p in zip(requests, pending)]
+        hidden, logits = runner.draft_pass(prev, ids, slots, [n + 1 - len(p) for n, p in zip(starts, pending)],
+                                      [len(p) - 1 for p in pending])
         drafts = [SpeculativeRow(r) for r in requests]
         for i in range(K):
-            self._draw_drafts(drafts, self.draft.logits(hidden[:, -1])[:, : self.vocab_limit])
+            self._draw_drafts(drafts, logits[:, : self.vocab_limit])
             if i + 1 < K:
-                ids = to_device([[d.drafted[-1]] for d in drafts], device)
-                hidden = runner.draft_step(hidden, ids, slots, [n + 1 + i for n in starts])
-        logits, checkpoints, features = runner.forward([[r.output[-1], *d.drafted] for r, d in zip(requests, drafts)],
-                                                       slots, starts, tuple(range(1, K + 1)), all_logits=True)
+                hidden, logits = runner.draft_pass(hidden.unsqueeze(1), [[d.drafted[-1]] for d in drafts], slots,
+                                              [n + 1 + i for n in starts], [0] * len(drafts))
+        logits, features = runner.verify([[r.output[-1], *d.drafted] for r, d in zip(requests, drafts)], slots,
+                                         starts)
         kept = self._verify(drafts, logits[..., : self.vocab_limit])
-        for row, (r, tokens) in enumerate(zip(requests, kept)):
-            if len(tokens) <= K:  # roll the KDA state back to the last accepted token
-                self.states.load(r.slot, {name: t[:, row] for name, t in checkpoints[len(tokens)].items()})
-        accepted = max(len(tokens) - 1 for tokens in kept)
-        if accepted:  # the draft latents of the accepted drafts, from the target's features (rows padded)
-            prev = features.new_zeros(len(requests), accepted, features.shape[-1])
-            ids = torch.zeros(len(requests), accepted, dtype=torch.long)
-            for row, tokens in enumerate(kept):
-                prev[row, : len(tokens) - 1] = features[row, : len(tokens) - 1]
-                ids[row, : len(tokens) - 1] = torch.tensor(tokens[:-1])
-            runner.draft_step(prev, ids.to(device), slots, [n + 1 for n in starts])
+        runner.roll_back(slots, [len(tokens) for tokens in kept])
+        checkpoints = {o: {"conv": runner.conv_out[:, :, o - 1], "recurrent": runner.recurrent_out[:, :, o - 1]}
+                       for o in range(1, K + 1)}
         for row, (r, tokens, d) in enumerate(zip(requests, kept, drafts)):
             with self._isolated([r]):
                 start, r.fed = r.fed, r.fed + len(tokens)
-                self.features[r] = features[row, len(tokens) - 1]
+                self.features[r] = features[row, : len(tokens)].clone()
                 self._register_blocks(r, start, checkpoints, row, features, pending=tokens[:-1])
                 self.metrics.spec_drafts += 1
                 self.metrics.spec_draft_tokens += K
@@ -542,7 +548,7 @@ class Engine:
             logits, checkpoints, features = self.runner.forward(chunks, slots, starts, offsets,
                                                                 image_embeds=image_embeds)
             logits = logits[:, -1]
-            prev = torch.stack([self._feature(r) for r in requests]).unsqueeze(1)
+            prev = torch.stack([self._pending(r)[-1] for r in requests]).unsqueeze(1)
             self.runner.draft_step(torch.cat([prev, features[:, :-1]], dim=1), to_device(chunks, prev.device),
                                    slots, starts)
         sample = self._sampler(requests, logits)
@@ -550,7 +556,7 @@ class Engine:
             with self._isolated([r]):
                 start, r.fed = r.fed, end
                 if features is not None:
-                    self.features[r] = features[row, -1]
+                    self.features[r] = features[row, -1:]
                 self._register_blocks(r, start, checkpoints, row, features)
                 if not r.prefilling:
                     r.first_token_at = time.perf_counter()
@@ -573,7 +579,7 @@ class Engine:
             if end == r.fed:
                 ckpt = self.states.snapshot(r.slot)
                 if r in self.features:
-                    ckpt["feature"] = self.features[r].clone()
+                    ckpt["feature"] = self.features[r][-1].clone()
             elif checkpoints and end - start in checkpoints:
                 ckpt = {name: t[:, row].clone() for name, t in checkpoints[end - start].items()}
                 if features is not None:

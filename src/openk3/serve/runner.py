@@ -15,10 +15,14 @@ of the slots; each sequence's latents so far, read through its block table; with
 image placeholders, if any), then the new latents and states are written back. KDA checkpoints requested inside
 the chunk (`checkpoint_offsets`) come back per offset.
 
-Speculative decoding (SPEC §11, with an `EagleDraft`): `forward` is the same pass with the logits of every position
-(the verification of K drafts over K + 1 positions) and the draft's features of every position; `draft_step` runs
-the draft over positions of the slots, its latents kept in the page pool's last layer beside the target's MLA
-latents (so the prefix cache shares them with the pages).
+Speculative decoding (SPEC §11, with an `EagleDraft` and K drafts per round): three more static-shape steps, captured
+like decode (compiled, the verification; the draft steps are small and run uncompiled in their graphs):
+`verify` runs the target over K + 1 tokens per sequence (`decode_forward`, T = K + 1) and returns every position's
+logits and draft features, with the KDA states after each of the first K tokens in `conv_out` / `recurrent_out`
+(`roll_back` puts a sequence's states back to its last accepted token); `draft_pass` runs the draft over T = 1 or K + 1
+positions per sequence (`EagleDraft.decode`), its latents in the page pool's last layer beside the target's MLA
+latents (so the prefix cache shares them with the pages), and returns the hidden state and logits at each row's
+`last` position. `draft_step` (gathered latents, any length) writes the draft's latents of prefill chunks.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from openk3.cache.paged import BlockTables, PagePool
 from openk3.cache.state_pool import StatePool
 from openk3.draft import EagleDraft, tapped_hidden_states
 from openk3.model.compile import compile_blocks, uncompile_blocks
-from openk3.model.decode import DecodeBatch, decode_logits, fuse_kda_inputs
+from openk3.model.decode import DecodeBatch, decode_forward, decode_logits, fuse_kda_inputs
 from openk3.ops.paged_mla import paged_positions
 from openk3.ops.transfer import to_device
 
@@ -49,6 +53,19 @@ def graph_buckets(max_batch: int) -> list[int]:
     return sizes + [max_batch]
 
 
+def verify_forward(model, draft: EagleDraft, ids: torch.Tensor, batch: DecodeBatch):
+    """The target over T tokens per sequence: (logits [B,T,vocab], the draft's features [B,T,D])."""
+    logits, tapped = decode_forward(model, ids, batch, draft.taps)
+    return logits, draft.fuse(dict(zip(draft.taps, tapped)))
+
+
+def draft_forward(draft: EagleDraft, prev: torch.Tensor, ids: torch.Tensor, last: torch.Tensor, batch: DecodeBatch):
+    """The draft over T positions per sequence: (hidden [B,D], logits [B,vocab]) at each row's position `last`."""
+    hidden = draft.decode(prev, ids, batch)
+    hidden = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
+    return hidden, draft.logits(hidden)
+
+
 def split_kv(batch: int, processors: int) -> int:
     """Split-KV programs per sequence for a decode batch: about two programs per SM (or CPU core), at most 16."""
     return max(1, min(16, 2 * processors // batch))
@@ -57,7 +74,9 @@ def split_kv(batch: int, processors: int) -> int:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, pages: PagePool, tables: BlockTables, states: StatePool, *,
                  max_batch: int, kernels: str = "torch", cuda_graphs: bool = False, compile_backend: str | None = None,
-                 prefill_compile_backend: str | None = None, draft: EagleDraft | None = None):
+                 prefill_compile_backend: str | None = None, draft: EagleDraft | None = None, speculative: int = 0):
+        if speculative and draft is None:
+            raise ValueError("speculative decoding needs a draft model")
         self.model = model
         self.draft = draft  # its latents: the pool's last layer, after the target's MLA layers
         self.pages, self.tables, self.states = pages, tables, states
@@ -66,7 +85,7 @@ class ModelRunner:
         self.max_batch = max_batch
         self.inputs = torch.zeros(3, max_batch, dtype=torch.long, device=self.device)  # ids, slots, lengths
         self.buckets = graph_buckets(max_batch)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, object]] = {}  # (step, batch): graph, output
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self.capture_seconds = 0.0
         self.graph_error: str | None = None
@@ -78,58 +97,124 @@ class ModelRunner:
         # compiled: a compiled step always runs at a bucket's size; Dynamo's automatic dynamic shapes give two
         # graphs (batch 1, and batch as a symbol from the second size on: one Inductor compile each)
         self.compiled = compile_backend is not None
-        self.step = torch.compile(decode_logits, backend=compile_backend) if self.compiled else decode_logits
+        self.compile_backend = compile_backend
+        self.speculative = K = speculative
+        self._compile()
         cfg = model.config
         self.kda_layers, self.mla_layers = sorted(cfg.kda_layers), sorted(cfg.mla_layers)
         gpu = self.device.type == "cuda"
         self.processors = torch.cuda.get_device_properties(self.device).multi_processor_count if gpu else 1
+        if K:  # the rounds' static inputs, and the KDA states after each of the first K verified tokens
+            dtype = model.model.embed_tokens.weight.dtype
+            self.spec_ids = torch.zeros(max_batch, K + 1, dtype=torch.long, device=self.device)
+            self.spec_prev = torch.zeros(max_batch, K + 1, cfg.hidden_size, dtype=dtype, device=self.device)
+            self.spec_last = torch.zeros(max_batch, dtype=torch.long, device=self.device)
+            conv, rec = states.conv, states.recurrent
+            self.conv_out = conv.new_zeros(conv.shape[0], max_batch, K, *conv.shape[2:])
+            self.recurrent_out = rec.new_zeros(rec.shape[0], max_batch, K, *rec.shape[2:])
 
-    # ---- decode ------------------------------------------------------------------------------------------------
-    def _batch(self, size: int) -> DecodeBatch:
+    def captured(self) -> dict[str, list[int]]:
+        """Step name ("decode", "verify", "draft1", ...) -> the batch sizes captured as CUDA graphs."""
+        out: dict[str, list[int]] = {}
+        for name, size in sorted(self.graphs):
+            out.setdefault(name, []).append(size)
+        return out
+
+    def _compile(self) -> None:
+        """The compiled steps: decode, or when speculating the verification (the plain step, which then runs only
+        near the context limit, is captured uncompiled: one Inductor compile less at start-up)."""
+        compile_ = (lambda fn: torch.compile(fn, backend=self.compile_backend)) if self.compiled else (lambda fn: fn)
+        self.step = decode_logits if self.speculative else compile_(decode_logits)
+        self.verify_step = compile_(verify_forward)
+
+    # ---- decode steps: plain, speculative verification, draft ------------------------------------------------
+    def _batch(self, size: int, rows: int | None = None, outs: bool = False) -> DecodeBatch:
+        """The step's view of the pools for `size` sequences (`rows` queries per MLA layer: size * T)."""
         return DecodeBatch(slots=self.inputs[1, :size], lengths=self.inputs[2, :size], latents=self.pages.pages,
                            tables=self.tables.tables, conv=self.states.conv, recurrent=self.states.recurrent,
                            kernels=self.kernels,
                            # compiled, one split count for every batch (a constant of the graph, like the bucket)
-                           num_splits=split_kv(1 if self.compiled else size, self.processors))
+                           num_splits=split_kv(1 if self.compiled else rows or size, self.processors),
+                           conv_out=self.conv_out[:, :size] if outs else None,
+                           recurrent_out=self.recurrent_out[:, :size] if outs else None)
 
-    def _forward(self, size: int) -> torch.Tensor:
-        if not self.compiled:
-            return self.step(self.model, self.inputs[0, :size], self._batch(size))
+    def _steps(self) -> dict:
+        """step name -> (function of the batch size running it on the static inputs, compiled or not)."""
+        steps = {"decode": (lambda size: self.step(self.model, self.inputs[0, :size], self._batch(size)),
+                            self.compiled and not self.speculative)}
+        K = self.speculative
+        if K:
+            steps["verify"] = (lambda size: self.verify_step(
+                self.model, self.draft, self.spec_ids[:size], self._batch(size, size * (K + 1), outs=True)),
+                self.compiled)
+            for T in sorted({1, K + 1}):
+                steps[f"draft{T}"] = (lambda size, T=T: draft_forward(
+                    self.draft, self.spec_prev[:size, :T], self.spec_ids[:size, :T], self.spec_last[:size],
+                    self._batch(size, size * T)), False)
+        return steps
+
+    def _run(self, name: str, size: int):
+        """One step on the static inputs: its graph's replay (outputs are views of the graph's static outputs:
+        valid until the next replay) or the step itself."""
+        if (name, size) in self.graphs:
+            graph, out = self.graphs[name, size]
+            graph.replay()
+            return out
+        fn, compiled = self._steps()[name]
+        if not compiled:
+            return fn(size)
         with torch._dynamo.config.patch(recompile_limit=len(self.buckets)):  # at most one graph per bucket
-            return self.step(self.model, self.inputs[0, :size], self._batch(size))
+            return fn(size)
+
+    def _size(self, n: int) -> int:
+        """The batch a step of n sequences runs at: the smallest bucket >= n when graphs or compiled steps are in
+        use (the extra rows on the padding slot), else n."""
+        size = next((b for b in self.buckets if b >= n), n) if self.graphs or self.compiled else n
+        if size > self.max_batch:
+            raise ValueError(f"a decode batch holds at most {self.max_batch} sequences, got {n}")
+        return size
+
+    def _set_inputs(self, ids: list[int], slots: list[int], lengths: list[int], size: int) -> None:
+        pad = size - len(slots)
+        self.inputs[:, :size].copy_(to_device([ids + [0] * pad, slots + [self.states.padding_slot] * pad,
+                                               lengths + [0] * pad], self.device))
 
     def capture(self) -> float:
-        """Capture the decode step at every bucket size (CUDA only); returns the seconds it took. If capture fails
-        (an op in the step synchronises with the host, or a compiled step fails to compile), it is tried once more
+        """Capture the decode steps at every bucket size (CUDA only); returns the seconds it took. If capture fails
+        (an op in a step synchronises with the host, or a compiled step fails to compile), it is tried once more
         uncompiled; if that fails too, decode stays eager and uncompiled, and `graph_error` says why."""
         if not self.cuda_graphs:
             return 0.0
         start = time.perf_counter()
         self.inputs.zero_()
         self.inputs[1].fill_(self.states.padding_slot)  # warm-up and capture touch only the padding slot
+        steps = self._steps()
         try:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
-            # compile the Triton kernels (and the step, with compile_backend), set up cuBLAS, outside any capture
+            # compile the Triton kernels (and the steps, with compile_backend), set up cuBLAS, outside any capture
             with torch.cuda.stream(side):
-                for size in self.buckets:
-                    self._forward(size)
+                for name in steps:
+                    for size in self.buckets:
+                        self._run(name, size)
             torch.cuda.current_stream().wait_stream(side)
             pool = torch.cuda.graph_pool_handle()
             # the outer stream context puts the current stream back even when a failed capture leaves early
             with torch.cuda.stream(torch.cuda.current_stream()):
-                for size in reversed(self.buckets):  # largest first: the smaller graphs reuse its memory
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool):
-                        out = self._forward(size)
-                    self.graphs[size] = (graph, out)
+                for name in steps:
+                    for size in reversed(self.buckets):  # largest first: the smaller graphs reuse its memory
+                        graph = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(graph, pool=pool):
+                            out = self._run(name, size)
+                        self.graphs[name, size] = (graph, out)
             torch.cuda.synchronize()
         except RuntimeError as err:
             self.graphs.clear()
             self.graph_error = str(err).splitlines()[0]
             if self.compiled:
-                log.warning("capturing the compiled decode step failed, trying it uncompiled: %s", self.graph_error)
-                self.compiled, self.step = False, decode_logits
+                log.warning("capturing the compiled decode steps failed, trying uncompiled: %s", self.graph_error)
+                self.compiled = False
+                self._compile()
                 earlier = time.perf_counter() - start
                 self.capture_seconds = earlier + self.capture()
                 return self.capture_seconds
@@ -164,18 +249,44 @@ class ModelRunner:
     def decode(self, ids: list[int], slots: list[int], lengths: list[int]) -> torch.Tensor:
         """One token for each of n sequences: ids, slots, lengths (tokens before it) -> logits [n, vocab]. With CUDA
         graphs the logits are a view of the graph's static output: valid until the next decode (copy to keep)."""
-        n = len(ids)
-        size = next((b for b in self.buckets if b >= n), n) if self.graphs or self.compiled else n
-        if size > self.max_batch:
-            raise ValueError(f"a decode batch holds at most {self.max_batch} sequences, got {n}")
-        pad = size - n
-        self.inputs[:, :size].copy_(to_device([ids + [0] * pad, slots + [self.states.padding_slot] * pad,
-                                               lengths + [0] * pad], self.device))
-        if size in self.graphs:
-            graph, out = self.graphs[size]
-            graph.replay()
-            return out[:n]
-        return self._forward(size)[:n]
+        size = self._size(len(ids))
+        self._set_inputs(ids, slots, lengths, size)
+        return self._run("decode", size)[: len(ids)]
+
+    def verify(self, ids: list[list[int]], slots: list[int], lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target over K + 1 tokens per sequence (its last token and K drafts) from position lengths[b]:
+        (logits [n, K+1, vocab], the draft's features [n, K+1, D]). The pools advance by all K + 1 tokens; the KDA
+        states after each of the first K are in `conv_out` / `recurrent_out` [n_kda, n, K, ...] until the next
+        verification (`roll_back`). Outputs are views, as `decode`'s."""
+        n, size = len(ids), self._size(len(ids))
+        self._set_inputs([0] * n, slots, lengths, size)
+        self.spec_ids[:size].copy_(to_device(ids + [[0] * (self.speculative + 1)] * (size - n), self.device))
+        logits, features = self._run("verify", size)
+        return logits[:n], features[:n]
+
+    def roll_back(self, slots: list[int], kept: list[int]) -> None:
+        """After `verify`: the sequence in slots[i] keeps its first kept[i] verified tokens; with kept[i] <= K its
+        KDA states become the ones after its kept[i]-th token (the MLA latents past it are left to be rewritten)."""
+        rows = [i for i, k in enumerate(kept) if k <= self.speculative]
+        if not rows:
+            return
+        row, offset, slot = to_device([rows, [kept[i] - 1 for i in rows], [slots[i] for i in rows]], self.device)
+        self.states.conv[:, slot] = self.conv_out[:, row, offset]
+        self.states.recurrent[:, slot] = self.recurrent_out[:, row, offset]
+
+    def draft_pass(self, prev: torch.Tensor, ids: list[list[int]], slots: list[int], starts: list[int],
+              last: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft over T positions per sequence (T = 1 or K + 1) from position starts[b]: prev [n, T, D] (target
+        features or the draft's own hidden states), ids [n][T]. Writes the draft latents of those positions and
+        returns (hidden [n, D], logits [n, vocab]) at each row's position `last[b]` (views, as `decode`'s)."""
+        n, T = len(ids), len(ids[0])
+        size = self._size(n)
+        self._set_inputs([0] * n, slots, starts, size)
+        self.spec_ids[:size, :T].copy_(to_device(ids + [[0] * T] * (size - n), self.device))
+        self.spec_last[:size].copy_(to_device(last + [0] * (size - n), self.device))
+        self.spec_prev[:n, :T].copy_(prev)
+        hidden, logits = self._run(f"draft{T}", size)
+        return hidden[:n], logits[:n]
 
     # ---- prefill -----------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -191,11 +302,9 @@ class ModelRunner:
 
     @torch.no_grad()
     def forward(self, chunks: list[list[int]], slots: list[int], starts: list[int],
-                checkpoint_offsets: tuple[int, ...] = (), all_logits: bool = False,
-                image_embeds: torch.Tensor | None = None):
-        """`prefill`'s pass, returning (logits [B, T or 1, vocab] (every position's with `all_logits`, else the
-        last's), the checkpoints, the draft's features of the chunk's positions [B, T, D] or None without a
-        draft)."""
+                checkpoint_offsets: tuple[int, ...] = (), image_embeds: torch.Tensor | None = None):
+        """`prefill`'s pass, returning (the last position's logits [B, 1, vocab], the checkpoints, the draft's
+        features of the chunk's positions [B, T, D] or None without a draft)."""
         B, T = len(chunks), len(chunks[0])
         slot_t = to_device(slots, self.device)
         conv, recurrent = self.states.gather(slot_t)
@@ -214,12 +323,11 @@ class ModelRunner:
         cache.checkpoint_offsets = checkpoint_offsets
         ids = to_device(chunks, self.device)
         features = None
-        keep = 0 if all_logits else 1
         if self.draft is None:  # (with a cache, MLA attends without cuDNN: ops.attention.NO_CUDNN)
-            logits = self.model(ids, cache=cache, logits_to_keep=keep, image_embeds=image_embeds).logits
+            logits = self.model(ids, cache=cache, logits_to_keep=1, image_embeds=image_embeds).logits
         else:
             with tapped_hidden_states(self.model, self.draft.taps) as tapped:
-                logits = self.model(ids, cache=cache, logits_to_keep=keep, image_embeds=image_embeds).logits
+                logits = self.model(ids, cache=cache, logits_to_keep=1, image_embeds=image_embeds).logits
                 features = self.draft.fuse(tapped)
 
         kda_caches = [cache.layers[i] for i in self.kda_layers]
