@@ -34,6 +34,7 @@ from openk3.ops.kda.triton import (  # noqa: E402
     kda_triton,
     kda_triton_fused,
 )
+from openk3.ops.kda.triton import decode as decode_ops  # noqa: E402
 from openk3.ops.kda.triton.layout import chunk_layout  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -537,10 +538,10 @@ def test_multi_token_ops_compile_whole():
     buffers = [r(P, D, W - 1), r(P, H, K, V), torch.zeros(N, T - 1, D, W - 1, device=DEV),
                torch.zeros(N, T - 1, H, K, V, device=DEV)]
     q, k, v = (F.normalize(r(N, T, H, K), dim=-1) for _ in range(3))
-    torch.library.opcheck(kda_decode, (q, k, v, g, beta, buffers[1].clone(), slots),
-                          dict(states_out=buffers[3].clone()))
-    torch.library.opcheck(causal_conv_step, (x, buffers[0].clone(), weight, None, slots),
-                          dict(states_out=buffers[2].clone()))
+    torch.library.opcheck(decode_ops._kda_decode_op, (q, k, v, g, beta, buffers[1].clone(), slots, None,
+                                                      buffers[3].clone()))
+    torch.library.opcheck(decode_ops._causal_conv_step_op, (x, buffers[0].clone(), weight, None, slots, "silu",
+                                                            buffers[2].clone()))
     eager = [b.clone() for b in buffers]
     o = torch.compile(verify, fullgraph=True, backend="aot_eager")(x, g, beta, *buffers)
     o_ref = verify(x, g, beta, *eager)

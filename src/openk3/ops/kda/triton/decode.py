@@ -76,7 +76,6 @@ def _kda_decode_kernel(q, k, v, g, beta, pool, slots, o, states_out, scale, H, K
 
 # The two launches are torch custom ops (declared in-place on their pools and snapshots) so that torch.compile
 # keeps them whole in a compiled decode step and fuses the operations around them (`openk3.serve.runner`).
-@torch.library.custom_op("openk3::kda_decode", mutates_args=("state_pool", "states_out"))
 def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                state_pool: torch.Tensor, slots: torch.Tensor, scale: float | None = None,
                states_out: torch.Tensor | None = None) -> torch.Tensor:
@@ -84,6 +83,16 @@ def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     beta [N,H] or [N,T,H]; state_pool [P,H,K,V] fp32, rows slots [N] (int32) updated in place to the state after
     the last token; states_out, optional fp32 [N,T-1,H,K,V], receives the state after each earlier token.
     Returns o in v's shape and dtype (token t's output reads the state after token t)."""
+    # every argument positional: torch 2.11's in-place bookkeeping of a custom op indexes the mutated arguments by
+    # position and fails on an optional one left to its default
+    return _kda_decode_op(q, k, v, g, beta, state_pool, slots, scale, states_out)
+
+
+@torch.library.custom_op("openk3::kda_decode", mutates_args=("state_pool", "states_out"))
+def _kda_decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                   state_pool: torch.Tensor, slots: torch.Tensor, scale: float | None,
+                   states_out: torch.Tensor | None) -> torch.Tensor:
+    """The op behind `kda_decode` (its contract)."""
     T = _num_tokens(q, k, v, g, beta)
     N, H, K = q.shape[0], q.shape[-2], q.shape[-1]
     V = v.shape[-1]
@@ -102,8 +111,8 @@ def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     return o
 
 
-@kda_decode.register_fake
-def _(q, k, v, g, beta, state_pool, slots, scale=None, states_out=None):
+@_kda_decode_op.register_fake
+def _(q, k, v, g, beta, state_pool, slots, scale, states_out):
     T = _num_tokens(q, k, v, g, beta)
     _check_states_out(states_out, (q.shape[0], T - 1, *q.shape[-2:], v.shape[-1]), torch.float32)
     return v.new_empty(v.shape)
@@ -195,7 +204,6 @@ def _conv_tokens(x: torch.Tensor) -> int:
     return x.shape[1] if x.dim() == 3 else 1
 
 
-@torch.library.custom_op("openk3::causal_conv_step", mutates_args=("conv_state", "states_out"))
 def causal_conv_step(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                      slots: torch.Tensor | None = None, activation: str | None = "silu",
                      states_out: torch.Tensor | None = None) -> torch.Tensor:
@@ -203,6 +211,14 @@ def causal_conv_step(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Te
     [P,D,W-1] (P = N without slots), updated in place to the window after the last token; weight [D,W]; bias [D]
     or None; activation "silu" or None; states_out, optional [N,T-1,D,W-1] in conv_state's dtype, receives the
     window after each earlier token. Returns y in x's shape."""
+    return _causal_conv_step_op(x, conv_state, weight, bias, slots, activation, states_out)  # (as kda_decode)
+
+
+@torch.library.custom_op("openk3::causal_conv_step", mutates_args=("conv_state", "states_out"))
+def _causal_conv_step_op(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                         slots: torch.Tensor | None, activation: str | None,
+                         states_out: torch.Tensor | None) -> torch.Tensor:
+    """The op behind `causal_conv_step` (its contract)."""
     T = _conv_tokens(x)
     N, D = x.shape[0], x.shape[-1]
     W = weight.shape[-1]
@@ -222,8 +238,8 @@ def causal_conv_step(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Te
     return y
 
 
-@causal_conv_step.register_fake
-def _(x, conv_state, weight, bias=None, slots=None, activation="silu", states_out=None):
+@_causal_conv_step_op.register_fake
+def _(x, conv_state, weight, bias, slots, activation, states_out):
     T = _conv_tokens(x)
     _check_states_out(states_out, (x.shape[0], T - 1, x.shape[-1], weight.shape[-1] - 1), conv_state.dtype)
     return torch.empty_like(x, memory_format=torch.contiguous_format)
