@@ -14,7 +14,7 @@
    difference, argmax agreement), in fp32 (graphs, eager) and in the serving dtype with decisive routing
    (`openk3.model.moe.decisive_routing`; compiled + graphs, graphs, eager); then the multi-turn agent trace of
    bench/serve.py (its code) with the K3 prefix cache and with the block-aligned baseline: reused tokens against
-   the ideal, and TTFT.
+   the ideal, and TTFT (`--skip-trace` keeps the --json file's figures for this step).
 6. The peer: transformers' KimiLinearForCausalLM with k3-debug's dimensions (Kimi Linear's softplus gate, low-rank
    output gate, plain residuals, full-width MoE), bf16, fla's kernels when fla is importable, generate() of 128
    new tokens at batch = the same client counts, no HTTP.
@@ -311,6 +311,9 @@ def main() -> None:
                     help="run one half and keep the other's figures from the --json file if it has them (the server "
                          "compiles its decode step for ~2 min at start and fla autotunes for minutes: on a device "
                          "with a 10-minute limit per command they go in two calls)")
+    ap.add_argument("--skip-trace", action="store_true",
+                    help="leave out step 5 (the in-process decode checks and agent trace) and keep the --json file's "
+                         "figures for it")
     ap.add_argument("--server-log", default=None,
                     help="keep the server's log here, at log level info (its slow engine steps, each request)")
     out_dir = os.environ.get("OUT", str(BENCH))
@@ -338,7 +341,7 @@ def main() -> None:
         server_part = {k: kept[k] for k in SERVER_KEYS if k in kept}
         server_part["rates"] = {r["concurrency"]: r["tok_per_s"] for r in kept.get("rows", []) if r["tok_per_s"]}
     else:
-        server_part = server_half(args, device, dtype)
+        server_part = server_half(args, device, dtype, kept.get("agent_trace"))
     if args.only == "server":
         peer, peer_info = {r["concurrency"]: r["peer_tok_per_s"] for r in kept.get("rows", [])}, kept.get("peer")
     else:
@@ -369,7 +372,7 @@ SERVER_KEYS = ("ttft_12k_s", "ttft_long_prompt_tokens", "ttft_runs_s", "server_s
                "cuda_graphs", "gpu_memory_mib", "agent_trace", "engine_steps")
 
 
-def server_half(args: argparse.Namespace, device: str, dtype: torch.dtype) -> dict:
+def server_half(args: argparse.Namespace, device: str, dtype: torch.dtype, kept_trace: dict | None) -> dict:
     """Steps 1-5: the server's decode rates and TTFT, its memory, then the in-process checks and agent trace."""
     vocab = get_preset(args.preset).vocab_size
     before = gpu_memory_used_mib() if device == "cuda" else None
@@ -397,7 +400,7 @@ def server_half(args: argparse.Namespace, device: str, dtype: torch.dtype) -> di
         after = gpu_memory_used_mib() if device == "cuda" else None
     finally:
         server.stop()
-    trace = agent_trace(args, device, dtype)
+    trace = kept_trace if args.skip_trace and kept_trace else agent_trace(args, device, dtype)
     print(f"agent trace: {json.dumps(trace)}", flush=True)
     return {"rates": rates, "engine_steps": steps, "ttft_12k_s": statistics.median(ttfts),
             "ttft_long_prompt_tokens": args.ttft_tokens, "ttft_runs_s": ttfts, "server_startup_s": startup,

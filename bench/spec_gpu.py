@@ -29,6 +29,7 @@ import torch
 from openk3.config import get_preset
 from openk3.draft import EagleDraft
 from openk3.model import K3ForCausalLM
+from openk3.model.moe import decisive_routing
 from openk3.sampling import SamplingParams
 from openk3.serve.engine import Engine, EngineConfig
 from openk3.serve.scheduler import SchedulerConfig
@@ -64,7 +65,14 @@ def generate(engine: Engine, clients: int, new_tokens: int, seed: int) -> tuple[
 
 def verify_vs_decode(engine: Engine, batch: int = 3, prompt: int = 40) -> dict:
     """The engine's verification step against K + 1 of its plain decode steps on the same tokens after the same
-    prompts (each as captured): max |logits difference| / max |logits| and the share of argmaxes that agree."""
+    prompts (each as captured), with decisive routing (a random router's near-ties flip experts between two
+    correct bf16 runs: `openk3.model.moe.decisive_routing`): max |logits difference| / max |logits| and the share
+    of argmaxes that agree."""
+    with decisive_routing(engine.model):
+        return _verify_vs_decode(engine, batch, prompt)
+
+
+def _verify_vs_decode(engine: Engine, batch: int, prompt: int) -> dict:
     runner, K, V = engine.runner, engine.config.speculative, engine.vocab_limit
     gen = torch.Generator().manual_seed(5)
     slots = [engine.states.alloc() for _ in range(batch)]
