@@ -233,7 +233,8 @@ class Engine:
                                   compile_backend="inductor" if config.compile_decode and gpu else None,
                                   prefill_compile_backend="inductor" if config.compile_prefill and gpu else None)
         if gpu or self.runner.prefill_compiled:  # first: a unit that fails to compile goes back to eager
-            self.runner.warm_up_prefill()
+            longest = min(self.chunk_blocks * h, mc.max_seq_len // h * h)
+            self.runner.warm_up_prefill(long=(longest, self._checkpoint_offsets(0, longest)))
         self.runner.capture()
 
         self.prefix_cache = PrefixCache(PrefixCacheConfig(

@@ -224,11 +224,12 @@ class ModelRunner:
         return self.capture_seconds
 
     @torch.no_grad()
-    def warm_up_prefill(self, tokens: int = 16) -> float:
+    def warm_up_prefill(self, tokens: int = 16, long: tuple[int, tuple[int, ...]] | None = None) -> float:
         """Prefill chunks on the padding slot (its KDA state and the null page are scratch) of 1, 2 and `max_batch`
-        sequences, with and without a KDA checkpoint, so that what compiles on first use compiles now rather than
-        inside a request's step (1-2 s each on an H200, bench/RESULTS.md): the Triton kernels' variants (block sizes
-        chosen by the batch, the checkpoint path) and, with compiled prefill units, their graphs (dynamic shapes:
+        sequences, with and without a KDA checkpoint, and `long` = (tokens, checkpoint offsets) of one sequence (the
+        engine's longest prefill forward), so that what compiles on first use compiles now rather than inside a
+        request's step (1-2 s each on an H200, bench/RESULTS.md): the Triton kernels' variants (block sizes chosen by
+        the batch or the length, the checkpoint path) and, with compiled prefill units, their graphs (dynamic shapes:
         one for one sequence, one for several). If compiling the units fails, they go back to eager (logged).
         Returns the seconds."""
         start = time.perf_counter()
@@ -237,6 +238,8 @@ class ModelRunner:
             for batch in sorted({1, 2, self.max_batch}):
                 for offsets in ((), (tokens,)):
                     self.forward([[0] * tokens] * batch, [pad] * batch, [0] * batch, offsets)
+            if long is not None:
+                self.forward([[0] * long[0]], [pad], [0], long[1])
             log.info("prefill warmed up in %.1f s", time.perf_counter() - start)
         except Exception as err:  # Inductor's errors have no common base class
             if not self.prefill_compiled:
