@@ -52,7 +52,8 @@ def restore(runner, saved):
         t.copy_(s)
 
 
-@pytest.mark.parametrize("kernels,compile_backend", [("torch", None), ("triton", None), ("torch", "eager"), ("triton", "aot_eager")])
+@pytest.mark.parametrize("kernels,compile_backend",
+                         [("torch", None), ("triton", None), ("torch", "eager"), ("triton", "aot_eager")])
 def test_verification_equals_decode_steps_and_rolls_back(kernels, compile_backend):
     torch._dynamo.reset()
     runner = spec_runner("k3-small-mla-first", kernels, compile_backend)
