@@ -66,9 +66,10 @@ def draft_forward(draft: EagleDraft, prev: torch.Tensor, ids: torch.Tensor, last
     return hidden, draft.logits(hidden)
 
 
-def split_kv(batch: int, processors: int) -> int:
-    """Split-KV programs per sequence for a decode batch: about two programs per SM (or CPU core), at most 16."""
-    return max(1, min(16, 2 * processors // batch))
+def split_kv(queries: int, processors: int) -> int:
+    """Split-KV programs per query of a decode step's MLA attention (one per sequence, K + 1 per sequence when
+    verifying): about two programs per SM (or CPU core) over all queries, at most 16."""
+    return max(1, min(16, 2 * processors // queries))
 
 
 class ModelRunner:
