@@ -65,6 +65,8 @@ class DecodeBatch:
     def __post_init__(self) -> None:
         if self.kernels not in KERNELS:
             raise ValueError(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
+        if (self.conv_out is None) != (self.recurrent_out is None):
+            raise ValueError("conv_out and recurrent_out are recorded together: pass both or neither")
 
 
 def kda_decode_step(layer: KimiDeltaAttention, x: torch.Tensor, j: int, batch: DecodeBatch) -> torch.Tensor:
@@ -86,10 +88,10 @@ def kda_decode_step(layer: KimiDeltaAttention, x: torch.Tensor, j: int, batch: D
         o = kda_decode(q, k, v, g, beta, state_pool, batch.slots, states_out=state_out)
         return layer.output_gated(gate, o, x.dtype)
     outputs = []
+    backend = resolve_backend(layer.kda_backend, x.device, 1)  # the model's own choice for one token
     for t in range(T):  # the reference: the model's one-token ops, a token at a time
         xt = x[:, t:t + 1]
         qkv = torch.cat([layer.q_proj(xt), layer.k_proj(xt), layer.v_proj(xt)], dim=-1)[:, 0]  # [B,3HK]
-        backend = resolve_backend(layer.kda_backend, x.device, 1)  # the model's own choice for one token
         y, conv_pool[batch.slots] = causal_conv1d_step(qkv, layer.conv_weight(), conv_pool[batch.slots])
         q, k, v = (t_.reshape(B, 1, H, K) for t_ in y.split(H * K, dim=-1))
         q, k, g, beta = layer.activate(q, k, xt, backend)
