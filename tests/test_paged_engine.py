@@ -3,6 +3,7 @@ GPU path's Triton kernels (interpreted); cancelled requests give back every page
 physical pages by reference, and a page's reference count is always its block tables plus the cache."""
 
 import random
+from unittest import mock
 
 import pytest
 import torch
@@ -70,14 +71,19 @@ def prompts_with_shared_prefixes(vocab, seed=0):
     return first + [first[1][:40] + [1, 2, 3], [rng.randrange(vocab) for _ in range(5)], first[2] + own[0]]
 
 
-@pytest.mark.parametrize("kernels,prefix_cache", [("torch", True), ("torch", False), ("triton", True)])
-def test_greedy_ids_equal_generate(model, kernels, prefix_cache):
+@pytest.mark.parametrize("kernels,prefix_cache,short", [("torch", True, 0), ("torch", False, 0), ("triton", True, 0),
+                                                        ("torch", True, 8), ("triton", True, 8)])
+def test_greedy_ids_equal_generate(model, kernels, prefix_cache, short):
+    """(`short`: prompt chunks of up to that many tokens, the tails after prefix hits and short prompts among them,
+    prefill in the runner's short-prefill step.)"""
     prompts = prompts_with_shared_prefixes(model.config.vocab_size)
     max_tokens = 6 if kernels == "triton" else 12
     if kernels == "triton":
         prompts = prompts[:2] + prompts[3:5]
-    engine = make_engine(model, kernels=kernels, prefix_cache=prefix_cache)
-    requests = run(engine, prompts, max_tokens)
+    engine = make_engine(model, kernels=kernels, prefix_cache=prefix_cache, short_prefill_tokens=short)
+    with mock.patch.object(engine.runner, "prefill_short", wraps=engine.runner.prefill_short) as short_prefills:
+        requests = run(engine, prompts, max_tokens)
+    assert short_prefills.called == bool(short)
     greedy = SamplingParams(max_tokens=max_tokens, temperature=0)
     for r in requests:
         assert r.finish_reason == "length"

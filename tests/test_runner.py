@@ -31,13 +31,14 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def make_runner(model, kernels, page_size=5, slots=4, pages=40, compile_backend=None, prefill_compile_backend=None):
+def make_runner(model, kernels, page_size=5, slots=4, pages=40, compile_backend=None, prefill_compile_backend=None,
+                short_prefill=0):
     cfg = model.config
     pool = PagePool(len(cfg.mla_layers), pages, page_size, cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim)
     tables = BlockTables(slots, -(-cfg.max_seq_len // page_size))
     states = StatePool(cfg, slots)
     return ModelRunner(model, pool, tables, states, max_batch=slots, kernels=kernels, compile_backend=compile_backend,
-                       prefill_compile_backend=prefill_compile_backend)
+                       prefill_compile_backend=prefill_compile_backend, short_prefill=short_prefill)
 
 
 def give_pages(runner, slot, tokens, rng):
@@ -81,6 +82,43 @@ def test_prefill_chunks_then_decode_steps_equal_one_forward(name, kernels):
         for b, n in enumerate(lengths):
             full = model(torch.tensor([ids[b][: n + steps - 1]])).logits[0, n - 1:]
             torch.testing.assert_close(torch.stack(logits[b]), full, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kernels,compile_backend", [("torch", None), ("triton", None), ("torch", "eager")])
+def test_short_prefills_of_any_lengths_equal_the_models_prefill(kernels, compile_backend):
+    """Chunks of 3, 8 and 1 tokens (one continuing a prompt) in one short-prefill step give each chunk's logits, KDA
+    states and latents of the model's own prefill of that chunk (compiled: bucket 4, a padding row)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = randomize(K3ForCausalLM(CONFIGS["k3-small-mla-first"]()), seed=11)
+    runner = make_runner(model, kernels, compile_backend=compile_backend, short_prefill=8)
+    rng = torch.Generator().manual_seed(12)
+    slots, starts, lengths = [2, 0, 3], [0, 5, 0], [3, 8, 1]
+    ids = [torch.randint(0, model.config.vocab_size, (s + n,), generator=rng).tolist() for s, n in
+           zip(starts, lengths)]
+    for slot, s, n in zip(slots, starts, lengths):
+        give_pages(runner, slot, s + n + 8, rng)
+    with torch.no_grad():
+        runner.prefill([ids[1][:5]], [0], [0])
+        before = runner.states.conv.clone(), runner.states.recurrent.clone(), runner.pages.pages.clone()
+        short = runner.prefill_short([x[s:] for x, s in zip(ids, starts)], slots, starts).clone()
+        after = runner.states.conv[:, slots].clone(), runner.states.recurrent[:, slots].clone()
+        latents = [runner.pages.pages.view(runner.pages.pages.shape[0], -1, runner.pages.width)[
+            :, runner.tables.tables[slot].long().repeat_interleave(5)[: s + n] * 5 + torch.arange(s + n) % 5]
+            for slot, s, n in zip(slots, starts, lengths)]
+        for t, b in zip((runner.states.conv, runner.states.recurrent, runner.pages.pages), before):
+            t.copy_(b)
+        for row, (slot, s, x) in enumerate(zip(slots, starts, ids)):
+            want = runner.prefill([x[s:]], [slot], [s])[0][0]
+            torch.testing.assert_close(short[row], want, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(after[0][:, row], runner.states.conv[:, slot], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(after[1][:, row], runner.states.recurrent[:, slot], rtol=1e-5, atol=1e-5)
+            n = len(x)
+            got = runner.pages.pages.view(runner.pages.pages.shape[0], -1, runner.pages.width)[
+                :, runner.tables.tables[slot].long().repeat_interleave(5)[:n] * 5 + torch.arange(n) % 5]
+            torch.testing.assert_close(latents[row], got, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="1 to 8 tokens"):
+        runner.prefill_short([ids[1]], [0], [0])
 
 
 def test_decode_touches_only_its_slots_and_pages():
@@ -180,16 +218,18 @@ def test_gpu_decode_step_never_waits_for_the_host(monkeypatch):
                                moe_ops.grouped_glu_mlp(x, counts, gate_up, down, swiglu))
     torch.manual_seed(0)
     model = randomize(K3ForCausalLM(CONFIGS["k3-small-mla-first"]()), seed=3)
-    runner = make_runner(model, "triton")
+    runner = make_runner(model, "triton", short_prefill=4)
     runner.tables.set(1, [runner.pages.alloc(), runner.pages.alloc()])
     runner.inputs[1, :2] = torch.tensor([1, runner.states.padding_slot])
+    runner.short_lengths[:2] = torch.tensor([3, 0])
     with torch.no_grad(), HostSyncs(monkeypatch) as syncs:
         runner._run("decode", 2)
     assert "tolist" in syncs.seen  # today's loop reads the group sizes: the detector sees it
     monkeypatch.setattr(moe_ops, "grouped_glu_mlp", dense_grouped_glu_mlp)
-    with torch.no_grad(), HostSyncs(monkeypatch) as syncs:
-        logits = runner._run("decode", 2)
-    assert syncs.seen == [] and torch.isfinite(logits).all()
+    for step in ("decode", "prefill"):  # (and the short-prefill step)
+        with torch.no_grad(), HostSyncs(monkeypatch) as syncs:
+            logits = runner._run(step, 2)
+        assert syncs.seen == [] and torch.isfinite(logits).all(), step
 
 
 @pytest.mark.parametrize("dense_experts", [False, True])

@@ -49,6 +49,9 @@ class DecodeBatch:
     recurrent [n_kda, slots + 1, H, K, V]   KDA states, fp32 (`StatePool.recurrent`)
     conv_out, recurrent_out  None, or [n_kda, B, T-1, ...] of the above's row shapes: filled with each sequence's
               states after each of its first T - 1 tokens (the state after the last one is in the pools)
+    num_tokens  None (every row has T tokens) or [B] int: row b's first num_tokens[b] tokens are real, the rest
+              padding that leaves its KDA states alone (short prefills of different lengths in one step); padding
+              tokens still write latents past the row's end (rewritten before anything reads them)
     """
 
     slots: torch.Tensor
@@ -61,6 +64,7 @@ class DecodeBatch:
     num_splits: int = 1  # split-KV programs per query in the paged MLA kernel
     conv_out: torch.Tensor | None = None
     recurrent_out: torch.Tensor | None = None
+    num_tokens: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.kernels not in KERNELS:
@@ -81,22 +85,27 @@ def kda_decode_step(layer: KimiDeltaAttention, x: torch.Tensor, j: int, batch: D
 
         qkv, b, f, gate = kda_input_projections(layer, x)
         y = causal_conv_step(qkv, conv_pool, layer.conv_weight(), None, batch.slots, activation="silu",
-                             states_out=conv_out)
+                             states_out=conv_out, num_tokens=batch.num_tokens)
         q, k, v = (t.reshape(B, T, H, K) for t in y.split(H * K, dim=-1))
         # compiled (`ModelRunner`), the activations are PyTorch ops for Inductor to fuse with their neighbours
         q, k, g, beta = layer.activate_logits(q, k, f, b, "torch" if torch.compiler.is_compiling() else "triton")
-        o = kda_decode(q, k, v, g, beta, state_pool, batch.slots, states_out=state_out)
+        o = kda_decode(q, k, v, g, beta, state_pool, batch.slots, states_out=state_out, num_tokens=batch.num_tokens)
         return layer.output_gated(gate, o, x.dtype)
     outputs = []
     backend = resolve_backend(layer.kda_backend, x.device, 1)  # the model's own choice for one token
     for t in range(T):  # the reference: the model's one-token ops, a token at a time
         xt = x[:, t:t + 1]
         qkv = torch.cat([layer.q_proj(xt), layer.k_proj(xt), layer.v_proj(xt)], dim=-1)[:, 0]  # [B,3HK]
-        y, conv_pool[batch.slots] = causal_conv1d_step(qkv, layer.conv_weight(), conv_pool[batch.slots])
+        y, conv = causal_conv1d_step(qkv, layer.conv_weight(), conv_pool[batch.slots])
         q, k, v = (t_.reshape(B, 1, H, K) for t_ in y.split(H * K, dim=-1))
         q, k, g, beta = layer.activate(q, k, xt, backend)
-        o, state_pool[batch.slots] = kda(q, k, v, g, beta, initial_state=state_pool[batch.slots],
-                                         output_final_state=True, backend=backend, gate_min=layer.gate_min())
+        o, state = kda(q, k, v, g, beta, initial_state=state_pool[batch.slots], output_final_state=True,
+                       backend=backend, gate_min=layer.gate_min())
+        if batch.num_tokens is not None:  # a padding token keeps its row's states
+            real = (batch.num_tokens > t).view(B, 1, 1)
+            conv = torch.where(real, conv, conv_pool[batch.slots])
+            state = torch.where(real.unsqueeze(-1), state, state_pool[batch.slots])
+        conv_pool[batch.slots], state_pool[batch.slots] = conv, state
         if t < T - 1 and conv_out is not None:
             conv_out[:, t], state_out[:, t] = conv_pool[batch.slots], state_pool[batch.slots]
         outputs.append(layer.output(xt, o))

@@ -74,6 +74,7 @@ SLOW_STEP_S = 0.25  # an engine step longer than this is logged (INFO) with what
 # long prompt goes in few, long forwards: 12k tokens took 141-151 ms in three of 4096 (bench/RESULTS.md, 2026-12-01).
 GPU_PREFILL_TOKENS = 16384  # prefill token budget per step on a GPU (the CPU default is SchedulerConfig's)
 GPU_PREFILL_CHUNK_TOKENS = 16384  # tokens per prefill forward on a GPU, rounded to hash blocks
+SHORT_PREFILL_TOKENS = 16  # GPU default of EngineConfig.short_prefill_tokens
 CHECKPOINT_SPACING_TOKENS = 512  # K3's prefill checkpoint spacing on a GPU (SPEC §7: every 512 tokens)
 
 
@@ -105,6 +106,9 @@ class EngineConfig:
     # inside a timed 32-client run (bench/RESULTS.md, 2026-12-01)
     compile_prefill: bool = False
     speculative: int = 0  # draft tokens per verification (needs the engine's draft model); 0: off
+    # prompt chunks of at most this many tokens prefill in one static step of the runner, captured as CUDA graphs
+    # (`ModelRunner.prefill_short`); None: SHORT_PREFILL_TOKENS on a GPU with CUDA graphs and no draft, else 0 (off)
+    short_prefill_tokens: int | None = None
     seed: int = 0
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -118,6 +122,8 @@ class EngineConfig:
             raise ValueError(f"engine field 'kernels' must be auto, triton or torch, got {self.kernels!r}")
         if self.speculative < 0:
             raise ValueError(f"engine field 'speculative' must be >= 0, got {self.speculative}")
+        if self.short_prefill_tokens is not None and self.short_prefill_tokens < 0:
+            raise ValueError(f"engine field 'short_prefill_tokens' must be >= 0, got {self.short_prefill_tokens}")
 
 
 @dataclass
@@ -230,6 +236,7 @@ class Engine:
         self.runner = ModelRunner(model, self.pages, self.tables, self.states, max_batch=sched.max_running,
                                   kernels=kernels, cuda_graphs=config.cuda_graphs, draft=self.draft,
                                   speculative=config.speculative if self.draft is not None else 0,
+                                  short_prefill=self._short_prefill_tokens(config, gpu),
                                   compile_backend="inductor" if config.compile_decode and gpu else None,
                                   prefill_compile_backend="inductor" if config.compile_prefill and gpu else None)
         if gpu or self.runner.prefill_compiled:  # first: a unit that fails to compile goes back to eager
@@ -319,6 +326,14 @@ class Engine:
             log.info("slow engine step: %.0f ms with %d prefill forwards, %d running, %d waiting", seconds * 1e3,
                      prefills, len(self.scheduler.running), len(self.scheduler.waiting))
 
+    def _short_prefill_tokens(self, config: EngineConfig, gpu: bool) -> int:
+        if config.short_prefill_tokens is not None:
+            if config.short_prefill_tokens and self.draft is not None:
+                raise ValueError("engine field 'short_prefill_tokens' must be 0 with speculative decoding (its "
+                                 "prefill also writes the draft's latents)")
+            return config.short_prefill_tokens
+        return SHORT_PREFILL_TOKENS if gpu and config.cuda_graphs and self.draft is None else 0
+
     def _step(self) -> None:
         with self._lock:
             cancels, self._cancels = self._cancels, set()
@@ -344,10 +359,16 @@ class Engine:
                 self._decode(decoding)
         for round_ in self.scheduler.prefill_rounds(self._chunk_end):
             alike: dict[tuple[int, tuple[int, ...]], list[tuple[Request, int]]] = {}  # same length and checkpoints
+            short: list[tuple[Request, int]] = []  # chunks for the short-prefill step, any lengths together
             for r, end in round_:
-                if self._has_pages(r, end):  # (and not failed in an earlier round)
-                    alike.setdefault((end - r.fed, self._checkpoint_offsets(r.fed, end)), []).append((r, end))
-            for group in alike.values():
+                if not self._has_pages(r, end):  # (or failed in an earlier round)
+                    continue
+                offsets = self._checkpoint_offsets(r.fed, end)
+                if end - r.fed <= self.runner.short_prefill and not offsets and r.images is None:
+                    short.append((r, end))
+                else:
+                    alike.setdefault((end - r.fed, offsets), []).append((r, end))
+            for group in ([short] if short else []) + list(alike.values()):
                 with self._isolated([r for r, _ in group]):
                     self._prefill(group)
         self.metrics.steps += 1
@@ -534,7 +555,8 @@ class Engine:
         return kept
 
     def _prefill(self, chunks: list[tuple[Request, int]]) -> None:
-        """The next chunk (same length for all) of each request's prompt: (request, end of its chunk)."""
+        """The next chunk of each request's prompt, (request, end of its chunk): all of the same length with the
+        same checkpoint offsets, or all short (the runner's short-prefill step: any lengths, no checkpoints)."""
         self.metrics.prefill_forwards += 1
         requests, ends = [r for r, _ in chunks], [end for _, end in chunks]
         offsets = self._checkpoint_offsets(requests[0].fed, ends[0])
@@ -543,7 +565,9 @@ class Engine:
         chunks = [r.prompt[r.fed:end] for r, end in zip(requests, ends)]
         slots, starts = [r.slot for r in requests], [r.fed for r in requests]
         features = None
-        if self.draft is None:
+        if max(map(len, chunks)) <= self.runner.short_prefill and not offsets and image_embeds is None:
+            logits, checkpoints = self.runner.prefill_short(chunks, slots, starts), {}
+        elif self.draft is None:
             logits, checkpoints = self.runner.prefill(chunks, slots, starts, offsets, image_embeds=image_embeds)
         else:  # and the draft's latents of the chunk: position t reads (F_{t-1}, token t)
             logits, checkpoints, features = self.runner.forward(chunks, slots, starts, offsets,

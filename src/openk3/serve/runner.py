@@ -15,6 +15,13 @@ of the slots; each sequence's latents so far, read through its block table; with
 image placeholders, if any), then the new latents and states are written back. KDA checkpoints requested inside
 the chunk (`checkpoint_offsets`) come back per offset.
 
+Short prefills (`short_prefill` S > 0): prompt chunks of at most S tokens, of any lengths, go through one more
+static-shape step instead of the model's forward: `decode_forward` over S tokens per row, each row padded at its end
+(`DecodeBatch.num_tokens`: the padding leaves the KDA states alone; its latents land past the row's end, rewritten
+before anything reads them), captured like the draft passes (uncompiled, in graphs). A short prefill forward costs
+the model's whole eager launch sequence (~50-90 ms on an H200 for 16-token prompts, bench/RESULTS.md) and stalls
+every running sequence; its graph replay does not.
+
 Speculative decoding (SPEC §11, with an `EagleDraft` and K drafts per round): three more static-shape steps, captured
 like decode (compiled, the verification; the draft steps are small and run uncompiled in their graphs):
 `verify` runs the target over K + 1 tokens per sequence (`decode_forward`, T = K + 1) and returns every position's
@@ -66,6 +73,12 @@ def draft_forward(draft: EagleDraft, prev: torch.Tensor, ids: torch.Tensor, last
     return hidden, draft.logits(hidden)
 
 
+def short_prefill_forward(model, ids: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
+    """Rows of up to T real tokens (batch.num_tokens) -> the logits after each row's last real token [B, vocab]."""
+    logits, _ = decode_forward(model, ids, batch)
+    return logits[torch.arange(ids.shape[0], device=ids.device), (batch.num_tokens - 1).clamp(min=0)]
+
+
 def split_kv(queries: int, processors: int) -> int:
     """Split-KV programs per query of a decode step's MLA attention (one per sequence, K + 1 per sequence when
     verifying): about two programs per SM (or CPU core) over all queries, at most 16."""
@@ -75,9 +88,12 @@ def split_kv(queries: int, processors: int) -> int:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, pages: PagePool, tables: BlockTables, states: StatePool, *,
                  max_batch: int, kernels: str = "torch", cuda_graphs: bool = False, compile_backend: str | None = None,
-                 prefill_compile_backend: str | None = None, draft: EagleDraft | None = None, speculative: int = 0):
+                 prefill_compile_backend: str | None = None, draft: EagleDraft | None = None, speculative: int = 0,
+                 short_prefill: int = 0):
         if speculative and draft is None:
             raise ValueError("speculative decoding needs a draft model")
+        if short_prefill < 0:
+            raise ValueError(f"short_prefill must be >= 0 (0: off), got {short_prefill}")
         self.model = model
         self.draft = draft  # its latents: the pool's last layer, after the target's MLA layers
         self.pages, self.tables, self.states = pages, tables, states
@@ -105,6 +121,10 @@ class ModelRunner:
         self.kda_layers, self.mla_layers = sorted(cfg.kda_layers), sorted(cfg.mla_layers)
         gpu = self.device.type == "cuda"
         self.processors = torch.cuda.get_device_properties(self.device).multi_processor_count if gpu else 1
+        self.short_prefill = short_prefill
+        if short_prefill:  # the short prefills' static inputs: tokens and real lengths per row
+            self.short_ids = torch.zeros(max_batch, short_prefill, dtype=torch.long, device=self.device)
+            self.short_lengths = torch.zeros(max_batch, dtype=torch.long, device=self.device)
         if K:  # the rounds' static inputs, and the KDA states after each of the first K verified tokens
             dtype = model.model.embed_tokens.weight.dtype
             self.spec_ids = torch.zeros(max_batch, K + 1, dtype=torch.long, device=self.device)
@@ -129,7 +149,7 @@ class ModelRunner:
         self.verify_step = compile_(verify_forward)
 
     # ---- decode steps: plain, speculative verification, draft ------------------------------------------------
-    def _batch(self, size: int, rows: int | None = None, outs: bool = False) -> DecodeBatch:
+    def _batch(self, size: int, rows: int | None = None, outs: bool = False, ragged: bool = False) -> DecodeBatch:
         """The step's view of the pools for `size` sequences (`rows` queries per MLA layer: size * T)."""
         return DecodeBatch(slots=self.inputs[1, :size], lengths=self.inputs[2, :size], latents=self.pages.pages,
                            tables=self.tables.tables, conv=self.states.conv, recurrent=self.states.recurrent,
@@ -137,13 +157,17 @@ class ModelRunner:
                            # compiled, one split count for every batch (a constant of the graph, like the bucket)
                            num_splits=split_kv(1 if self.compiled else rows or size, self.processors),
                            conv_out=self.conv_out[:, :size] if outs else None,
-                           recurrent_out=self.recurrent_out[:, :size] if outs else None)
+                           recurrent_out=self.recurrent_out[:, :size] if outs else None,
+                           num_tokens=self.short_lengths[:size] if ragged else None)
 
     def _steps(self) -> dict:
         """step name -> (function of the batch size running it on the static inputs, compiled or not)."""
         steps = {"decode": (lambda size: self.step(self.model, self.inputs[0, :size], self._batch(size)),
                             self.compiled and not self.speculative)}
-        K = self.speculative
+        S, K = self.short_prefill, self.speculative
+        if S:
+            steps["prefill"] = (lambda size: short_prefill_forward(
+                self.model, self.short_ids[:size], self._batch(size, size * S, ragged=True)), False)
         if K:
             steps["verify"] = (lambda size: self.verify_step(
                 self.model, self.draft, self.spec_ids[:size], self._batch(size, size * (K + 1), outs=True)),
@@ -267,6 +291,19 @@ class ModelRunner:
         self.spec_ids[:size].copy_(to_device(ids + [[0] * (self.speculative + 1)] * (size - n), self.device))
         logits, features = self._run("verify", size)
         return logits[:n], features[:n]
+
+    def prefill_short(self, chunks: list[list[int]], slots: list[int], starts: list[int]) -> torch.Tensor:
+        """Feed each sequence its next chunk of at most `short_prefill` tokens (any lengths) from position starts[b]
+        in one static step: the logits after each chunk [n, vocab] (a view, as `decode`'s). No KDA checkpoints."""
+        n, S = len(chunks), self.short_prefill
+        if not 0 < max(map(len, chunks)) <= S or min(map(len, chunks)) < 1:
+            raise ValueError(f"short prefill chunks hold 1 to {S} tokens, got lengths {[len(c) for c in chunks]}")
+        size = self._size(n)
+        self._set_inputs([0] * n, slots, starts, size)
+        self.short_ids[:size].copy_(to_device([c + [0] * (S - len(c)) for c in chunks] + [[0] * S] * (size - n),
+                                              self.device))
+        self.short_lengths[:size].copy_(to_device([len(c) for c in chunks] + [0] * (size - n), self.device))
+        return self._run("prefill", size)[:n]
 
     def roll_back(self, slots: list[int], kept: list[int]) -> None:
         """After `verify`: the sequence in slots[i] keeps its first kept[i] verified tokens; with kept[i] <= K its
