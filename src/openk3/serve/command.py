@@ -73,6 +73,7 @@ def build_engine(args: argparse.Namespace):
         checkpoint_every=args.checkpoint_every, prefill_chunk_blocks=args.prefill_chunk_blocks,
         kv_pages=args.kv_pages, kernels=args.kernels, cuda_graphs=not args.no_cuda_graphs,
         compile_decode=not args.no_compile, compile_prefill=args.compile_prefill, seed=args.seed,
+        short_prefill_tokens=args.short_prefill,
         speculative=args.speculative,
         scheduler=SchedulerConfig(
             max_running=args.max_running, max_queue=args.max_queue,
@@ -209,6 +210,9 @@ def add_serve_parser(subparsers) -> None:
                    help="also torch.compile the FFN, norm and AttnRes units that prefill runs (GPU; dynamic shapes; "
                         "experimental: on an H200 prefills of new shapes recompiled inside a 32-client run, "
                         "bench/RESULTS.md)")
+    p.add_argument("--short-prefill", type=int_at_least(0), default=None, metavar="N",
+                   help="prompt chunks of at most N tokens prefill together in one CUDA-graph step (default 16 on a "
+                        "GPU with CUDA graphs and without --speculative; 0: off)")
     p.add_argument("--allow-remote-images", action="store_true",
                    help="fetch http(s) image URLs in chat requests (10 s and 20 MiB at most each, no redirects); "
                         "by default only inline data: URLs are accepted")
