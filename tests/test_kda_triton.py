@@ -519,32 +519,150 @@ def test_states_out_rejects_wrong_shape_or_dtype():
             causal_conv_step(x, conv, weight.to(DEV), states_out=bad.to(DEV))
 
 
-def test_multi_token_ops_compile_whole():
-    """Both ops with T = 3 tokens and snapshots: opcheck (the schemas declare every tensor they write, states_out
-    included; the fake registrations match), and traced in one graph (fullgraph: no break) they give the eager
-    values."""
+@pytest.mark.parametrize("ragged", [False, True])
+def test_multi_token_ops_compile_whole(ragged):
+    """Both ops with T = 3 tokens and snapshots, all real or `ragged` (num_tokens): opcheck (the schemas declare
+    every tensor they write, states_out included; the fake registrations match), and traced in one graph
+    (fullgraph: no break) they give the eager values."""
     N, T, H, K, W, P = 3, 3, 2, 8, 4, 4
     D, V = 3 * H * K, K
     gen = torch.Generator().manual_seed(60)
     r = lambda *s: torch.randn(*s, generator=gen).to(DEV)
     slots = torch.tensor([2, -1, 0], dtype=torch.int32, device=DEV)
+    n_real = torch.tensor([1, 3, 2], device=DEV) if ragged else None
     x, g, beta, weight = r(N, T, D), -torch.rand(N, T, H, K, generator=gen).to(DEV), r(N, T, H).sigmoid(), r(D, W)
 
     def verify(x, g, beta, conv, pool, conv_snaps, snaps):
-        y = causal_conv_step(x, conv, weight, None, slots, states_out=conv_snaps)
+        y = causal_conv_step(x, conv, weight, None, slots, states_out=conv_snaps, num_tokens=n_real)
         q, k, v = y.view(N, T, 3, H, K).unbind(2)
-        return kda_decode(F.normalize(q, dim=-1), F.normalize(k, dim=-1), v, g, beta, pool, slots, states_out=snaps)
+        return kda_decode(F.normalize(q, dim=-1), F.normalize(k, dim=-1), v, g, beta, pool, slots, states_out=snaps,
+                          num_tokens=n_real)
 
     buffers = [r(P, D, W - 1), r(P, H, K, V), torch.zeros(N, T - 1, D, W - 1, device=DEV),
                torch.zeros(N, T - 1, H, K, V, device=DEV)]
     q, k, v = (F.normalize(r(N, T, H, K), dim=-1) for _ in range(3))
     torch.library.opcheck(decode_ops._kda_decode_op, (q, k, v, g, beta, buffers[1].clone(), slots, None,
-                                                      buffers[3].clone()))
+                                                      buffers[3].clone(), n_real))
     torch.library.opcheck(decode_ops._causal_conv_step_op, (x, buffers[0].clone(), weight, None, slots, "silu",
-                                                            buffers[2].clone()))
+                                                            buffers[2].clone(), n_real))
     eager = [b.clone() for b in buffers]
     o = torch.compile(verify, fullgraph=True, backend="aot_eager")(x, g, beta, *buffers)
     o_ref = verify(x, g, beta, *eager)
     assert rel(o, o_ref) < 1e-6
     for a, b in zip(buffers, eager):
         assert rel(a, b) < 1e-6
+
+
+
+# Rows of one launch with different numbers of real tokens, each padded at its end (short prefill chunks in one
+# static step): row 0 has three real tokens, row 1 one, row 2 is a padding slot, row 3 has none, row 4 all T = 4.
+RAGGED_SLOTS, RAGGED_TOKENS = [3, 1, -1, 0, 5], [3, 1, 2, 0, 4]
+
+
+def ragged_rows():
+    slots = torch.tensor(RAGGED_SLOTS, dtype=torch.int32, device=DEV)
+    num_tokens = torch.tensor(RAGGED_TOKENS, device=DEV)  # int64: the ops take any integer dtype
+    real = (torch.arange(4, device=DEV) < num_tokens[:, None]) & (slots[:, None] >= 0)  # [N,T] real tokens
+    return slots, num_tokens, real
+
+
+def nan_padding(real, *xs):
+    """xs [N,T,...] with NaN at the padding tokens: what padding holds must not matter."""
+    return [x.masked_fill(~real.view(*real.shape, *[1] * (x.dim() - 2)), float("nan")) for x in xs]
+
+
+def own_steps(step, state, slots, num_tokens, T):
+    """Each row's own number of one-token calls: step(t, slots_t, state) for t < T, token t's slot -1 (padding) in
+    the rows where it is not real. Returns the outputs [N,T,...] and the state after each token."""
+    outs, after = [], []
+    for t in range(T):
+        outs.append(step(t, torch.where(t < num_tokens, slots, -1), state))
+        after.append(state.clone())
+    return torch.stack(outs, dim=1), after
+
+
+def check_ragged(y, step_y, snaps, step_after, slots, num_tokens, real, y_tol):
+    """Outputs of real tokens as the one-token calls give them, padded ones exactly zero; snapshot t of row n (t <
+    num_tokens[n] - 1) = row n's state after t + 1 tokens; a padding slot's snapshots untouched."""
+    assert rel(y[real], step_y[real]) < y_tol and torch.equal(y[~real], torch.zeros_like(y[~real]))
+    for n, slot in enumerate(slots.tolist()):
+        for t in range(int(num_tokens[n]) - 1 if slot >= 0 else 0):
+            assert torch.equal(snaps[n, t], step_after[t][slot]), (n, t)
+    assert (snaps[slots < 0] == SENTINEL).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_num_tokens_match_own_steps(dtype):
+    """num_tokens: each row's pool state after the launch is, to the bit, what its own number of one-token calls
+    leaves (a row of zero tokens: untouched); real outputs as theirs, padded outputs zero; snapshots as far as
+    they are specified; all whatever the padding tokens hold (NaN here)."""
+    N, T, H, K, V, P = 5, 4, 2, 12, 70, 6  # V = 70: two V blocks, both masked
+    slots, num_tokens, real = ragged_rows()
+    pool = torch.randn(P, H, K, V, device=DEV)
+    q, k, v, g, beta = nan_padding(real, *make(N, T, H, K, V, dtype, seed=70))
+    step_pool = pool.clone()
+    step_o, after = own_steps(lambda t, sl, pl: kda_decode(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], pl, sl),
+                              step_pool, slots, num_tokens, T)
+    snaps = torch.full((N, T - 1, H, K, V), SENTINEL, device=DEV)
+    o = kda_decode(q, k, v, g, beta, pool, slots, None, snaps, num_tokens)
+    assert torch.equal(pool, step_pool)
+    check_ragged(o, step_o, snaps, after, slots, num_tokens, real, SEQ_TOL[dtype])
+
+
+@pytest.mark.parametrize("W", [2, 4])
+@pytest.mark.parametrize("bias,dtype", [(True, torch.float32), (False, torch.bfloat16)])
+def test_conv_num_tokens_match_own_steps(W, bias, dtype):
+    """As for kda_decode: the final window is the one after the row's real tokens (with W = 4 and 1 or 3 of them:
+    old taps and new tokens mixed), to the bit."""
+    N, T, D, P = 5, 4, 150, 6  # D = 150: two channel blocks, the second masked
+    slots, num_tokens, real = ragged_rows()
+    x, state, weight, b = conv_inputs(N, T, D, W, P, bias, dtype, dtype, seed=80 + W)
+    x, = nan_padding(real, x)
+    step_state = state.clone()
+    step_y, after = own_steps(lambda t, sl, st: causal_conv_step(x[:, t], st, weight, b, sl), step_state, slots,
+                              num_tokens, T)
+    snaps = torch.full((N, T - 1, D, W - 1), SENTINEL, dtype=dtype, device=DEV)
+    y = causal_conv_step(x, state, weight, b, slots, "silu", snaps, num_tokens)
+    assert torch.equal(state, step_state)
+    check_ragged(y, step_y, snaps, after, slots, num_tokens, real, SEQ_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_num_tokens_match_reference(dtype):
+    """Both kernels with num_tokens (int32 here) against their references: outputs, pools, snapshots of real
+    tokens; the conv with W = 3 and fp32 windows."""
+    N, T, H, K, V, D, W, P = 5, 4, 2, 12, 19, 40, 3, 6
+    out_tol = 1e-5 if dtype == torch.float32 else 8e-3  # bf16 outputs: one rounding apart
+    slots, num_tokens, real = ragged_rows()
+    num_tokens = num_tokens.to(torch.int32)
+    pool = torch.randn(P, H, K, V, device=DEV)
+    pool_ref = pool.clone()
+    q, k, v, g, beta = nan_padding(real, *make(N, T, H, K, V, dtype, gate="bound", beta_mode="high", seed=90))
+    snaps, snaps_ref = (torch.full((N, T - 1, H, K, V), SENTINEL, device=DEV) for _ in "ab")
+    o = kda_decode(q, k, v, g, beta, pool, slots, 0.3, snaps, num_tokens)
+    o_ref = kda_decode_reference(q, k, v, g, beta, pool_ref, slots, 0.3, snaps_ref, num_tokens)
+    assert rel(o, o_ref) < out_tol and rel(pool, pool_ref) < 1e-5
+    assert torch.equal(o[~real], torch.zeros_like(o[~real])) and torch.equal(o_ref[~real], o[~real])
+    specified = real[:, 1:]  # snapshot t is specified where token t + 1 is real
+    assert rel(snaps[specified], snaps_ref[specified]) < 1e-5
+    x, state, weight, b = conv_inputs(N, T, D, W, P, True, dtype, torch.float32, seed=91)
+    x, = nan_padding(real, x)
+    s1, s2 = state.clone(), state.clone()
+    conv_snaps, conv_snaps_ref = (torch.full((N, T - 1, D, W - 1), SENTINEL, device=DEV) for _ in "ab")
+    y1 = causal_conv_step(x, s1, weight, b, slots, "silu", conv_snaps, num_tokens)
+    y2 = causal_conv_step_reference(x, s2, weight, b, slots, "silu", conv_snaps_ref, num_tokens)
+    assert rel(y1, y2) < out_tol and torch.equal(s1, s2)
+    assert torch.equal(conv_snaps[specified], conv_snaps_ref[specified])
+
+
+def test_num_tokens_rejects_wrong_shape_or_dtype():
+    N, T, H, K, V, D, W = 2, 3, 1, 8, 8, 8, 4
+    slots = torch.arange(N, dtype=torch.int32, device=DEV)
+    q, k, v, g, beta = make(N, T, H, K, V, torch.float32)
+    pool = torch.zeros(N, H, K, V, device=DEV)
+    x, conv, weight = torch.zeros(N, T, D, device=DEV), torch.zeros(N, D, W - 1, device=DEV), torch.ones(D, W)
+    for bad in (torch.ones(N + 1, dtype=torch.int32), torch.ones(N, 1, dtype=torch.int32), torch.ones(N)):
+        with pytest.raises(ValueError, match="num_tokens"):
+            kda_decode(q, k, v, g, beta, pool, slots, num_tokens=bad.to(DEV))
+        with pytest.raises(ValueError, match="num_tokens"):
+            causal_conv_step(x, conv, weight.to(DEV), num_tokens=bad.to(DEV))
