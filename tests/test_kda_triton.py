@@ -581,19 +581,25 @@ def own_steps(step, state, slots, num_tokens, T):
     return torch.stack(outs, dim=1), after
 
 
+def same_state(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise under the interpreter; on a GPU within fp32 rounding (its compiler may contract the T-step loop
+    otherwise than the one-token kernel, as the full-T tests allow)."""
+    return torch.equal(a, b) if DEV == "cpu" else rel(a, b) < SEQ_TOL[torch.float32]
+
+
 def check_ragged(y, step_y, snaps, step_after, slots, num_tokens, real, y_tol):
     """Outputs of real tokens as the one-token calls give them, padded ones exactly zero; snapshot t of row n (t <
     num_tokens[n] - 1) = row n's state after t + 1 tokens; a padding slot's snapshots untouched."""
     assert rel(y[real], step_y[real]) < y_tol and torch.equal(y[~real], torch.zeros_like(y[~real]))
     for n, slot in enumerate(slots.tolist()):
         for t in range(int(num_tokens[n]) - 1 if slot >= 0 else 0):
-            assert torch.equal(snaps[n, t], step_after[t][slot]), (n, t)
+            assert same_state(snaps[n, t], step_after[t][slot]), (n, t)
     assert (snaps[slots < 0] == SENTINEL).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_num_tokens_match_own_steps(dtype):
-    """num_tokens: each row's pool state after the launch is, to the bit, what its own number of one-token calls
+    """num_tokens: each row's pool state after the launch is (to the bit on CPU) what its own number of one-token calls
     leaves (a row of zero tokens: untouched); real outputs as theirs, padded outputs zero; snapshots as far as
     they are specified; all whatever the padding tokens hold (NaN here)."""
     N, T, H, K, V, P = 5, 4, 2, 12, 70, 6  # V = 70: two V blocks, both masked
@@ -605,7 +611,7 @@ def test_decode_num_tokens_match_own_steps(dtype):
                               step_pool, slots, num_tokens, T)
     snaps = torch.full((N, T - 1, H, K, V), SENTINEL, device=DEV)
     o = kda_decode(q, k, v, g, beta, pool, slots, None, snaps, num_tokens)
-    assert torch.equal(pool, step_pool)
+    assert same_state(pool, step_pool)
     check_ragged(o, step_o, snaps, after, slots, num_tokens, real, SEQ_TOL[dtype])
 
 
@@ -623,7 +629,7 @@ def test_conv_num_tokens_match_own_steps(W, bias, dtype):
                               num_tokens, T)
     snaps = torch.full((N, T - 1, D, W - 1), SENTINEL, dtype=dtype, device=DEV)
     y = causal_conv_step(x, state, weight, b, slots, "silu", snaps, num_tokens)
-    assert torch.equal(state, step_state)
+    assert same_state(state.float(), step_state.float())
     check_ragged(y, step_y, snaps, after, slots, num_tokens, real, SEQ_TOL[dtype])
 
 
