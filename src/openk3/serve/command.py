@@ -83,8 +83,8 @@ def build_engine(args: argparse.Namespace):
     runner = engine.runner
     if runner.graphs:
         steps = runner.captured()
-        speculative = f" (speculative steps: {', '.join(n for n in steps if n != 'decode')})" if len(steps) > 1 else ""
-        print(f"openk3 serve: CUDA graphs for decode batches {steps.get('decode')}{speculative} captured in "
+        others = f" (and the {', '.join(n for n in steps if n != 'decode')} steps)" if len(steps) > 1 else ""
+        print(f"openk3 serve: CUDA graphs for decode batches {steps.get('decode')}{others} captured in "
               f"{runner.capture_seconds:.2f} s", file=sys.stderr, flush=True)
     elif runner.graph_error:
         print(f"openk3 serve: CUDA graphs off ({runner.graph_error})", file=sys.stderr, flush=True)

@@ -207,46 +207,60 @@ class ModelRunner:
     def capture(self) -> float:
         """Capture the decode steps at every bucket size (CUDA only); returns the seconds it took. If capture fails
         (an op in a step synchronises with the host, or a compiled step fails to compile), it is tried once more
-        uncompiled; if that fails too, decode stays eager and uncompiled, and `graph_error` says why."""
+        uncompiled; if that fails too, decode stays eager and uncompiled, and `graph_error` says why. The
+        short-prefill step is captured last and alone: if it fails, short chunks go back to the model's forward
+        (`short_prefill` 0) and the other graphs stay."""
         if not self.cuda_graphs:
             return 0.0
         start = time.perf_counter()
-        self.inputs.zero_()
-        self.inputs[1].fill_(self.states.padding_slot)  # warm-up and capture touch only the padding slot
-        steps = self._steps()
-        try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            # compile the Triton kernels (and the steps, with compile_backend), set up cuBLAS, outside any capture
-            with torch.cuda.stream(side):
-                for name in steps:
-                    for size in self.buckets:
-                        self._run(name, size)
-            torch.cuda.current_stream().wait_stream(side)
-            pool = torch.cuda.graph_pool_handle()
-            # the outer stream context puts the current stream back even when a failed capture leaves early
-            with torch.cuda.stream(torch.cuda.current_stream()):
-                for name in steps:
-                    for size in reversed(self.buckets):  # largest first: the smaller graphs reuse its memory
-                        graph = torch.cuda.CUDAGraph()
-                        with torch.cuda.graph(graph, pool=pool):
-                            out = self._run(name, size)
-                        self.graphs[name, size] = (graph, out)
-            torch.cuda.synchronize()
-        except RuntimeError as err:
-            self.graphs.clear()
-            self.graph_error = str(err).splitlines()[0]
-            if self.compiled:
+        pool = torch.cuda.graph_pool_handle()
+        while True:
+            try:
+                self._capture([name for name in self._steps() if name != "prefill"], pool)
+                break
+            except RuntimeError as err:
+                self.graphs.clear()
+                self.graph_error = str(err).splitlines()[0]
+                if not self.compiled:
+                    self.cuda_graphs = False
+                    log.warning("CUDA graph capture failed, decoding eagerly: %s", self.graph_error)
+                    break
                 log.warning("capturing the compiled decode steps failed, trying uncompiled: %s", self.graph_error)
                 self.compiled = False
                 self._compile()
-                earlier = time.perf_counter() - start
-                self.capture_seconds = earlier + self.capture()
-                return self.capture_seconds
-            self.cuda_graphs = False
-            log.warning("CUDA graph capture failed, decoding eagerly: %s", self.graph_error)
+        if self.cuda_graphs and self.short_prefill:
+            try:
+                self._capture(["prefill"], pool)
+            except Exception as err:  # (a Triton compile error is no RuntimeError)
+                for size in self.buckets:
+                    self.graphs.pop(("prefill", size), None)
+                self.short_prefill = 0
+                log.warning("capturing the short-prefill step failed; short chunks prefill through the model's "
+                            "forward: %s", str(err).splitlines()[0])
         self.capture_seconds = time.perf_counter() - start
         return self.capture_seconds
+
+    def _capture(self, names: list[str], pool) -> None:
+        """Warm up, then capture, the named steps at every bucket size, their graphs sharing `pool`."""
+        self.inputs.zero_()
+        self.inputs[1].fill_(self.states.padding_slot)  # warm-up and capture touch only the padding slot
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        # compile the Triton kernels (and the steps, with compile_backend), set up cuBLAS, outside any capture
+        with torch.cuda.stream(side):
+            for name in names:
+                for size in self.buckets:
+                    self._run(name, size)
+        torch.cuda.current_stream().wait_stream(side)
+        # the outer stream context puts the current stream back even when a failed capture leaves early
+        with torch.cuda.stream(torch.cuda.current_stream()):
+            for name in names:
+                for size in reversed(self.buckets):  # largest first: the smaller graphs reuse its memory
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        out = self._run(name, size)
+                    self.graphs[name, size] = (graph, out)
+        torch.cuda.synchronize()
 
     @torch.no_grad()
     def warm_up_prefill(self, tokens: int = 16, long: tuple[int, tuple[int, ...]] | None = None) -> float:
