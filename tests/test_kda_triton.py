@@ -505,18 +505,24 @@ def test_conv_tokens_match_reference(W, bias, save):
     assert rel(y3, y4) < 1e-6
 
 
-def test_states_out_rejects_wrong_shape_or_dtype():
+@pytest.mark.parametrize("argument", ["states_out", "num_tokens"])
+def test_optional_arguments_reject_wrong_shape_or_dtype(argument):
     N, T, H, K, V, D, W = 2, 3, 1, 8, 8, 8, 4
     slots = torch.arange(N, dtype=torch.int32, device=DEV)
     q, k, v, g, beta = make(N, T, H, K, V, torch.float32)
     pool = torch.zeros(N, H, K, V, device=DEV)
     x, conv, weight = torch.zeros(N, T, D, device=DEV), torch.zeros(N, D, W - 1, device=DEV), torch.ones(D, W)
-    for bad in (torch.zeros(N, T, H, K, V), torch.zeros(N, T - 1, H, K, V, dtype=torch.bfloat16)):
-        with pytest.raises(ValueError, match="states_out"):
-            kda_decode(q, k, v, g, beta, pool, slots, states_out=bad.to(DEV))
-    for bad in (torch.zeros(N, T - 1, D, W), torch.zeros(N, T - 1, D, W - 1, dtype=torch.float16)):
-        with pytest.raises(ValueError, match="states_out"):
-            causal_conv_step(x, conv, weight.to(DEV), states_out=bad.to(DEV))
+    counts = (torch.ones(N + 1, dtype=torch.int32), torch.ones(N, 1, dtype=torch.int32), torch.ones(N))
+    bad_kda = {"states_out": (torch.zeros(N, T, H, K, V), torch.zeros(N, T - 1, H, K, V, dtype=torch.bfloat16)),
+               "num_tokens": counts}[argument]
+    bad_conv = {"states_out": (torch.zeros(N, T - 1, D, W), torch.zeros(N, T - 1, D, W - 1, dtype=torch.float16)),
+                "num_tokens": counts}[argument]
+    for bad in bad_kda:
+        with pytest.raises(ValueError, match=argument):
+            kda_decode(q, k, v, g, beta, pool, slots, **{argument: bad.to(DEV)})
+    for bad in bad_conv:
+        with pytest.raises(ValueError, match=argument):
+            causal_conv_step(x, conv, weight.to(DEV), **{argument: bad.to(DEV)})
 
 
 @pytest.mark.parametrize("ragged", [False, True])
@@ -661,14 +667,3 @@ def test_num_tokens_match_reference(dtype):
     assert torch.equal(conv_snaps[specified], conv_snaps_ref[specified])
 
 
-def test_num_tokens_rejects_wrong_shape_or_dtype():
-    N, T, H, K, V, D, W = 2, 3, 1, 8, 8, 8, 4
-    slots = torch.arange(N, dtype=torch.int32, device=DEV)
-    q, k, v, g, beta = make(N, T, H, K, V, torch.float32)
-    pool = torch.zeros(N, H, K, V, device=DEV)
-    x, conv, weight = torch.zeros(N, T, D, device=DEV), torch.zeros(N, D, W - 1, device=DEV), torch.ones(D, W)
-    for bad in (torch.ones(N + 1, dtype=torch.int32), torch.ones(N, 1, dtype=torch.int32), torch.ones(N)):
-        with pytest.raises(ValueError, match="num_tokens"):
-            kda_decode(q, k, v, g, beta, pool, slots, num_tokens=bad.to(DEV))
-        with pytest.raises(ValueError, match="num_tokens"):
-            causal_conv_step(x, conv, weight.to(DEV), num_tokens=bad.to(DEV))
