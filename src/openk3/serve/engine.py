@@ -368,7 +368,10 @@ class Engine:
                     short.append((r, end))
                 else:
                     alike.setdefault((end - r.fed, offsets), []).append((r, end))
-            for group in ([short] if short else []) + list(alike.values()):
+            if short:
+                with self._isolated([r for r, _ in short]):
+                    self._prefill(short, short=True)
+            for group in alike.values():
                 with self._isolated([r for r, _ in group]):
                     self._prefill(group)
         self.metrics.steps += 1
@@ -499,13 +502,13 @@ class Engine:
         prev = F.pad(prev, (0, 0, 0, K + 1 - prev.shape[1]))  # [B, K+1, D]
         ids = [r.output[-len(p):] + [0] * (K + 1 - len(p)) for r, p in zip(requests, pending)]
         hidden, logits = runner.draft_pass(prev, ids, slots, [n + 1 - len(p) for n, p in zip(starts, pending)],
-                                      [len(p) - 1 for p in pending])
+                                           [len(p) - 1 for p in pending])
         drafts = [SpeculativeRow(r) for r in requests]
         for i in range(K):
             self._draw_drafts(drafts, logits[:, : self.vocab_limit])
             if i + 1 < K:
                 hidden, logits = runner.draft_pass(hidden.unsqueeze(1), [[d.drafted[-1]] for d in drafts], slots,
-                                              [n + 1 + i for n in starts], [0] * len(drafts))
+                                                   [n + 1 + i for n in starts], [0] * len(drafts))
         logits, features = runner.verify([[r.output[-1], *d.drafted] for r, d in zip(requests, drafts)], slots,
                                          starts)
         kept = self._verify(drafts, logits[..., : self.vocab_limit])
@@ -554,9 +557,10 @@ class Engine:
                 kept.append(accept_drafts(d.drafted, d.probs, d.host, r.params, r.generator, r.output))
         return kept
 
-    def _prefill(self, chunks: list[tuple[Request, int]]) -> None:
+    def _prefill(self, chunks: list[tuple[Request, int]], short: bool = False) -> None:
         """The next chunk of each request's prompt, (request, end of its chunk): all of the same length with the
-        same checkpoint offsets, or all short (the runner's short-prefill step: any lengths, no checkpoints)."""
+        same checkpoint offsets, or with `short` all short (the runner's short-prefill step: any lengths, no
+        checkpoints, no images)."""
         self.metrics.prefill_forwards += 1
         requests, ends = [r for r, _ in chunks], [end for _, end in chunks]
         offsets = self._checkpoint_offsets(requests[0].fed, ends[0])
@@ -565,7 +569,7 @@ class Engine:
         chunks = [r.prompt[r.fed:end] for r, end in zip(requests, ends)]
         slots, starts = [r.slot for r in requests], [r.fed for r in requests]
         features = None
-        if max(map(len, chunks)) <= self.runner.short_prefill and not offsets and image_embeds is None:
+        if short:
             logits, checkpoints = self.runner.prefill_short(chunks, slots, starts), {}
         elif self.draft is None:
             logits, checkpoints = self.runner.prefill(chunks, slots, starts, offsets, image_embeds=image_embeds)
