@@ -85,7 +85,8 @@ class Server:
                "--port", str(self.port), "--max-running", str(max(args.concurrency)),
                "--cache-mb", str(args.cache_mb), "--log-level", "info" if self.keep_log else "warning",
                "--dtype", "float32" if args.smoke else args.dtype] + (["--threads", "1"] if args.smoke else []) + \
-            (["--compile-prefill"] if args.compile_prefill else [])
+            (["--compile-prefill"] if args.compile_prefill else []) + \
+            (["--short-prefill", str(args.short_prefill)] if args.short_prefill is not None else [])
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
 
@@ -121,21 +122,24 @@ class Server:
             os.unlink(self.log.name)
 
 
-async def complete(client: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int) -> int:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+async def complete(client: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int,
+                   temperature: float) -> int:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
+            "ignore_eos": True}
     reply = await client.post("/v1/completions", json=body)
     reply.raise_for_status()
     return reply.json()["usage"]["completion_tokens"]
 
 
-async def decode_rate(url: str, model: str, clients: int, new_tokens: int, vocab: int, seed: int) -> float:
+async def decode_rate(url: str, model: str, clients: int, new_tokens: int, vocab: int, seed: int,
+                      temperature: float) -> float:
     """Tokens per second over `clients` concurrent requests of `new_tokens` each (distinct 16-token prompts)."""
     rng = random.Random(seed)
     prompts = [[rng.randrange(vocab) for _ in range(16)] for _ in range(clients)]
     limits = httpx.Limits(max_connections=clients + 4)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
         start = time.perf_counter()
-        done = await asyncio.gather(*(complete(client, model, p, new_tokens) for p in prompts))
+        done = await asyncio.gather(*(complete(client, model, p, new_tokens, temperature) for p in prompts))
         wall = time.perf_counter() - start
     return sum(done) / wall
 
@@ -304,6 +308,11 @@ def main() -> None:
     ap.add_argument("--trace-new-tokens", type=int, default=64)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                     help="the server's and the peer's weights (the 2026-12-01 numbers: bfloat16)")
+    ap.add_argument("--temperature", type=float, nargs="+", default=[0.8, 0.0],
+                    help="sampling temperatures of the decode runs, each a run of its own (default 0.8 0: the "
+                         "issue's setting, then greedy); the table's figure is the first's (the peer is greedy)")
+    ap.add_argument("--short-prefill", type=int, default=None, metavar="N",
+                    help="start the server with --short-prefill N (default: the server's own)")
     ap.add_argument("--smoke", action="store_true", help="run every step on the CPU at toy sizes")
     ap.add_argument("--compile-prefill", action="store_true",
                     help="start the server with --compile-prefill (the prefill's FFN / norm / AttnRes units compiled)")
@@ -340,6 +349,8 @@ def main() -> None:
     if args.only == "peer":
         server_part = {k: kept[k] for k in SERVER_KEYS if k in kept}
         server_part["rates"] = {r["concurrency"]: r["tok_per_s"] for r in kept.get("rows", []) if r["tok_per_s"]}
+        server_part["rates_by_temperature"] = {r["concurrency"]: r.get("tok_per_s_by_temperature", {})
+                                               for r in kept.get("rows", [])}
     else:
         server_part = server_half(args, device, dtype, kept.get("agent_trace"))
     if args.only == "server":
@@ -347,19 +358,22 @@ def main() -> None:
     else:
         peer, peer_info = peer_rates(args, device, dtype)
     total = time.perf_counter() - t0
-    rates = server_part.get("rates", {})
+    rates, by_temperature = server_part.get("rates", {}), server_part.get("rates_by_temperature", {})
     rows = []
     for c in args.concurrency:
         ours, theirs = rates.get(c), peer.get(c)
         rows.append({"concurrency": c, "tok_per_s": ours, "peer_tok_per_s": theirs,
-                     "speedup": ours / theirs if ours and theirs else None})
+                     "speedup": ours / theirs if ours and theirs else None,
+                     "tok_per_s_by_temperature": {str(t): r for t, r in by_temperature.get(c, {}).items()}})
     result = {
-        "rows": rows, **{k: v for k, v in server_part.items() if k != "rates"}, "peer": peer_info,
+        "rows": rows, **{k: v for k, v in server_part.items() if k not in ("rates", "rates_by_temperature")},
+        "peer": peer_info,
         "bench_wall_s": total,
         "info": {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name() if device == "cuda"
                  else platform.processor() or platform.machine(), "torch": torch.__version__,
                  "python": platform.python_version(), "preset": args.preset, "new_tokens": args.new_tokens,
-                 "smoke": args.smoke, "only": args.only, "compile_prefill": args.compile_prefill},
+                 "smoke": args.smoke, "only": args.only, "compile_prefill": args.compile_prefill,
+                 "temperature": args.temperature[0], "short_prefill": args.short_prefill},
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as fh:
@@ -382,17 +396,20 @@ def server_half(args: argparse.Namespace, device: str, dtype: torch.dtype, kept_
         capture, graphs_line = server.graphs()
         rates, steps = {}, {}
         for c in args.concurrency:  # a short warm-up at each batch size compiles its prefill shapes
-            asyncio.run(decode_rate(server.url, args.preset, c, 4, vocab, seed=1000 + c))
-            start_counts = engine_counters(server.url)
-            rates[c] = asyncio.run(decode_rate(server.url, args.preset, c, args.new_tokens, vocab, seed=c))
-            counts = engine_counters(server.url)
-            # the engine's side of the run: its steps, their mean wall time, its prefill forwards, the slowest step
-            steps[c] = {key: counts[key] - start_counts[key] for key in ("steps", "step_s", "prefill_forwards")}
-            steps[c]["slowest_step_s_so_far"] = counts["slowest_step_s"]
-            mean_ms = 1e3 * steps[c]["step_s"] / max(1, steps[c]["steps"])
-            print(f"decode, {c} clients: {rates[c]:.1f} tok/s ({steps[c]['steps']:.0f} engine steps, {mean_ms:.2f} ms "
-                  f"mean, {steps[c]['prefill_forwards']:.0f} prefill forwards; slowest step so far "
-                  f"{1e3 * counts['slowest_step_s']:.0f} ms)", flush=True)  # kept if a later step is cut short
+            asyncio.run(decode_rate(server.url, args.preset, c, 4, vocab, 1000 + c, args.temperature[0]))
+            rates[c], steps[c] = {}, {}
+            for t in args.temperature:
+                start_counts = engine_counters(server.url)
+                rates[c][t] = asyncio.run(decode_rate(server.url, args.preset, c, args.new_tokens, vocab, c, t))
+                counts = engine_counters(server.url)
+                # the engine's side of the run: its steps, their mean wall time, its prefill forwards, the slowest
+                step = {key: counts[key] - start_counts[key] for key in ("steps", "step_s", "prefill_forwards")}
+                step["slowest_step_s_so_far"] = counts["slowest_step_s"]
+                steps[c][t] = step
+                mean_ms = 1e3 * step["step_s"] / max(1, step["steps"])
+                print(f"decode, {c} clients, temperature {t}: {rates[c][t]:.1f} tok/s ({step['steps']:.0f} engine "
+                      f"steps, {mean_ms:.2f} ms mean, {step['prefill_forwards']:.0f} prefill forwards; slowest step "
+                      f"so far {1e3 * counts['slowest_step_s']:.0f} ms)", flush=True)  # kept if a later step fails
         rng = random.Random(7)
         ttfts = [asyncio.run(ttft(server.url, args.preset, [rng.randrange(vocab) for _ in range(args.ttft_tokens)]))
                  for _ in range(3)]
@@ -402,7 +419,8 @@ def server_half(args: argparse.Namespace, device: str, dtype: torch.dtype, kept_
         server.stop()
     trace = kept_trace if args.skip_trace and kept_trace else agent_trace(args, device, dtype)
     print(f"agent trace: {json.dumps(trace)}", flush=True)
-    return {"rates": rates, "engine_steps": steps, "ttft_12k_s": statistics.median(ttfts),
+    return {"rates": {c: by_t[args.temperature[0]] for c, by_t in rates.items()}, "rates_by_temperature": rates,
+            "engine_steps": steps, "ttft_12k_s": statistics.median(ttfts),
             "ttft_long_prompt_tokens": args.ttft_tokens, "ttft_runs_s": ttfts, "server_startup_s": startup,
             "cuda_graph_capture_s": capture,
             "cuda_graphs": graphs_line, "agent_trace": trace,
@@ -414,11 +432,13 @@ def report(args: argparse.Namespace, result: dict, total: float) -> None:
     fmt = lambda v, spec: format(v, spec) if v is not None else "-"  # noqa: E731
     peer_info = result["peer"] or {}
     print(f"\nopenk3 serve ({args.preset}, {result['info']['device']}) vs HF KimiLinearForCausalLM.generate() "
-          f"(fla {peer_info.get('fla', '-')}), {args.new_tokens} new tokens per client, greedy")
-    print(f"{'clients':>7} {'openk3 tok/s':>13} {'HF tok/s':>10} {'speedup':>8}")
+          f"(fla {peer_info.get('fla', '-')}), {args.new_tokens} new tokens per client, temperature "
+          f"{args.temperature[0]} (the peer greedy)")
+    print(f"{'clients':>7} {'openk3 tok/s':>13} {'HF tok/s':>10} {'speedup':>8}  openk3 by temperature")
     for row in result["rows"]:
+        others = ", ".join(f"{t}: {r:.1f}" for t, r in row.get("tok_per_s_by_temperature", {}).items())
         print(f"{row['concurrency']:>7} {fmt(row['tok_per_s'], '13.1f'):>13} {fmt(row['peer_tok_per_s'], '10.1f'):>10} "
-              f"{fmt(row['speedup'], '7.1f') + 'x' if row['speedup'] else '-':>8}")
+              f"{fmt(row['speedup'], '7.1f') + 'x' if row['speedup'] else '-':>8}  {others}")
     if "agent_trace" not in result:
         print(f"bench {total:.0f} s; json: {args.json}")
         return

@@ -11,6 +11,25 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+POISON_SEED = 666  # sampled requests with this seed fail inside the engine (`poisoned_sampling`)
+
+
+@pytest.fixture
+def poisoned_sampling(monkeypatch):
+    """The engine's sampling raises for any batch that holds a sampled request seeded POISON_SEED (greedy batches
+    never reach it); the engine then samples row by row, so that only that request fails."""
+    from openk3.sampling import sample_tokens
+    from openk3.serve import engine as engine_module
+
+    def poisoned(logits, params, generators, previous=None):
+        if any(p.seed == POISON_SEED for p in params):
+            raise RuntimeError("injected sampling failure")
+        return sample_tokens(logits, params, generators, previous)
+
+    monkeypatch.setattr(engine_module, "sample_tokens", poisoned)
+    return POISON_SEED
+
+
 @pytest.fixture(scope="module")
 def o1_checkpoint_dir(tmp_path_factory) -> str:
     """A k3-tiny checkpoint with O(1)-scale random weights, per test module (tests/serve_process.py)."""

@@ -193,21 +193,11 @@ def test_a_full_pool_evicts_cached_pages_and_a_request_that_cannot_fit_fails_alo
     assert engine.pages.num_free + sum(p.phys is not None for p in engine.prefix_cache.pages) == 2
 
 
-def test_a_failing_sequence_fails_alone_and_gives_back_its_pages(model, monkeypatch):
-    from openk3.serve import engine as engine_module
-
-    real = engine_module.sample_token
-
-    def poisoned(logits, params, generator, previous=()):
-        if params.seed == 666:
-            raise RuntimeError("injected sampling failure")
-        return real(logits, params, generator, previous)
-
-    monkeypatch.setattr(engine_module, "sample_token", poisoned)
+def test_a_failing_sequence_fails_alone_and_gives_back_its_pages(model, poisoned_sampling):
     engine = make_engine(model, prefix_cache=False)
     free = engine.pages.num_free
     prompts = prompts_with_shared_prefixes(model.config.vocab_size)[:3]
-    bad = engine.add_request(prompts[0], SamplingParams(max_tokens=6, temperature=1.0, seed=666))
+    bad = engine.add_request(prompts[0], SamplingParams(max_tokens=6, temperature=1.0, seed=poisoned_sampling))
     good = [engine.add_request(p, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)) for p in prompts]
     while engine.has_work():
         engine.step()

@@ -1,5 +1,6 @@
 """openk3.sampling's OpenAI parts against plain references: logit bias and presence / frequency penalties (OpenAI's
-formula, before the temperature), the sampling distribution, per-choice seeds and token logprobs; the stop-string
+formula, before the temperature), the sampling distribution and the draw by inversion, a batch sampled together
+against each row alone, per-choice seeds and token logprobs; the stop-string
 helpers and the logprob text offsets of the server's responses."""
 
 import math
@@ -13,7 +14,10 @@ from openk3.sampling import (
     SamplingParams,
     adjust_logits,
     choice_seed,
+    draw_by_inversion,
+    request_rng,
     sample_token,
+    sample_tokens,
     sampling_probs,
     token_logprobs,
 )
@@ -77,10 +81,10 @@ def test_the_distribution_applies_penalties_before_the_temperature():
     # greedy picks the argmax of the adjusted logits: a penalty can move it off the raw argmax
     logits = torch.tensor([0.0, 5.0, 4.0])
     greedy = SamplingParams(temperature=0, frequency_penalty=1.0)
-    assert sample_token(logits, greedy, torch.Generator(), [1]) == 1  # 5 - 1 > 4
-    assert sample_token(logits, greedy, torch.Generator(), [1, 1]) == 2  # 5 - 2 < 4
+    assert sample_token(logits, greedy, random.Random(0), [1]) == 1  # 5 - 1 > 4
+    assert sample_token(logits, greedy, random.Random(0), [1, 1]) == 2  # 5 - 2 < 4
     biased = SamplingParams(temperature=0, logit_bias={0: 100.0})
-    assert sample_token(logits, biased, torch.Generator()) == 0
+    assert sample_token(logits, biased, random.Random(0)) == 0
 
 
 def test_top_k_and_top_p_reference():
@@ -112,13 +116,70 @@ def test_top_k_and_top_p_reference():
         assert torch.allclose(probs, expected.double(), atol=1e-6)
 
 
+def test_draw_by_inversion_gives_each_token_its_mass():
+    """A grid of N evenly spaced uniforms lands on each token N * p times (to one), never on a zero-mass token, and
+    the extreme uniforms 0 and the largest below 1 pick the first and the last token of positive mass."""
+    rng = random.Random(5)
+    for _ in range(30):
+        vocab = rng.randint(1, 60)
+        probs = torch.rand(vocab, generator=torch.Generator().manual_seed(rng.randrange(1 << 30)))
+        probs[torch.rand(vocab) < 0.4] = 0.0  # zero-mass tokens among the others, at the ends too
+        probs[rng.randrange(vocab)] += 1e-3  # at least one token has mass
+        probs *= rng.choice([1.0, 1e-30, 1e30])  # unnormalised, at extreme scales
+        n = 4000
+        grid = (torch.arange(n, dtype=torch.float64) + 0.5) / n
+        drawn = draw_by_inversion(probs.expand(n, vocab), grid)
+        counts = torch.bincount(drawn, minlength=vocab).double()
+        expected = n * probs.double() / probs.double().sum()
+        assert ((counts - expected).abs() <= 1 + 1e-6 * n).all() and (counts[probs == 0] == 0).all()
+        edges = draw_by_inversion(probs.expand(2, vocab), torch.tensor([0.0, 1 - 2.0**-53], dtype=torch.float64))
+        positive = (probs > 0).nonzero().flatten()
+        assert edges.tolist() == [positive[0].item(), positive[-1].item()]
+
+
+def test_a_batch_samples_each_row_as_it_samples_alone():
+    """sample_tokens over a batch of mixed rows (greedy, temperatures, top-k / top-p cuts, penalties and bias, rows
+    with NaN, +inf or no finite logit) picks what sample_token picks for each row alone with a copy of its
+    random source, and leaves every source in the same state."""
+    rng = random.Random(6)
+    vocab = 37
+    for _ in range(20):
+        rows, params, previous = [], [], []
+        for _ in range(rng.randint(1, 9)):
+            logits, prev, adjusted = random_case(rng, vocab)
+            kind = rng.choice(["plain", "adjusted", "greedy", "cut", "nan", "inf", "dead"])
+            p = SamplingParams(temperature=rng.choice([0.3, 1.0, 2.5]))
+            if kind == "adjusted":
+                p = adjusted
+            elif kind == "greedy":
+                p = SamplingParams(temperature=0.0, presence_penalty=adjusted.presence_penalty)
+            elif kind == "cut":
+                p = SamplingParams(temperature=0.7, top_k=rng.choice([1, 5, 100]), top_p=rng.choice([1.0, 0.5]))
+            elif kind == "nan":
+                logits[rng.randrange(vocab)] = float("nan")
+            elif kind == "inf":
+                logits[rng.randrange(vocab)] = INF
+            elif kind == "dead":
+                logits.fill_(-INF)
+            rows.append(logits)
+            params.append(p)
+            previous.append(prev)
+        seeds = [rng.randrange(1 << 40) for _ in rows]
+        batch_gens = [random.Random(s) for s in seeds]
+        alone_gens = [random.Random(s) for s in seeds]
+        together = sample_tokens(torch.stack(rows), params, batch_gens, previous).tolist()
+        alone = [sample_token(x, p, g, prev) for x, p, g, prev in zip(rows, params, alone_gens, previous)]
+        assert together == alone
+        assert [g.getstate() for g in batch_gens] == [g.getstate() for g in alone_gens]
+
+
 def test_choice_seeds():
     seeds = [choice_seed(7, i) for i in range(64)]
     assert seeds[0] == 7 and len(set(seeds)) == 64 and seeds == [choice_seed(7, i) for i in range(64)]
     assert choice_seed(8, 1) != seeds[1]
-    for seed in (-(1 << 63), (1 << 63) - 1, 0):
-        for i in range(3):
-            torch.Generator().manual_seed(choice_seed(seed, i))  # every derived seed is a valid torch seed
+    streams = {tuple(request_rng(choice_seed(seed, i)).random() for _ in range(2))
+               for seed in (-(1 << 63), (1 << 63) - 1, 0, 7, -7) for i in range(3)}
+    assert len(streams) == 15  # every (seed, choice) its own random source, negative seeds too
 
 
 def test_a_seeded_draw_does_not_depend_on_other_generators():
@@ -126,7 +187,7 @@ def test_a_seeded_draw_does_not_depend_on_other_generators():
     params = SamplingParams(temperature=1.0, presence_penalty=0.5)
 
     def draws(interleave: bool) -> list[int]:
-        mine, other, out = torch.Generator().manual_seed(11), torch.Generator().manual_seed(12), []
+        mine, other, out = random.Random(11), random.Random(12), []
         for _ in range(20):
             if interleave:
                 sample_token(logits, SamplingParams(temperature=2.0), other)

@@ -198,7 +198,7 @@ def test_the_server_keeps_serving_after_the_battery(server, client):
     assert json.loads(httpx.get(f"{server}/v1/models", timeout=10).text)["data"][0]["id"] == MODEL
 
 
-def test_a_request_whose_sequence_fails_gets_500_and_the_others_200(monkeypatch):
+def test_a_request_whose_sequence_fails_gets_500_and_the_others_200(poisoned_sampling):
     """In-process uvicorn over an engine whose sampling fails for one seed: that request gets a 500 (or, streamed,
     finish_reason "error"), the concurrent ones get their normal replies."""
     import torch
@@ -206,19 +206,11 @@ def test_a_request_whose_sequence_fails_gets_500_and_the_others_200(monkeypatch)
 
     from openk3.config import get_preset
     from openk3.model import K3ForCausalLM
-    from openk3.sampling import sample_token
-    from openk3.serve import engine as engine_module
     from openk3.serve.api import create_app
     from openk3.serve.command import listen_socket
     from openk3.serve.engine import Engine
     from openk3.tokenizer import ByteTokenizer
 
-    def poisoned(logits, params, generator, previous=()):
-        if params.seed == 666:
-            raise RuntimeError("injected sampling failure")
-        return sample_token(logits, params, generator, previous)
-
-    monkeypatch.setattr(engine_module, "sample_token", poisoned)
     torch.manual_seed(0)
     cfg = get_preset(MODEL).with_overrides({"num_layers": 4, "mla_layers": [1, 3], "mtp_layers": 0})
     sock = listen_socket("127.0.0.1", 0)
@@ -234,7 +226,8 @@ def test_a_request_whose_sequence_fails_gets_500_and_the_others_200(monkeypatch)
             time.sleep(0.05)
         body = {"model": MODEL, "prompt": "hello", "max_tokens": 4, "ignore_eos": True, "temperature": 0}
         with ThreadPoolExecutor(max_workers=4) as pool:
-            poisoned_body = {**body, "seed": 666, "temperature": 0.8}  # sampled: greedy rows never reach sample_token
+            # sampled: greedy rows never reach sample_tokens
+            poisoned_body = {**body, "seed": poisoned_sampling, "temperature": 0.8}
             bad = pool.submit(post, url, "/v1/completions", poisoned_body)
             bad_stream = pool.submit(post, url, "/v1/completions", {**poisoned_body, "stream": True})
             good = [pool.submit(post, url, "/v1/completions", body) for _ in range(2)]

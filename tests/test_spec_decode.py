@@ -4,6 +4,7 @@ kept (chi-square tests, each with a false-alarm rate of 1e-3 for a random seed s
 each outcome is reproducible)."""
 
 import copy
+import random
 
 import pytest
 import torch
@@ -142,44 +143,43 @@ def test_rolled_back_cache_continues_like_a_fresh_forward(trained):
 
 
 def test_accept_drafts_keeps_the_target_distribution():
-    """Rejection sampling alone, K = 2, fixed p and q far apart: the first output token ~ p_0, and the second (present
-    iff the first draft was accepted) ~ p_1."""
+    """Rejection sampling alone, K = 2, fixed p and q far apart, 6000 rows in one batch (each its own random source):
+    the first output token ~ p_0, and the second (present iff the first draft was accepted) ~ p_1. Greedy rows in
+    the same batch keep a draft iff it is the target's argmax and end with the argmax."""
     gen = torch.Generator().manual_seed(0)
-    V = 6
+    V, n = 6, 6000
     target = torch.randn(3, V, generator=gen) * 1.5
-    draft_logits = torch.randn(2, V, generator=gen) * 1.5
-    q = torch.softmax(draft_logits, -1)
-    params = SamplingParams(temperature=1.0)
+    q = torch.softmax(torch.randn(2, V, generator=gen) * 1.5, -1)
+    sampled, greedy = SamplingParams(temperature=1.0), SamplingParams(temperature=0)
+    best = target.argmax(-1).tolist()
+    wrong = (best[0] + 1) % V
+    drafted = [torch.multinomial(q, 1, generator=gen).flatten().tolist() for _ in range(n)]
+    drafted += [[best[0], best[1]], [wrong, best[1]]]
+    params = [sampled] * n + [greedy] * 2
+    out = accept_drafts(drafted, q.expand(n + 2, 2, V), target.expand(n + 2, 3, V), params,
+                        [random.Random(i) for i in range(n + 2)])
+    assert out[n:] == [best, best[:1]]
     first, second = torch.zeros(V), torch.zeros(V)
-    n = 6000
-    for _ in range(n):
-        drafted = [int(torch.multinomial(q[i], 1, generator=gen)) for i in range(2)]
-        out = accept_drafts(drafted, list(q), target, params, gen)
-        first[out[0]] += 1
-        if len(out) > 1:
-            second[out[1]] += 1
+    for tokens in out[:n]:
+        first[tokens[0]] += 1
+        if len(tokens) > 1:
+            second[tokens[1]] += 1
     p = torch.softmax(target, -1)
     assert 0 < second.sum() < n  # both outcomes happen
     assert chi_square_p_value(first, p[0]) > FALSE_ALARM
     assert chi_square_p_value(second, p[1]) > FALSE_ALARM
-    # greedy: kept iff equal to the target's argmax, the correction is the argmax
-    best = target.argmax(-1).tolist()
-    assert accept_drafts([best[0], best[1]], [None, None], target, SamplingParams(temperature=0), gen) == best
-    wrong = (best[0] + 1) % V
-    assert accept_drafts([wrong, best[1]], [None, None], target, SamplingParams(temperature=0), gen) == best[:1]
 
 
 def test_accept_greedy_equals_accept_drafts_for_greedy_rows():
     """The serving engine's argmax fast path against the general rejection sampler, ties included."""
     gen = torch.Generator().manual_seed(5)
     greedy = SamplingParams(temperature=0)
-    for trial in range(200):
-        logits = torch.randint(0, 3, (4, 5), generator=gen).float()  # small integers: many ties
-        drafted = torch.randint(0, 5, (3,), generator=gen).tolist()
-        if trial % 2:
-            drafted[: trial % 3] = logits.argmax(-1)[: trial % 3].tolist()  # accepted prefixes of every length
-        assert accept_greedy(drafted, logits.argmax(-1).tolist()) == accept_drafts(drafted, [None] * 3, logits,
-                                                                                    greedy, gen)
+    logits = torch.randint(0, 3, (200, 4, 5), generator=gen).float()  # small integers: many ties
+    drafted = torch.randint(0, 5, (200, 3), generator=gen).tolist()
+    for trial in range(1, 200, 2):
+        drafted[trial][: trial % 3] = logits[trial].argmax(-1)[: trial % 3].tolist()  # accepted prefixes of all lengths
+    general = accept_drafts(drafted, None, logits, [greedy] * 200, [random.Random(0)] * 200)
+    assert general == [accept_greedy(d, picks) for d, picks in zip(drafted, logits.argmax(-1).tolist())]
 
 
 def test_sampled_speculative_generation_keeps_the_target_distribution():

@@ -17,7 +17,7 @@ from torch import nn
 
 from openk3.checkpoints import resolve_checkpoint
 from openk3.cli_options import add_kda_options, int_at_least
-from openk3.sampling import SamplingParams, sample_token
+from openk3.sampling import SamplingParams, request_rng, sample_token
 
 
 @torch.no_grad()
@@ -28,12 +28,12 @@ def generate_ids(model: nn.Module, prompt_ids: list[int], max_new_tokens: int, p
         raise ValueError("the prompt must have at least one token")
     was_training = model.training
     model.eval()
-    generator = torch.Generator().manual_seed(params.seed if params.seed is not None else 0)
+    rng = request_rng(params.seed)
     cache = model.new_cache(1)
     logits = model(torch.tensor([prompt_ids], device=device), cache=cache, logits_to_keep=1).logits[0, -1]
     out: list[int] = []
     for _ in range(max_new_tokens):
-        token = sample_token(logits.float().cpu(), params, generator)
+        token = sample_token(logits, params, rng)
         if token in stop_ids:
             break
         out.append(token)

@@ -6,8 +6,11 @@ Shared by training's end-of-run sample, `openk3 generate` and the serving engine
 2. `adjust_logits`: OpenAI's logit bias and presence / frequency penalties, mu[j] - c[j] * frequency -
    [c[j] > 0] * presence, where c[j] counts how often token j was generated before this position (the prompt does
    not count, as in OpenAI's definition and vLLM's);
-3. temperature, top-k, top-p, then one multinomial draw from the request's own `torch.Generator`, so a seeded
-   request draws the same tokens whatever else runs beside it.
+3. temperature, top-k, top-p, then one draw by inversion of the cumulative distribution with one uniform from the
+   request's own random source (`request_rng`), so a seeded request draws the same tokens whatever else runs beside
+   it. The whole batch samples in a few tensor operations on the logits' own device (a GPU batch sends one uniform
+   per row there and its tokens back, not its logits to the host); the CPU and GPU results agree up to the fp32
+   rounding of the softmax.
 `sample_token` cannot fail for parameters that pass `SamplingParams`' checks:
 - a temperature below `TEMPERATURE_FLOOR` (1e-5, the threshold vLLM also uses) samples greedily (the argmax of the
   adjusted logits): dividing by a smaller one would overflow fp32 (1e-40 did) and the distribution is a point mass
@@ -21,6 +24,7 @@ temperature and the top-k / top-p cuts (what OpenAI reports, and vLLM by default
 from __future__ import annotations
 
 import hashlib
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -69,6 +73,11 @@ class SamplingParams:
         return self.temperature < TEMPERATURE_FLOOR or self.top_k == 1
 
     @property
+    def whole_distribution(self) -> bool:
+        """The temperature alone shapes the distribution: no top-k / top-p cut, no bias, no penalties."""
+        return not (self.top_k or self.top_p < 1 or self.logit_bias or self.presence_penalty or self.frequency_penalty)
+
+    @property
     def plain(self) -> bool:
         """No logit bias, no penalties, no logprobs: the raw logits decide (a greedy pick is their argmax)."""
         return not (self.logit_bias or self.presence_penalty or self.frequency_penalty) and self.logprobs is None
@@ -83,44 +92,118 @@ def choice_seed(seed: int, index: int) -> int:
 
 
 def adjust_logits(logits: torch.Tensor, params: SamplingParams, previous: Sequence[int] = ()) -> torch.Tensor:
-    """logits [V] fp32 -> logits with the logit bias added and the presence / frequency penalties of the tokens
-    generated so far (`previous`) subtracted (module docstring). Ids outside [0, V) are ignored."""
-    vocab = logits.numel()
+    """logits [V] fp32 (any device) -> logits with the logit bias added and the presence / frequency penalties of the
+    tokens generated so far (`previous`) subtracted (module docstring). Ids outside [0, V) are ignored."""
+    vocab, device = logits.numel(), logits.device
     if params.logit_bias:
-        ids = torch.tensor([t for t in params.logit_bias if t < vocab], dtype=torch.long)
-        bias = torch.tensor([params.logit_bias[t] for t in ids.tolist()], dtype=logits.dtype)
-        logits = logits.index_add(0, ids, bias)
+        ids = [t for t in params.logit_bias if t < vocab]
+        bias = torch.tensor([params.logit_bias[t] for t in ids], dtype=logits.dtype, device=device)
+        logits = logits.index_add(0, torch.tensor(ids, dtype=torch.long, device=device), bias)
     if previous and (params.presence_penalty or params.frequency_penalty):
         ids, counts = torch.unique(torch.tensor(list(previous), dtype=torch.long), return_counts=True)
         keep = ids < vocab
         penalty = counts[keep].to(logits.dtype) * params.frequency_penalty + params.presence_penalty
-        logits = logits.index_add(0, ids[keep], -penalty)
+        logits = logits.index_add(0, ids[keep].to(device), -penalty.to(device))
     return logits
 
 
-def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator,
+def adjusted_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
+                    previous: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
+    """Raw logits [B, V] (any float dtype and device) -> fp32 logits with NaN read as -inf and each row adjusted by
+    its own bias and penalties (`adjust_logits`; rows with nothing to adjust are left as they are)."""
+    logits = logits.float().masked_fill(logits.isnan(), float("-inf"))
+    rows = [i for i, p in enumerate(params) if p.logit_bias or p.presence_penalty or p.frequency_penalty]
+    if rows:
+        logits = logits.clone()
+        for i in rows:
+            logits[i] = adjust_logits(logits[i], params[i], previous[i] if previous is not None else ())
+    return logits
+
+
+def request_rng(seed: int | None) -> random.Random:
+    """A request's own random source (seed None: 0). Every random choice of sampling and speculation is a draw by
+    inversion with uniforms from it: a few hundred nanoseconds per uniform, where a `torch.Generator` draw costs
+    microseconds in a batch's hot loop. Seeds are taken modulo 2^64 (`random.Random` alone would give s and -s one
+    stream)."""
+    return random.Random((seed if seed is not None else 0) % (1 << 64))
+
+
+def sample_token(logits: torch.Tensor, params: SamplingParams, rng: random.Random,
                  previous: Sequence[int] = ()) -> int:
-    """logits [V] -> one token id; `previous`: the tokens generated before it (for the penalties). Sorting ties
-    resolve to the lower id, as argmax does."""
-    logits = adjust_logits(logits.float().nan_to_num(nan=float("-inf")), params, previous)
-    if params.greedy or not torch.isfinite(logits.max()):  # +inf wins outright; all -inf leaves nothing to sample
-        return int(torch.argmax(logits))
-    return int(torch.multinomial(sampling_probs(logits, params), 1, generator=generator))
+    """logits [V] -> one token id; `previous`: the tokens generated before it (for the penalties). One row of
+    `sample_tokens`."""
+    return int(sample_tokens(logits.unsqueeze(0), [params], [rng], [previous])[0])
 
 
-def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Adjusted fp32 logits [V] with a finite maximum -> the distribution a token is drawn from: softmax of the
-    logits over the temperature, restricted to the top-k and then to the top-p nucleus."""
-    logits = (logits - logits.max()) / params.temperature  # <= 0 everywhere: no overflow for any temperature >= floor
-    if params.top_k and params.top_k < logits.numel():
-        kth = torch.topk(logits, params.top_k).values[-1]
+def sample_tokens(logits: torch.Tensor, params: Sequence[SamplingParams], rngs: Sequence[random.Random],
+                  previous: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
+    """Raw logits [B, V] on any device -> one token id per row [B] (long, on that device), each row with its own
+    parameters, random source and generated tokens (`previous`, for the penalties). Greedy rows, and rows with no
+    finite logit to sample from (+inf wins outright; all -inf leaves nothing), take the argmax of their adjusted
+    logits; each other row draws by inversion (`draw_by_inversion`) with one uniform from its own source, which is
+    all the randomness it uses: a seeded row draws the same token whatever rows run beside it, on any device. Ties
+    in the argmax and the sorts resolve to the lower id."""
+    if logits.is_cuda and all(p.whole_distribution for p in params):  # one Triton launch (its module docstring)
+        from openk3.ops.triton_sampling import sample_rows_triton
+
+        temperature = torch.tensor([0.0 if p.greedy else p.temperature for p in params], dtype=torch.float64)
+        return sample_rows_triton(logits, temperature, uniforms([None if p.greedy else rng
+                                                                 for p, rng in zip(params, rngs)])[:, 0])
+    logits = adjusted_logits(logits, params, previous)
+    picks = logits.argmax(-1)
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    if not sampled:
+        return picks
+    every = len(sampled) == len(params)
+    rows = None if every else torch.tensor(sampled, device=logits.device)
+    part = logits if every else logits[rows]
+    finite = part.amax(-1, keepdim=True).isfinite()
+    part = torch.where(finite, part, 0.0)  # rows with nothing to sample keep their argmax below
+    probs = sampling_probs(part, params if every else [params[i] for i in sampled])
+    drawn = draw_by_inversion(probs, uniforms([rngs[i] for i in sampled], logits.device)[:, 0])
+    if every:
+        return torch.where(finite[:, 0], drawn, picks)
+    return picks.index_copy(0, rows, torch.where(finite[:, 0], drawn, picks[rows]))
+
+
+def uniforms(rngs: Sequence[random.Random | None], device: torch.device | str = "cpu", count: int = 1) -> torch.Tensor:
+    """`count` U[0, 1) draws from each random source, as a tensor [len(rngs), count] (fp64) on `device`; a None
+    source gives zeros and draws nothing."""
+    values = [[rng.random() for _ in range(count)] if rng is not None else [0.0] * count for rng in rngs]
+    return torch.tensor(values, dtype=torch.float64, device=device)
+
+
+def draw_by_inversion(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """probs [B, V] (each row with positive mass, not necessarily normalised), u [B] in [0, 1) -> per row the first
+    token whose cumulative mass exceeds u times the row's total: a draw from the row's distribution. A token of zero
+    mass is never drawn (its cumulative mass equals its predecessor's); u * total is kept below the total so that a
+    token is always found."""
+    cdf = probs.double().cumsum(-1)
+    total = cdf[:, -1:]
+    target = torch.minimum(u.to(cdf).unsqueeze(-1) * total, total.nextafter(torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_max(probs.shape[-1] - 1)
+
+
+def sampling_probs(logits: torch.Tensor, params: SamplingParams | Sequence[SamplingParams]) -> torch.Tensor:
+    """Adjusted fp32 logits [V] or [B, V] with a finite maximum per row, and the row's (rows') parameters -> the
+    distribution a token is drawn from: softmax of the logits over the temperature, restricted to the top-k and then
+    to the top-p nucleus (greedy rows: temperature 1, as if sampled)."""
+    if logits.dim() == 1:
+        return sampling_probs(logits.unsqueeze(0), [params])[0]
+    vocab, device = logits.shape[-1], logits.device
+    temperature = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=device).unsqueeze(-1)
+    logits = (logits - logits.amax(-1, keepdim=True)) / temperature  # <= 0: no overflow for any temperature >= floor
+    if any(0 < p.top_k < vocab for p in params):
+        k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
+        kth = logits.sort(-1, descending=True).values.gather(-1, k.unsqueeze(-1) - 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1:
-        sorted_logits, order = torch.sort(logits, descending=True, stable=True)
+    if any(p.top_p < 1 for p in params):
+        top_p = torch.tensor([p.top_p if p.top_p < 1 else float("inf") for p in params], device=device)
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
         probs = torch.softmax(sorted_logits, dim=-1)
         before = torch.cumsum(probs, dim=-1) - probs  # mass of the strictly more likely tokens
-        sorted_logits = sorted_logits.masked_fill(before >= params.top_p, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(0, order, sorted_logits)
+        sorted_logits = sorted_logits.masked_fill(before >= top_p.unsqueeze(-1), float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     return torch.softmax(logits, dim=-1)
 
 

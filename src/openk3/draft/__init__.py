@@ -16,10 +16,10 @@ from openk3.draft.speculative import (
     accept_greedy,
     draw,
     speculative_generate,
-    target_distribution,
+    target_distributions,
 )
 
 __all__ = ["LOSSES", "acceptance", "draft_loss", "EagleDraft", "default_taps", "has_draft", "load_draft",
            "save_draft", "tapped_hidden_states", "SpeculationStats", "accept_drafts", "accept_greedy", "draw",
            "speculative_generate",
-           "target_distribution"]
+           "target_distributions"]

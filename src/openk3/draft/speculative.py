@@ -25,31 +25,37 @@ K - 1 steps on its own hidden states at positions n+1 .. (latents that later rou
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from openk3.cache import MLALayerCache
 from openk3.draft.model import EagleDraft, tapped_hidden_states
-from openk3.sampling import SamplingParams, adjust_logits, sampling_probs
+from openk3.sampling import SamplingParams, adjusted_logits, draw_by_inversion, request_rng, sampling_probs, uniforms
 
 
-def target_distribution(logits: torch.Tensor, params: SamplingParams, previous: Sequence[int] = ()) -> torch.Tensor:
-    """logits [V] -> the fp32 distribution `sample_token(logits, params, g, previous)` draws from: a point mass at
-    its pick when it picks greedily (greedy parameters, or no finite logit)."""
-    logits = adjust_logits(logits.float().nan_to_num(nan=float("-inf")), params, previous)
-    if params.greedy or not torch.isfinite(logits.max()):
-        return torch.nn.functional.one_hot(torch.argmax(logits), logits.numel()).float()
-    return sampling_probs(logits, params)
+def target_distributions(logits: torch.Tensor, params: Sequence[SamplingParams],
+                         previous: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
+    """Raw logits [B, V] (any device) -> per row the fp32 distribution `sample_tokens` draws that row's token from: a
+    point mass at its pick when it picks greedily (greedy parameters, or no finite logit)."""
+    logits = adjusted_logits(logits, params, previous)
+    picks = logits.argmax(-1)
+    finite = logits.amax(-1).isfinite()
+    point = torch.tensor([p.greedy for p in params], device=logits.device) | ~finite
+    probs = sampling_probs(torch.where(finite.unsqueeze(-1), logits, 0.0), params)
+    return torch.where(point.unsqueeze(-1), F.one_hot(picks, logits.shape[-1]).float(), probs)
 
 
-def draw(probs: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """One token from `probs` [V]; greedy parameters take the argmax without touching the generator."""
-    if params.greedy:
-        return int(torch.argmax(probs))
-    return int(torch.multinomial(probs, 1, generator=generator))
+def draw(probs: torch.Tensor, params: Sequence[SamplingParams], rngs: Sequence[random.Random]) -> torch.Tensor:
+    """One token per row of `probs` [B, V] [B]: greedy rows take the argmax without touching their random source,
+    the others draw by inversion with one uniform from it."""
+    sources = [None if p.greedy else rng for p, rng in zip(params, rngs)]
+    drawn = draw_by_inversion(probs, uniforms(sources, probs.device)[:, 0])
+    return torch.where(torch.tensor([p.greedy for p in params], device=probs.device), probs.argmax(-1), drawn)
 
 
 def accept_greedy(drafted: Sequence[int], picks: Sequence[int]) -> list[int]:
@@ -64,30 +70,39 @@ def accept_greedy(drafted: Sequence[int], picks: Sequence[int]) -> list[int]:
     return out
 
 
-def accept_drafts(drafted: Sequence[int], draft_probs: Sequence[torch.Tensor], target_logits: torch.Tensor,
-                  params: SamplingParams, generator: torch.Generator, previous: Sequence[int] = ()) -> list[int]:
-    """drafted: K tokens, draft_probs: the K distributions [V] they were drawn from (ignored when greedy),
-    target_logits [K+1, V] (CPU): the target's logits after each of the round's K + 1 inputs. Returns the accepted
-    drafts and one token from the target: 1 to K + 1 tokens, distributed as sampling them from the target one by
-    one (module docstring). `previous`: the tokens generated before the round (for the penalties)."""
-    out: list[int] = []
-    for d, q in zip(drafted, draft_probs):
-        p = target_distribution(target_logits[len(out)], params, [*previous, *out])
-        if params.greedy or p.max() == 1:  # a point mass: keep the draft iff it is the target's pick
-            pick = int(torch.argmax(p))
-            out.append(pick)
-            if pick != d:
-                return out
-            continue
-        if float(torch.rand((), generator=generator)) * float(q[d]) < float(p[d]):
-            out.append(d)
-            continue
-        residual = (p - q).clamp_min(0)  # q(d) > p(d) here, so it has positive mass
-        out.append(int(torch.multinomial(residual / residual.sum(), 1, generator=generator)))
-        return out
-    p = target_distribution(target_logits[len(out)], params, [*previous, *out])
-    out.append(draw(p, params, generator))
-    return out
+def accept_drafts(drafted: Sequence[Sequence[int]], draft_probs: torch.Tensor | None, target_logits: torch.Tensor,
+                  params: Sequence[SamplingParams], rngs: Sequence[random.Random],
+                  previous: Sequence[Sequence[int]] | None = None) -> list[list[int]]:
+    """Rejection sampling for a batch of rows, on the logits' device. drafted: K tokens per row; draft_probs
+    [B, K, V]: the distributions they were drawn from (None when every row is greedy: their drafts are point
+    masses); target_logits [B, K+1, V]: the target's raw logits after each of the round's K + 1 inputs; `previous`:
+    each row's tokens generated before the round (for the penalties). Returns per row the accepted drafts and one
+    token from the target: 1 to K + 1 tokens, distributed as sampling them from the target one by one (module
+    docstring).
+
+    Every row runs the same arithmetic: with p_i the target's distribution after the first i drafts, draft i is
+    accepted iff u_i q_i(d_i) < p_i(d_i); at the first rejection a (or a = K) the last token is drawn by inversion
+    from max(0, p_a - q_a) with q_K = 0 (the bonus token's p_K). A sampled row takes K + 1 uniforms from its source
+    every round; a greedy row takes none (u = 0: a point mass p keeps a draft iff it is the pick, and its residual
+    is the pick). Only the accepted counts and the last tokens come to the host, in one copy."""
+    B, K1, V = target_logits.shape
+    K, device = K1 - 1, target_logits.device
+    ids = torch.tensor([list(d) for d in drafted], dtype=torch.long, device=device).view(B, K)
+    before = [[*(previous[b] if previous is not None else ()), *drafted[b][:i]] for b in range(B) for i in range(K1)]
+    p = target_distributions(target_logits.reshape(B * K1, V), [q for q in params for _ in range(K1)], before)
+    p = p.view(B, K1, V)
+    greedy = torch.tensor([q.greedy for q in params], device=device)
+    q = F.one_hot(ids, V).float() if draft_probs is None else \
+        torch.where(greedy.view(B, 1, 1), F.one_hot(ids, V).float(), draft_probs.float())
+    u = uniforms([None if q_.greedy else rng for q_, rng in zip(params, rngs)], device, count=K1)
+    accept = u[:, :K] * q.gather(-1, ids.unsqueeze(-1)).squeeze(-1) < p[:, :K].gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    accepted = accept.long().cumprod(-1).sum(-1)  # leading acceptances a
+    q = F.pad(q, (0, 0, 0, 1))  # q_K = 0: at a = K the residual is the bonus distribution p_K
+    rows = torch.arange(B, device=device)
+    residual = (p[rows, accepted] - q[rows, accepted]).clamp_min(0)  # positive mass: q_a(d_a) > p_a(d_a) at a < K
+    last = draw_by_inversion(residual, u[:, K])
+    counts, tokens = torch.stack([accepted, last]).tolist()
+    return [[*drafted[b][:a], t] for b, (a, t) in enumerate(zip(counts, tokens))]
 
 
 @dataclass
@@ -127,14 +142,14 @@ def speculative_generate(model: nn.Module, draft: EagleDraft, prompt_ids: list[i
         raise ValueError(f"the number of draft tokens must be >= 1, got {num_draft}")
     was_training = model.training
     model.eval()
-    generator = torch.Generator().manual_seed(params.seed if params.seed is not None else 0)
+    rng = request_rng(params.seed)
     stats = stats if stats is not None else SpeculationStats()
     cache = model.new_cache(1)
     ids = torch.tensor([prompt_ids], device=device)
     with tapped_hidden_states(model, draft.taps) as tapped:
         logits = model(ids, cache=cache, logits_to_keep=1).logits[0, -1]
         features = draft.fuse(tapped)  # [1, n, D]
-    token = draw(target_distribution(logits.cpu(), params), params, generator)
+    token = int(draw(target_distributions(logits[None], [params]), [params], [rng])[0])
     attn = draft.layer.block.self_attn
     latents = MLALayerCache(features.new_zeros(1, 0, attn.kv_lora_rank + attn.slice_dim))
     real = torch.zeros(1, dtype=torch.long, device=device)  # draft positions with real latents
@@ -151,8 +166,8 @@ def speculative_generate(model: nn.Module, draft: EagleDraft, prompt_ids: list[i
         real = real + inputs.shape[1]
         drafted, draft_probs = [], []
         for i in range(k):
-            q = target_distribution(draft.logits(hidden)[0, -1].cpu(), params, [*out, *drafted])
-            drafted.append(draw(q, params, generator))
+            q = target_distributions(draft.logits(hidden)[:, -1], [params], [[*out, *drafted]])
+            drafted.append(int(draw(q, [params], [rng])[0]))
             draft_probs.append(q)
             if i + 1 < k:
                 hidden = draft.step(hidden, torch.tensor([[drafted[-1]]], device=device), latents, real + i)
@@ -161,7 +176,7 @@ def speculative_generate(model: nn.Module, draft: EagleDraft, prompt_ids: list[i
         with tapped_hidden_states(model, draft.taps) as tapped:
             logits = model(torch.tensor([[token, *drafted]], device=device), cache=cache).logits[0]
             features = draft.fuse(tapped)  # [1, k+1, D]
-        kept = accept_drafts(drafted, draft_probs, logits.float().cpu(), params, generator, out)
+        (kept,) = accept_drafts([drafted], torch.stack(draft_probs, 1), logits[None], [params], [rng], [out])
         cache.rewind([len(kept)], k + 1)
         stats.add(k, len(kept) - 1)
         for t in kept[:-1]:

@@ -57,9 +57,9 @@ from torch.nn.utils.rnn import pad_sequence
 
 from openk3.cache.paged import BlockTables, PagePool
 from openk3.cache.state_pool import StatePool
-from openk3.draft import EagleDraft, accept_drafts, accept_greedy, draw, target_distribution
+from openk3.draft import EagleDraft, accept_drafts, accept_greedy, draw, target_distributions
 from openk3.ops.transfer import to_device
-from openk3.sampling import SamplingParams, sample_token, token_logprobs
+from openk3.sampling import SamplingParams, request_rng, sample_tokens, token_logprobs
 from openk3.serve.prefix_cache import PrefixCache, PrefixCacheConfig, image_keyed_tokens
 from openk3.serve.runner import ModelRunner
 from openk3.serve.scheduler import Request, RequestEvent, Scheduler, SchedulerConfig
@@ -184,18 +184,17 @@ class PoolExhausted(RuntimeError):
 
 
 @dataclass(eq=False)
-class SpeculativeRow:
-    """One sequence's round: its drafted tokens, the draft distributions they came from (not kept for plain greedy
-    rows, which compare argmaxes) and the verification's logits on the host when the row needs them."""
+class DraftRound:
+    """One speculative round's drafts: each row's drafted tokens and the draft's distributions [B, V] at each step
+    (none kept when every row is plain greedy: those rounds compare argmaxes)."""
 
-    request: Request
-    drafted: list[int] = field(default_factory=list)
+    requests: list[Request]
+    drafted: list[list[int]]
     probs: list[torch.Tensor] = field(default_factory=list)
-    host: torch.Tensor | None = None
 
     @property
     def plain_greedy(self) -> bool:
-        return self.request.params.greedy and self.request.params.plain
+        return all(r.params.greedy and r.params.plain for r in self.requests)
 
 
 class Engine:
@@ -242,6 +241,9 @@ class Engine:
         if gpu or self.runner.prefill_compiled:  # first: a unit that fails to compile goes back to eager
             longest = min(self.chunk_blocks * h, mc.max_seq_len // h * h)
             self.runner.warm_up_prefill(long=(longest, self._checkpoint_offsets(0, longest)))
+        if gpu:  # the sampling kernel's first use compiles it (~0.2 s): not inside a request's first step
+            sample_tokens(torch.zeros(1, mc.vocab_size, device=device), [SamplingParams(temperature=1.0)],
+                          [request_rng(0)])
         self.runner.capture()
 
         self.prefix_cache = PrefixCache(PrefixCacheConfig(
@@ -290,7 +292,7 @@ class Engine:
         number = next(self._ids)
         seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + number
         request = Request(rid=rid or f"req-{number}", prompt=list(prompt), params=params, on_event=on_event,
-                          generator=torch.Generator().manual_seed(seed), images=located if images else None,
+                          rng=request_rng(seed), images=located if images else None,
                           after=after if self.prefix_cache is not None else None, every_token=every_token)
         with self._lock:
             self.scheduler.submit(request)
@@ -503,19 +505,20 @@ class Engine:
         ids = [r.output[-len(p):] + [0] * (K + 1 - len(p)) for r, p in zip(requests, pending)]
         hidden, logits = runner.draft_pass(prev, ids, slots, [n + 1 - len(p) for n, p in zip(starts, pending)],
                                            [len(p) - 1 for p in pending])
-        drafts = [SpeculativeRow(r) for r in requests]
+        drafts = DraftRound(requests, [[] for _ in requests])
         for i in range(K):
             self._draw_drafts(drafts, logits[:, : self.vocab_limit])
             if i + 1 < K:
-                hidden, logits = runner.draft_pass(hidden.unsqueeze(1), [[d.drafted[-1]] for d in drafts], slots,
-                                                   [n + 1 + i for n in starts], [0] * len(drafts))
-        logits, features = runner.verify([[r.output[-1], *d.drafted] for r, d in zip(requests, drafts)], slots,
+                hidden, logits = runner.draft_pass(hidden.unsqueeze(1), [[d[-1]] for d in drafts.drafted], slots,
+                                                   [n + 1 + i for n in starts], [0] * len(requests))
+        logits, features = runner.verify([[r.output[-1], *d] for r, d in zip(requests, drafts.drafted)], slots,
                                          starts)
-        kept = self._verify(drafts, logits[..., : self.vocab_limit])
+        logits = logits[..., : self.vocab_limit]
+        kept = self._verify(drafts, logits)
         runner.roll_back(slots, [len(tokens) for tokens in kept])
         checkpoints = {o: {"conv": runner.conv_out[:, :, o - 1], "recurrent": runner.recurrent_out[:, :, o - 1]}
                        for o in range(1, K + 1)}
-        for row, (r, tokens, d) in enumerate(zip(requests, kept, drafts)):
+        for row, (r, tokens) in enumerate(zip(requests, kept)):
             with self._isolated([r]):
                 start, r.fed = r.fed, r.fed + len(tokens)
                 self.features[r] = features[row, : len(tokens)].clone()
@@ -523,39 +526,34 @@ class Engine:
                 self.metrics.spec_drafts += 1
                 self.metrics.spec_draft_tokens += K
                 self.metrics.spec_accepted_tokens += len(tokens) - 1
+                host = logits[row].float().cpu() if r.params.logprobs is not None else None
                 for j, token in enumerate(tokens):
-                    if r.params.logprobs is not None:
-                        r.logprobs.append(token_logprobs(d.host[j], token, r.params.logprobs))
+                    if host is not None:
+                        r.logprobs.append(token_logprobs(host[j], token, r.params.logprobs))
                     self._accept(r, token)
                     if r.finish_reason is not None:
                         break
 
-    def _draw_drafts(self, drafts: list[SpeculativeRow], logits: torch.Tensor) -> None:
-        """Each row's next drafted token from the draft's logits [B, V], and the distribution it came from."""
-        picks = logits.argmax(-1).tolist()
-        host = None if all(d.plain_greedy for d in drafts) else logits.float().cpu()
-        for row, d in enumerate(drafts):
-            if d.plain_greedy:
-                d.drafted.append(picks[row])
-                continue
-            q = target_distribution(host[row], d.request.params, [*d.request.output, *d.drafted])
-            d.drafted.append(draw(q, d.request.params, d.request.generator))
-            d.probs.append(q)
+    def _draw_drafts(self, drafts: DraftRound, logits: torch.Tensor) -> None:
+        """Each row's next drafted token from the draft's logits [B, V] (on the device, one copy of the tokens to
+        the host), and the distributions they came from."""
+        if drafts.plain_greedy:
+            tokens = logits.argmax(-1).tolist()
+        else:
+            params, requests = [r.params for r in drafts.requests], drafts.requests
+            q = target_distributions(logits, params, [[*r.output, *d] for r, d in zip(requests, drafts.drafted)])
+            tokens = draw(q, params, [r.rng for r in requests]).tolist()
+            drafts.probs.append(q)
+        for d, token in zip(drafts.drafted, tokens):
+            d.append(token)
 
-    def _verify(self, drafts: list[SpeculativeRow], logits: torch.Tensor) -> list[list[int]]:
+    def _verify(self, drafts: DraftRound, logits: torch.Tensor) -> list[list[int]]:
         """Each row's accepted drafts plus one target token, from the verification's logits [B, K+1, V]."""
-        picks = logits.argmax(-1).tolist()
-        host = None if all(d.plain_greedy and d.request.params.logprobs is None for d in drafts) else \
-            logits.float().cpu()
-        kept = []
-        for row, d in enumerate(drafts):
-            d.host = host[row] if host is not None else None
-            if d.plain_greedy:
-                kept.append(accept_greedy(d.drafted, picks[row]))
-            else:
-                r = d.request
-                kept.append(accept_drafts(d.drafted, d.probs, d.host, r.params, r.generator, r.output))
-        return kept
+        if drafts.plain_greedy:
+            return [accept_greedy(d, picks) for d, picks in zip(drafts.drafted, logits.argmax(-1).tolist())]
+        requests = drafts.requests
+        return accept_drafts(drafts.drafted, torch.stack(drafts.probs, 1), logits, [r.params for r in requests],
+                             [r.rng for r in requests], [r.output for r in requests])
 
     def _prefill(self, chunks: list[tuple[Request, int]], short: bool = False) -> None:
         """The next chunk of each request's prompt, (request, end of its chunk): all of the same length with the
@@ -580,16 +578,18 @@ class Engine:
             prev = torch.stack([self._pending(r)[-1] for r in requests]).unsqueeze(1)
             self.runner.draft_step(torch.cat([prev, features[:, :-1]], dim=1), to_device(chunks, prev.device),
                                    slots, starts)
-        sample = self._sampler(requests, logits)
+        # only the rows that end their prompt sample (and draw from their random source)
+        ending = {row: i for i, row in enumerate(row for row, r in enumerate(requests) if ends[row] == len(r.prompt))}
+        sample = self._sampler([requests[row] for row in ending], logits[list(ending)])
         for row, (r, end) in enumerate(zip(requests, ends)):
             with self._isolated([r]):
                 start, r.fed = r.fed, end
                 if features is not None:
                     self.features[r] = features[row, -1:]
                 self._register_blocks(r, start, checkpoints, row, features)
-                if not r.prefilling:
+                if row in ending:
                     r.first_token_at = time.perf_counter()
-                    self._accept(r, sample(row))
+                    self._accept(r, sample(ending[row]))
 
     def _register_blocks(self, r: Request, start: int, checkpoints: dict | None = None, row: int = 0,
                          features: torch.Tensor | None = None, pending: Sequence[int] = ()) -> None:
@@ -622,19 +622,28 @@ class Engine:
 
     # ---- tokens, stops, events ----------------------------------------------------------------------------
     def _sampler(self, requests: list[Request], logits: torch.Tensor):
-        """row -> the row's next token (its logprobs, when asked for, are queued for the next event). A batch whose
-        rows are all greedy with nothing to adjust or report takes one argmax on the device (one small copy to the
-        host); otherwise the batch's logits come to the CPU in one copy and each row samples when asked, with the
-        tokens it generated so far for the penalties."""
+        """row -> the row's next token (its logprobs, when asked for, are queued for the next event). The batch
+        samples where its logits are (`sample_tokens`: one argmax for an all-greedy batch; otherwise one uniform
+        per sampled row from its own random source goes to the device) and one small copy brings the tokens to the
+        host; only the rows that report logprobs copy their logits too. Should the batch's sampling raise, each
+        row samples alone when asked (inside its own `_isolated`), so that only a failing row ends."""
         logits = logits[:, : self.vocab_limit]
-        if all(r.params.greedy and r.params.plain for r in requests):
+        params = [r.params for r in requests]
+        if all(p.greedy and p.plain for p in params):
             return logits.argmax(-1).tolist().__getitem__
-        host = logits.float().cpu()
+        try:
+            tokens = sample_tokens(logits, params, [r.rng for r in requests], [r.output for r in requests]).tolist()
+        except Exception:
+            log.exception("batched sampling failed; sampling each row alone")
+            tokens = None
+        report = [row for row, p in enumerate(params) if p.logprobs is not None]
+        host = dict(zip(report, logits[report].float().cpu())) if report else {}
 
         def sample(row: int) -> int:
             r = requests[row]
-            token = sample_token(host[row], r.params, r.generator, r.output)
-            if r.params.logprobs is not None:
+            token = tokens[row] if tokens is not None else \
+                int(sample_tokens(logits[row : row + 1], [r.params], [r.rng], [r.output])[0])
+            if row in host:
                 r.logprobs.append(token_logprobs(host[row], token, r.params.logprobs))
             return token
 

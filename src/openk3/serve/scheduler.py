@@ -13,13 +13,12 @@ join and leave only between steps.
 
 from __future__ import annotations
 
+import random
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
-
-import torch
 
 from openk3.sampling import SamplingParams, TokenLogprob
 from openk3.serve.prefix_cache import Lease
@@ -56,7 +55,7 @@ class Request:
     fed: int = 0  # tokens the model has consumed: the sequence's cache length
     slot: int | None = None  # its KDA state-pool slot and block-table row while it runs
     lease: Lease | None = None
-    generator: torch.Generator | None = None
+    rng: random.Random | None = None  # its own random source (`openk3.sampling.request_rng`)
     cached_tokens: int = 0
     text: str = ""  # decoded output so far (cut at a stop string when one appears)
     sent: int = 0  # characters of `text` already delivered
