@@ -13,6 +13,7 @@ from openk3.sampling import (
     LOGPROB_FLOOR,
     SamplingParams,
     adjust_logits,
+    adjusted_logits,
     choice_seed,
     draw_by_inversion,
     request_rng,
@@ -63,6 +64,26 @@ def test_bias_and_penalties_follow_the_openai_formula():
     assert got[0] == -INF and got[1] == INF and torch.isfinite(got[2:]).all()
     assert got.tolist()[4] == -100.0 and got.tolist()[3] < -3e38 + 1e33
     assert adjust_logits(logits, SamplingParams(), [0, 1, 2]) is logits  # nothing to apply: untouched
+
+
+def test_the_batched_adjustment_equals_each_row_alone():
+    """adjusted_logits over a batch (rows with and without bias or penalties, ids past the vocabulary, empty
+    histories, NaN logits) equals adjust_logits row by row, bitwise."""
+    rng = random.Random(9)
+    for _ in range(30):
+        vocab, rows = rng.randint(1, 30), []
+        for _ in range(rng.randint(1, 6)):
+            logits, previous, params = random_case(rng, vocab)
+            if rng.random() < 0.3:
+                params = SamplingParams(temperature=params.temperature)  # nothing to adjust
+            if rng.random() < 0.2:
+                logits[rng.randrange(vocab)] = float("nan")
+            rows.append((logits, previous, params))
+        logits = torch.stack([r[0] for r in rows])
+        got = adjusted_logits(logits, [r[2] for r in rows], [r[1] for r in rows])
+        for row, (x, previous, params) in zip(got, rows):
+            want = adjust_logits(x.masked_fill(x.isnan(), -INF), params, previous)
+            assert torch.equal(row, want)
 
 
 def test_the_distribution_applies_penalties_before_the_temperature():

@@ -110,13 +110,29 @@ def adjust_logits(logits: torch.Tensor, params: SamplingParams, previous: Sequen
 def adjusted_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
                     previous: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
     """Raw logits [B, V] (any float dtype and device) -> fp32 logits with NaN read as -inf and each row adjusted by
-    its own bias and penalties (`adjust_logits`; rows with nothing to adjust are left as they are)."""
+    its own bias and penalties: `adjust_logits` for the whole batch in a few tensor operations (the rows' biases and
+    generated tokens travel to the device in one copy each), the same values bitwise."""
     logits = logits.float().masked_fill(logits.isnan(), float("-inf"))
-    rows = [i for i, p in enumerate(params) if p.logit_bias or p.presence_penalty or p.frequency_penalty]
-    if rows:
-        logits = logits.clone()
-        for i in rows:
-            logits[i] = adjust_logits(logits[i], params[i], previous[i] if previous is not None else ())
+    B, V = logits.shape
+    device = logits.device
+    biased = [i for i, p in enumerate(params) if any(t < V for t in p.logit_bias)]
+    if biased:  # x + bias[j], ids outside [0, V) ignored
+        ids = [(row, t) for row, i in enumerate(biased) for t in params[i].logit_bias if t < V]
+        bias = torch.zeros(len(biased), V, dtype=logits.dtype)
+        bias[tuple(torch.tensor(ids).T)] = torch.tensor([params[biased[row]].logit_bias[t] for row, t in ids])
+        logits = logits.index_put((torch.tensor(biased, device=device),), logits[biased] + bias.to(device))
+    penalised = [i for i, p in enumerate(params) if (p.presence_penalty or p.frequency_penalty) and previous
+                 and previous[i]]
+    if penalised:  # - (c[j] frequency + presence) where c[j] > 0; ids >= V counted in a spare column and dropped
+        tokens = [torch.tensor(previous[i], dtype=torch.long).clamp_max(V) for i in penalised]
+        owner = torch.repeat_interleave(torch.arange(len(penalised)), torch.tensor([len(t) for t in tokens]))
+        where = (owner * (V + 1) + torch.cat(tokens)).to(device)
+        counts = torch.zeros(len(penalised) * (V + 1), dtype=logits.dtype, device=device)
+        counts = counts.index_add_(0, where, torch.ones_like(where, dtype=logits.dtype)).view(-1, V + 1)[:, :V]
+        rates = torch.tensor([[params[i].frequency_penalty, params[i].presence_penalty] for i in penalised],
+                             dtype=logits.dtype).to(device)
+        penalty = torch.where(counts > 0, counts * rates[:, :1] + rates[:, 1:], 0.0)
+        logits = logits.index_put((torch.tensor(penalised, device=device),), logits[penalised] - penalty)
     return logits
 
 
@@ -144,7 +160,7 @@ def sample_tokens(logits: torch.Tensor, params: Sequence[SamplingParams], rngs: 
     all the randomness it uses: a seeded row draws the same token whatever rows run beside it, on any device. Ties
     in the argmax and the sorts resolve to the lower id."""
     if logits.is_cuda and all(p.whole_distribution for p in params):  # one Triton launch (its module docstring)
-        from openk3.ops.triton_sampling import sample_rows_triton
+        from openk3.ops.triton_sampling import sample_rows_triton  # triton is an optional dependency
 
         temperature = torch.tensor([0.0 if p.greedy else p.temperature for p in params], dtype=torch.float64)
         return sample_rows_triton(logits, temperature, uniforms([None if p.greedy else rng
