@@ -89,10 +89,11 @@ def test_engine_greedy_speculation_equals_generate(trained, k, fresh_draft, monk
     assert engine.states.num_free == engine.states.num_slots
 
 
-def test_engine_sampled_speculation_equals_generate_seed_for_seed(trained):
+@pytest.mark.parametrize("top_p", [0.95, 1.0])  # a cut (distributions), the temperature alone (the draft's logits)
+def test_engine_sampled_speculation_equals_generate_seed_for_seed(trained, top_p):
     _, model, draft, tok = trained
     prompts = prompts_sharing_a_prefix(model.config.vocab_size)[:4]
-    params = [SamplingParams(max_tokens=10, temperature=0.9, top_p=0.95, seed=11 + i) for i in range(4)]
+    params = [SamplingParams(max_tokens=10, temperature=0.9, top_p=top_p, seed=11 + i) for i in range(4)]
     requests = run(engine_for(tok, model, draft, 3), prompts, params.__getitem__)
     for r, p in zip(requests, params):
         assert r.output == speculative_generate(model, draft, r.prompt, 10, p, 3, set(tok.stop_ids))

@@ -1,7 +1,9 @@
 """Greedy and temperature sampling in one Triton launch (`ops.triton_sampling`) against `sample_tokens`' PyTorch
-form with the same uniforms: odd vocabulary sizes (one entry, below one block, across blocks), bf16 logits, NaN,
-+inf and all -inf rows, logits near fp32's limits, temperatures from the floor to large, the extreme uniforms 0 and
-1 - 2^-53. On CPU the kernel runs under TRITON_INTERPRET=1 (tests/conftest.py), its output poisoned with -1."""
+form, and speculative decoding's rejection kernel against `accept_drafts`, with the same uniforms: odd vocabulary
+sizes (one entry, below one block, across blocks), bf16 logits, NaN, +inf and all -inf rows, logits near fp32's
+limits, temperatures from the floor to large, the extreme uniforms 0 and 1 - 2^-53; and the wrappers that take the
+kernels where Triton applies. On CPU the kernels run under TRITON_INTERPRET=1 (tests/conftest.py), their outputs
+poisoned with -1."""
 
 from __future__ import annotations
 
@@ -10,13 +12,16 @@ import random
 import pytest
 import torch
 
+from openk3 import sampling
+from openk3.draft import accept_drafts, speculative, target_distributions
 from openk3.ops import triton_sampling
 from openk3.sampling import TEMPERATURE_FLOOR, SamplingParams, sample_tokens
 from test_ops_fused import DEV, _Poisoned
 
 INF = float("inf")
-# the interpreter's numpy warns where the huge logits overflow to inf on purpose (their exp is then 0)
-pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+# the interpreter's numpy warns where huge or infinite logits give inf or NaN on purpose (masked or exp'd to 0)
+pytestmark = [pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
+              pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")]
 
 
 @pytest.fixture(autouse=True)
@@ -78,3 +83,70 @@ def test_a_strided_batch_and_an_empty_one():
     want = triton_sampling.sample_rows_triton(wide[:, :33].contiguous().to(DEV), t, u).tolist()
     assert got == want and all(0 <= g < 33 for g in got)
     assert triton_sampling.sample_rows_triton(wide[:0].to(DEV), t[:0], u[:0]).numel() == 0
+
+
+@pytest.mark.parametrize("K,V", [(1, 1), (2, 7), (3, 50), (3, 4096 + 77)])
+def test_rejection_kernel_keeps_what_the_reference_keeps(K, V):
+    """reject_rows_triton against accept_drafts on the draft's target_distributions, with the same uniforms: sampled
+    rows whose drafts come from the draft (so some are accepted) or are arbitrary ids (mostly rejected), greedy
+    rows, the extreme uniforms, and target or draft rows with NaN, +inf or no finite logit."""
+    gen, rng = torch.Generator().manual_seed(K * V), random.Random(K * V)
+    B = 24
+    target = torch.randn(B, K + 1, V, generator=gen) * 2
+    draft = target[:, :K] + torch.randn(B, K, V, generator=gen)  # near the target: drafts are often accepted
+    params, drafted, sources = [], [], []
+    for b in range(B):
+        case = b % 8
+        if case == 1:
+            target[b, rng.randrange(K + 1), rng.randrange(V)] = float("nan")
+        elif case == 2:
+            target[b, rng.randrange(K + 1), rng.randrange(V)] = INF
+        elif case == 3:
+            target[b, rng.randrange(K + 1)] = -INF
+        elif case == 4:
+            draft[b, rng.randrange(K), rng.randrange(V)] = INF
+        temperature = 0.0 if case == 5 else rng.choice([TEMPERATURE_FLOOR, 0.5, 1.0, 3.0])
+        params.append(SamplingParams(temperature=temperature))
+        sources.append(rng.choice([random.Random(rng.randrange(1 << 30))] * 4 + [FixedUniforms(0.0),
+                                                                               FixedUniforms(1 - 2.0**-53)]))
+    q = target_distributions(draft.reshape(B * K, V), [p for p in params for _ in range(K)]).view(B, K, V)
+    for b in range(B):
+        if b % 3 == 2:  # arbitrary drafted ids
+            drafted.append([rng.randrange(V) for _ in range(K)])
+        else:  # drawn from the draft
+            drafted.append([int(torch.multinomial(q[b, i], 1, generator=gen)) for i in range(K)])
+    copies = [FixedUniforms(s.value) if isinstance(s, FixedUniforms) else random.Random() for s in sources]
+    for c, s in zip(copies, sources):
+        if isinstance(s, random.Random):
+            c.setstate(s.getstate())
+    want = accept_drafts(drafted, q, target, params, copies)
+    u = torch.tensor([[s.random() for _ in range(K + 1)] if not p.greedy else [0.0] * (K + 1)
+                      for s, p in zip(sources, params)], dtype=torch.float64)
+    temperature = torch.tensor([0.0 if p.greedy else p.temperature for p in params], dtype=torch.float64)
+    out = triton_sampling.reject_rows_triton(draft.to(DEV), target.to(DEV), torch.tensor(drafted), temperature, u)
+    got = [[*d[:a], t] for d, (a, t) in zip(drafted, out.tolist())]
+    assert got == want
+    if V > 1:  # (one token: every draft is the target's)
+        assert 0 < sum(len(w) - 1 for w in want) < B * K  # some drafts accepted, some rejected
+
+
+def test_sample_tokens_and_accept_drafts_on_logits_take_the_kernels_where_triton_applies(monkeypatch):
+    """The dispatching wrappers (the GPU's path, here under the interpreter) against their PyTorch paths, same seeds:
+    temperature-only rows (greedy among them) through `sample_tokens` and `accept_drafts_on_logits`."""
+    gen = torch.Generator().manual_seed(4)
+    B, K, V = 6, 2, 300
+    params = [SamplingParams(temperature=t) for t in (0.0, 0.7, 1.0, 1.3, TEMPERATURE_FLOOR, 2.0)]
+    logits, draft, target = torch.randn(B, V, generator=gen), torch.randn(B, K, V, generator=gen), \
+        torch.randn(B, K + 1, V, generator=gen)
+    results = []
+    for kernels in (False, True):
+        monkeypatch.setattr(sampling, "use_triton", lambda t, compiled=False, on=kernels: on)
+        monkeypatch.setattr(speculative, "use_triton", lambda t, compiled=False, on=kernels: on)
+        rngs = [random.Random(i) for i in range(B)]
+        tokens = sample_tokens(logits.to(DEV), params, rngs).tolist()
+        drafted = [[int(x) for x in torch.randint(0, V, (K,), generator=torch.Generator().manual_seed(b))]
+                   for b in range(B)]
+        drafted[1] = tokens[1:2] * K  # some plausible drafts
+        kept = speculative.accept_drafts_on_logits(drafted, draft.to(DEV), target.to(DEV), params, rngs)
+        results.append((tokens, kept, [r.random() for r in rngs]))
+    assert results[0] == results[1]

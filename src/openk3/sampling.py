@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from openk3.ops.fused import use_triton
+
 TEMPERATURE_FLOOR = 1e-5  # temperatures below it mean greedy
 PENALTY_RANGE = (-2.0, 2.0)  # presence_penalty, frequency_penalty (OpenAI's range)
 LOGIT_BIAS_RANGE = (-100.0, 100.0)
@@ -159,7 +161,7 @@ def sample_tokens(logits: torch.Tensor, params: Sequence[SamplingParams], rngs: 
     logits; each other row draws by inversion (`draw_by_inversion`) with one uniform from its own source, which is
     all the randomness it uses: a seeded row draws the same token whatever rows run beside it, on any device. Ties
     in the argmax and the sorts resolve to the lower id."""
-    if logits.is_cuda and all(p.whole_distribution for p in params):  # one Triton launch (its module docstring)
+    if use_triton(logits) and all(p.whole_distribution for p in params):  # one launch (ops.triton_sampling)
         from openk3.ops.triton_sampling import sample_rows_triton  # triton is an optional dependency
 
         temperature = torch.tensor([0.0 if p.greedy else p.temperature for p in params], dtype=torch.float64)

@@ -13,6 +13,7 @@ from openk3.draft.model import EagleDraft, default_taps, has_draft, load_draft, 
 from openk3.draft.speculative import (
     SpeculationStats,
     accept_drafts,
+    accept_drafts_on_logits,
     accept_greedy,
     draw,
     speculative_generate,
@@ -20,6 +21,7 @@ from openk3.draft.speculative import (
 )
 
 __all__ = ["LOSSES", "acceptance", "draft_loss", "EagleDraft", "default_taps", "has_draft", "load_draft",
-           "save_draft", "tapped_hidden_states", "SpeculationStats", "accept_drafts", "accept_greedy", "draw",
+           "save_draft", "tapped_hidden_states", "SpeculationStats", "accept_drafts", "accept_drafts_on_logits",
+           "accept_greedy", "draw",
            "speculative_generate",
            "target_distributions"]

@@ -35,6 +35,7 @@ from torch import nn
 
 from openk3.cache import MLALayerCache
 from openk3.draft.model import EagleDraft, tapped_hidden_states
+from openk3.ops.fused import use_triton
 from openk3.sampling import SamplingParams, adjusted_logits, draw_by_inversion, request_rng, sampling_probs, uniforms
 
 
@@ -99,9 +100,32 @@ def accept_drafts(drafted: Sequence[Sequence[int]], draft_probs: torch.Tensor | 
     accepted = accept.long().cumprod(-1).sum(-1)  # leading acceptances a
     q = F.pad(q, (0, 0, 0, 1))  # q_K = 0: at a = K the residual is the bonus distribution p_K
     rows = torch.arange(B, device=device)
-    residual = (p[rows, accepted] - q[rows, accepted]).clamp_min(0)  # positive mass: q_a(d_a) > p_a(d_a) at a < K
+    # positive mass at a < K, since q_a(d_a) > p_a(d_a) there, unless d_a had no mass under q_a either (not a
+    # draft the draft could have drawn): then p_a itself
+    residual = (p[rows, accepted] - q[rows, accepted]).clamp_min(0)
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p[rows, accepted])
     last = draw_by_inversion(residual, u[:, K])
     counts, tokens = torch.stack([accepted, last]).tolist()
+    return [[*drafted[b][:a], t] for b, (a, t) in enumerate(zip(counts, tokens))]
+
+
+def accept_drafts_on_logits(drafted: Sequence[Sequence[int]], draft_logits: torch.Tensor,
+                            target_logits: torch.Tensor, params: Sequence[SamplingParams],
+                            rngs: Sequence[random.Random]) -> list[list[int]]:
+    """`accept_drafts` for rows whose distributions the temperature alone shapes (`whole_distribution`: no cuts, bias
+    or penalties), given the draft's raw logits [B, K, V] the drafts were drawn from (`sample_tokens`) rather than
+    its distributions. On a GPU one Triton launch per round (`ops.triton_sampling.reject_rows_triton`); elsewhere
+    `accept_drafts` on the draft's `target_distributions`. The same uniforms either way."""
+    B, K, V = draft_logits.shape
+    if not use_triton(target_logits):
+        q = target_distributions(draft_logits.reshape(B * K, V), [p for p in params for _ in range(K)])
+        return accept_drafts(drafted, q.view(B, K, V), target_logits, params, rngs)
+    from openk3.ops.triton_sampling import reject_rows_triton  # triton is an optional dependency
+
+    temperature = torch.tensor([0.0 if p.greedy else p.temperature for p in params], dtype=torch.float64)
+    u = uniforms([None if p.greedy else rng for p, rng in zip(params, rngs)], count=K + 1)
+    counts, tokens = reject_rows_triton(draft_logits, target_logits, torch.tensor(drafted).view(B, K), temperature,
+                                        u).T.tolist()
     return [[*drafted[b][:a], t] for b, (a, t) in enumerate(zip(counts, tokens))]
 
 

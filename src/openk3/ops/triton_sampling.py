@@ -1,5 +1,7 @@
 """Greedy and temperature sampling of a batch of logits rows in one Triton launch (one program per row): the common
-case of `openk3.sampling.sample_tokens` (its reference), rows without top-k / top-p cuts, bias or penalties.
+case of `openk3.sampling.sample_tokens` (its reference), rows without top-k / top-p cuts, bias or penalties; and
+speculative decoding's rejection sampling for such rows (`reject_rows_triton`, the reference
+`openk3.draft.speculative.accept_drafts`), one launch per round instead of some forty small operations.
 
 Per row, three passes over the vocabulary in blocks:
 1. the largest logit m and the first index holding it (NaN read as -inf);
@@ -23,37 +25,61 @@ BLOCK_V = 4096  # vocabulary entries per loop step
 
 
 @triton.jit
+def _load_row(base, start, cols, V):
+    """One block of a logits row in fp32, NaN and the columns past V read as -inf."""
+    x = tl.load(base + start + cols, mask=start + cols < V, other=float("-inf")).to(tl.float32)
+    return tl.where(x == x, x, float("-inf"))
+
+
+@triton.jit
+def _row_max(base, V, BLOCK: tl.constexpr):
+    """(the largest logit, the first index holding it) of a row."""
+    cols = tl.arange(0, BLOCK)
+    best = tl.full([], float("-inf"), tl.float32)
+    best_at = tl.zeros([], tl.int64)
+    for start in range(0, V, BLOCK):
+        x = _load_row(base, start, cols, V)
+        block_best = tl.max(x, axis=0)
+        at = tl.argmax(x, axis=0, tie_break_left=True).to(tl.int64) + start
+        better = block_best > best
+        best_at = tl.where(better, at, best_at)
+        best = tl.where(better, block_best, best)
+    return best, best_at
+
+
+@triton.jit
+def _masses(x, idx, best, t, point, at):
+    """Unnormalised probabilities (fp64) of the tokens `idx` with logits x: exp((x - best) / t), or a point mass at
+    `at` (greedy rows, rows without a finite largest logit)."""
+    return tl.where(point, (idx == at).to(tl.float64), tl.exp((x - best) / t).to(tl.float64))
+
+
+@triton.jit
+def _row_total(base, V, best, t, point, at, BLOCK: tl.constexpr):
+    cols = tl.arange(0, BLOCK)
+    total = tl.zeros([], tl.float64)
+    for start in range(0, V, BLOCK):
+        total += tl.sum(_masses(_load_row(base, start, cols, V), start + cols, best, t, point, at), axis=0)
+    return total
+
+
+@triton.jit
 def _sample_kernel(logits_ptr, params_ptr, out_ptr, V, stride, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * stride
     temperature = tl.load(params_ptr + 2 * row)
     u = tl.load(params_ptr + 2 * row + 1)
     cols = tl.arange(0, BLOCK)
-    best = tl.full([], float("-inf"), tl.float32)
-    best_at = tl.zeros([], tl.int64)
-    for start in range(0, V, BLOCK):
-        x = tl.load(base + start + cols, mask=start + cols < V, other=float("-inf")).to(tl.float32)
-        x = tl.where(x == x, x, float("-inf"))  # NaN is never chosen
-        block_best = tl.max(x, axis=0)
-        at = tl.argmax(x, axis=0, tie_break_left=True).to(tl.int64) + start
-        better = block_best > best
-        best_at = tl.where(better, at, best_at)
-        best = tl.where(better, block_best, best)
-    token = best_at
+    best, token = _row_max(base, V, BLOCK)
     if (temperature > 0) & (tl.abs(best) < float("inf")):
         t = temperature.to(tl.float32)
-        total = tl.zeros([], tl.float64)
-        for start in range(0, V, BLOCK):
-            x = tl.load(base + start + cols, mask=start + cols < V, other=float("-inf")).to(tl.float32)
-            e = tl.exp((tl.where(x == x, x, float("-inf")) - best) / t).to(tl.float64)
-            total += tl.sum(e, axis=0)
+        total = _row_total(base, V, best, t, False, 0, BLOCK)
         target = tl.minimum(u * total, total * (1 - 2.0**-52))
         below = tl.zeros([], tl.int64)
         last = tl.zeros([], tl.int64)  # the last token of positive mass: the draw never goes past it
         running = tl.zeros([], tl.float64)
         for start in range(0, V, BLOCK):
-            x = tl.load(base + start + cols, mask=start + cols < V, other=float("-inf")).to(tl.float32)
-            e = tl.exp((tl.where(x == x, x, float("-inf")) - best) / t).to(tl.float64)
+            e = _masses(_load_row(base, start, cols, V), start + cols, best, t, False, 0)
             cdf = running + tl.cumsum(e, axis=0)
             below += tl.sum(((cdf <= target) & (start + cols < V)).to(tl.int64), axis=0)
             last = tl.maximum(last, tl.max(tl.where(e > 0, start + cols, 0), axis=0).to(tl.int64))
@@ -62,14 +88,110 @@ def _sample_kernel(logits_ptr, params_ptr, out_ptr, V, stride, BLOCK: tl.constex
     tl.store(out_ptr + row, token)
 
 
+@triton.jit
+def _reject_kernel(draft_ptr, target_ptr, params_ptr, out_ptr, V, draft_row, draft_pos, target_row, target_pos,
+                   K: tl.constexpr, BLOCK: tl.constexpr):
+    """One sequence's rejection sampling over K drafts (`openk3.draft.speculative.accept_drafts`, the reference):
+    params per row = [temperature (0: greedy), u_0 .. u_K, d_0 .. d_{K-1}] in fp64."""
+    row = tl.program_id(0).to(tl.int64)
+    params = params_ptr + row * (2 * K + 2)
+    temperature = tl.load(params)
+    greedy = temperature == 0
+    t = tl.where(greedy, 1.0, temperature).to(tl.float32)
+    accepted = tl.zeros([], tl.int64)
+    going = tl.full([], 1, tl.int1)
+    for i in tl.static_range(K):
+        d = tl.load(params + K + 2 + i).to(tl.int64)
+        p_base = target_ptr + row * target_row + i * target_pos
+        p_best, p_at = _row_max(p_base, V, BLOCK)
+        p_point = greedy | (tl.abs(p_best) == float("inf"))
+        p_x = tl.load(p_base + d).to(tl.float32)
+        p_d = _masses(tl.where(p_x == p_x, p_x, float("-inf")), d, p_best, t, p_point, p_at) / \
+            _row_total(p_base, V, p_best, t, p_point, p_at, BLOCK)
+        q_base = draft_ptr + row * draft_row + i * draft_pos
+        q_best, q_at = _row_max(q_base, V, BLOCK)
+        q_point = greedy | (tl.abs(q_best) == float("inf"))
+        q_at = tl.where(greedy, d, q_at)  # a greedy row's draft is a point mass at the drafted token
+        q_x = tl.load(q_base + d).to(tl.float32)
+        q_d = _masses(tl.where(q_x == q_x, q_x, float("-inf")), d, q_best, t, q_point, q_at) / \
+            _row_total(q_base, V, q_best, t, q_point, q_at, BLOCK)
+        going = going & (tl.load(params + 1 + i) * q_d < p_d)
+        accepted += going.to(tl.int64)
+    # the last token: from max(0, p_a - q_a), q_K = 0 (the bonus token's p_K)
+    cols = tl.arange(0, BLOCK)
+    with_q = accepted < K
+    a = tl.minimum(accepted, K - 1)
+    p_base = target_ptr + row * target_row + accepted * target_pos
+    p_best, p_at = _row_max(p_base, V, BLOCK)
+    p_point = greedy | (tl.abs(p_best) == float("inf"))
+    p_total = _row_total(p_base, V, p_best, t, p_point, p_at, BLOCK)
+    q_base = draft_ptr + row * draft_row + a * draft_pos
+    q_best, q_at = _row_max(q_base, V, BLOCK)
+    q_point = greedy | (tl.abs(q_best) == float("inf"))
+    q_at = tl.where(greedy, tl.load(params + K + 2 + a).to(tl.int64), q_at)
+    q_total = _row_total(q_base, V, q_best, t, q_point, q_at, BLOCK)
+    total = tl.zeros([], tl.float64)
+    p_sum = tl.zeros([], tl.float64)
+    for start in range(0, V, BLOCK):
+        idx = start + cols
+        p = _masses(_load_row(p_base, start, cols, V), idx, p_best, t, p_point, p_at) / p_total
+        q = _masses(_load_row(q_base, start, cols, V), idx, q_best, t, q_point, q_at) / q_total
+        total += tl.sum(tl.maximum(p - tl.where(with_q, q, 0.0), 0.0), axis=0)
+        p_sum += tl.sum(p, axis=0)
+    with_q = with_q & (total > 0)  # no residual mass (a draft the draft could not have drawn): p_a itself
+    total = tl.where(with_q, total, p_sum)
+    target = tl.minimum(tl.load(params + 1 + K) * total, total * (1 - 2.0**-52))
+    below = tl.zeros([], tl.int64)
+    last = tl.zeros([], tl.int64)
+    running = tl.zeros([], tl.float64)
+    for start in range(0, V, BLOCK):
+        idx = start + cols
+        p = _masses(_load_row(p_base, start, cols, V), idx, p_best, t, p_point, p_at) / p_total
+        q = _masses(_load_row(q_base, start, cols, V), idx, q_best, t, q_point, q_at) / q_total
+        r = tl.where(idx < V, tl.maximum(p - tl.where(with_q, q, 0.0), 0.0), 0.0)
+        cdf = running + tl.cumsum(r, axis=0)
+        below += tl.sum(((cdf <= target) & (idx < V)).to(tl.int64), axis=0)
+        last = tl.maximum(last, tl.max(tl.where(r > 0, idx, 0), axis=0).to(tl.int64))
+        running += tl.sum(r, axis=0)
+    tl.store(out_ptr + 2 * row, accepted)
+    tl.store(out_ptr + 2 * row + 1, tl.minimum(below, last))
+
+
+def _block(V: int) -> int:
+    return min(BLOCK_V, triton.next_power_of_2(V))
+
+
+def _last_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
 def sample_rows_triton(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """logits [B, V] (any float dtype, rows contiguous), temperature [B] (0: greedy), u [B] in [0, 1) -> one token
-    per row [B] (int64), on the logits' device. The per-row parameters travel in one host-to-device copy."""
+    """logits [B, V] (any float dtype), temperature [B] (0: greedy), u [B] in [0, 1) -> one token per row [B]
+    (int64), on the logits' device. The per-row parameters travel in one host-to-device copy."""
+    logits = _last_contiguous(logits)
     B, V = logits.shape
-    if logits.stride(-1) != 1:
-        logits = logits.contiguous()
     params = torch.stack([temperature.double().cpu(), u.double().cpu()], dim=1).to(logits.device)
     out = torch.empty(B, dtype=torch.int64, device=logits.device)
     if B:
-        _sample_kernel[(B,)](logits, params, out, V, logits.stride(0), BLOCK=min(BLOCK_V, triton.next_power_of_2(V)))
+        _sample_kernel[(B,)](logits, params, out, V, logits.stride(0), BLOCK=_block(V))
+    return out
+
+
+def reject_rows_triton(draft_logits: torch.Tensor, target_logits: torch.Tensor, drafted: torch.Tensor,
+                       temperature: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Rejection sampling of a batch, one program per row: draft_logits [B, K, V] (the logits each draft was
+    drawn from at temperature alone), target_logits [B, K+1, V], drafted [B, K] ids, temperature [B] (0: greedy),
+    u [B, K+1] in [0, 1) (u_i decides draft i, u_K draws the last token) -> [B, 2] int64 on the device: the
+    accepted drafts a and the last token, drawn from max(0, p_a - q_a) (p_K at a = K; p_a where that has no
+    mass). The same arithmetic as `accept_drafts` with the draft's distributions from `target_distributions`, up
+    to fp32 rounding."""
+    draft_logits, target_logits = _last_contiguous(draft_logits), _last_contiguous(target_logits)
+    B, K, V = draft_logits.shape
+    params = torch.cat([temperature.double().cpu().view(B, 1), u.double().cpu(), drafted.double().cpu()], dim=1)
+    params = params.to(target_logits.device)
+    out = torch.empty(B, 2, dtype=torch.int64, device=target_logits.device)
+    if B:
+        _reject_kernel[(B,)](draft_logits, target_logits, params, out, V, draft_logits.stride(0),
+                             draft_logits.stride(1), target_logits.stride(0), target_logits.stride(1), K=K,
+                             BLOCK=_block(V))
     return out

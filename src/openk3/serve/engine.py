@@ -57,7 +57,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from openk3.cache.paged import BlockTables, PagePool
 from openk3.cache.state_pool import StatePool
-from openk3.draft import EagleDraft, accept_drafts, accept_greedy, draw, target_distributions
+from openk3.draft import EagleDraft, accept_drafts, accept_drafts_on_logits, accept_greedy, draw, target_distributions
 from openk3.ops.transfer import to_device
 from openk3.sampling import SamplingParams, request_rng, sample_tokens, token_logprobs
 from openk3.serve.prefix_cache import PrefixCache, PrefixCacheConfig, image_keyed_tokens
@@ -185,16 +185,22 @@ class PoolExhausted(RuntimeError):
 
 @dataclass(eq=False)
 class DraftRound:
-    """One speculative round's drafts: each row's drafted tokens and the draft's distributions [B, V] at each step
-    (none kept when every row is plain greedy: those rounds compare argmaxes)."""
+    """One speculative round's drafts: each row's drafted tokens and what they were drawn from at each step [B, V]:
+    nothing when every row is plain greedy (those rounds compare argmaxes), the draft's logits when the
+    temperature alone shapes every row's distribution (`whole_distribution`: one sampling launch per draft and one
+    rejection launch per round on a GPU), otherwise the draft's distributions."""
 
     requests: list[Request]
     drafted: list[list[int]]
-    probs: list[torch.Tensor] = field(default_factory=list)
+    steps: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def plain_greedy(self) -> bool:
         return all(r.params.greedy and r.params.plain for r in self.requests)
+
+    @property
+    def on_logits(self) -> bool:
+        return all(r.params.whole_distribution for r in self.requests)
 
 
 class Engine:
@@ -537,13 +543,16 @@ class Engine:
     def _draw_drafts(self, drafts: DraftRound, logits: torch.Tensor) -> None:
         """Each row's next drafted token from the draft's logits [B, V] (on the device, one copy of the tokens to
         the host), and the distributions they came from."""
+        params, requests = [r.params for r in drafts.requests], drafts.requests
         if drafts.plain_greedy:
             tokens = logits.argmax(-1).tolist()
+        elif drafts.on_logits:
+            tokens = sample_tokens(logits, params, [r.rng for r in requests]).tolist()
+            drafts.steps.append(logits.clone())  # the draft pass's output buffer is rewritten by the next pass
         else:
-            params, requests = [r.params for r in drafts.requests], drafts.requests
             q = target_distributions(logits, params, [[*r.output, *d] for r, d in zip(requests, drafts.drafted)])
             tokens = draw(q, params, [r.rng for r in requests]).tolist()
-            drafts.probs.append(q)
+            drafts.steps.append(q)
         for d, token in zip(drafts.drafted, tokens):
             d.append(token)
 
@@ -552,8 +561,11 @@ class Engine:
         if drafts.plain_greedy:
             return [accept_greedy(d, picks) for d, picks in zip(drafts.drafted, logits.argmax(-1).tolist())]
         requests = drafts.requests
-        return accept_drafts(drafts.drafted, torch.stack(drafts.probs, 1), logits, [r.params for r in requests],
-                             [r.rng for r in requests], [r.output for r in requests])
+        params, rngs = [r.params for r in requests], [r.rng for r in requests]
+        if drafts.on_logits:
+            return accept_drafts_on_logits(drafts.drafted, torch.stack(drafts.steps, 1), logits, params, rngs)
+        return accept_drafts(drafts.drafted, torch.stack(drafts.steps, 1), logits, params, rngs,
+                             [r.output for r in requests])
 
     def _prefill(self, chunks: list[tuple[Request, int]], short: bool = False) -> None:
         """The next chunk of each request's prompt, (request, end of its chunk): all of the same length with the
