@@ -132,16 +132,23 @@ def test_rejection_kernel_keeps_what_the_reference_keeps(K, V):
 
 def test_sample_tokens_and_accept_drafts_on_logits_take_the_kernels_where_triton_applies(monkeypatch):
     """The dispatching wrappers (the GPU's path, here under the interpreter) against their PyTorch paths, same seeds:
-    temperature-only rows (greedy among them) through `sample_tokens` and `accept_drafts_on_logits`."""
+    temperature-only rows (greedy among them) through `sample_tokens` and `accept_drafts_on_logits`; a rejection
+    kernel that fails leaves the same results."""
     gen = torch.Generator().manual_seed(4)
     B, K, V = 6, 2, 300
     params = [SamplingParams(temperature=t) for t in (0.0, 0.7, 1.0, 1.3, TEMPERATURE_FLOOR, 2.0)]
     logits, draft, target = torch.randn(B, V, generator=gen), torch.randn(B, K, V, generator=gen), \
         torch.randn(B, K + 1, V, generator=gen)
+    def failing(*args):
+        raise RuntimeError("injected kernel failure")
+
     results = []
-    for kernels in (False, True):
-        monkeypatch.setattr(sampling, "use_triton", lambda t, compiled=False, on=kernels: on)
-        monkeypatch.setattr(speculative, "use_triton", lambda t, compiled=False, on=kernels: on)
+    for kernels in (False, True, "failing"):
+        monkeypatch.setattr(sampling, "use_triton", lambda t, compiled=False, on=bool(kernels): on)
+        monkeypatch.setattr(speculative, "use_triton", lambda t, compiled=False, on=bool(kernels): on)
+        monkeypatch.setattr(speculative, "_reject_kernel_failed", False)
+        if kernels == "failing":  # the wrapper goes on with PyTorch operations, on the same uniforms
+            monkeypatch.setattr(triton_sampling, "reject_rows_triton", failing)
         rngs = [random.Random(i) for i in range(B)]
         tokens = sample_tokens(logits.to(DEV), params, rngs).tolist()
         drafted = [[int(x) for x in torch.randint(0, V, (K,), generator=torch.Generator().manual_seed(b))]
@@ -149,4 +156,4 @@ def test_sample_tokens_and_accept_drafts_on_logits_take_the_kernels_where_triton
         drafted[1] = tokens[1:2] * K  # some plausible drafts
         kept = speculative.accept_drafts_on_logits(drafted, draft.to(DEV), target.to(DEV), params, rngs)
         results.append((tokens, kept, [r.random() for r in rngs]))
-    assert results[0] == results[1]
+    assert results[0] == results[1] == results[2] and speculative._reject_kernel_failed

@@ -25,6 +25,7 @@ K - 1 steps on its own hidden states at positions n+1 .. (latents that later rou
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -37,6 +38,9 @@ from openk3.cache import MLALayerCache
 from openk3.draft.model import EagleDraft, tapped_hidden_states
 from openk3.ops.fused import use_triton
 from openk3.sampling import SamplingParams, adjusted_logits, draw_by_inversion, request_rng, sampling_probs, uniforms
+
+log = logging.getLogger(__name__)
+_reject_kernel_failed = False  # set once the rejection kernel has failed in this process (`accept_drafts_on_logits`)
 
 
 def target_distributions(logits: torch.Tensor, params: Sequence[SamplingParams],
@@ -114,19 +118,29 @@ def accept_drafts_on_logits(drafted: Sequence[Sequence[int]], draft_logits: torc
                             rngs: Sequence[random.Random]) -> list[list[int]]:
     """`accept_drafts` for rows whose distributions the temperature alone shapes (`whole_distribution`: no cuts, bias
     or penalties), given the draft's raw logits [B, K, V] the drafts were drawn from (`sample_tokens`) rather than
-    its distributions. On a GPU one Triton launch per round (`ops.triton_sampling.reject_rows_triton`); elsewhere
-    `accept_drafts` on the draft's `target_distributions`. The same uniforms either way."""
+    its distributions. On a GPU one Triton launch per round (`ops.triton_sampling.reject_rows_triton`; should it
+    fail to compile or launch, this process goes on with the fallback, logged once); elsewhere `accept_drafts` on the
+    draft's `target_distributions`. The same uniforms either way."""
+    global _reject_kernel_failed
     B, K, V = draft_logits.shape
-    if not use_triton(target_logits):
-        q = target_distributions(draft_logits.reshape(B * K, V), [p for p in params for _ in range(K)])
-        return accept_drafts(drafted, q.view(B, K, V), target_logits, params, rngs)
-    from openk3.ops.triton_sampling import reject_rows_triton  # triton is an optional dependency
+    if use_triton(target_logits) and not _reject_kernel_failed:
+        from openk3.ops.triton_sampling import reject_rows_triton  # triton is an optional dependency
 
-    temperature = torch.tensor([0.0 if p.greedy else p.temperature for p in params], dtype=torch.float64)
-    u = uniforms([None if p.greedy else rng for p, rng in zip(params, rngs)], count=K + 1)
-    counts, tokens = reject_rows_triton(draft_logits, target_logits, torch.tensor(drafted).view(B, K), temperature,
-                                        u).T.tolist()
-    return [[*drafted[b][:a], t] for b, (a, t) in enumerate(zip(counts, tokens))]
+        temperature = torch.tensor([0.0 if p.greedy else p.temperature for p in params], dtype=torch.float64)
+        states = [rng.getstate() for rng in rngs]
+        u = uniforms([None if p.greedy else rng for p, rng in zip(params, rngs)], count=K + 1)
+        try:
+            counts, tokens = reject_rows_triton(draft_logits, target_logits, torch.tensor(drafted).view(B, K),
+                                                temperature, u).T.tolist()
+            return [[*drafted[b][:a], t] for b, (a, t) in enumerate(zip(counts, tokens))]
+        except Exception:  # Triton's compile and launch errors have no common base class
+            log.exception("the rejection kernel failed; rejection sampling with PyTorch operations from now on")
+            _reject_kernel_failed = True
+            for rng, state in zip(rngs, states):  # the fallback draws the same uniforms
+                rng.setstate(state)
+    q = target_distributions(draft_logits.reshape(B * K, V), [p for p in params for _ in range(K)])
+    return accept_drafts(drafted, q.view(B, K, V), target_logits, params, rngs)
+
 
 
 @dataclass

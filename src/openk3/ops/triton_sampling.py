@@ -65,21 +65,37 @@ def _row_total(base, V, best, t, point, at, BLOCK: tl.constexpr):
 
 @triton.jit
 def _sample_kernel(logits_ptr, params_ptr, out_ptr, V, stride, BLOCK: tl.constexpr):
+    # (as run on the H200, bench/decode_profile_runs/20-device-sampling.log; `_reject_kernel` builds on the helpers)
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * stride
     temperature = tl.load(params_ptr + 2 * row)
     u = tl.load(params_ptr + 2 * row + 1)
     cols = tl.arange(0, BLOCK)
-    best, token = _row_max(base, V, BLOCK)
+    best = tl.full([], float("-inf"), tl.float32)
+    best_at = tl.zeros([], tl.int64)
+    for start in range(0, V, BLOCK):
+        x = tl.load(base + start + cols, mask=start + cols < V, other=float("-inf")).to(tl.float32)
+        x = tl.where(x == x, x, float("-inf"))  # NaN is never chosen
+        block_best = tl.max(x, axis=0)
+        at = tl.argmax(x, axis=0, tie_break_left=True).to(tl.int64) + start
+        better = block_best > best
+        best_at = tl.where(better, at, best_at)
+        best = tl.where(better, block_best, best)
+    token = best_at
     if (temperature > 0) & (tl.abs(best) < float("inf")):
         t = temperature.to(tl.float32)
-        total = _row_total(base, V, best, t, False, 0, BLOCK)
+        total = tl.zeros([], tl.float64)
+        for start in range(0, V, BLOCK):
+            x = tl.load(base + start + cols, mask=start + cols < V, other=float("-inf")).to(tl.float32)
+            e = tl.exp((tl.where(x == x, x, float("-inf")) - best) / t).to(tl.float64)
+            total += tl.sum(e, axis=0)
         target = tl.minimum(u * total, total * (1 - 2.0**-52))
         below = tl.zeros([], tl.int64)
         last = tl.zeros([], tl.int64)  # the last token of positive mass: the draw never goes past it
         running = tl.zeros([], tl.float64)
         for start in range(0, V, BLOCK):
-            e = _masses(_load_row(base, start, cols, V), start + cols, best, t, False, 0)
+            x = tl.load(base + start + cols, mask=start + cols < V, other=float("-inf")).to(tl.float32)
+            e = tl.exp((tl.where(x == x, x, float("-inf")) - best) / t).to(tl.float64)
             cdf = running + tl.cumsum(e, axis=0)
             below += tl.sum(((cdf <= target) & (start + cols < V)).to(tl.int64), axis=0)
             last = tl.maximum(last, tl.max(tl.where(e > 0, start + cols, 0), axis=0).to(tl.int64))
