@@ -3,9 +3,9 @@ seed) and the log-probabilities reported for each sampled token.
 
 Shared by training's end-of-run sample, `openk3 generate` and the serving engine. A logits row goes through, in fp32:
 1. NaN read as -inf (never chosen);
-2. `adjust_logits`: OpenAI's logit bias and presence / frequency penalties, mu[j] - c[j] * frequency -
-   [c[j] > 0] * presence, where c[j] counts how often token j was generated before this position (the prompt does
-   not count, as in OpenAI's definition and vLLM's);
+2. `adjusted_logits` (one row: `adjust_logits`): OpenAI's logit bias and presence / frequency penalties,
+   mu[j] - c[j] * frequency - [c[j] > 0] * presence, where c[j] counts how often token j was generated before this
+   position (the prompt does not count, as in OpenAI's definition and vLLM's);
 3. temperature, top-k, top-p, then one draw by inversion of the cumulative distribution with one uniform from the
    request's own random source (`request_rng`), so a seeded request draws the same tokens whatever else runs beside
    it. The whole batch samples in a few tensor operations on the logits' own device (a GPU batch sends one uniform
@@ -94,18 +94,19 @@ def choice_seed(seed: int, index: int) -> int:
 
 
 def adjust_logits(logits: torch.Tensor, params: SamplingParams, previous: Sequence[int] = ()) -> torch.Tensor:
-    """logits [V] fp32 (any device) -> logits with the logit bias added and the presence / frequency penalties of the
-    tokens generated so far (`previous`) subtracted (module docstring). Ids outside [0, V) are ignored."""
-    vocab, device = logits.numel(), logits.device
+    """logits [V] fp32 -> logits with the logit bias added and the presence / frequency penalties of the tokens
+    generated so far (`previous`) subtracted (module docstring). Ids outside [0, V) are ignored. The plain one-row
+    reference of `adjusted_logits`."""
+    vocab = logits.numel()
     if params.logit_bias:
-        ids = [t for t in params.logit_bias if t < vocab]
-        bias = torch.tensor([params.logit_bias[t] for t in ids], dtype=logits.dtype, device=device)
-        logits = logits.index_add(0, torch.tensor(ids, dtype=torch.long, device=device), bias)
+        ids = torch.tensor([t for t in params.logit_bias if t < vocab], dtype=torch.long)
+        bias = torch.tensor([params.logit_bias[t] for t in ids.tolist()], dtype=logits.dtype)
+        logits = logits.index_add(0, ids, bias)
     if previous and (params.presence_penalty or params.frequency_penalty):
         ids, counts = torch.unique(torch.tensor(list(previous), dtype=torch.long), return_counts=True)
         keep = ids < vocab
         penalty = counts[keep].to(logits.dtype) * params.frequency_penalty + params.presence_penalty
-        logits = logits.index_add(0, ids[keep].to(device), -penalty.to(device))
+        logits = logits.index_add(0, ids[keep], -penalty)
     return logits
 
 

@@ -56,8 +56,8 @@ def target_distributions(logits: torch.Tensor, params: Sequence[SamplingParams],
 
 
 def draw(probs: torch.Tensor, params: Sequence[SamplingParams], rngs: Sequence[random.Random]) -> torch.Tensor:
-    """One token per row of `probs` [B, V] [B]: greedy rows take the argmax without touching their random source,
-    the others draw by inversion with one uniform from it."""
+    """probs [B, V] -> one token per row [B]: greedy rows take the argmax without touching their random source, the
+    others draw by inversion with one uniform from it."""
     sources = [None if p.greedy else rng for p, rng in zip(params, rngs)]
     drawn = draw_by_inversion(probs, uniforms(sources, probs.device)[:, 0])
     return torch.where(torch.tensor([p.greedy for p in params], device=probs.device), probs.argmax(-1), drawn)
@@ -94,12 +94,12 @@ def accept_drafts(drafted: Sequence[Sequence[int]], draft_probs: torch.Tensor | 
     K, device = K1 - 1, target_logits.device
     ids = torch.tensor([list(d) for d in drafted], dtype=torch.long, device=device).view(B, K)
     before = [[*(previous[b] if previous is not None else ()), *drafted[b][:i]] for b in range(B) for i in range(K1)]
-    p = target_distributions(target_logits.reshape(B * K1, V), [q for q in params for _ in range(K1)], before)
+    p = target_distributions(target_logits.reshape(B * K1, V), [sp for sp in params for _ in range(K1)], before)
     p = p.view(B, K1, V)
-    greedy = torch.tensor([q.greedy for q in params], device=device)
+    greedy = torch.tensor([sp.greedy for sp in params], device=device)
     q = F.one_hot(ids, V).float() if draft_probs is None else \
         torch.where(greedy.view(B, 1, 1), F.one_hot(ids, V).float(), draft_probs.float())
-    u = uniforms([None if q_.greedy else rng for q_, rng in zip(params, rngs)], device, count=K1)
+    u = uniforms([None if sp.greedy else rng for sp, rng in zip(params, rngs)], device, count=K1)
     accept = u[:, :K] * q.gather(-1, ids.unsqueeze(-1)).squeeze(-1) < p[:, :K].gather(-1, ids.unsqueeze(-1)).squeeze(-1)
     accepted = accept.long().cumprod(-1).sum(-1)  # leading acceptances a
     q = F.pad(q, (0, 0, 0, 1))  # q_K = 0: at a = K the residual is the bonus distribution p_K
@@ -140,7 +140,6 @@ def accept_drafts_on_logits(drafted: Sequence[Sequence[int]], draft_logits: torc
                 rng.setstate(state)
     q = target_distributions(draft_logits.reshape(B * K, V), [p for p in params for _ in range(K)])
     return accept_drafts(drafted, q.view(B, K, V), target_logits, params, rngs)
-
 
 
 @dataclass
