@@ -64,6 +64,32 @@ def _row_total(base, V, best, t, point, at, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _row_distribution(base, V, t, greedy, greedy_at, BLOCK: tl.constexpr):
+    """(largest logit, point-mass flag, its token, total mass) of a row's distribution at temperature t: a point
+    mass for greedy rows (at `greedy_at` where >= 0, else at the argmax) and rows without a finite largest logit."""
+    best, at = _row_max(base, V, BLOCK)
+    point = greedy | (tl.abs(best) == float("inf"))
+    at = tl.where(greedy & (greedy_at >= 0), greedy_at, at)
+    return best, point, at, _row_total(base, V, best, t, point, at, BLOCK)
+
+
+@triton.jit
+def _probability(base, token, best, t, point, at, total):
+    x = tl.load(base + token).to(tl.float32)
+    return _masses(tl.where(x == x, x, float("-inf")), token, best, t, point, at) / total
+
+
+@triton.jit
+def _residual(p_base, q_base, start, cols, V, t, with_q, p_best, p_point, p_at, p_total, q_best, q_point, q_at,
+              q_total):
+    """One block of max(0, p - q) (of p alone where not `with_q`), zero past V."""
+    idx = start + cols
+    p = _masses(_load_row(p_base, start, cols, V), idx, p_best, t, p_point, p_at) / p_total
+    q = _masses(_load_row(q_base, start, cols, V), idx, q_best, t, q_point, q_at) / q_total
+    return tl.where(idx < V, tl.maximum(p - tl.where(with_q, q, 0.0), 0.0), 0.0)
+
+
+@triton.jit
 def _sample_kernel(logits_ptr, params_ptr, out_ptr, V, stride, BLOCK: tl.constexpr):
     # (as run on the H200, bench/decode_profile_runs/20-device-sampling.log; `_reject_kernel` builds on the helpers)
     row = tl.program_id(0).to(tl.int64)
@@ -119,18 +145,12 @@ def _reject_kernel(draft_ptr, target_ptr, params_ptr, out_ptr, V, draft_row, dra
     for i in tl.static_range(K):
         d = tl.load(params + K + 2 + i).to(tl.int64)
         p_base = target_ptr + row * target_row + i * target_pos
-        p_best, p_at = _row_max(p_base, V, BLOCK)
-        p_point = greedy | (tl.abs(p_best) == float("inf"))
-        p_x = tl.load(p_base + d).to(tl.float32)
-        p_d = _masses(tl.where(p_x == p_x, p_x, float("-inf")), d, p_best, t, p_point, p_at) / \
-            _row_total(p_base, V, p_best, t, p_point, p_at, BLOCK)
+        p_best, p_point, p_at, p_total = _row_distribution(p_base, V, t, greedy, -1, BLOCK)
         q_base = draft_ptr + row * draft_row + i * draft_pos
-        q_best, q_at = _row_max(q_base, V, BLOCK)
-        q_point = greedy | (tl.abs(q_best) == float("inf"))
-        q_at = tl.where(greedy, d, q_at)  # a greedy row's draft is a point mass at the drafted token
-        q_x = tl.load(q_base + d).to(tl.float32)
-        q_d = _masses(tl.where(q_x == q_x, q_x, float("-inf")), d, q_best, t, q_point, q_at) / \
-            _row_total(q_base, V, q_best, t, q_point, q_at, BLOCK)
+        # a greedy row's draft is a point mass at the drafted token
+        q_best, q_point, q_at, q_total = _row_distribution(q_base, V, t, greedy, d, BLOCK)
+        p_d = _probability(p_base, d, p_best, t, p_point, p_at, p_total)
+        q_d = _probability(q_base, d, q_best, t, q_point, q_at, q_total)
         going = going & (tl.load(params + 1 + i) * q_d < p_d)
         accepted += going.to(tl.int64)
     # the last token: from max(0, p_a - q_a), q_K = 0 (the bonus token's p_K)
@@ -138,22 +158,17 @@ def _reject_kernel(draft_ptr, target_ptr, params_ptr, out_ptr, V, draft_row, dra
     with_q = accepted < K
     a = tl.minimum(accepted, K - 1)
     p_base = target_ptr + row * target_row + accepted * target_pos
-    p_best, p_at = _row_max(p_base, V, BLOCK)
-    p_point = greedy | (tl.abs(p_best) == float("inf"))
-    p_total = _row_total(p_base, V, p_best, t, p_point, p_at, BLOCK)
+    p_best, p_point, p_at, p_total = _row_distribution(p_base, V, t, greedy, -1, BLOCK)
     q_base = draft_ptr + row * draft_row + a * draft_pos
-    q_best, q_at = _row_max(q_base, V, BLOCK)
-    q_point = greedy | (tl.abs(q_best) == float("inf"))
-    q_at = tl.where(greedy, tl.load(params + K + 2 + a).to(tl.int64), q_at)
-    q_total = _row_total(q_base, V, q_best, t, q_point, q_at, BLOCK)
+    q_best, q_point, q_at, q_total = _row_distribution(q_base, V, t, greedy, tl.load(params + K + 2 + a).to(tl.int64),
+                                                       BLOCK)
     total = tl.zeros([], tl.float64)
     p_sum = tl.zeros([], tl.float64)
     for start in range(0, V, BLOCK):
-        idx = start + cols
-        p = _masses(_load_row(p_base, start, cols, V), idx, p_best, t, p_point, p_at) / p_total
-        q = _masses(_load_row(q_base, start, cols, V), idx, q_best, t, q_point, q_at) / q_total
-        total += tl.sum(tl.maximum(p - tl.where(with_q, q, 0.0), 0.0), axis=0)
-        p_sum += tl.sum(p, axis=0)
+        total += tl.sum(_residual(p_base, q_base, start, cols, V, t, with_q, p_best, p_point, p_at, p_total, q_best,
+                                  q_point, q_at, q_total), axis=0)
+        p_sum += tl.sum(_residual(p_base, q_base, start, cols, V, t, False, p_best, p_point, p_at, p_total, q_best,
+                                  q_point, q_at, q_total), axis=0)
     with_q = with_q & (total > 0)  # no residual mass (a draft the draft could not have drawn): p_a itself
     total = tl.where(with_q, total, p_sum)
     target = tl.minimum(tl.load(params + 1 + K) * total, total * (1 - 2.0**-52))
@@ -161,13 +176,11 @@ def _reject_kernel(draft_ptr, target_ptr, params_ptr, out_ptr, V, draft_row, dra
     last = tl.zeros([], tl.int64)
     running = tl.zeros([], tl.float64)
     for start in range(0, V, BLOCK):
-        idx = start + cols
-        p = _masses(_load_row(p_base, start, cols, V), idx, p_best, t, p_point, p_at) / p_total
-        q = _masses(_load_row(q_base, start, cols, V), idx, q_best, t, q_point, q_at) / q_total
-        r = tl.where(idx < V, tl.maximum(p - tl.where(with_q, q, 0.0), 0.0), 0.0)
+        r = _residual(p_base, q_base, start, cols, V, t, with_q, p_best, p_point, p_at, p_total, q_best, q_point,
+                      q_at, q_total)
         cdf = running + tl.cumsum(r, axis=0)
-        below += tl.sum(((cdf <= target) & (idx < V)).to(tl.int64), axis=0)
-        last = tl.maximum(last, tl.max(tl.where(r > 0, idx, 0), axis=0).to(tl.int64))
+        below += tl.sum(((cdf <= target) & (start + cols < V)).to(tl.int64), axis=0)
+        last = tl.maximum(last, tl.max(tl.where(r > 0, start + cols, 0), axis=0).to(tl.int64))
         running += tl.sum(r, axis=0)
     tl.store(out_ptr + 2 * row, accepted)
     tl.store(out_ptr + 2 * row + 1, tl.minimum(below, last))
