@@ -591,17 +591,18 @@ class Engine:
             self.runner.draft_step(torch.cat([prev, features[:, :-1]], dim=1), to_device(chunks, prev.device),
                                    slots, starts)
         # only the rows that end their prompt sample (and draw from their random source)
-        ending = {row: i for i, row in enumerate(row for row, r in enumerate(requests) if ends[row] == len(r.prompt))}
-        sample = self._sampler([requests[row] for row in ending], logits[list(ending)])
+        ending = [row for row, (r, end) in enumerate(zip(requests, ends)) if end == len(r.prompt)]
+        sample = self._sampler([requests[row] for row in ending], logits[ending])
+        sampled_row = {row: i for i, row in enumerate(ending)}  # batch row -> its row among the sampled ones
         for row, (r, end) in enumerate(zip(requests, ends)):
             with self._isolated([r]):
                 start, r.fed = r.fed, end
                 if features is not None:
                     self.features[r] = features[row, -1:]
                 self._register_blocks(r, start, checkpoints, row, features)
-                if row in ending:
+                if row in sampled_row:
                     r.first_token_at = time.perf_counter()
-                    self._accept(r, sample(ending[row]))
+                    self._accept(r, sample(sampled_row[row]))
 
     def _register_blocks(self, r: Request, start: int, checkpoints: dict | None = None, row: int = 0,
                          features: torch.Tensor | None = None, pending: Sequence[int] = ()) -> None:

@@ -330,7 +330,7 @@ class ModelRunner:
         self.states.recurrent[:, slot] = self.recurrent_out[:, row, offset]
 
     def draft_pass(self, prev: torch.Tensor, ids: list[list[int]], slots: list[int], starts: list[int],
-              last: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+                   last: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The draft over T positions per sequence (T = 1 or K + 1) from position starts[b]: prev [n, T, D] (target
         features or the draft's own hidden states), ids [n][T]. Writes the draft latents of those positions and
         returns (hidden [n, D], logits [n, vocab]) at each row's position `last[b]` (views, as `decode`'s)."""
