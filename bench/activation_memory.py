@@ -50,7 +50,7 @@ from torch import nn  # noqa: E402
 from openk3.cli_options import int_at_least  # noqa: E402
 from openk3.config import PRESETS, ModelConfig, get_preset  # noqa: E402
 from openk3.model import K3ForCausalLM  # noqa: E402
-from openk3.ops.loss import DEFAULT_CHUNK, linear_cross_entropy  # noqa: E402
+from openk3.ops.loss import CHUNK_LOGITS_BYTES, linear_cross_entropy  # noqa: E402
 
 HERE = Path(__file__).parent
 MTP_WEIGHT = 0.3  # as bench/train.py's k3 step
@@ -432,13 +432,13 @@ def ce_transient(vocab: int, tokens: int, logits_alive: bool) -> float:
     return 8 * vocab * tokens + (2 * vocab * tokens if logits_alive else 0)
 
 
-def fused_ce_transient(vocab: int, hidden: int, tokens: int, chunk: int = DEFAULT_CHUNK) -> float:
-    """openk3.ops.loss.linear_cross_entropy (the k3 step's `lm_losses`; its saved gradients grad_hidden [tokens,
-    hidden] and grad_weight [vocab, hidden] fp32 are in the census): the larger of its forward's per-chunk buffers
-    (fp32 logits that become the gradient in place, the bf16 matmul output, the bf16 gradient: 8 B per [chunk,
-    vocab] element; the weight's bf16 copy and the bf16 grad_weight product: 4 B per [vocab, hidden] element) and
-    its backward's grad_output-scaled copies of the two stored gradients (fp32)."""
-    forward = 8 * min(chunk, tokens) * vocab + 4 * vocab * hidden
+def fused_ce_transient(vocab: int, hidden: int, tokens: int) -> float:
+    """openk3.ops.loss.linear_cross_entropy on a GPU (the k3 step's `lm_losses`; its saved gradients grad_hidden
+    [tokens, hidden] and grad_weight [vocab, hidden] fp32 are in the census): the larger of its forward's per-chunk
+    buffers (the chunk's bf16 logits, which the Triton kernel turns into their gradient in place:
+    CHUNK_LOGITS_BYTES, or less for fewer tokens; the weight's bf16 copy: 2 B per [vocab, hidden] element) and its
+    backward's grad_output-scaled copies of the two stored gradients (fp32)."""
+    forward = min(CHUNK_LOGITS_BYTES, 2 * tokens * vocab) + 2 * vocab * hidden
     backward = 4 * (tokens + vocab) * hidden
     return max(forward, backward)
 
