@@ -25,10 +25,16 @@ def causal_conv1d(
     """Full-sequence form. x [B,T,C] -> (y [B,T,C], new state [B,C,W-1]). With the SiLU, one autograd Function
     that keeps x (not the conv's input copy and output, as autograd would) and recomputes the conv in backward: on
     CUDA tensors (`ops.fused.use_triton`) the Triton kernels of `ops.triton_conv`, elsewhere `_ConvSiLU`;
-    `causal_conv1d_reference` is the plain composition it must equal, and what runs while torch.compile traces
-    (Inductor chooses what to recompute itself)."""
-    if not activation or torch.compiler.is_compiling():
+    `causal_conv1d_reference` is the plain composition it must equal. While torch.compile traces, CUDA tensors
+    still take the Triton kernels (the compiled graph breaks around them: Inductor's own depthwise conv took
+    ~1 ms more per KDA layer of k3-debug's training step, bench/RESULTS.md) and others the reference."""
+    if not activation or (torch.compiler.is_compiling() and not use_triton(x, compiled=True)):
         return causal_conv1d_reference(x, weight, state, activation)
+    return _conv_silu_with_state(x, weight, state)
+
+
+@torch.compiler.disable
+def _conv_silu_with_state(x, weight, state):
     w = _kernel(weight)
     B, T, C = x.shape
     W = w.shape[-1]

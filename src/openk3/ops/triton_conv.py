@@ -26,10 +26,12 @@ import triton.language as tl
 
 BLOCK_T = 64  # forward: time steps per tile (at most)
 BLOCK_C = 128  # forward: channels per tile (at most)
-# backward: [32, 64] tiles at 8 warps keep both kernels out of local memory (ptxas for sm_90, bf16 x, W = 4: pass 1
-# 56 registers without a state, 122 with one; [64, 128] spills)
-BWD_BLOCK_T = 32
+# backward: [64, 64] tiles at 4 warps. On an H200 at k3-debug's shape (x [8, 4096, 3072] bf16, W = 4, no state) the
+# two passes took 0.69 ms, against 1.56 ms for [32, 64] at 8 warps, 0.83-1.3 ms for [16-32, 128-256] at 4 warps and
+# 0.67 ms for [128, 32], the same dx to the bit (bench/RESULTS.md, 2026-12-01, eighth session)
+BWD_BLOCK_T = 64
 BWD_BLOCK_C = 64
+BWD_WARPS = 4
 
 
 @triton.jit
@@ -175,11 +177,11 @@ def _backward(x, w, state, dy):
     g = torch.empty(x.shape, dtype=w.dtype, device=x.device)  # in the compute dtype, as autograd's SiLU backward
     dw_part = torch.empty(B * grid[0], C, W, dtype=torch.float32, device=x.device)
     _conv_bwd_g_kernel[grid](x, s if has_state else x, w, dy, g, dw_part, T, C, *strides, W=W, HAS_STATE=has_state,
-                             num_warps=8, **kw)
+                             num_warps=BWD_WARPS, **kw)
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     dstate = torch.empty(state.shape, dtype=state.dtype, device=x.device) if state is not None else None
     _conv_bwd_dx_kernel[grid](g, w, dx, dstate if has_state else dx, T, C, W=W, HAS_STATE=has_state,
-                              BLOCK_S=triton.next_power_of_2(max(W - 1, 1)), num_warps=8, **kw)
+                              BLOCK_S=triton.next_power_of_2(max(W - 1, 1)), num_warps=BWD_WARPS, **kw)
     return dx, dw_part.sum(0), dstate
 
 
