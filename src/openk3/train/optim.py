@@ -188,20 +188,25 @@ class MuonAdamW(torch.optim.Optimizer):
             torch._foreach_add_(params, steps, alpha=-group["lr"])
 
     def _adamw_group(self, group: dict) -> None:
-        """AdamW through torch's own implementation (multi-tensor on a GPU: a few kernels for the whole group, where
-        a loop over the parameters took 8% of a k3-debug step on an H200, bench/RESULTS.md)."""
+        """AdamW through torch's own implementation: its fused kernels when every parameter is a plain CUDA tensor
+        (one pass over each parameter's four tensors), multi-tensor otherwise (a loop over the parameters took 8% of
+        a k3-debug step on an H200, bench/RESULTS.md). Fused, the step counters live on the device."""
         params = [p for p in group["params"] if p.grad is not None]
+        fused = bool(params) and all(p.is_cuda and type(p.data) is torch.Tensor for p in params)  # not DTensors
         for p in params:
             state = self.state[p]
             if "step" not in state:
                 state["step"] = torch.zeros((), dtype=torch.float32)
                 state["exp_avg"] = torch.zeros_like(p)
                 state["exp_avg_sq"] = torch.zeros_like(p)
+            where = p.device if fused else torch.device("cpu")  # a counter loaded from a checkpoint may be elsewhere
+            if state["step"].device != where:
+                state["step"] = state["step"].to(where)
         states = [self.state[p] for p in params]
         beta1, beta2 = group["betas"]
         adamw(params, [p.grad for p in params], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
               [], [s["step"] for s in states], amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
-              weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+              weight_decay=group["weight_decay"], eps=group["eps"], maximize=False, fused=fused or None)
 
 
 # ---- which parameter goes where ------------------------------------------------------------------------------
