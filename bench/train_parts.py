@@ -9,8 +9,9 @@ random output gradient, eagerly and then compiled the way `compile_blocks` compi
 and loss likewise. Each unit's time times its count per step, summed, against the whole step (eager, and with
 `compile_blocks`): what is left is the glue between the units (the Block AttnRes stream, autograd's gradient
 sums, the embedding) and the optimizer. Also the whole step with the whole model under one torch.compile (graph
-breaks at the KDA kernels), to measure what fusing across the units gives. Prints a Markdown table and writes
-bench/train_parts.json.
+breaks at the KDA kernels), to measure what fusing across the units gives. --profile N lists the N heaviest
+kernels of one compiled step; --ablate times the compiled step without Block AttnRes and without the MTP layer
+(what each costs). Prints Markdown tables and writes bench/train_parts.json.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from openk3.ops.loss import linear_cross_entropy
 from openk3.train.optim import build_optimizer
 
 HERE = Path(__file__).parent
+# what the step costs without a component: plain pre-norm residuals instead of Block AttnRes, no MTP layer
+ABLATIONS = {"no AttnRes": {"attn_res_block_size": None}, "no MTP": {"mtp_layers": 0}}
 
 
 def _load_train_bench():
@@ -119,8 +122,41 @@ def loss_ms(head_inputs: torch.Tensor, head: torch.Tensor, targets: torch.Tensor
                       [head], reps)
 
 
-def step_ms(cfg, variant: str, batch, reps: int) -> dict:
-    """The whole AdamW step: eager, compile_blocks, or the whole model under one torch.compile."""
+def measure_parts(cfg, ids: torch.Tensor, args: argparse.Namespace) -> tuple[dict, dict, dict, dict]:
+    """(k3 unit rows, their counts per step, the dense model's rows, their counts)."""
+    torch.manual_seed(0)
+    model = K3ForCausalLM(cfg).cuda()
+    units, counts = k3_units(model)
+    inputs = capture_inputs(model, units, ids[:, :-1])
+    parts = measure_units(units, inputs, args.reps)
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        out = model(ids[:, :-1], return_logits=False)
+    parts["LM head + CE"] = {"eager_ms": loss_ms(out.head_inputs, model.lm_head.weight, ids[:, 1:], args.reps)}
+    counts["LM head + CE"] = 1 + cfg.mtp_layers  # the MTP loss on T-1 positions: counted as a whole one
+    del model, out
+    train_bench.free_gpu()
+    dense_parts, dense_counts = measure_dense(cfg, ids, args.reps)
+    train_bench.free_gpu()
+    return parts, counts, dense_parts, dense_counts
+
+
+def measure_dense(cfg, ids: torch.Tensor, reps: int) -> tuple[dict[str, dict], dict[str, int]]:
+    """The dense baseline's block and its plain LM head + cross-entropy, forward + backward."""
+    dense, _ = train_bench.dense_like(cfg)
+    dense = dense.cuda()
+    B, T = ids.shape[0], ids.shape[1] - 1
+    h = torch.randn(B, T, cfg.hidden_size, device="cuda")
+    block, head = dense.blocks[0], dense.head
+    parts = {"dense block": {"eager_ms": fwd_bwd_ms(block, (h,), list(block.parameters()), reps)}}
+    parts["LM head + CE (plain)"] = {"eager_ms": fwd_bwd_ms(
+        lambda x: torch.nn.functional.cross_entropy(head(x).flatten(0, 1).float(), ids[:, 1:].flatten()),
+        (h,), [head.weight], reps)}
+    return parts, {"dense block": len(dense.blocks), "LM head + CE (plain)": 1}
+
+
+def step_ms(cfg, variant: str, batch, reps: int, profile_kernels: int = 0) -> dict:
+    """The whole AdamW step: eager, compile_blocks, or the whole model under one torch.compile; with
+    profile_kernels, also the top kernels of one profiled step (name, ms, share, calls)."""
     torch.manual_seed(0)
     model = K3ForCausalLM(cfg).cuda()
     if variant == "compile_blocks":
@@ -128,9 +164,18 @@ def step_ms(cfg, variant: str, batch, reps: int) -> dict:
     elif variant == "compile_model":
         model.compile()
     opt = build_optimizer(model, lr=1e-4, weight_decay=0.1, optimizer="adamw")
+    torch.cuda.reset_peak_memory_stats()
     try:
-        seconds, warmup_s = train_bench.time_steps(train_bench.k3_train_step(model, opt, batch), reps, 3)
+        step = train_bench.k3_train_step(model, opt, batch)
+        seconds, warmup_s = train_bench.time_steps(step, reps, 3)
         row = {"step_ms": seconds * 1e3, "warmup_s": warmup_s, "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+        if profile_kernels:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                step()
+                torch.cuda.synchronize()
+            row["top_kernels"] = train_bench.top_kernels(prof, rows=profile_kernels)
     except Exception as e:
         row = {"error": train_bench.error_summary(e)}
         traceback.print_exc()
@@ -146,6 +191,11 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--steps", default="eager,compile_blocks,compile_model",
                         help="whole-step variants to time, comma-separated (empty: none)")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="also list the N kernels with the most time in one profiled compile_blocks step")
+    parser.add_argument("--steps-only", action="store_true", help="time the whole steps only, not the units")
+    parser.add_argument("--ablate", action="store_true",
+                        help="also time compile_blocks steps of the model without Block AttnRes and without MTP")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/train_parts.py needs a CUDA device")
@@ -155,34 +205,15 @@ def main() -> None:
     def batch() -> torch.Tensor:
         return torch.randint(0, cfg.vocab_size, (B, T + 1), device="cuda")
 
-    torch.manual_seed(0)
-    model = K3ForCausalLM(cfg).cuda()
-    units, counts = k3_units(model)
-    ids = batch()
-    inputs = capture_inputs(model, units, ids[:, :-1])
-    parts = measure_units(units, inputs, args.reps)
-    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
-        out = model(ids[:, :-1], return_logits=False)
-    parts["LM head + CE"] = {"eager_ms": loss_ms(out.head_inputs, model.lm_head.weight, ids[:, 1:], args.reps)}
-    counts["LM head + CE"] = 1 + cfg.mtp_layers  # the MTP loss on T-1 positions: counted as a whole one
-    del model, out
-    train_bench.free_gpu()
-
-    dense, _ = train_bench.dense_like(cfg)
-    dense = dense.cuda()
-    h = torch.randn(B, T, cfg.hidden_size, device="cuda")
-    block, head = dense.blocks[0], dense.head
-    dense_parts = {"dense block": {"eager_ms": fwd_bwd_ms(block, (h,), list(block.parameters()), args.reps)}}
-    dense_parts["LM head + CE (plain)"] = {"eager_ms": fwd_bwd_ms(
-        lambda x: torch.nn.functional.cross_entropy(head(x).flatten(0, 1).float(), ids[:, 1:].flatten()),
-        (h,), [head.weight], args.reps)}
-    dense_counts = {"dense block": len(dense.blocks), "LM head + CE (plain)": 1}
-    del dense, block, head
-    train_bench.free_gpu()
+    no_parts = ({}, {}, {}, {})
+    parts, counts, dense_parts, dense_counts = no_parts if args.steps_only else measure_parts(cfg, batch(), args)
 
     steps = {}
     for variant in filter(None, args.steps.split(",")):
-        steps[variant] = step_ms(cfg, variant, batch, args.reps)
+        steps[variant] = step_ms(cfg, variant, batch, args.reps, args.profile if variant == "compile_blocks" else 0)
+        train_bench.free_gpu()
+    for name, override in ABLATIONS.items() if args.ablate else ():
+        steps[f"compile_blocks, {name}"] = step_ms(cfg.with_overrides(override), "compile_blocks", batch, args.reps)
         train_bench.free_gpu()
 
     def summed(rows, counts_, key):
@@ -200,7 +231,11 @@ def main() -> None:
     dense_sum = summed(dense_parts, dense_counts, "eager_ms")
     print(f"\nsum of the k3 units: eager {k3_eager:.1f} ms, compiled {k3_compiled:.1f} ms; dense: {dense_sum:.1f} ms")
     for variant, row in steps.items():
-        print(f"whole step, {variant}: {row}")
+        print(f"whole step, {variant}: " + str({k: v for k, v in row.items() if k != "top_kernels"}))
+        if "top_kernels" in row:
+            print("\n| kernel | ms | share | calls |\n|---|---|---|---|")
+            for k in row["top_kernels"]:
+                print(f"| {k['kernel'][:100]} | {k['ms']:.2f} | {k['share']:.1%} | {k['calls']} |")
     (HERE / "train_parts.json").write_text(json.dumps(
         {"env": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "preset": cfg.name, "batch": B,
                  "seq_len": T, "reps": args.reps},
