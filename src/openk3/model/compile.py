@@ -27,7 +27,7 @@ def compile_blocks(model: nn.Module, token_mixers: bool = True, **options) -> nn
     for unit in _units(model, token_mixers):
         unit.compile(**options)
     if model.model.block_size is not None:
-        model.model.attn_res_phases = Phases(*(torch.compile(fn, **options) for fn in COMPILABLE_PHASES))
+        model.model.attn_res_phases = Phases(*(fn and torch.compile(fn, **options) for fn in COMPILABLE_PHASES))
     return model
 
 

@@ -15,7 +15,6 @@ decode cache, every wrapper calls the module's own forward: evaluation and gener
 
 from __future__ import annotations
 
-import math
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -154,8 +153,8 @@ def parallelize_cp(model, group, *, activation_checkpointing: bool = False) -> C
 
 
 def cp_lm_losses(model, batch: torch.Tensor, mtp_weight: float, cp: ContextParallel):
-    """(total, next-token CE, MTP CE) for this data-parallel rank's windows [B, T+1], like the training loop's
-    `lm_losses`, with the B windows packed into one stream of B*T tokens split over the group.
+    """(total, next-token CE, MTP CE or None) for this data-parallel rank's windows [B, T+1], like the training
+    loop's `lm_losses`, with the B windows packed into one stream of B*T tokens split over the group.
 
     Each rank returns its share of the group's mean: (sum over its tokens) * group size / (tokens in the group), so
     that averaging over the group (FSDP averages gradients over all ranks, the loop averages the logged values)
@@ -172,10 +171,10 @@ def cp_lm_losses(model, batch: torch.Tensor, mtp_weight: float, cp: ContextParal
     head = model.lm_head.weight
     lm = linear_cross_entropy(out.head_inputs[0], head, flat_targets[lo:hi], reduction="sum") * (cp.size / (B * T))
     if not want_mtp or not out.mtp_head_inputs:
-        return lm, lm.detach(), math.nan
+        return lm, lm.detach(), None
     keep = packed.predicts(cp.rank, 1)
     ahead = flat_targets[(torch.arange(lo, hi, device=batch.device) + 1).clamp(max=B * T - 1)]
     ahead = torch.where(keep, ahead, -100)  # positions without a target are ignored
     mtp = linear_cross_entropy(out.mtp_head_inputs[0][0], head, ahead, ignore_index=-100, reduction="sum")
     mtp = mtp * (cp.size / (B * (T - 1)))
-    return lm + mtp_weight * mtp, lm.detach(), float(mtp.detach())
+    return lm + mtp_weight * mtp, lm.detach(), mtp.detach()

@@ -131,8 +131,10 @@ def enable_activation_checkpointing(model: K3ForCausalLM) -> None:
         wrap(layer.mlp)
 
 
-def lm_losses(model: nn.Module, batch: torch.Tensor, mtp_weight: float) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """(total loss, next-token CE, MTP CE) for a batch of windows [B, T+1]. The LM head is applied inside the loss
+def lm_losses(model: nn.Module, batch: torch.Tensor,
+              mtp_weight: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(total loss, next-token CE, MTP CE or None without MTP) for a batch of windows [B, T+1], the last two
+    detached (tensors: reading them on the host would stall a GPU step halfway). The LM head is applied inside the loss
     (openk3.ops.loss, chunked: no [tokens, vocab] logits); under FSDP2 the root unit, which holds lm_head, stays
     unsharded after its forward, so lm_head.weight is the full weight here and its gradient reaches the unit."""
     inputs, targets = batch[:, :-1], batch[:, 1:]
@@ -141,9 +143,9 @@ def lm_losses(model: nn.Module, batch: torch.Tensor, mtp_weight: float) -> tuple
     head = model.lm_head.weight
     lm = linear_cross_entropy(out.head_inputs.flatten(0, 1), head, targets.flatten())
     if not want_mtp or not out.mtp_head_inputs:
-        return lm, lm.detach(), float("nan")
+        return lm, lm.detach(), None
     mtp = linear_cross_entropy(out.mtp_head_inputs[0].flatten(0, 1), head, targets[:, 1:].flatten())
-    return lm + mtp_weight * mtp, lm.detach(), float(mtp.detach())
+    return lm + mtp_weight * mtp, lm.detach(), mtp.detach()
 
 
 @torch.no_grad()
@@ -321,7 +323,7 @@ class Trainer:
         """This rank's share of the next global batch (its data-parallel index's rows), on the device."""
         return self.parallel.data_rows(self.stream.next()).to(self.device)
 
-    def _losses(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+    def _losses(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         if self.parallel.cp is not None:
             return cp_lm_losses(self.model, batch, self.args.mtp_weight, self.parallel.cp)
         return lm_losses(self.model, batch, self.args.mtp_weight)
@@ -359,8 +361,8 @@ class Trainer:
         self.step += 1
         record = {"step": self.step, "loss": mean_across(self.world, float(lm), self.device), "lr": lr,
                   "grad_norm": grad_norm, "tokens_per_s": self._batch_tokens(batch) / elapsed, "maxvio": maxvio}
-        if math.isfinite(mtp):  # NaN when the model has no MTP layer or --mtp-weight is 0
-            record["mtp_loss"] = mean_across(self.world, mtp, self.device)
+        if mtp is not None:  # None when the model has no MTP layer or --mtp-weight is 0
+            record["mtp_loss"] = mean_across(self.world, float(mtp), self.device)
         return record
 
     def run(self) -> dict:

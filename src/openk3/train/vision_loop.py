@@ -35,18 +35,19 @@ PRIOR_SCENES = 4096  # training scenes whose attribute frequencies make the text
 EVAL_BATCH = 64
 
 
-def caption_losses(model: nn.Module, batch: CaptionBatch, mtp_weight: float) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                     float]:
-    """(total loss, caption CE, MTP CE) for a caption batch; MTP position t predicts target t+1 (IGNORE kept)."""
+def caption_losses(model: nn.Module, batch: CaptionBatch,
+                   mtp_weight: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(total loss, caption CE, MTP CE or None), the last two detached, for a caption batch (as `train.loop.
+    lm_losses`); MTP position t predicts target t+1 (IGNORE kept)."""
     want_mtp = mtp_weight > 0 and getattr(model.config, "mtp_layers", 0) > 0
     out = model(batch.inputs, images=batch.images, return_mtp=want_mtp, return_logits=False)
     head = model.lm_head.weight  # the head applied inside the loss (train.loop.lm_losses says why this is safe)
     lm = linear_cross_entropy(out.head_inputs.flatten(0, 1), head, batch.targets.flatten(), ignore_index=IGNORE)
     if not want_mtp or not out.mtp_head_inputs:
-        return lm, lm.detach(), float("nan")
+        return lm, lm.detach(), None
     mtp = linear_cross_entropy(out.mtp_head_inputs[0].flatten(0, 1), head, batch.targets[:, 1:].flatten(),
                                ignore_index=IGNORE)
-    return lm + mtp_weight * mtp, lm.detach(), float(mtp.detach())
+    return lm + mtp_weight * mtp, lm.detach(), mtp.detach()
 
 
 @torch.no_grad()
@@ -103,7 +104,7 @@ class CaptionTrainer(Trainer):
         scenes = self.stream.next(self.world.rank // self.dims.cp, self.dims.dp)  # this data-parallel index's share
         return make_batch(scenes, self.tokenizer, self.cfg.vision).to(self.device)
 
-    def _losses(self, batch: CaptionBatch) -> tuple[torch.Tensor, torch.Tensor, float]:
+    def _losses(self, batch: CaptionBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         return caption_losses(self.model, batch, self.args.mtp_weight)
 
     def _batch_tokens(self, batch: CaptionBatch) -> int:
