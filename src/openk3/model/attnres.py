@@ -22,31 +22,16 @@ attn_res_blocks`); each AttnRes then only merges the current partial sum in (`at
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
-from typing import NamedTuple
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from openk3.model.common import RMSNorm
-from openk3.ops.attnres import attn_res_blocks, attn_res_merge, attn_res_merge_norm
+from openk3.ops.attnres import attn_res_blocks, attn_res_merge
 from openk3.ops.norms import acc_dtype
 
 Query = tuple[nn.Linear, RMSNorm]  # one sublayer's pseudo-query and norm
-
-
-class Phases(NamedTuple):
-    """The functions the stream computes with: the ops, or their torch.compile'd versions (compile_blocks)."""
-    blocks: Callable = attn_res_blocks  # phase 1
-    merge: Callable = attn_res_merge  # phase 2
-    # phase 2 and the sublayer's pre-norm as one function (compiled: one fused pass); None: phase 2, then the norm
-    # module (eagerly on a GPU, its Triton kernel)
-    merge_norm: Callable | None = None
-
-
-EAGER_PHASES = Phases()
-COMPILABLE_PHASES = Phases(attn_res_blocks, attn_res_merge, attn_res_merge_norm)
 
 
 def pseudo_query(dim: int) -> nn.Linear:
@@ -81,41 +66,41 @@ class BlockStream:
     layers one token at a time and gain nothing from batching the queries."""
 
     def __init__(self, embedding: torch.Tensor, block_size: int, epochs: list[list[Query]] | None = None,
-                 phases: Phases = EAGER_PHASES):
+                 phases: tuple = (attn_res_blocks, attn_res_merge)):
         self.blocks: list[torch.Tensor] = []
         self.partial = embedding
         self.block_size = block_size
         self._epochs = epochs
-        self._phases = phases
+        self._phase1, self._phase2 = phases  # the ops, or their torch.compile'd versions (compile_blocks)
 
     def _open_epoch(self) -> None:
         """Phase 1 for the epoch that starts now that `blocks` grew (with a plan: for all its queries at once)."""
         self._blocks_dtype = functools.reduce(torch.promote_types, (b.dtype for b in self.blocks))
         self._queries = self._epochs[len(self.blocks) - 1] if self._epochs is not None else None
         if self._queries is not None:
-            self._q = self._query_vectors(self._queries)
-            mixed = self._phases.blocks(self.blocks, torch.stack(self._q), self._queries[0][1].eps)
+            self._q = self._query_matrix(self._queries)  # [Q, D]
+            mixed = self._phase1(self.blocks, self._q, self._queries[0][1].eps)
             # each query's row as a view of its own: in backward their gradients are stacked once, where indexing
             # mix[..., q, :] per query makes each backward a zero-filled [..., Q, D] tensor that autograd then sums
             # (Q^2 fp32 [B, T, D] writes and adds per epoch: 30 ms of k3-debug's 218 ms step on an H200)
-            # (lse's rows, [B, T] each, copied: as views their base's size Q is one a compiled phase 2 guards on)
-            self._rows = list(zip(mixed.mix.unbind(-2), [row.clone() for row in mixed.lse.unbind(-1)]))
+            self._rows = list(zip(mixed.mix.unbind(-2), mixed.lse.unbind(-1)))
             self._next = 0
 
-    def _query_vectors(self, queries: list[Query]) -> list[torch.Tensor]:
-        """[D] per query: its norm weight times its pseudo-query, in the fp32 (fp64) compute dtype. Tensors of their
-        own, not rows of a [Q, D] matrix: a compiled phase 2 would otherwise guard on Q, its input's base size."""
+    def _query_matrix(self, queries: list[Query]) -> torch.Tensor:
+        """[Q, D]: each query's norm weight times its pseudo-query, in the fp32 (fp64) compute dtype."""
         acc = acc_dtype(self._blocks_dtype)
-        return [norm.weight.to(acc) * proj.weight[0].to(acc) for proj, norm in queries]
+        w = torch.stack([proj.weight[0] for proj, _ in queries]).to(acc)
+        return torch.stack([norm.weight for _, norm in queries]).to(acc) * w
 
-    def _merge(self, proj: nn.Linear, norm: RMSNorm, then: RMSNorm | None = None) -> torch.Tensor:
+    def _merge(self, proj: nn.Linear, norm: RMSNorm, then: nn.Module | None = None) -> torch.Tensor:
         """Phase 2 for the next query of the epoch, which must be (proj, norm); then `then` (the sublayer's
         pre-norm) on the result, if given."""
         dtype = torch.promote_types(self._blocks_dtype, self.partial.dtype)
         if self._queries is None:
-            (q_vec,) = self._query_vectors([(proj, norm)])
-            mixed = self._phases.blocks(self.blocks, q_vec[None], norm.eps)
-            return self._merge_then(then, mixed.mix[..., 0, :], mixed.lse[..., 0], self.partial, q_vec, norm.eps, dtype)
+            q_vec = self._query_matrix([(proj, norm)])
+            mixed = self._phase1(self.blocks, q_vec, norm.eps)
+            return self._merge_then(then, mixed.mix[..., 0, :], mixed.lse[..., 0], self.partial, q_vec[0], norm.eps,
+                                    dtype)
         q = self._next
         if q >= len(self._queries) or self._queries[q][0] is not proj or self._queries[q][1] is not norm:
             raise RuntimeError("Block AttnRes ran its sublayers in another order than attn_res_epochs planned")
@@ -131,13 +116,11 @@ class BlockStream:
                           use_reentrant=False, preserve_rng_state=False)
 
     def _merge_then(self, then, mix, lse, partial, query, eps, dtype) -> torch.Tensor:
-        if then is not None and self._phases.merge_norm is not None:
-            return self._phases.merge_norm(mix, lse, partial, query, eps, dtype, then.weight, then.eps)
-        x = self._phases.merge(mix, lse, partial, query, eps, dtype)
+        x = self._phase2(mix, lse, partial, query, eps, dtype)
         return x if then is None else then(x)
 
     def attn_input(self, layer_idx: int, proj: nn.Linear | None, norm: RMSNorm | None,
-                   then: RMSNorm | None = None) -> torch.Tensor:
+                   then: nn.Module | None = None) -> torch.Tensor:
         """Steps 1-2: the attention sublayer's input, normalised by `then` if given (its pre-norm; the stream
         then recomputes the two in backward instead of keeping the merged input); opens a block when
         layer_idx % block_size == 0."""
@@ -152,7 +135,7 @@ class BlockStream:
     def add_attn(self, h: torch.Tensor) -> None:
         self.partial = h if self._opened else self.partial + h
 
-    def mlp_input(self, proj: nn.Linear, norm: RMSNorm, then: RMSNorm | None = None) -> torch.Tensor:
+    def mlp_input(self, proj: nn.Linear, norm: RMSNorm, then: nn.Module | None = None) -> torch.Tensor:
         """Step 4's FFN input, normalised by `then` if given (as in `attn_input`)."""
         return self._merge(proj, norm, then)
 

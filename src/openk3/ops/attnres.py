@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 
 from openk3.ops.fused import use_triton
-from openk3.ops.norms import acc_dtype, fp32_island, rms_norm
+from openk3.ops.norms import acc_dtype, fp32_island
 
 
 def attn_res(
@@ -78,11 +78,3 @@ def attn_res_merge(mix: torch.Tensor, lse: torch.Tensor, partial: torch.Tensor, 
         s = dot * torch.rsqrt(pf.pow(2).mean(-1) + eps)  # [...]
     weights = torch.stack([s, lse], dim=-1).softmax(-1).unsqueeze(-2)  # [..., 1, 2]
     return (weights[..., 0] * pf + weights[..., 1] * mix).to(dtype or partial.dtype)
-
-
-def attn_res_merge_norm(mix: torch.Tensor, lse: torch.Tensor, partial: torch.Tensor, query: torch.Tensor, eps: float,
-                        dtype: torch.dtype | None, weight: torch.Tensor, norm_eps: float) -> torch.Tensor:
-    """`attn_res_merge`, then the sublayer's pre-norm (RMSNorm with `weight`, `norm_eps`) on its output: the form
-    `compile_blocks` compiles, so that Inductor makes the two one pass per token (the merged input is never
-    written), forward and backward."""
-    return rms_norm(attn_res_merge(mix, lse, partial, query, eps, dtype), weight, norm_eps)
