@@ -1,7 +1,7 @@
 """The KDA short conv + SiLU on one GPU: the Triton Function (`ops.triton_conv`) beside `ops.conv._ConvSiLU`
 (PyTorch's depthwise conv, recomputed in backward), forward and forward + backward.
 
-    python bench/conv_bwd.py [--json PATH]
+    python bench/conv_bwd.py [--json PATH] [--sweep]
 
 x [8, 4096, 3072] and [1, 12288, 3072] bf16 (the k3-debug KDA layer: 3 x 8 heads x 128 channels), the kernel
 [3072, 4] fp32 with the conv in bf16 (as the layer runs it under autocast), no state and a bf16 state [B, C, 3]
@@ -9,7 +9,10 @@ x [8, 4096, 3072] and [1, 12288, 3072] bf16 (the k3-debug KDA layer: 3 x 8 heads
 fwd+bwd minus fwd. Checks the Triton output and gradients (x, kernel, state) against `_ConvSiLU`'s (norm-wise
 relative error, at most 2^-6 as tests/test_triton_conv.py allows bf16) and the Triton backward's bytes moved
 (pass 1 reads x and dy and writes g in bf16 and per-tile dw partials; pass 2 reads g and writes dx) per bwd
-second. Prints a Markdown table and writes bench/conv_bwd.json; exits non-zero on a mismatch.
+second. Prints a Markdown table and writes bench/conv_bwd.json; exits non-zero on a mismatch. --sweep instead
+times the Triton backward at the first shape (with and without a state) for several tiles and warps, checking that
+each gives the default tile's dx and dstate bit for bit and its dw to rounding (how ops.triton_conv's backward tile
+was chosen).
 """
 
 from __future__ import annotations
@@ -97,12 +100,47 @@ def run(B: int, T: int, C: int, with_state: bool) -> dict:
     return row
 
 
+# (block_t, block_c, warps) of the backward's two passes that --sweep times; the first is ops.triton_conv's default
+SWEEP_TILES = [(triton_conv.BWD_BLOCK_T, triton_conv.BWD_BLOCK_C, triton_conv.BWD_WARPS), (32, 64, 8), (32, 64, 4),
+               (16, 128, 4), (32, 128, 4), (32, 128, 8), (64, 128, 8), (16, 256, 4), (128, 32, 4), (64, 32, 4)]
+
+
+def sweep(B: int, T: int, C: int, with_state: bool) -> list[dict]:
+    """The Triton backward alone (both passes and the dw sum) at each of SWEEP_TILES: dx and dstate compared
+    bitwise against the default tile's, dw (summed over other groupings of tokens) by its relative error."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(B, T, C, device="cuda", dtype=DTYPE, generator=g)
+    w = (torch.randn(C, W, device="cuda", generator=g) / W ** 0.5).to(DTYPE)
+    state = torch.randn(B, C, W - 1, device="cuda", dtype=DTYPE, generator=g) if with_state else None
+    dy = torch.randn(B, T, C, device="cuda", dtype=DTYPE, generator=g)
+    reference = triton_conv._backward(x, w, state, dy)
+    rows = []
+    for tile in SWEEP_TILES:
+        ms = cuda_ms(lambda tile=tile: triton_conv._backward(x, w, state, dy, tile))
+        dx, dw, dstate = triton_conv._backward(x, w, state, dy, tile)
+        same = torch.equal(dx, reference[0]) and (dstate is None or torch.equal(dstate, reference[2]))
+        rows.append({"shape": [B, T, C], "state": with_state, "tile": list(tile), "bwd_ms": ms,
+                     "dx_dstate_same_bits": same, "dw_rel_err": rel(dw, reference[1])})
+        print(f"| {'x'.join(map(str, (B, T, C)))} | {'bf16' if with_state else 'none'} | [{tile[0]}, {tile[1]}] | "
+              f"{tile[2]} | {ms:.3f} | {same} | {rows[-1]['dw_rel_err']:.1e} |")
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", type=Path, default=HERE / "conv_bwd.json")
+    ap.add_argument("--sweep", action="store_true",
+                    help="instead: time the Triton backward at each tile of SWEEP_TILES (JSON: sweep rows)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/conv_bwd.py needs a CUDA device (it times the Triton kernels on a GPU)")
+    if args.sweep:
+        print("| shape | state | tile | warps | bwd ms | dx, dstate: the default's bits | dw rel. err |\n"
+              "|---|---|---|---|---|---|---|")
+        rows = [r for with_state in (False, True) for r in sweep(*SHAPES[0], with_state)]
+        args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
+                                         "sweep": rows}, indent=1) + "\n")
+        return
 
     start = time.time()
     rows = [run(*shape, with_state) for shape in SHAPES for with_state in (False, True)]

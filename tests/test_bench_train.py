@@ -90,3 +90,42 @@ def test_gpu_run_logic_on_cpu(monkeypatch, tmp_path, capsys):
     assert "top_kernels" in data["profile"]
     last = capsys.readouterr().out.strip().splitlines()
     assert last[-1].startswith("| dense SDPA") and last[-7].startswith("| model | optimizer | variant")
+
+
+def test_train_parts_counts_what_a_forward_runs(monkeypatch):
+    """bench/train_parts.py multiplies each unit's time by its count per step: the counts are the calls one training
+    forward (MTP included) makes, by module hooks (RMSNorms of the hidden width: as modules or through the fused
+    residual add, `add_forward`; the AttnRes norms fold into their queries)."""
+    from collections import Counter
+
+    from openk3.model import K3ForCausalLM
+    from openk3.model.common import RMSNorm
+    from openk3.train.loop import lm_losses
+
+    spec = importlib.util.spec_from_file_location("bench_train_parts", BENCH.parent / "train_parts.py")
+    parts = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(parts)
+    cfg = get_preset("k3-tiny").with_overrides({**TOY, "num_layers": 4, "mla_layers": [1], "attn_res_block_size": 2})
+    model = K3ForCausalLM(cfg)
+    units, counts = parts.k3_units(model)
+    calls = Counter()
+    kinds = {"KDA token mixer": lambda m: type(m).__name__ == "KimiDeltaAttention",
+             "MLA token mixer": lambda m: type(m).__name__ == "GatedMLA",
+             "MoE FFN": lambda m: type(m).__name__ == "MoE",
+             "dense FFN": lambda m: type(m).__name__ == "GLUMLP",
+             "RMSNorm (hidden)": lambda m: type(m).__name__ == "RMSNorm" and m.weight.shape[0] == cfg.hidden_size}
+    shared = {id(m.mlp.shared_experts) for m in [*model.model.layers, *(t.block for t in model.mtp)]
+              if type(m.mlp).__name__ == "MoE"}  # GLUMLPs inside the MoE, not the dense FFN
+    for module in model.modules():
+        for name, is_kind in kinds.items():
+            if is_kind(module) and id(module) not in shared:
+                module.register_forward_hook(lambda *_, name=name: calls.update([name]))
+    add_forward = RMSNorm.add_forward
+
+    def counted_add_forward(self, x, residual):
+        calls.update(["RMSNorm (hidden)"])
+        return add_forward(self, x, residual)
+
+    monkeypatch.setattr(RMSNorm, "add_forward", counted_add_forward)
+    lm_losses(model, torch.randint(0, cfg.vocab_size, (1, 9)), mtp_weight=0.3)
+    assert counts == dict(calls) and set(units) == set(counts)

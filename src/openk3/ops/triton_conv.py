@@ -28,7 +28,7 @@ BLOCK_T = 64  # forward: time steps per tile (at most)
 BLOCK_C = 128  # forward: channels per tile (at most)
 # backward: [64, 64] tiles at 4 warps. On an H200 at k3-debug's shape (x [8, 4096, 3072] bf16, W = 4, no state) the
 # two passes took 0.69 ms, against 1.56 ms for [32, 64] at 8 warps, 0.83-1.3 ms for [16-32, 128-256] at 4 warps and
-# 0.67 ms for [128, 32], the same dx to the bit (bench/RESULTS.md, 2026-12-01, eighth session)
+# 0.67 ms for [128, 32], the same dx to the bit (`python bench/conv_bwd.py --sweep`; bench/RESULTS.md, 2026-12-01)
 BWD_BLOCK_T = 64
 BWD_BLOCK_C = 64
 BWD_WARPS = 4
@@ -163,25 +163,27 @@ def _forward(x: torch.Tensor, w: torch.Tensor, state: torch.Tensor | None, dtype
     return y
 
 
-def _backward(x, w, state, dy):
+def _backward(x, w, state, dy, tile: tuple[int, int, int] = (BWD_BLOCK_T, BWD_BLOCK_C, BWD_WARPS)):
     """(dx in x's dtype, d of the kernel [C, W] in fp32, dstate in the state's dtype or None) for contiguous x, dy
-    and w [C, W] in the compute dtype."""
+    and w [C, W] in the compute dtype; `tile`: (block_t, block_c, warps) of both passes (bench/conv_bwd.py
+    --sweep tries others)."""
     B, T, C = x.shape
     W = w.shape[-1]
     if not x.numel():
         return torch.zeros_like(x), torch.zeros(C, W, device=x.device), None if state is None else \
             torch.zeros_like(state)
     s, strides, has_state = _state_args(state)
-    kw = _tiles(T, C, BWD_BLOCK_T, BWD_BLOCK_C)
+    block_t, block_c, warps = tile
+    kw = _tiles(T, C, block_t, block_c)
     grid = (triton.cdiv(T, kw["BLOCK_T"]), triton.cdiv(C, kw["BLOCK_C"]), B)
     g = torch.empty(x.shape, dtype=w.dtype, device=x.device)  # in the compute dtype, as autograd's SiLU backward
     dw_part = torch.empty(B * grid[0], C, W, dtype=torch.float32, device=x.device)
     _conv_bwd_g_kernel[grid](x, s if has_state else x, w, dy, g, dw_part, T, C, *strides, W=W, HAS_STATE=has_state,
-                             num_warps=BWD_WARPS, **kw)
+                             num_warps=warps, **kw)
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     dstate = torch.empty(state.shape, dtype=state.dtype, device=x.device) if state is not None else None
     _conv_bwd_dx_kernel[grid](g, w, dx, dstate if has_state else dx, T, C, W=W, HAS_STATE=has_state,
-                              BLOCK_S=triton.next_power_of_2(max(W - 1, 1)), num_warps=BWD_WARPS, **kw)
+                              BLOCK_S=triton.next_power_of_2(max(W - 1, 1)), num_warps=warps, **kw)
     return dx, dw_part.sum(0), dstate
 
 
