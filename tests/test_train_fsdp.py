@@ -9,6 +9,7 @@ three orders of magnitude below the step-to-step change of the loss.
 import json
 import os
 import socket
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from openk3.train.loop import train
 from train_tiny import make_corpus, one_thread, tiny_args
 
 STEPS, SAVE_AT = 5, 3
+COMPILED_STEPS = 3
 EVAL_WINDOWS = 5  # odd: the two ranks get unequal shares of the held-out windows
 REL_TOL = 1e-5
 
@@ -68,4 +70,35 @@ def test_two_process_fsdp_matches_one_process(tmp_path):
     resumed = _trajectory(tmp_path / "resumed")
     assert [r["step"] for r in resumed] == list(range(SAVE_AT + 1, STEPS + 1))
     for a, b in zip(two[SAVE_AT:], resumed):
+        assert b["loss"] == pytest.approx(a["loss"], rel=REL_TOL), (a["step"], a["loss"], b["loss"])
+
+
+def _compiled_worker(rank: int, world: int, port: int, out: str, data: str, cache: str) -> None:
+    """A training process with `--compile`, Dynamo tracing every compiled unit and AOTAutograd building its backward
+    (the aot_eager backend: Inductor's C++ code generation takes minutes on this CPU)."""
+    import openk3.train.loop as loop
+
+    loop.compile_blocks = partial(loop.compile_blocks, backend="aot_eager")
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), OPENK3_CACHE=cache)
+    torch.set_num_threads(1)
+    train(tiny_args(Path(out), Path(data), max_steps=COMPILED_STEPS, device="cpu", compile=True, eval_every=0,
+                    eval_windows=EVAL_WINDOWS))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0  # the units did run compiled
+
+
+def test_compiled_blocks_under_fsdp_follow_one_eager_process(tmp_path):
+    """`openk3 train --compile` on 2 FSDP2 processes: the compiled blocks (applied before sharding, as the loop
+    does) train on sharded parameters and follow the eager single process's losses to the FSDP tolerance."""
+    data = make_corpus(tmp_path / "data")
+    cache = tmp_path / "cache"
+    with pytest.MonkeyPatch.context() as monkey, one_thread():
+        monkey.setenv("OPENK3_CACHE", str(cache))
+        train(tiny_args(tmp_path / "single", data, max_steps=COMPILED_STEPS, eval_every=0,
+                        eval_windows=EVAL_WINDOWS))
+    mp.spawn(_compiled_worker, args=(2, _free_port(), str(tmp_path / "compiled"), str(data), str(cache)), nprocs=2,
+             join=True)
+    one, two = _trajectory(tmp_path / "single"), _trajectory(tmp_path / "compiled")
+    assert [r["step"] for r in two] == list(range(1, COMPILED_STEPS + 1))
+    for a, b in zip(one, two):
         assert b["loss"] == pytest.approx(a["loss"], rel=REL_TOL), (a["step"], a["loss"], b["loss"])
