@@ -31,10 +31,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, out: str, data: str, cache: str, resume: str | None) -> None:
+def _join(rank: int, world: int, port: int, cache: str) -> None:
+    """This spawned process's torch.distributed environment (the loop initialises the group from it), one thread."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), OPENK3_CACHE=cache)
     torch.set_num_threads(1)
+
+
+def _worker(rank: int, world: int, port: int, out: str, data: str, cache: str, resume: str | None) -> None:
+    _join(rank, world, port, cache)
     train(tiny_args(Path(out), Path(data), max_steps=STEPS, device="cpu", save_every=SAVE_AT, resume=resume,
                     eval_windows=EVAL_WINDOWS))
 
@@ -79,9 +84,7 @@ def _compiled_worker(rank: int, world: int, port: int, out: str, data: str, cach
     import openk3.train.loop as loop
 
     loop.compile_blocks = partial(loop.compile_blocks, backend="aot_eager")
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), OPENK3_CACHE=cache)
-    torch.set_num_threads(1)
+    _join(rank, world, port, cache)
     train(tiny_args(Path(out), Path(data), max_steps=COMPILED_STEPS, device="cpu", compile=True, eval_every=0,
                     eval_windows=EVAL_WINDOWS))
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0  # the units did run compiled

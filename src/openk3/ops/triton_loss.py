@@ -53,9 +53,9 @@ def _ce_rows_kernel(logits_ptr, targets_ptr, scale_ptr, loss_ptr, V, stride_row,
 
 def ce_rows_triton(logits: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor, ignore_index: int,
                    write_grad: bool) -> torch.Tensor:
-    """Per-row cross-entropy of logits [rows, V] (rows with unit stride along V) against targets [rows] (fp32
-    [rows], 0 where ignored); with write_grad, logits is overwritten by the loss's gradient times `scale` (a
-    0-d tensor; zero rows where ignored), in logits' dtype."""
+    """Per-row cross-entropy (fp32 [rows], 0 where ignored) of logits [rows, V] (unit stride along V) against
+    targets [rows]; with write_grad, logits is overwritten by the loss's gradient times `scale` (a 0-d tensor),
+    in logits' dtype (zero rows where ignored)."""
     rows, V = logits.shape
     if logits.stride(1) != 1:
         raise ValueError("ce_rows_triton needs logits with unit stride along the vocabulary")
