@@ -99,7 +99,7 @@ def two_phase_case(N, B, T, D, Q, seed, dtype, scale=1.0):
 
 def two_phase_all(blocks, partial, w, r, eps=1e-5):
     mixed = attn_res_blocks(blocks, r * w, eps)
-    return torch.stack([attn_res_merge(mixed.mix[..., q, :], mixed.lse[..., q], partial, r[q] * w[q], eps)
+    return torch.stack([attn_res_merge(mixed.mix[q], mixed.lse[q], partial, r[q] * w[q], eps)
                         for q in range(w.shape[0])])
 
 
@@ -151,7 +151,7 @@ def test_two_phase_extremes():
     assert torch.equal(got[0, 0, 0], partial[0, 0])
     half = partial.bfloat16()
     mixed = attn_res_blocks(blocks, r * w)
-    out = attn_res_merge(mixed.mix[..., 0, :], mixed.lse[..., 0], half, r[0] * w[0],
+    out = attn_res_merge(mixed.mix[0], mixed.lse[0], half, r[0] * w[0],
                          dtype=torch.promote_types(torch.float32, half.dtype))
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, attn_res(blocks + [half], w[0], r[0]), rtol=1e-5, atol=1e-3)
@@ -219,12 +219,12 @@ def test_fp32_under_bf16_autocast():
     blocks = [torch.randn(3, 5, 64) * 10 for _ in range(4)]
     queries, partial = torch.randn(2, 64), torch.randn(3, 5, 64)
     want = attn_res_blocks(blocks, queries)
-    want_merge = attn_res_merge(want.mix[..., 0, :], want.lse[..., 0], partial, queries[0])
+    want_merge = attn_res_merge(want.mix[0], want.lse[0], partial, queries[0])
     want_one = attn_res(blocks, queries[0], torch.ones(64))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got = attn_res_blocks(blocks, queries)
-        got_merge = attn_res_merge(got.mix[..., 0, :], got.lse[..., 0], partial, queries[0])
+        got_merge = attn_res_merge(got.mix[0], got.lse[0], partial, queries[0])
         got_one = attn_res(blocks, queries[0], torch.ones(64))
-    for a, b in ((got.mix, want.mix), (got.lse, want.lse), (got_merge, want_merge), (got_one, want_one)):
+    for a, b in (*zip(got.mix + got.lse, want.mix + want.lse), (got_merge, want_merge), (got_one, want_one)):
         assert a.dtype == torch.float32 and torch.equal(a, b)
 

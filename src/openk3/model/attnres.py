@@ -22,16 +22,31 @@ attn_res_blocks`); each AttnRes then only merges the current partial sum in (`at
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from openk3.model.common import RMSNorm
-from openk3.ops.attnres import attn_res_blocks, attn_res_merge
+from openk3.ops.attnres import attn_res_blocks, attn_res_merge, attn_res_merge_norm
 from openk3.ops.norms import acc_dtype
 
 Query = tuple[nn.Linear, RMSNorm]  # one sublayer's pseudo-query and norm
+
+
+class Phases(NamedTuple):
+    """The functions the stream computes with: the ops, or their torch.compile'd versions (compile_blocks)."""
+    blocks: Callable = attn_res_blocks  # phase 1
+    merge: Callable = attn_res_merge  # phase 2
+    # phase 2 and the sublayer's pre-norm as one function (compiled: one fused pass each way, whose backward keeps
+    # what Inductor's partitioner chooses); None: phase 2, then the norm module, recomputed in backward
+    merge_norm: Callable | None = None
+
+
+EAGER_PHASES = Phases()
+COMPILABLE_PHASES = Phases(attn_res_blocks, attn_res_merge, attn_res_merge_norm)
 
 
 def pseudo_query(dim: int) -> nn.Linear:
@@ -66,12 +81,12 @@ class BlockStream:
     layers one token at a time and gain nothing from batching the queries."""
 
     def __init__(self, embedding: torch.Tensor, block_size: int, epochs: list[list[Query]] | None = None,
-                 phases: tuple = (attn_res_blocks, attn_res_merge)):
+                 phases: Phases = EAGER_PHASES):
         self.blocks: list[torch.Tensor] = []
         self.partial = embedding
         self.block_size = block_size
         self._epochs = epochs
-        self._phase1, self._phase2 = phases  # the ops, or their torch.compile'd versions (compile_blocks)
+        self._phases = phases
 
     def _open_epoch(self) -> None:
         """Phase 1 for the epoch that starts now that `blocks` grew (with a plan: for all its queries at once)."""
@@ -79,11 +94,8 @@ class BlockStream:
         self._queries = self._epochs[len(self.blocks) - 1] if self._epochs is not None else None
         if self._queries is not None:
             self._q = self._query_matrix(self._queries)  # [Q, D]
-            mixed = self._phase1(self.blocks, self._q, self._queries[0][1].eps)
-            # each query's row as a view of its own: in backward their gradients are stacked once, where indexing
-            # mix[..., q, :] per query makes each backward a zero-filled [..., Q, D] tensor that autograd then sums
-            # (Q^2 fp32 [B, T, D] writes and adds per epoch: 30 ms of k3-debug's 218 ms step on an H200)
-            self._rows = list(zip(mixed.mix.unbind(-2), mixed.lse.unbind(-1)))
+            mixed = self._phases.blocks(self.blocks, self._q, self._queries[0][1].eps)
+            self._rows = list(zip(mixed.mix, mixed.lse))
             self._next = 0
 
     def _query_matrix(self, queries: list[Query]) -> torch.Tensor:
@@ -98,31 +110,33 @@ class BlockStream:
         dtype = torch.promote_types(self._blocks_dtype, self.partial.dtype)
         if self._queries is None:
             q_vec = self._query_matrix([(proj, norm)])
-            mixed = self._phase1(self.blocks, q_vec, norm.eps)
-            return self._merge_then(then, mixed.mix[..., 0, :], mixed.lse[..., 0], self.partial, q_vec[0], norm.eps,
-                                    dtype)
+            mixed = self._phases.blocks(self.blocks, q_vec, norm.eps)
+            return self._merge_then(then, mixed.mix[0], mixed.lse[0], self.partial, q_vec[0], norm.eps, dtype)
         q = self._next
         if q >= len(self._queries) or self._queries[q][0] is not proj or self._queries[q][1] is not norm:
             raise RuntimeError("Block AttnRes ran its sublayers in another order than attn_res_epochs planned")
         self._next += 1
         mix, lse = self._rows[q]
-        if then is None or not torch.is_grad_enabled():
+        if then is None or not torch.is_grad_enabled() or self._phases.merge_norm is not None:
             return self._merge_then(then, mix, lse, self.partial, self._q[q], norm.eps, dtype)
-        # Phase 2 and the pre-norm after it are recomputed in backward: for backward they would keep the merged
-        # input (fp32, for the norm) and phase 2's copies of the partial sum, 8 bytes per channel and token under
-        # bf16 autocast; the checkpoint keeps its inputs (the partial sum, this query's row of the block mix, lse
-        # and query), and backward reruns one elementwise pass and a matrix-vector product per token.
+        # Eagerly, phase 2 and the pre-norm after it are recomputed in backward: for backward they would keep the
+        # merged input (fp32, for the norm) and phase 2's copies of the partial sum, 8 bytes per channel and token
+        # under bf16 autocast; the checkpoint keeps its inputs (the partial sum, this query's row of the block mix,
+        # lse and query), and backward reruns one elementwise pass and a matrix-vector product per token. (Compiled,
+        # the fused merge_norm keeps less, and recomputing it cost 3.4 ms of k3-debug's 183 ms step on an H200.)
         return checkpoint(self._merge_then, then, mix, lse, self.partial, self._q[q], norm.eps, dtype,
                           use_reentrant=False, preserve_rng_state=False)
 
     def _merge_then(self, then, mix, lse, partial, query, eps, dtype) -> torch.Tensor:
-        x = self._phase2(mix, lse, partial, query, eps, dtype)
+        if then is not None and self._phases.merge_norm is not None:
+            return self._phases.merge_norm(mix, lse, partial, query, eps, dtype, then.weight, then.eps)
+        x = self._phases.merge(mix, lse, partial, query, eps, dtype)
         return x if then is None else then(x)
 
     def attn_input(self, layer_idx: int, proj: nn.Linear | None, norm: RMSNorm | None,
                    then: nn.Module | None = None) -> torch.Tensor:
-        """Steps 1-2: the attention sublayer's input, normalised by `then` if given (its pre-norm; the stream
-        then recomputes the two in backward instead of keeping the merged input); opens a block when
+        """Steps 1-2: the attention sublayer's input, normalised by `then` if given (its pre-norm, computed with
+        phase 2: fused when compiled, recomputed in backward eagerly); opens a block when
         layer_idx % block_size == 0."""
         merged = len(self.blocks) > 0
         x = self._merge(proj, norm, then) if merged else self.partial

@@ -5,7 +5,8 @@ kernels, `ops.fused.use_triton`, so both paths can be measured: `bench/train.py 
 
 Compiled units: each decoder layer's token mixer, FFN and two norms (the MTP blocks' too; the units that
 activation checkpointing and FSDP2 also wrap, compiled in place so parameter names do not change), and the two
-Block AttnRes phases, which run between them on the shared block stream. The serving engine's `compile_prefill`
+Block AttnRes phases, which run between them on the shared block stream (phase 2 together with the pre-norm that
+follows it: one fused pass each way, `ops.attnres.attn_res_merge_norm`). The serving engine's `compile_prefill`
 compiles all but the token mixers, with dynamic shapes: a prefill runs those units eagerly otherwise, dozens of
 small operations each (the MoE's routing and grouping, AttnRes phase 1); the decode step, compiled whole, inlines
 them.
@@ -16,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from openk3.ops.attnres import attn_res_blocks, attn_res_merge
+from openk3.model.attnres import COMPILABLE_PHASES, EAGER_PHASES, Phases
 
 
 def compile_blocks(model: nn.Module, token_mixers: bool = True, **options) -> nn.Module:
@@ -26,8 +27,7 @@ def compile_blocks(model: nn.Module, token_mixers: bool = True, **options) -> nn
     for unit in _units(model, token_mixers):
         unit.compile(**options)
     if model.model.block_size is not None:
-        model.model.attn_res_phases = (torch.compile(attn_res_blocks, **options),
-                                       torch.compile(attn_res_merge, **options))
+        model.model.attn_res_phases = Phases(*(torch.compile(fn, **options) for fn in COMPILABLE_PHASES))
     return model
 
 
@@ -35,7 +35,7 @@ def uncompile_blocks(model: nn.Module) -> nn.Module:
     """Undo `compile_blocks`: every unit runs eagerly again (e.g. after a compile failed at start-up)."""
     for unit in _units(model, token_mixers=True):
         unit._compiled_call_impl = None  # what nn.Module.compile sets; torch has no public way back
-    model.model.attn_res_phases = (attn_res_blocks, attn_res_merge)
+    model.model.attn_res_phases = EAGER_PHASES
     return model
 
 

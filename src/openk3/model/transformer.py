@@ -12,13 +12,12 @@ from torch import nn
 
 from openk3.cache import HybridCache
 from openk3.config import ModelConfig
-from openk3.model.attnres import BlockStream, attn_res_epochs, pseudo_query
+from openk3.model.attnres import EAGER_PHASES, BlockStream, attn_res_epochs, pseudo_query
 from openk3.model.common import RMSNorm
 from openk3.model.kda import KimiDeltaAttention
 from openk3.model.mla import GatedMLA
 from openk3.model.moe import GLUMLP, MoE, TopkRouter
 from openk3.model.vision import ImageBatch, MMProjector, VisionTower
-from openk3.ops.attnres import attn_res_blocks, attn_res_merge
 
 
 class DecoderLayer(nn.Module):
@@ -70,7 +69,7 @@ class K3Model(nn.Module):
         self.block_size = cfg.attn_res_block_size
         if self.block_size is not None:
             self.output_res_proj, self.output_res_norm = pseudo_query(D), RMSNorm(D, eps=cfg.rms_eps)
-            self.attn_res_phases = (attn_res_blocks, attn_res_merge)  # compile_blocks swaps in compiled versions
+            self.attn_res_phases = EAGER_PHASES  # compile_blocks swaps in compiled versions
         self.norm = RMSNorm(D, eps=cfg.rms_eps)
 
     def forward(self, input_ids: torch.Tensor, cache: HybridCache | None = None,

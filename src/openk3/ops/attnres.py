@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 
 from openk3.ops.fused import use_triton
-from openk3.ops.norms import acc_dtype, fp32_island
+from openk3.ops.norms import acc_dtype, fp32_island, rms_norm
 
 
 def attn_res(
@@ -34,13 +34,16 @@ def attn_res(
 # sublayer then merges its running partial sum into that result by online softmax (phase 2).
 
 class BlockMix(NamedTuple):
-    mix: torch.Tensor  # [..., Q, D] fp32: query q's softmax mix of the block sums alone
-    lse: torch.Tensor  # [..., Q] fp32: logsumexp over the block sums of query q's scores
+    mix: tuple[torch.Tensor, ...]  # per query q, [..., D] fp32: its softmax mix of the block sums alone
+    lse: tuple[torch.Tensor, ...]  # per query q, [...] fp32: logsumexp over the block sums of its scores
 
 
 def attn_res_blocks(blocks: list[torch.Tensor], queries: torch.Tensor, eps: float = 1e-5) -> BlockMix:
     """Phase 1. blocks: N tensors [..., D]; queries [Q, D] (row q: r_q * w_q, its norm weight times its
-    pseudo-query). One pass over the block sums for all Q queries."""
+    pseudo-query). One pass over the block sums for all Q queries; each query's row of the result is a tensor of
+    its own (in backward their gradients meet where they are made: compiled, inside phase 1's fused backward,
+    without a stacked [..., Q, D] copy; and no query's use builds a zero-filled [..., Q, D] gradient, as
+    indexing one [..., Q, D] result per query would)."""
     v = torch.stack(blocks, dim=-2)  # [..., N, D], the sources' promoted dtype
     vf = v.to(acc_dtype(v.dtype))
     inv_rms = torch.rsqrt(vf.pow(2).mean(-1, keepdim=True) + eps)  # [..., N, 1]: the keys are vf * inv_rms
@@ -53,13 +56,13 @@ def attn_res_blocks(blocks: list[torch.Tensor], queries: torch.Tensor, eps: floa
             mix = sum(p[..., n, :, None] * vf[..., n, None, :] for n in range(vf.shape[-2]))
         else:
             mix = p.transpose(-1, -2) @ vf
-        return BlockMix(mix, scores.logsumexp(-2))
+        return BlockMix(mix.unbind(-2), scores.logsumexp(-2).unbind(-1))
 
 
 def attn_res_merge(mix: torch.Tensor, lse: torch.Tensor, partial: torch.Tensor, query: torch.Tensor,
                    eps: float = 1e-5, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Phase 2: AttnRes over the block sums + [partial] for one query: mix [..., D] and lse [...] are its row of
-    phase 1 (`BlockMix.mix[..., q, :]`, `BlockMix.lse[..., q]`), query [D] = r_q * w_q. In the merged softmax the
+    phase 1 (`BlockMix.mix[q]`, `BlockMix.lse[q]`), query [D] = r_q * w_q. In the merged softmax the
     partial sum (score s) weighs e^s / (e^s + e^lse) and the blocks together e^lse / (e^s + e^lse), shared as in
     their own mix: a softmax over the two logits (s, lse), so that neither weight is formed as 1 minus the other
     (which loses a tiny weight, and its gradient, to rounding). Returns `dtype` (default: the partial sum's).
@@ -78,3 +81,11 @@ def attn_res_merge(mix: torch.Tensor, lse: torch.Tensor, partial: torch.Tensor, 
         s = dot * torch.rsqrt(pf.pow(2).mean(-1) + eps)  # [...]
     weights = torch.stack([s, lse], dim=-1).softmax(-1).unsqueeze(-2)  # [..., 1, 2]
     return (weights[..., 0] * pf + weights[..., 1] * mix).to(dtype or partial.dtype)
+
+
+def attn_res_merge_norm(mix: torch.Tensor, lse: torch.Tensor, partial: torch.Tensor, query: torch.Tensor, eps: float,
+                        dtype: torch.dtype | None, weight: torch.Tensor, norm_eps: float) -> torch.Tensor:
+    """`attn_res_merge`, then the sublayer's pre-norm (RMSNorm with `weight` and `norm_eps`) on its output: the
+    form `compile_blocks` compiles, so that Inductor makes the two one pass per token each way and its partitioner
+    chooses what backward keeps (the merged input, or its recomputation from the inputs backward reads anyway)."""
+    return rms_norm(attn_res_merge(mix, lse, partial, query, eps, dtype), weight, norm_eps)
