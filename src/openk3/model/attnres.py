@@ -93,25 +93,25 @@ class BlockStream:
         self._blocks_dtype = functools.reduce(torch.promote_types, (b.dtype for b in self.blocks))
         self._queries = self._epochs[len(self.blocks) - 1] if self._epochs is not None else None
         if self._queries is not None:
-            self._q = self._query_matrix(self._queries)  # [Q, D]
-            mixed = self._phases.blocks(self.blocks, self._q, self._queries[0][1].eps)
+            self._q = self._query_vectors(self._queries)
+            mixed = self._phases.blocks(self.blocks, torch.stack(self._q), self._queries[0][1].eps)
             self._rows = list(zip(mixed.mix, mixed.lse))
             self._next = 0
 
-    def _query_matrix(self, queries: list[Query]) -> torch.Tensor:
-        """[Q, D]: each query's norm weight times its pseudo-query, in the fp32 (fp64) compute dtype."""
+    def _query_vectors(self, queries: list[Query]) -> list[torch.Tensor]:
+        """[D] per query: its norm weight times its pseudo-query, in the fp32 (fp64) compute dtype. Tensors of their
+        own, not rows of a [Q, D] matrix: a compiled phase 2 would guard on Q through their base."""
         acc = acc_dtype(self._blocks_dtype)
-        w = torch.stack([proj.weight[0] for proj, _ in queries]).to(acc)
-        return torch.stack([norm.weight for _, norm in queries]).to(acc) * w
+        return [norm.weight.to(acc) * proj.weight[0].to(acc) for proj, norm in queries]
 
     def _merge(self, proj: nn.Linear, norm: RMSNorm, then: nn.Module | None = None) -> torch.Tensor:
         """Phase 2 for the next query of the epoch, which must be (proj, norm); then `then` (the sublayer's
         pre-norm) on the result, if given."""
         dtype = torch.promote_types(self._blocks_dtype, self.partial.dtype)
         if self._queries is None:
-            q_vec = self._query_matrix([(proj, norm)])
-            mixed = self._phases.blocks(self.blocks, q_vec, norm.eps)
-            return self._merge_then(then, mixed.mix[0], mixed.lse[0], self.partial, q_vec[0], norm.eps, dtype)
+            (q_vec,) = self._query_vectors([(proj, norm)])
+            mixed = self._phases.blocks(self.blocks, q_vec[None], norm.eps)
+            return self._merge_then(then, mixed.mix[0], mixed.lse[0], self.partial, q_vec, norm.eps, dtype)
         q = self._next
         if q >= len(self._queries) or self._queries[q][0] is not proj or self._queries[q][1] is not norm:
             raise RuntimeError("Block AttnRes ran its sublayers in another order than attn_res_epochs planned")

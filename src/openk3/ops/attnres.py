@@ -41,9 +41,9 @@ class BlockMix(NamedTuple):
 def attn_res_blocks(blocks: list[torch.Tensor], queries: torch.Tensor, eps: float = 1e-5) -> BlockMix:
     """Phase 1. blocks: N tensors [..., D]; queries [Q, D] (row q: r_q * w_q, its norm weight times its
     pseudo-query). One pass over the block sums for all Q queries; each query's row of the result is a tensor of
-    its own (in backward their gradients meet where they are made: compiled, inside phase 1's fused backward,
-    without a stacked [..., Q, D] copy; and no query's use builds a zero-filled [..., Q, D] gradient, as
-    indexing one [..., Q, D] result per query would)."""
+    its own, so that no query's use makes autograd build a zero-filled [..., Q, D] gradient (as indexing one
+    [..., Q, D] result per query would) and, compiled, the backward takes the rows' gradients without a stacked
+    copy."""
     v = torch.stack(blocks, dim=-2)  # [..., N, D], the sources' promoted dtype
     vf = v.to(acc_dtype(v.dtype))
     inv_rms = torch.rsqrt(vf.pow(2).mean(-1, keepdim=True) + eps)  # [..., N, 1]: the keys are vf * inv_rms
@@ -51,12 +51,13 @@ def attn_res_blocks(blocks: list[torch.Tensor], queries: torch.Tensor, eps: floa
         scores = (vf @ queries.to(vf.dtype).T) * inv_rms  # [..., N, Q]
         p = scores.softmax(-2)  # over the N block sums (not exp(scores - lse): softmax's backward is the stable one)
         if torch.compiler.is_compiling():
-            # N is small (the blocks so far): a sum over them, which Inductor fuses into one pass; the batched
-            # matmul is one [Q, N] x [N, D] product per token for cuBLAS (~1.7 ms a call for k3-debug's step)
-            mix = sum(p[..., n, :, None] * vf[..., n, None, :] for n in range(vf.shape[-2]))
-        else:
-            mix = p.transpose(-1, -2) @ vf
-        return BlockMix(mix.unbind(-2), scores.logsumexp(-2).unbind(-1))
+            # per query a sum over the N (few) block sums, which Inductor fuses into one pass writing Q tensors (the
+            # batched matmul is one [Q, N] x [N, D] product per token for cuBLAS, ~1.7 ms a call for k3-debug's
+            # step; and views of one [..., Q, D] result would make a compiled phase 2 guard on Q through their base)
+            N, Q = scores.shape[-2:]
+            mix = tuple(sum(p[..., n, q, None] * vf[..., n, :] for n in range(N)) for q in range(Q))
+            return BlockMix(mix, tuple(scores[..., q].logsumexp(-1) for q in range(Q)))
+        return BlockMix((p.transpose(-1, -2) @ vf).unbind(-2), scores.logsumexp(-2).unbind(-1))
 
 
 def attn_res_merge(mix: torch.Tensor, lse: torch.Tensor, partial: torch.Tensor, query: torch.Tensor,
