@@ -1,4 +1,4 @@
-"""What the KDA layer keeps for backward under bf16 autocast: one shared copy of its input for its six projections
+"""What the KDA layer keeps for backward under bf16 autocast: one shared copy of its input for its four products
 (the values and gradients of separate casts), against the layer as it was; its output norm + gate through the
 Triton Function (as on CUDA; here under TRITON_INTERPRET=1) against the reference."""
 
@@ -36,7 +36,7 @@ def test_kda_layer_shares_one_copy_of_its_input(monkeypatch, output_gate):
     """k3-tiny's KDA layer (full and low-rank output gate): the output identical to the bit with one cast per
     projection, the gradients of the input and every parameter equal to fp32 rounding (the shared copy's
     gradients are summed in fp32 in another order), and one [B,T,D] bf16 copy of the input kept where there were
-    six (q, k, v, forget gate, beta, output gate): five fewer bf16 storages of x's size."""
+    four (q|k|v, forget gate, beta, output gate): three fewer bf16 storages of x's size."""
     cfg = get_preset("k3-tiny").with_overrides({"kda": {"output_gate": output_gate}})
     torch.manual_seed(0)
     layer = KimiDeltaAttention(cfg, 0)
@@ -45,7 +45,7 @@ def test_kda_layer_shares_one_copy_of_its_input(monkeypatch, output_gate):
     shared = _run(layer, x, dy)
     monkeypatch.setattr(model_kda, "shared_cast", lambda t, n: (t,) * n)
     separate = _run(layer, x, dy)
-    assert torch.equal(shared[0], separate[0]) and separate[3] - shared[3] == 5
+    assert torch.equal(shared[0], separate[0]) and separate[3] - shared[3] == 3
     torch.testing.assert_close(shared[1], separate[1], rtol=1e-5, atol=1e-6)
     for name in separate[2]:
         torch.testing.assert_close(shared[2][name], separate[2][name], rtol=1e-5, atol=1e-6, msg=name)

@@ -95,7 +95,7 @@ def kda_decode_step(layer: KimiDeltaAttention, x: torch.Tensor, j: int, batch: D
     backend = resolve_backend(layer.kda_backend, x.device, 1)  # the model's own choice for one token
     for t in range(T):  # the reference: the model's one-token ops, a token at a time
         xt = x[:, t:t + 1]
-        qkv = torch.cat([layer.q_proj(xt), layer.k_proj(xt), layer.v_proj(xt)], dim=-1)[:, 0]  # [B,3HK]
+        qkv = layer.qkv(xt)[:, 0]  # [B,3HK]
         y, conv = causal_conv1d_step(qkv, layer.conv_weight(), conv_pool[batch.slots])
         q, k, v = (t_.reshape(B, 1, H, K) for t_ in y.split(H * K, dim=-1))
         q, k, g, beta = layer.activate(q, k, xt, backend)

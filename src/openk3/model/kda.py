@@ -5,10 +5,11 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from openk3.config import ModelConfig
-from openk3.model.common import KeepFp32, RMSNorm, ShortConv, linear, out_std, shared_cast
+from openk3.model.common import KeepFp32, RMSNorm, ShortConv, linear, linear_concat, out_std, shared_cast
 from openk3.ops.conv import causal_conv1d, causal_conv1d_step
 from openk3.ops.fused import use_triton
 from openk3.ops.gates import k3_gate, kimi_gate
@@ -86,6 +87,15 @@ class KimiDeltaAttention(KeepFp32, nn.Module):
         if self.fused_conv:
             return self.conv1d.weight.squeeze(1)
         return torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]).squeeze(1)
+
+    def qkv(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., D] -> [..., 2HK+HV]: the q, k and v projections of x (q|k|v along the last dim) as one matrix
+        product, whose output is the conv's input as it stands (three products would be concatenated: a copy of it
+        each way, and three smaller GEMMs)."""
+        if self.fused_input_weight is not None and not torch.is_grad_enabled():
+            # `fuse_input_projections`' buffer starts with q|k|v: its rows as they are, not a copy
+            return F.linear(x, self.fused_input_weight[:3 * self.num_heads * self.head_dim])
+        return linear_concat(x, [self.q_proj, self.k_proj, self.v_proj])
 
     def muon_blocks(self) -> dict[str, str]:
         """Per-head Muon blocks (SPEC §6) of this layer's matrices, by parameter name: the q/k/v projections by
@@ -174,9 +184,9 @@ class KimiDeltaAttention(KeepFp32, nn.Module):
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
         layer_cache = cache.layers[self.layer_idx] if cache is not None else None
-        # six projections read x: under autocast, views of one bf16 copy (each would keep its own for backward)
-        x_q, x_k, x_v, x_f, x_b, x_o = shared_cast(x, 6)
-        qkv = qkv_in = torch.cat([self.q_proj(x_q), self.k_proj(x_k), self.v_proj(x_v)], dim=-1)  # [B,T,3HK]
+        # four products read x: under autocast, views of one bf16 copy (each would keep its own for backward)
+        x_qkv, x_f, x_b, x_o = shared_cast(x, 4)
+        qkv = qkv_in = self.qkv(x_qkv)  # [B,T,3HK]
         w = self.conv_weight()
         if layer_cache is not None and T == 1:
             y, conv_state = causal_conv1d_step(qkv[:, 0], w, layer_cache.conv_state)

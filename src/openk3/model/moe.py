@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from openk3.config import ModelConfig
-from openk3.model.common import KeepFp32, RMSNorm, linear, out_std, shared_cast
-from openk3.ops.activations import glu_activation
+from openk3.model.common import KeepFp32, RMSNorm, linear, linear_concat, out_std, shared_cast
+from openk3.ops.activations import apply_glu, glu_activation
 from openk3.ops.moe import Routing, experts_forward, routing_with, sigmoid_topk_routing
 from openk3.ops.norms import acc_dtype, fp32_island
 
@@ -21,7 +21,8 @@ def _act(cfg: ModelConfig):
 
 class GLUMLP(nn.Module):
     """down_proj(act(gate_proj x, up_proj x)); act = SiTU-GLU (K3) or SwiGLU (Kimi Linear).
-    gate_proj, up_proj [I, D]; down_proj [D, I]. Used for the dense FFN and the shared experts."""
+    gate_proj, up_proj [I, D]; down_proj [D, I]. Used for the dense FFN and the shared experts. The two
+    projections run as one product ([gate | up], `linear_concat`)."""
 
     def __init__(self, cfg: ModelConfig, dim: int, hidden: int):
         super().__init__()
@@ -30,11 +31,17 @@ class GLUMLP(nn.Module):
         self.down_proj = linear(hidden, dim, out_std(cfg))
         self.act = _act(cfg)
 
-    def forward(self, x: torch.Tensor, to_up: torch.Tensor | None = None) -> torch.Tensor:
-        """The FFN of x; `to_up`: x again for the up projection, when the caller has made the two one autocast
-        copy's views itself (`shared_cast`); by default the FFN does that."""
-        to_gate, to_up = shared_cast(x, 2) if to_up is None else (x, to_up)
-        return self.down_proj(self.act(self.gate_proj(to_gate), self.up_proj(to_up)))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(linear_concat(x, self.projections()))
+
+    def projections(self) -> list[nn.Linear]:
+        """The Linears that read the FFN's input, in the order of `down`'s packed input: gate, up."""
+        return [self.gate_proj, self.up_proj]
+
+    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The FFN's output from its packed projections gate_up [..., 2I] = [gate | up] (computed by `forward`, or
+        by a caller inside a wider product)."""
+        return self.down_proj(apply_glu(self.act, gate_up))
 
 
 class TopkRouter(KeepFp32, nn.Module):
@@ -162,17 +169,20 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        # the router reads x itself (fp32 routing under autocast too); the routed path and the shared expert's two
-        # projections read one autocast copy of x
-        to_routed, *to_shared = shared_cast(flat, 1 + 2 * (self.shared_experts is not None))
-        routing = self.gate(flat)
-        if self.latent_dim is None:
-            y = self.experts(to_routed, routing)
-        else:
-            y = self.experts(self.routed_down(to_routed), routing)
+        routing = self.gate(flat)  # the router reads x itself (fp32 routing under autocast too)
+        shared = self.shared_experts
+        if self.latent_dim is None:  # the experts read x; with the shared expert, views of one autocast copy
+            to_experts, *to_shared = shared_cast(flat, 1 + (shared is not None))
+            y = self.experts(to_experts, routing)
+            gate_up = linear_concat(to_shared[0], shared.projections()) if shared is not None else None
+        else:  # routed_down and the shared expert's gate and up: one product (`linear_concat`)
+            products = [self.routed_down] + (shared.projections() if shared is not None else [])
+            h = linear_concat(flat, products)
+            latent, gate_up = h.split([self.latent_dim, h.shape[-1] - self.latent_dim], dim=-1)
+            y = self.experts(latent, routing)
             if self.latent_norm is not None:
                 y = self.latent_norm(y)
             y = self.routed_up(y)
-        if self.shared_experts is not None:
-            y = y + self.shared_experts(*to_shared)
+        if shared is not None:
+            y = y + shared.down(gate_up)
         return y.view(shape)

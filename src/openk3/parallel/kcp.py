@@ -143,7 +143,7 @@ def kda_layer_forward(layer, x: torch.Tensor, split: SequenceSplit, rank: int, g
     if B != 1:
         raise ValueError(f"context parallelism works on one packed stream (batch 1), got batch {B}")
     H, K = layer.num_heads, layer.head_dim
-    qkv = torch.cat([layer.q_proj(x), layer.k_proj(x), layer.v_proj(x)], dim=-1)
+    qkv = layer.qkv(x)
     qkv = kcp_conv(qkv, layer.conv_weight(), split, rank, group)
     q, k, v = (t.reshape(B, L, H, K) for t in qkv.split(H * K, dim=-1))
     backend = resolve_backend(layer.kda_backend, x.device, L)
