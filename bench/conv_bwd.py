@@ -10,9 +10,9 @@ fwd+bwd minus fwd. Checks the Triton output and gradients (x, kernel, state) aga
 relative error, at most 2^-6 as tests/test_triton_conv.py allows bf16) and the Triton backward's bytes moved
 (pass 1 reads x and dy and writes g in bf16 and per-tile dw partials; pass 2 reads g and writes dx) per bwd
 second. Prints a Markdown table and writes bench/conv_bwd.json; exits non-zero on a mismatch. --sweep instead
-times the Triton backward at the first shape (with and without a state) for several tiles and warps, checking that
-each gives the default tile's dx and dstate bit for bit and its dw to rounding (how ops.triton_conv's backward tile
-was chosen).
+times the Triton forward and backward at the first shape (with and without a state) for several tiles and warps,
+checking that each gives the default tile's y, dx and dstate bit for bit and its dw to rounding (how
+ops.triton_conv's tiles were chosen).
 """
 
 from __future__ import annotations
@@ -100,29 +100,40 @@ def run(B: int, T: int, C: int, with_state: bool) -> dict:
     return row
 
 
+# (block_t, block_c, warps) of the forward that --sweep times; the first is ops.triton_conv's default
+SWEEP_FWD_TILES = [(triton_conv.BLOCK_T, triton_conv.BLOCK_C, triton_conv.FWD_WARPS), (64, 128, 4), (64, 64, 4),
+                   (32, 128, 4), (32, 64, 4), (64, 128, 8), (16, 128, 4), (16, 256, 8), (8, 512, 4)]
 # (block_t, block_c, warps) of the backward's two passes that --sweep times; the first is ops.triton_conv's default
 SWEEP_TILES = [(triton_conv.BWD_BLOCK_T, triton_conv.BWD_BLOCK_C, triton_conv.BWD_WARPS), (32, 64, 8), (32, 64, 4),
                (16, 128, 4), (32, 128, 4), (32, 128, 8), (64, 128, 8), (16, 256, 4), (128, 32, 4), (64, 32, 4)]
 
 
 def sweep(B: int, T: int, C: int, with_state: bool) -> list[dict]:
-    """The Triton backward alone (both passes and the dw sum) at each of SWEEP_TILES: dx and dstate compared
-    bitwise against the default tile's, dw (summed over other groupings of tokens) by its relative error."""
+    """The Triton forward and backward (both passes and the dw sum) alone at each of SWEEP_FWD_TILES and
+    SWEEP_TILES: y, dx and dstate compared bitwise against the default tile's, dw (summed over other groupings of
+    tokens) by its relative error."""
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(B, T, C, device="cuda", dtype=DTYPE, generator=g)
     w = (torch.randn(C, W, device="cuda", generator=g) / W ** 0.5).to(DTYPE)
     state = torch.randn(B, C, W - 1, device="cuda", dtype=DTYPE, generator=g) if with_state else None
     dy = torch.randn(B, T, C, device="cuda", dtype=DTYPE, generator=g)
-    reference = triton_conv._backward(x, w, state, dy)
+    label = f"| {'x'.join(map(str, (B, T, C)))} | {'bf16' if with_state else 'none'} |"
     rows = []
+    y_ref = triton_conv._forward(x, w, state, DTYPE)
+    for tile in SWEEP_FWD_TILES:
+        ms = cuda_ms(lambda tile=tile: triton_conv._forward(x, w, state, DTYPE, tile))
+        same = torch.equal(triton_conv._forward(x, w, state, DTYPE, tile), y_ref)
+        rows.append({"shape": [B, T, C], "state": with_state, "pass": "fwd", "tile": list(tile), "ms": ms,
+                     "same_bits": same})
+        print(f"{label} fwd | [{tile[0]}, {tile[1]}] | {tile[2]} | {ms:.3f} | {same} | |")
+    reference = triton_conv._backward(x, w, state, dy)
     for tile in SWEEP_TILES:
         ms = cuda_ms(lambda tile=tile: triton_conv._backward(x, w, state, dy, tile))
         dx, dw, dstate = triton_conv._backward(x, w, state, dy, tile)
         same = torch.equal(dx, reference[0]) and (dstate is None or torch.equal(dstate, reference[2]))
-        rows.append({"shape": [B, T, C], "state": with_state, "tile": list(tile), "bwd_ms": ms,
-                     "dx_dstate_same_bits": same, "dw_rel_err": rel(dw, reference[1])})
-        print(f"| {'x'.join(map(str, (B, T, C)))} | {'bf16' if with_state else 'none'} | [{tile[0]}, {tile[1]}] | "
-              f"{tile[2]} | {ms:.3f} | {same} | {rows[-1]['dw_rel_err']:.1e} |")
+        rows.append({"shape": [B, T, C], "state": with_state, "pass": "bwd", "tile": list(tile), "ms": ms,
+                     "same_bits": same, "dw_rel_err": rel(dw, reference[1])})
+        print(f"{label} bwd | [{tile[0]}, {tile[1]}] | {tile[2]} | {ms:.3f} | {same} | {rows[-1]['dw_rel_err']:.1e} |")
     return rows
 
 
@@ -130,13 +141,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", type=Path, default=HERE / "conv_bwd.json")
     ap.add_argument("--sweep", action="store_true",
-                    help="instead: time the Triton backward at each tile of SWEEP_TILES (JSON: sweep rows)")
+                    help="instead: time the Triton forward and backward at each tile of SWEEP_FWD_TILES and "
+                         "SWEEP_TILES (JSON: sweep rows)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/conv_bwd.py needs a CUDA device (it times the Triton kernels on a GPU)")
     if args.sweep:
-        print("| shape | state | tile | warps | bwd ms | dx, dstate: the default's bits | dw rel. err |\n"
-              "|---|---|---|---|---|---|---|")
+        print("| shape | state | pass | tile | warps | ms | y / dx, dstate: the default's bits | dw rel. err |\n"
+              "|---|---|---|---|---|---|---|---|")
         rows = [r for with_state in (False, True) for r in sweep(*SHAPES[0], with_state)]
         args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
                                          "sweep": rows}, indent=1) + "\n")

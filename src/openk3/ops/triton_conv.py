@@ -24,8 +24,12 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_T = 64  # forward: time steps per tile (at most)
-BLOCK_C = 128  # forward: channels per tile (at most)
+# forward: [16, 256] tiles at 4 warps. At k3-debug's shape on an H200 (x [8, 4096, 3072] bf16, W = 4) 0.18 ms without
+# a state and 0.57 ms with a bf16 one, against 0.25 / 0.98 ms for [64, 128] and 0.23 / 0.48 ms for [32, 128], the
+# same bits (`python bench/conv_bwd.py --sweep`; bench/RESULTS.md, 2026-12-01)
+BLOCK_T = 16  # forward: time steps per tile (at most)
+BLOCK_C = 256  # forward: channels per tile (at most)
+FWD_WARPS = 4
 # backward: [64, 64] tiles at 4 warps. On an H200 at k3-debug's shape (x [8, 4096, 3072] bf16, W = 4, no state) the
 # two passes took 0.69 ms, against 1.56 ms for [32, 64] at 8 warps, 0.83-1.3 ms for [16-32, 128-256] at 4 warps and
 # 0.67 ms for [128, 32], the same dx to the bit (`python bench/conv_bwd.py --sweep`; bench/RESULTS.md, 2026-12-01)
@@ -149,17 +153,20 @@ def _state_args(state: torch.Tensor | None) -> tuple:
     return state, state.stride(), True
 
 
-def _forward(x: torch.Tensor, w: torch.Tensor, state: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """silu(conv([state | x])) [B, T, C] in `dtype` for contiguous x [B, T, C] and w [C, W] in `dtype`."""
+def _forward(x: torch.Tensor, w: torch.Tensor, state: torch.Tensor | None, dtype: torch.dtype,
+             tile: tuple[int, int, int] = (BLOCK_T, BLOCK_C, FWD_WARPS)) -> torch.Tensor:
+    """silu(conv([state | x])) [B, T, C] in `dtype` for contiguous x [B, T, C] and w [C, W] in `dtype`; `tile`:
+    (block_t, block_c, warps) (bench/conv_bwd.py --sweep tries others)."""
     B, T, C = x.shape
     y = torch.empty(x.shape, dtype=dtype, device=x.device)
     s, strides, has_state = _state_args(state)
+    block_t, block_c, warps = tile
     # one tile height for every T (not fitted to short inputs): a prompt of any length reuses one compiled kernel
-    kw = _tiles(BLOCK_T, C, BLOCK_T, BLOCK_C)
+    kw = _tiles(block_t, C, block_t, block_c)
     if y.numel():
         grid = (triton.cdiv(T, kw["BLOCK_T"]), triton.cdiv(C, kw["BLOCK_C"]), B)
         _conv_fwd_kernel[grid](x, s if has_state else x, w, y, T, C, *strides, W=w.shape[-1], HAS_STATE=has_state,
-                               num_warps=4, **kw)
+                               num_warps=warps, **kw)
     return y
 
 
