@@ -9,6 +9,7 @@ import torch
 
 from openk3.config import get_preset
 from openk3.model import GatedMLA, K3ForCausalLM, KimiDeltaAttention, TopkRouter, configure_kda
+from openk3.model.common import linear, linear_concat
 from openk3.model.moe import decisive_routing, pinned_routing
 
 
@@ -244,3 +245,27 @@ def test_kda_layer_triton_path_matches_chunked(preset):
     for (name, a), b in zip(layers["triton"].named_parameters(), layers["chunked"].parameters()):
         assert b.grad.norm() > 0, name
         assert _rel(a.grad, b.grad) < 1e-4, name
+
+
+def test_linear_concat_equals_the_linears_side_by_side():
+    """linear_concat: with autograd one product over the concatenated weights, without it one per Linear; both the
+    Linears' outputs side by side (fp64, odd sizes), and the gradients of x and every weight those of the separate
+    products."""
+    g = torch.Generator().manual_seed(3)
+    torch.manual_seed(3)
+    linears = [linear(13, n, 0.5).double() for n in (5, 1, 7)]
+    x = torch.randn(2, 3, 13, generator=g, dtype=torch.float64) * 100
+    with torch.no_grad():
+        want = torch.cat([lin(x) for lin in linears], dim=-1)
+        torch.testing.assert_close(linear_concat(x, linears), want, rtol=1e-12, atol=1e-9)
+    dy = torch.randn(want.shape, generator=g, dtype=torch.float64)
+    grads = []
+    for fn in (lambda t: linear_concat(t, linears), lambda t: torch.cat([lin(t) for lin in linears], dim=-1)):
+        leaf = x.clone().requires_grad_()
+        for lin in linears:
+            lin.weight.grad = None
+        out = fn(leaf)
+        out.backward(dy)
+        grads.append([out.detach(), leaf.grad] + [lin.weight.grad.clone() for lin in linears])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-9)

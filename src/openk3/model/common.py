@@ -71,8 +71,12 @@ class _SharedCast(torch.autograd.Function):
 
 
 def linear_concat(x: torch.Tensor, linears: list[nn.Linear]) -> torch.Tensor:
-    """x through the bias-free `linears` as one matrix product: their outputs side by side on the last dim. One GEMM
-    reads x once (under autocast, one cast of it), and x's gradient is one GEMM instead of a sum of several."""
+    """x through the bias-free `linears`: their outputs side by side on the last dim. With autograd on (training) one
+    matrix product over their concatenated weights: one GEMM reads x once (under autocast, one cast of it), and x's
+    gradient is one GEMM instead of a sum of several. Without it (inference) a product per Linear, outputs
+    concatenated: copying the weights on every call would triple a decode step's weight reads, which are its cost."""
+    if not torch.is_grad_enabled():
+        return torch.cat([F.linear(x, lin.weight) for lin in linears], dim=-1)
     return F.linear(x, torch.cat([lin.weight for lin in linears]))
 
 
