@@ -8,7 +8,7 @@ import torch
 
 from openk3.config import get_preset
 from openk3.model import K3ForCausalLM, transformer
-from openk3.model.attnres import BlockStream
+from openk3.model.attnres import COMPILABLE_PHASES, BlockStream
 from openk3.ops.attnres import attn_res, attn_res_blocks, attn_res_merge
 
 
@@ -188,8 +188,9 @@ class OnePhaseStream:
 
 def test_model_two_phase_matches_one_phase(monkeypatch):
     """K3Model with the two-phase stream (planned: one phase 1 per block; unplanned: one per AttnRes, as a caller
-    that builds BlockStream(h, block_size) gets) vs the one-phase stream: logits and every parameter's gradient to
-    fp32 rounding (block size 3 over 7 layers: three epochs, the last one short)."""
+    that builds BlockStream(h, block_size) gets; planned with the phases compile_blocks compiles, run eagerly here:
+    each residual add deferred into the next merge_norm) vs the one-phase stream: logits and every parameter's
+    gradient to fp32 rounding (block size 3 over 7 layers: three epochs, the last one short)."""
     cfg = get_preset("k3-tiny").with_overrides({"attn_res_block_size": 3, "num_layers": 7, "mla_layers": [2, 6],
                                                 "mtp_layers": 0})
     torch.manual_seed(0)
@@ -197,8 +198,9 @@ def test_model_two_phase_matches_one_phase(monkeypatch):
     spread_attnres(model, std=0.3)
     ids = torch.randint(0, cfg.vocab_size, (2, 9))
     unplanned = lambda h, block_size, epochs, phases: BlockStream(h, block_size)
+    fused = lambda h, block_size, epochs, phases: BlockStream(h, block_size, epochs, COMPILABLE_PHASES)
     runs = []
-    for stream in (transformer.BlockStream, unplanned, OnePhaseStream):
+    for stream in (transformer.BlockStream, unplanned, fused, OnePhaseStream):
         monkeypatch.setattr(transformer, "BlockStream", stream)
         model.zero_grad()
         logits = model(ids).logits

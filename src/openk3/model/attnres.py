@@ -84,6 +84,7 @@ class BlockStream:
                  phases: Phases = EAGER_PHASES):
         self.blocks: list[torch.Tensor] = []
         self.partial = embedding
+        self._pending: torch.Tensor | None = None  # a sublayer output not yet added to `partial` (`_add`)
         self.block_size = block_size
         self._epochs = epochs
         self._phases = phases
@@ -107,32 +108,54 @@ class BlockStream:
     def _merge(self, proj: nn.Linear, norm: RMSNorm, then: nn.Module | None = None) -> torch.Tensor:
         """Phase 2 for the next query of the epoch, which must be (proj, norm); then `then` (the sublayer's
         pre-norm) on the result, if given."""
-        dtype = torch.promote_types(self._blocks_dtype, self.partial.dtype)
+        fused = then is not None and self._phases.merge_norm is not None
+        if not fused:
+            self._settle()
+        dtype = functools.reduce(torch.promote_types, [t.dtype for t in (self.partial, self._pending) if t is not None],
+                                 self._blocks_dtype)
         if self._queries is None:
             (q_vec,) = self._query_vectors([(proj, norm)])
             mixed = self._phases.blocks(self.blocks, q_vec[None], norm.eps)
-            return self._merge_then(then, mixed.mix[0], mixed.lse[0], self.partial, q_vec, norm.eps, dtype)
-        q = self._next
-        if q >= len(self._queries) or self._queries[q][0] is not proj or self._queries[q][1] is not norm:
-            raise RuntimeError("Block AttnRes ran its sublayers in another order than attn_res_epochs planned")
-        self._next += 1
-        mix, lse = self._rows[q]
-        if then is None or not torch.is_grad_enabled() or self._phases.merge_norm is not None:
-            return self._merge_then(then, mix, lse, self.partial, self._q[q], norm.eps, dtype)
+            mix, lse = mixed.mix[0], mixed.lse[0]
+        else:
+            q = self._next
+            if q >= len(self._queries) or self._queries[q][0] is not proj or self._queries[q][1] is not norm:
+                raise RuntimeError("Block AttnRes ran its sublayers in another order than attn_res_epochs planned")
+            self._next += 1
+            (mix, lse), q_vec = self._rows[q], self._q[q]
+        if fused:
+            # the pending residual add, phase 2 and the pre-norm: one compiled function, whose backward keeps what
+            # Inductor's partitioner chooses (at k3-debug's step on an H200 2.9 GiB more than recomputing as below,
+            # and 3.4 ms less of a 183 ms step)
+            x, partial = self._phases.merge_norm(mix, lse, self.partial, self._pending, q_vec, norm.eps, dtype,
+                                                 then.weight, then.eps)
+            if self._pending is not None:
+                self.partial, self._pending = partial, None
+            return x
+        if then is None or not torch.is_grad_enabled() or self._queries is None:
+            return self._merge_then(then, mix, lse, self.partial, q_vec, norm.eps, dtype)
         # Eagerly, phase 2 and the pre-norm after it are recomputed in backward: for backward they would keep the
         # merged input (fp32, for the norm) and phase 2's copies of the partial sum, 8 bytes per channel and token
         # under bf16 autocast; the checkpoint keeps its inputs (the partial sum, this query's row of the block mix,
-        # lse and query), and backward reruns one elementwise pass and a matrix-vector product per token. (Compiled,
-        # the fused merge_norm's backward keeps what Inductor's partitioner chooses: at k3-debug's step on an H200
-        # 2.9 GiB more than recomputing, and 3.4 ms less of a 183 ms step.)
-        return checkpoint(self._merge_then, then, mix, lse, self.partial, self._q[q], norm.eps, dtype,
+        # lse and query), and backward reruns one elementwise pass and a matrix-vector product per token.
+        return checkpoint(self._merge_then, then, mix, lse, self.partial, q_vec, norm.eps, dtype,
                           use_reentrant=False, preserve_rng_state=False)
 
     def _merge_then(self, then, mix, lse, partial, query, eps, dtype) -> torch.Tensor:
-        if then is not None and self._phases.merge_norm is not None:
-            return self._phases.merge_norm(mix, lse, partial, query, eps, dtype, then.weight, then.eps)
         x = self._phases.merge(mix, lse, partial, query, eps, dtype)
         return x if then is None else then(x)
+
+    def _settle(self) -> None:
+        """Add the pending sublayer output into the partial sum (`_add`)."""
+        if self._pending is not None:
+            self.partial, self._pending = self.partial + self._pending, None
+
+    def _add(self, h: torch.Tensor) -> None:
+        """partial += h, deferred to the next merge: a compiled merge_norm adds it in its own fused pass (an add of
+        its own, and in backward the sum of the partial sum's gradients and their cast for h, took 2.0 ms of
+        k3-debug's step on an H200); other merges add it first."""
+        self._settle()
+        self._pending = h
 
     def attn_input(self, layer_idx: int, proj: nn.Linear | None, norm: RMSNorm | None,
                    then: nn.Module | None = None) -> torch.Tensor:
@@ -143,19 +166,23 @@ class BlockStream:
         x = self._merge(proj, norm, then) if merged else self.partial
         self._opened = layer_idx % self.block_size == 0
         if self._opened:
+            self._settle()
             self.blocks.append(self.partial)
             self._open_epoch()
         return x if merged or then is None else then(x)  # layer 0 (the embedding alone): normalised after phase 1
 
     def add_attn(self, h: torch.Tensor) -> None:
-        self.partial = h if self._opened else self.partial + h
+        if self._opened:
+            self.partial = h  # (nothing pending: the merge before took it)
+        else:
+            self._add(h)
 
     def mlp_input(self, proj: nn.Linear, norm: RMSNorm, then: nn.Module | None = None) -> torch.Tensor:
         """Step 4's FFN input, normalised by `then` if given (as in `attn_input`)."""
         return self._merge(proj, norm, then)
 
     def add_mlp(self, h: torch.Tensor) -> None:
-        self.partial = self.partial + h
+        self._add(h)
 
     def output(self, proj: nn.Linear, norm: RMSNorm) -> torch.Tensor:
         return self._merge(proj, norm)

@@ -84,9 +84,14 @@ def attn_res_merge(mix: torch.Tensor, lse: torch.Tensor, partial: torch.Tensor, 
     return (weights[..., 0] * pf + weights[..., 1] * mix).to(dtype or partial.dtype)
 
 
-def attn_res_merge_norm(mix: torch.Tensor, lse: torch.Tensor, partial: torch.Tensor, query: torch.Tensor, eps: float,
-                        dtype: torch.dtype | None, weight: torch.Tensor, norm_eps: float) -> torch.Tensor:
-    """`attn_res_merge`, then the sublayer's pre-norm (RMSNorm with `weight` and `norm_eps`) on its output: the
-    form `compile_blocks` compiles, so that Inductor makes the two one pass per token each way and its partitioner
-    chooses what backward keeps (the merged input, or its recomputation from the inputs backward reads anyway)."""
-    return rms_norm(attn_res_merge(mix, lse, partial, query, eps, dtype), weight, norm_eps)
+def attn_res_merge_norm(mix: torch.Tensor, lse: torch.Tensor, partial: torch.Tensor, addend: torch.Tensor | None,
+                        query: torch.Tensor, eps: float, dtype: torch.dtype | None, weight: torch.Tensor,
+                        norm_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`attn_res_merge` over partial + `addend` (the last sublayer's output, not yet added; None: nothing to add),
+    then the sublayer's pre-norm (RMSNorm with `weight` and `norm_eps`) on its output; returns (normalised input,
+    the new partial sum). The form `compile_blocks` compiles, so that Inductor makes the residual add, phase 2 and
+    the norm one pass per token each way (the add's gradient and the sum of the partial sum's two gradients
+    included) and its partitioner chooses what backward keeps."""
+    if addend is not None:
+        partial = partial + addend
+    return rms_norm(attn_res_merge(mix, lse, partial, query, eps, dtype), weight, norm_eps), partial
