@@ -4,7 +4,7 @@ import torch
 
 from openk3.config import get_preset
 from openk3.model import K3ForCausalLM
-from openk3.model.compile import compile_blocks
+from openk3.model.compile import compile_blocks, uncompile_blocks
 
 
 def test_compile_blocks_same_values_and_names():
@@ -28,3 +28,6 @@ def test_compile_blocks_same_values_and_names():
     for name, grad in results[0][1].items():
         torch.testing.assert_close(results[1][1][name], grad, rtol=1e-4, atol=1e-6, msg=name)
     assert compiled.model.layers[0].mlp._compiled_call_impl is not None
+    assert "combine" in vars(compiled.mtp[0])  # the MTP layer's input projection, compiled
+    uncompile_blocks(compiled)
+    assert compiled.model.layers[0].mlp._compiled_call_impl is None and "combine" not in vars(compiled.mtp[0])

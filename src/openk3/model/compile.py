@@ -4,12 +4,13 @@ kernels. (While torch.compile traces, the layers use the PyTorch references inst
 kernels, `ops.fused.use_triton`, so both paths can be measured: `bench/train.py gpu` has a compiled row.)
 
 Compiled units: each decoder layer's token mixer, FFN and two norms (the MTP blocks' too; the units that
-activation checkpointing and FSDP2 also wrap, compiled in place so parameter names do not change), and the two
-Block AttnRes phases, which run between them on the shared block stream (phase 2 together with the pre-norm that
-follows it: one fused pass each way, `ops.attnres.attn_res_merge_norm`). The serving engine's `compile_prefill`
-compiles all but the token mixers, with dynamic shapes: a prefill runs those units eagerly otherwise, dozens of
-small operations each (the MoE's routing and grouping, AttnRes phase 1); the decode step, compiled whole, inlines
-them.
+activation checkpointing and FSDP2 also wrap, compiled in place so parameter names do not change), each MTP
+layer's input projection (`MTPLayer.combine`: two norms, a concatenation, a cast and a product), and the two
+Block AttnRes phases, which run between them on the shared block stream (phase 2 together with the residual add
+before it and the pre-norm after it: one fused pass each way, `ops.attnres.attn_res_merge_norm`). The serving
+engine's `compile_prefill` compiles all but the token mixers, with dynamic shapes: a prefill runs those units
+eagerly otherwise, dozens of small operations each (the MoE's routing and grouping, AttnRes phase 1); the decode
+step, compiled whole, inlines them.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ def compile_blocks(model: nn.Module, token_mixers: bool = True, **options) -> nn
     MLA layers eager (serving: their cache reads and writes are the engine's)."""
     for unit in _units(model, token_mixers):
         unit.compile(**options)
+    for layer in model.mtp or []:
+        layer.combine = torch.compile(layer.combine, **options)  # an instance attribute over the method
     if model.model.block_size is not None:
         model.model.attn_res_phases = Phases(*(torch.compile(fn, **options) for fn in COMPILABLE_PHASES))
     return model
@@ -35,6 +38,8 @@ def uncompile_blocks(model: nn.Module) -> nn.Module:
     """Undo `compile_blocks`: every unit runs eagerly again (e.g. after a compile failed at start-up)."""
     for unit in _units(model, token_mixers=True):
         unit._compiled_call_impl = None  # what nn.Module.compile sets; torch has no public way back
+    for layer in model.mtp or []:
+        layer.__dict__.pop("combine", None)
     model.model.attn_res_phases = EAGER_PHASES
     return model
 

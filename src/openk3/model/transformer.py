@@ -110,8 +110,12 @@ class MTPLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, next_embed: torch.Tensor) -> torch.Tensor:
         """hidden [B,T,D] (h_t), next_embed [B,T,D] (embedding of the token k positions ahead) -> [B,T,D]."""
-        h = self.eh_proj(torch.cat([self.enorm(next_embed), self.hnorm(hidden)], dim=-1))
-        return self.block(h)
+        return self.block(self.combine(hidden, next_embed))
+
+    def combine(self, hidden: torch.Tensor, next_embed: torch.Tensor) -> torch.Tensor:
+        """The block's input h' (the class docstring); `compile_blocks` compiles it, so the norms, the concatenation
+        and autocast's cast are one pass each way."""
+        return self.eh_proj(torch.cat([self.enorm(next_embed), self.hnorm(hidden)], dim=-1))
 
 
 @dataclass
