@@ -70,7 +70,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def bwd_bytes(B: int, T: int, C: int) -> int:
     """What the Triton backward reads and writes in DRAM (once each; the W shifted reads hit cache)."""
-    tiles = B * triton.cdiv(T, triton_conv.BWD_BLOCK_T)
+    tiles = B * triton.cdiv(T, triton_conv.BWD_G_ROWS)
     act = B * T * C * DTYPE.itemsize
     return 3 * act + 2 * act + 2 * tiles * C * W * 4  # x, dy, g | g, dx | dw partials written and summed
 
@@ -103,14 +103,20 @@ def run(B: int, T: int, C: int, with_state: bool) -> dict:
 # (block_t, block_c, warps) of the forward that --sweep times; the first is ops.triton_conv's default
 SWEEP_FWD_TILES = [(triton_conv.BLOCK_T, triton_conv.BLOCK_C, triton_conv.FWD_WARPS), (64, 128, 4), (64, 64, 4),
                    (32, 128, 4), (32, 64, 4), (64, 128, 8), (16, 128, 4), (16, 256, 8), (8, 512, 4)]
-# (block_t, block_c, warps) of the backward's two passes that --sweep times; the first is ops.triton_conv's default
-SWEEP_TILES = [(triton_conv.BWD_BLOCK_T, triton_conv.BWD_BLOCK_C, triton_conv.BWD_WARPS), (32, 64, 8), (32, 64, 4),
-               (16, 128, 4), (32, 128, 4), (32, 128, 8), (64, 128, 8), (16, 256, 4), (128, 32, 4), (64, 32, 4)]
+# (block_t, block_c, warps) of the backward's second pass (dx) that --sweep times; the first is ops.triton_conv's
+# default
+SWEEP_TILES = [(triton_conv.BWD_BLOCK_T, triton_conv.BWD_BLOCK_C, triton_conv.BWD_WARPS), (32, 64, 4), (16, 128, 4),
+               (32, 128, 4), (16, 256, 4), (128, 32, 4)]
+# (block_t, block_c, rows, warps) of the backward's first pass (g and dw); the first is ops.triton_conv's default
+SWEEP_G_TILES = [(triton_conv.BWD_G_BLOCK_T, triton_conv.BWD_G_BLOCK_C, triton_conv.BWD_G_ROWS,
+                  triton_conv.BWD_G_WARPS), (8, 128, 256, 1), (4, 128, 256, 1), (4, 64, 256, 1), (8, 64, 128, 1),
+                 (8, 64, 512, 1), (16, 64, 256, 1), (8, 256, 256, 2)]
 
 
 def sweep(B: int, T: int, C: int, with_state: bool) -> list[dict]:
-    """The Triton forward and backward (both passes and the dw sum) alone at each of SWEEP_FWD_TILES and
-    SWEEP_TILES: y, dx and dstate compared bitwise against the default tile's, dw (summed over other groupings of
+    """The Triton forward and backward (both passes and the dw sum) alone at each of SWEEP_FWD_TILES, and
+    SWEEP_G_TILES x SWEEP_TILES (each pass-1 tile with the default pass 2, the default pass 1 with each pass-2
+    tile): y, dx and dstate compared bitwise against the default tile's, dw (summed over other groupings of
     tokens) by its relative error."""
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(B, T, C, device="cuda", dtype=DTYPE, generator=g)
@@ -127,13 +133,15 @@ def sweep(B: int, T: int, C: int, with_state: bool) -> list[dict]:
                      "same_bits": same})
         print(f"{label} fwd | [{tile[0]}, {tile[1]}] | {tile[2]} | {ms:.3f} | {same} | |")
     reference = triton_conv._backward(x, w, state, dy)
-    for tile in SWEEP_TILES:
-        ms = cuda_ms(lambda tile=tile: triton_conv._backward(x, w, state, dy, tile))
-        dx, dw, dstate = triton_conv._backward(x, w, state, dy, tile)
-        same = torch.equal(dx, reference[0]) and (dstate is None or torch.equal(dstate, reference[2]))
-        rows.append({"shape": [B, T, C], "state": with_state, "pass": "bwd", "tile": list(tile), "ms": ms,
-                     "same_bits": same, "dw_rel_err": rel(dw, reference[1])})
-        print(f"{label} bwd | [{tile[0]}, {tile[1]}] | {tile[2]} | {ms:.3f} | {same} | {rows[-1]['dw_rel_err']:.1e} |")
+    for g_tile in SWEEP_G_TILES:
+        for tile in SWEEP_TILES if g_tile == SWEEP_G_TILES[0] else SWEEP_TILES[:1]:
+            ms = cuda_ms(lambda tile=tile, g_tile=g_tile: triton_conv._backward(x, w, state, dy, tile, g_tile))
+            dx, dw, dstate = triton_conv._backward(x, w, state, dy, tile, g_tile)
+            same = torch.equal(dx, reference[0]) and (dstate is None or torch.equal(dstate, reference[2]))
+            rows.append({"shape": [B, T, C], "state": with_state, "pass": "bwd", "tile": list(tile),
+                         "g_tile": list(g_tile), "ms": ms, "same_bits": same, "dw_rel_err": rel(dw, reference[1])})
+            print(f"{label} bwd | {list(g_tile)} + [{tile[0]}, {tile[1]}] | {g_tile[3]} + {tile[2]} | {ms:.3f} | "
+                  f"{same} | {rows[-1]['dw_rel_err']:.1e} |")
     return rows
 
 
@@ -141,8 +149,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", type=Path, default=HERE / "conv_bwd.json")
     ap.add_argument("--sweep", action="store_true",
-                    help="instead: time the Triton forward and backward at each tile of SWEEP_FWD_TILES and "
-                         "SWEEP_TILES (JSON: sweep rows)")
+                    help="instead: time the Triton forward and backward at each tile of SWEEP_FWD_TILES, "
+                         "SWEEP_G_TILES and SWEEP_TILES (JSON: sweep rows)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/conv_bwd.py needs a CUDA device (it times the Triton kernels on a GPU)")

@@ -45,11 +45,16 @@ def test_conv_silu_triton_matches_reference(B, T, C, W, scale, with_state, dtype
     """y and the gradients of x, the kernel and the state: against the plain composition in fp64 (autograd) on the
     operands the conv sees (rounded to the compute dtype), and against `_ConvSiLU` in the same dtypes. fp32: x,
     kernel and state fp32; bf16: as under autocast (x bf16 from the projections, fp32 kernel and state, the conv
-    in bf16). Small tiles, so the time and channel tiles split: dx's and dw's shifted reads cross tile edges."""
+    in bf16). Small tiles, so the time and channel tiles split: dx's and dw's shifted reads cross tile edges, and pass
+1's programs take several time tiles each."""
     monkeypatch.setattr(triton_conv, "BLOCK_T", 8)
     monkeypatch.setattr(triton_conv, "BLOCK_C", 32)
     monkeypatch.setattr(triton_conv, "BWD_BLOCK_T", 8)
     monkeypatch.setattr(triton_conv, "BWD_BLOCK_C", 32)
+    # pass 1: programs of 12 steps (rows rounded up to a whole number of tiles) over 4-step tiles: several tiles
+    # a program, the last program short
+    for name, value in [("BWD_G_BLOCK_T", 4), ("BWD_G_BLOCK_C", 32), ("BWD_G_ROWS", 10), ("BWD_G_WARPS", 1)]:
+        monkeypatch.setattr(triton_conv, name, value)
     x, w, state, dy = conv_inputs(B, T, C, W, scale, seed=B * 1000 + T * 10 + W)
     x, dy = x.to(dtype), dy.to(dtype)
     leaves = [x, w] + ([state] if with_state else [])

@@ -12,8 +12,9 @@ Forward: one program per [BLOCK_T, BLOCK_C] tile; each of the W taps is a shifte
 overlap, so they come from cache), nothing but x, w and the state is read and y written. Backward recomputes pre
 (the Function keeps only x, w and the state, as `ops.conv._ConvSiLU`) in two passes over the same tiles, each W
 shifted loads per element: the first recomputes pre, writes g to a [B, T, C] buffer in the compute dtype (the
-rounding autograd's SiLU backward applies in `_ConvSiLU`) and each tile's partial dw from the fp32 g and the same
-taps (read again from cache); the partials are summed after, as `ops.triton_norm` does. The second reads g at W
+rounding autograd's SiLU backward applies in `_ConvSiLU`) and dw from the fp32 g and the same taps (read again from
+cache), each program summing its rows' share in registers; the partials are summed after, as `ops.triton_norm`
+does. The second reads g at W
 shifted positions for dx and, in the first tile of a sequence, for dstate. The references are
 `ops.conv.causal_conv1d_reference` and `_ConvSiLU`.
 """
@@ -24,86 +25,107 @@ import torch
 import triton
 import triton.language as tl
 
-# forward: [16, 256] tiles at 4 warps. At k3-debug's shape on an H200 (x [8, 4096, 3072] bf16, W = 4) 0.18 ms without
-# a state and 0.57 ms with a bf16 one, against 0.25 / 0.98 ms for [64, 128] and 0.23 / 0.48 ms for [32, 128], the
-# same bits (`python bench/conv_bwd.py --sweep`; bench/RESULTS.md, 2026-12-01)
+# forward: [16, 256] tiles at 4 warps. At k3-debug's shape on an H200 (x [8, 4096, 3072] bf16, W = 4) 0.18-0.21 ms
+# without a state and 0.44 ms with a bf16 one (0.57 while its strides were specialised and every tile issued its
+# masked loads), against 0.25-0.28 / 0.61 ms for [64, 128] and 0.20-0.23 / 0.38 ms for [32, 128], the same bits
+# (`python bench/conv_bwd.py --sweep`; bench/RESULTS.md, 2026-12-01)
 BLOCK_T = 16  # forward: time steps per tile (at most)
 BLOCK_C = 256  # forward: channels per tile (at most)
 FWD_WARPS = 4
-# backward: [64, 64] tiles at 4 warps. On an H200 at k3-debug's shape (x [8, 4096, 3072] bf16, W = 4, no state) the
-# two passes took 0.69 ms, against 1.56 ms for [32, 64] at 8 warps, 0.83-1.3 ms for [16-32, 128-256] at 4 warps and
-# 0.67 ms for [128, 32], the same dx to the bit (`python bench/conv_bwd.py --sweep`; bench/RESULTS.md, 2026-12-01)
+# backward pass 1 (g and dw): [BWD_G_ROWS time steps, BWD_G_BLOCK_C channels] per program, [BWD_G_BLOCK_T,
+# BWD_G_BLOCK_C] tiles at BWD_G_WARPS warps. On an H200 at k3-debug's shape (x [8, 4096, 3072] bf16, W = 4) both
+# passes took 0.545 ms without a state and 1.91 ms with a bf16 one, against 0.78 / 2.37 ms for the per-tile dw of
+# before (4 warps over [64, 64] tiles, the taps loaded twice); [8, 128] tiles were as fast without a state (0.528)
+# but 7.8 ms with one, [4, 256] 0.75 / 8.6 ms (`python bench/conv_bwd.py --sweep`; bench/RESULTS.md, 2026-12-01)
+BWD_G_BLOCK_T = 8
+BWD_G_BLOCK_C = 64
+BWD_G_ROWS = 256
+BWD_G_WARPS = 1
+# backward pass 2 (dx): [64, 64] tiles at 4 warps, within 4% of the best of the sweep's others with the pass 1 above
+# (0.516-0.552 ms for both passes without a state), the same dx to the bit
 BWD_BLOCK_T = 64
 BWD_BLOCK_C = 64
 BWD_WARPS = 4
 
 
 @triton.jit
-def _load_full(x_ptr, s_ptr, w_ptr, b, pos, c, T, C, s_sb, s_sc, s_sj, W: tl.constexpr, HAS_STATE: tl.constexpr):
-    """full[b, pos, c] for a [R] tile of positions and [BC] channels, rounded to the compute dtype (w's), in fp32;
-    zero outside [0, W-1+T) and past C."""
-    mc = (c < C)[None, :]
+def _load_full(x_ptr, s_ptr, w_ptr, b, pos, p0, c, T, C, s_sb, s_sc, s_sj, W: tl.constexpr,
+               HAS_STATE: tl.constexpr):
+    """full[b, pos, c] for positions `pos` (the least p0) and channels `c` broadcast against each other (e.g. pos
+    [R, 1] and c [1, BC]), rounded to the compute dtype (w's), in fp32; zero outside [0, W-1+T) and past C."""
+    mc = c < C
     src = pos - (W - 1)  # x's time index
-    x = tl.load(x_ptr + b * T * C + src.to(tl.int64)[:, None] * C + c[None, :],
-                mask=((src >= 0) & (src < T))[:, None] & mc, other=0.0)
+    x = tl.load(x_ptr + b * T * C + src.to(tl.int64) * C + c, mask=(src >= 0) & (src < T) & mc, other=0.0)
     v = x.to(w_ptr.dtype.element_ty).to(tl.float32)
     if HAS_STATE:
-        s = tl.load(s_ptr + b * s_sb + c.to(tl.int64)[None, :] * s_sc + pos[:, None] * s_sj,
-                    mask=((pos >= 0) & (pos < W - 1))[:, None] & mc, other=0.0)
-        v += s.to(w_ptr.dtype.element_ty).to(tl.float32)
+        if p0 < W - 1:  # only a sequence's first tile reaches the state (masked loads elsewhere still cost issue slots)
+            s = tl.load(s_ptr + b * s_sb + c.to(tl.int64) * s_sc + pos * s_sj,
+                        mask=(pos >= 0) & (pos < W - 1) & mc, other=0.0)
+            v += s.to(w_ptr.dtype.element_ty).to(tl.float32)
     return v
 
 
 @triton.jit
-def _pre(x_ptr, s_ptr, w_ptr, b, pos, c, T, C, s_sb, s_sc, s_sj, W: tl.constexpr, HAS_STATE: tl.constexpr):
-    """pre[b, pos, c] = sum_i w[c, i] full[pos + i], fp32 sums rounded to the compute dtype (the conv's output)."""
+def _pre(x_ptr, s_ptr, w_ptr, b, pos, p0, c, T, C, s_sb, s_sc, s_sj, W: tl.constexpr, HAS_STATE: tl.constexpr):
+    """pre[b, pos, c] = sum_i w[c, i] full[pos + i] (p0: the least of pos), fp32 sums rounded to the compute dtype
+    (the conv's output)."""
     acc = tl.zeros([pos.shape[0], c.shape[0]], dtype=tl.float32)
     for i in tl.static_range(W):
         w_i = tl.load(w_ptr + c * W + i, mask=c < C, other=0.0).to(tl.float32)
-        acc += w_i[None, :] * _load_full(x_ptr, s_ptr, w_ptr, b, pos + i, c, T, C, s_sb, s_sc, s_sj, W, HAS_STATE)
+        acc += w_i[None, :] * _load_full(x_ptr, s_ptr, w_ptr, b, (pos + i)[:, None], p0 + i, c[None, :], T,
+                                         C, s_sb, s_sc, s_sj, W, HAS_STATE)
     return acc.to(w_ptr.dtype.element_ty).to(tl.float32)
 
 
-@triton.jit
-def _g(x_ptr, s_ptr, w_ptr, dy_ptr, b, pos, c, T, C, s_sb, s_sc, s_sj, W: tl.constexpr, HAS_STATE: tl.constexpr):
-    """g = dy silu'(pre) at a [R] tile of output positions (zero outside [0, T)), fp32."""
-    valid = ((pos >= 0) & (pos < T))[:, None] & (c < C)[None, :]
-    pre = _pre(x_ptr, s_ptr, w_ptr, b, pos, c, T, C, s_sb, s_sc, s_sj, W, HAS_STATE)
-    dy = tl.load(dy_ptr + b * T * C + pos.to(tl.int64)[:, None] * C + c[None, :], mask=valid, other=0.0)
-    sig = tl.sigmoid(pre)
-    g = dy.to(w_ptr.dtype.element_ty).to(tl.float32) * sig * (1.0 + pre * (1.0 - sig))
-    return tl.where(valid, g, 0.0)
-
-
-@triton.jit(do_not_specialize=["T"])  # one compile for every prompt length (a serving engine meets them all)
+# The state's strides are not specialised: as constants (the last one is 1) they make the state's loads contiguous
+# along time, and the compiler added layout conversions for them to every tile (an sm_90 compile of pass 1: 9
+# barriers and 2 KB of shared memory against 5 and 1 KB)
+@triton.jit(do_not_specialize=["T", "s_sb", "s_sc", "s_sj"])  # T: one compile for every prompt length (serving)
 def _conv_fwd_kernel(x_ptr, s_ptr, w_ptr, y_ptr, T, C, s_sb, s_sc, s_sj,
                      W: tl.constexpr, HAS_STATE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     b = tl.program_id(2).to(tl.int64)
-    pre = _pre(x_ptr, s_ptr, w_ptr, b, t, c, T, C, s_sb, s_sc, s_sj, W, HAS_STATE)
+    pre = _pre(x_ptr, s_ptr, w_ptr, b, t, tl.program_id(0) * BLOCK_T, c, T, C, s_sb, s_sc, s_sj, W, HAS_STATE)
     y = pre * tl.sigmoid(pre)
     tl.store(y_ptr + b * T * C + t.to(tl.int64)[:, None] * C + c[None, :], y.to(y_ptr.dtype.element_ty),
              mask=(t < T)[:, None] & (c < C)[None, :])
 
 
-@triton.jit
-def _conv_bwd_g_kernel(x_ptr, s_ptr, w_ptr, dy_ptr, g_ptr, dw_part_ptr, T, C, s_sb, s_sc, s_sj,
-                       W: tl.constexpr, HAS_STATE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Backward pass 1, one program per [BLOCK_T, BLOCK_C] tile: g (stored in g's dtype) and this tile's share of
-    dw, dw_part[tile, c, i] = sum_t g[t] full[t + i] from the fp32 g."""
-    pid_t = tl.program_id(0)
-    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+@triton.jit(do_not_specialize=["s_sb", "s_sc", "s_sj"])
+def _conv_bwd_g_kernel(x_ptr, s_ptr, w_ptr, dy_ptr, g_ptr, dw_part_ptr, T, C, s_sb, s_sc, s_sj, ROWS,
+                       W: tl.constexpr, WP: tl.constexpr, HAS_STATE: tl.constexpr, BLOCK_T: tl.constexpr,
+                       BLOCK_C: tl.constexpr):
+    """Backward pass 1, one program per ROWS time steps of a sequence and BLOCK_C channels, [BLOCK_T, BLOCK_C] tiles
+    at a time: g (stored in g's dtype) and the program's share of dw, dw_part[b, split, c, i] = sum_t g[t] full[t + i]
+    from the fp32 g. Each tile's taps are one [BLOCK_T, WP, BLOCK_C] load (WP = W rounded up to a power of 2) that
+    gives both pre (over the taps) and the dw terms (sums over time): with the warps side by side over the channels,
+    both stay in a thread's registers, and dw is stored once per program."""
+    split = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     b = tl.program_id(2).to(tl.int64)
     mc = c < C
-    g = _g(x_ptr, s_ptr, w_ptr, dy_ptr, b, t, c, T, C, s_sb, s_sc, s_sj, W, HAS_STATE)
-    tl.store(g_ptr + b * T * C + t.to(tl.int64)[:, None] * C + c[None, :], g.to(g_ptr.dtype.element_ty),
-             mask=(t < T)[:, None] & mc[None, :])
-    part = dw_part_ptr + (b * tl.num_programs(0) + pid_t) * C * W
-    for i in tl.static_range(W):  # the taps pre just read, again (from cache)
-        f = _load_full(x_ptr, s_ptr, w_ptr, b, t + i, c, T, C, s_sb, s_sc, s_sj, W, HAS_STATE)
-        tl.store(part + c * W + i, tl.sum(g * f, axis=0), mask=mc)
+    i = tl.arange(0, WP)
+    live = (i < W)[:, None] & mc[None, :]
+    dw = tl.zeros([WP, BLOCK_C], dtype=tl.float32)
+    for t0 in range(split * ROWS, tl.minimum(split * ROWS + ROWS, T), BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        taps = _load_full(x_ptr, s_ptr, w_ptr, b, (t[:, None] + i[None, :])[:, :, None], t0, c[None, None, :], T, C,
+                          s_sb, s_sc, s_sj, W, HAS_STATE)  # [BLOCK_T, WP, BLOCK_C]: full[t + i]
+        pre = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+        for j in tl.static_range(W):  # tap by tap in `_pre`'s order: the forward's pre to the bit
+            w_j = tl.load(w_ptr + c * W + j, mask=mc, other=0.0).to(tl.float32)
+            pre += w_j[None, :] * tl.sum(tl.where(i[None, :, None] == j, taps, 0.0), axis=1)
+        pre = pre.to(w_ptr.dtype.element_ty).to(tl.float32)
+        valid = (t < T)[:, None] & mc[None, :]
+        offs = b * T * C + t.to(tl.int64)[:, None] * C + c[None, :]
+        dy = tl.load(dy_ptr + offs, mask=valid, other=0.0).to(w_ptr.dtype.element_ty).to(tl.float32)
+        sig = tl.sigmoid(pre)
+        g = tl.where(valid, dy * sig * (1.0 + pre * (1.0 - sig)), 0.0)
+        tl.store(g_ptr + offs, g.to(g_ptr.dtype.element_ty), mask=valid)
+        dw += tl.sum(g[:, None, :] * taps, axis=0)
+    part = dw_part_ptr + (b * tl.num_programs(0) + split) * C * W
+    tl.store(part + c[None, :] * W + i[:, None], dw, mask=live)
 
 
 @triton.jit
@@ -154,13 +176,13 @@ def _state_args(state: torch.Tensor | None) -> tuple:
 
 
 def _forward(x: torch.Tensor, w: torch.Tensor, state: torch.Tensor | None, dtype: torch.dtype,
-             tile: tuple[int, int, int] = (BLOCK_T, BLOCK_C, FWD_WARPS)) -> torch.Tensor:
+             tile: tuple[int, int, int] | None = None) -> torch.Tensor:
     """silu(conv([state | x])) [B, T, C] in `dtype` for contiguous x [B, T, C] and w [C, W] in `dtype`; `tile`:
-    (block_t, block_c, warps) (bench/conv_bwd.py --sweep tries others)."""
+    (block_t, block_c, warps), default the module's (bench/conv_bwd.py --sweep tries others)."""
     B, T, C = x.shape
     y = torch.empty(x.shape, dtype=dtype, device=x.device)
     s, strides, has_state = _state_args(state)
-    block_t, block_c, warps = tile
+    block_t, block_c, warps = tile or (BLOCK_T, BLOCK_C, FWD_WARPS)
     # one tile height for every T (not fitted to short inputs): a prompt of any length reuses one compiled kernel
     kw = _tiles(block_t, C, block_t, block_c)
     if y.numel():
@@ -170,23 +192,28 @@ def _forward(x: torch.Tensor, w: torch.Tensor, state: torch.Tensor | None, dtype
     return y
 
 
-def _backward(x, w, state, dy, tile: tuple[int, int, int] = (BWD_BLOCK_T, BWD_BLOCK_C, BWD_WARPS)):
+def _backward(x, w, state, dy, tile: tuple[int, int, int] | None = None,
+              g_tile: tuple[int, int, int, int] | None = None):
     """(dx in x's dtype, d of the kernel [C, W] in fp32, dstate in the state's dtype or None) for contiguous x, dy
-    and w [C, W] in the compute dtype; `tile`: (block_t, block_c, warps) of both passes (bench/conv_bwd.py
-    --sweep tries others)."""
+    and w [C, W] in the compute dtype; `tile`: (block_t, block_c, warps) of pass 2, `g_tile`: (block_t, block_c,
+    rows, warps) of pass 1, default the module's (bench/conv_bwd.py --sweep tries others)."""
     B, T, C = x.shape
     W = w.shape[-1]
     if not x.numel():
         return torch.zeros_like(x), torch.zeros(C, W, device=x.device), None if state is None else \
             torch.zeros_like(state)
     s, strides, has_state = _state_args(state)
-    block_t, block_c, warps = tile
+    g_block_t, g_block_c, rows, g_warps = g_tile or (BWD_G_BLOCK_T, BWD_G_BLOCK_C, BWD_G_ROWS, BWD_G_WARPS)
+    gkw = _tiles(T, C, g_block_t, g_block_c)
+    rows = triton.cdiv(min(rows, T), gkw["BLOCK_T"]) * gkw["BLOCK_T"]
+    g_grid = (triton.cdiv(T, rows), triton.cdiv(C, gkw["BLOCK_C"]), B)
+    g = torch.empty(x.shape, dtype=w.dtype, device=x.device)  # in the compute dtype, as autograd's SiLU backward
+    dw_part = torch.empty(B * g_grid[0], C, W, dtype=torch.float32, device=x.device)
+    _conv_bwd_g_kernel[g_grid](x, s if has_state else x, w, dy, g, dw_part, T, C, *strides, rows, W=W,
+                               WP=triton.next_power_of_2(W), HAS_STATE=has_state, num_warps=g_warps, **gkw)
+    block_t, block_c, warps = tile or (BWD_BLOCK_T, BWD_BLOCK_C, BWD_WARPS)
     kw = _tiles(T, C, block_t, block_c)
     grid = (triton.cdiv(T, kw["BLOCK_T"]), triton.cdiv(C, kw["BLOCK_C"]), B)
-    g = torch.empty(x.shape, dtype=w.dtype, device=x.device)  # in the compute dtype, as autograd's SiLU backward
-    dw_part = torch.empty(B * grid[0], C, W, dtype=torch.float32, device=x.device)
-    _conv_bwd_g_kernel[grid](x, s if has_state else x, w, dy, g, dw_part, T, C, *strides, W=W, HAS_STATE=has_state,
-                             num_warps=warps, **kw)
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     dstate = torch.empty(state.shape, dtype=state.dtype, device=x.device) if state is not None else None
     _conv_bwd_dx_kernel[grid](g, w, dx, dstate if has_state else dx, T, C, W=W, HAS_STATE=has_state,
