@@ -8,7 +8,7 @@ x [8, 4096, 3072] and [1, 12288, 3072] bf16 (the k3-debug KDA layer: 3 x 8 heads
 (KCP's halo, serving's conv state). Times with CUDA events, the median of 20 calls after 3 warm-up calls; bwd is
 fwd+bwd minus fwd. Checks the Triton output and gradients (x, kernel, state) against `_ConvSiLU`'s (norm-wise
 relative error, at most 2^-6 as tests/test_triton_conv.py allows bf16) and the Triton backward's bytes moved
-(pass 1 reads x and dy and writes g in bf16 and per-tile dw partials; pass 2 reads g and writes dx) per bwd
+(pass 1 reads x and dy and writes g in bf16 and per-program dw partials; pass 2 reads g and writes dx) per bwd
 second. Prints a Markdown table and writes bench/conv_bwd.json; exits non-zero on a mismatch. --sweep instead
 times the Triton forward and backward at the first shape (with and without a state) for several tiles and warps,
 checking that each gives the default tile's y, dx and dstate bit for bit and its dw to rounding (how

@@ -10,12 +10,11 @@ as it is laid out (channels contiguous), fp32 math on operands rounded to the co
 
 Forward: one program per [BLOCK_T, BLOCK_C] tile; each of the W taps is a shifted load of the tile (the shifts
 overlap, so they come from cache), nothing but x, w and the state is read and y written. Backward recomputes pre
-(the Function keeps only x, w and the state, as `ops.conv._ConvSiLU`) in two passes over the same tiles, each W
-shifted loads per element: the first recomputes pre, writes g to a [B, T, C] buffer in the compute dtype (the
-rounding autograd's SiLU backward applies in `_ConvSiLU`) and dw from the fp32 g and the same taps (read again from
-cache), each program summing its rows' share in registers; the partials are summed after, as `ops.triton_norm`
-does. The second reads g at W
-shifted positions for dx and, in the first tile of a sequence, for dstate. The references are
+(the Function keeps only x, w and the state, as `ops.conv._ConvSiLU`) in two passes, each W shifted loads per
+element: the first, a program per run of time steps, recomputes pre, writes g to a [B, T, C] buffer in the compute
+dtype (the rounding autograd's SiLU backward applies in `_ConvSiLU`) and sums dw from the fp32 g and the same taps
+in registers, one partial per program, summed after (as `ops.triton_norm` does). The second, a program per tile,
+reads g at W shifted positions for dx and, in the first tile of a sequence, for dstate. The references are
 `ops.conv.causal_conv1d_reference` and `_ConvSiLU`.
 """
 
