@@ -235,7 +235,7 @@ def stages(name, B, T, H, cu, tune=False):
     cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device="cuda")
     lay = chunk_layout(B, T, cu_t, "cuda")
     scale = K**-0.5
-    hs = chunk_fwd.chunk_kda_fwd(q, k, v, g, beta, scale, None, False, lay, save_states=True, gate=gate)[2]
+    hs, pvs = chunk_fwd.chunk_kda_fwd(q, k, v, g, beta, scale, None, False, lay, save_states=True, gate=gate)[2]
     do = torch.randn_like(v)
     terms = chunk_fwd.prepare(q, k, v, g, beta, scale, lay, gate)
 
@@ -245,9 +245,9 @@ def stages(name, B, T, H, cu, tune=False):
         return outs
 
     dU, dhs, _ = rev()
-    intra = lambda *xs, act=gate: chunk_bwd.intra_backward(*xs, scale, hs, dhs, do, dU, lay, act)
-    bwd = lambda overlap=True: chunk_bwd.chunk_kda_bwd(q, k, v, g, beta, scale, hs, do, None, False, lay, gate,
-                                                       overlap)
+    intra = lambda *xs, act=gate: chunk_bwd.intra_backward(*xs, scale, hs, pvs, dhs, do, dU, lay, act)
+    bwd = lambda overlap=True: chunk_bwd.chunk_kda_bwd(q, k, v, g, beta, scale, hs, pvs, do, None, False, lay,
+                                                       gate, overlap)
     fwd = lambda *xs, act=gate, save=False: chunk_fwd.chunk_kda_fwd(*xs, scale, None, False, lay, save, act)
     row = {"shape": name,
            "prepare": ms(lambda: chunk_fwd.prepare(q, k, v, g, beta, scale, lay, gate)),

@@ -1,10 +1,12 @@
 """`kda_triton` and `kda_triton_fused`: the chunked Triton kernels behind an autograd.Function (SPEC-K3 §2).
 
 Saved for backward: the inputs as given (for the fused variant the raw projections and logits, so no
-activated copy stays alive; A_log and dt_bias are kept on the context), the initial state's presence, and the
-state at the start of every chunk (hs, in the kernels' operand dtype: bf16 for 16-bit inputs, fp32 for fp32).
-Recomputed in backward: the activations (fused variant), the state-independent chunk terms (W, U, Qd, kg, Aqk,
-gc; one token-parallel launch, cheaper than keeping four [T,H,K] tensors alive) and the pseudo-values U - W S.
+activated copy stays alive; A_log and dt_bias are kept on the context), the initial state's presence, the
+state at the start of every chunk (hs) and the pseudo-values U - W S the state pass formed (pvs, [T,H,V]: the
+size of v; recomputing them took a product with every state), both in the kernels' operand dtype (bf16 for
+16-bit inputs, fp32 for fp32). Recomputed in backward: the activations (fused variant) and the
+state-independent chunk terms (W, Qd, kg, Aqk, gc; one token-parallel launch, cheaper than keeping four
+[T,H,K] tensors alive).
 
 Gates: any g <= 0 is exact (to rounding). A declared floor (`gate_min`, K3's -5) clamps g there and, when it is
 >= BOUNDED_GATE_MIN, selects the faster bounded mode of the kernels (chunk_fwd.py); without one the kernels take
@@ -47,10 +49,10 @@ class _KDAChunkFunction(torch.autograd.Function):
         *flat, beta_flat = _flat(B, T, q, k, v, g, beta)
         h0 = None if initial_state is None else initial_state.float().contiguous()
         lay = chunk_layout(B, T, cu_seqlens, q.device)
-        o, ht, hs, ckpt = chunk_kda_fwd(*flat, beta_flat, scale, h0, output_final_state, lay, save_states=save,
-                                        gate=gate, checkpoints=checkpoints)
+        o, ht, saved, ckpt = chunk_kda_fwd(*flat, beta_flat, scale, h0, output_final_state, lay, save_states=save,
+                                           gate=gate, checkpoints=checkpoints)
         if save:
-            ctx.save_for_backward(*flat, beta_flat, hs)
+            ctx.save_for_backward(*flat, beta_flat, *saved)
             ctx.lay, ctx.scale, ctx.shape, ctx.has_h0 = lay, scale, (B, T, H, K, V), h0 is not None
             ctx.h0_dtype = None if initial_state is None else initial_state.dtype
             ctx.gate, ctx.overlap = gate, overlap  # the gate's A_log / dt_bias: fp32 copies (or the fp32 parameters)
@@ -61,13 +63,13 @@ class _KDAChunkFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht, _dckpt):
-        q, k, v, g, beta, hs = ctx.saved_tensors
+        q, k, v, g, beta, hs, pvs = ctx.saved_tensors
         B, T, H, K, V = ctx.shape
         gate = ctx.gate
         do = do.reshape(B * T, H, V).contiguous()
         dht = None if dht is None else dht.float().contiguous()
-        dq, dk, dv, dg, dbeta, dh0 = chunk_kda_bwd(q, k, v, g, beta, ctx.scale, hs, do, dht, ctx.has_h0, ctx.lay,
-                                                   gate, ctx.overlap)
+        dq, dk, dv, dg, dbeta, dh0 = chunk_kda_bwd(q, k, v, g, beta, ctx.scale, hs, pvs, do, dht, ctx.has_h0,
+                                                   ctx.lay, gate, ctx.overlap)
         d_A_log = d_dt_bias = None
         if gate.fused:
             a_dtype, b_dtype, b_shape = ctx.param_dtypes

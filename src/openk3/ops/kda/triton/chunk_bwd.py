@@ -12,11 +12,12 @@ of each sequence; with few chains the reverse pass runs beside it and polls a re
 
 Everything else is token-parallel, one program per chunk and head with all of V, so nothing is summed across
 programs (T = (I + A)^-1, W = T Diag(beta) Kd, U = T Diag(beta) V, A = StrictTril(Diag(beta) Kd Ki^T),
-Aqk = Tril(Qd Ki^T), kg = Ki e^G_C, gc = e^G_C):
+Aqk = Tril(Qd Ki^T), kg = Ki e^G_C, gc = e^G_C). The forward's state pass saved pv = U - W S
+(= T Diag(beta) (V - Kd S)), so the only products with the states are those of the gradients:
 
-    pv = T Diag(beta) (V - Kd S)     (= U - W S)
     dQd = dO S^T + dAqk Ki,  dAqk = Tril(dO pv^T),  dkg = pv dS'^T,  dW = -dpv S^T,  dgc = rowsum(S ⊙ dS')
-    dT = dW (beta Kd)^T + dU (beta V)^T = dpv (V - Kd S)^T Diag(beta),   dA = -T^T dT T^T (strictly lower)
+    dT = dW (beta Kd)^T + dU (beta V)^T = dpv (V - Kd S)^T Diag(beta) = dpv ((I + A) pv)^T
+    dA = -T^T dT T^T (strictly lower)
     each product x_i y_j e^(G_i - G_j) gives dG_i += x_i dx_i and dG_j -= y_j dy_j; dg = reverse cumsum of dG
     (plus kg's and gc's terms, which depend on G_C: see the kernel)
 
@@ -152,7 +153,7 @@ def _load_state_rows(hs, c, h, H, K: tl.constexpr, V: tl.constexpr, BS: tl.const
 
 
 @triton.jit
-def _intra_bwd_kernel(q, k, v, g, beta, A_log, dt_bias, sched, hs, dhs, do, dU, dq, dk, dv, dg, dbeta, scale,
+def _intra_bwd_kernel(q, k, v, g, beta, A_log, dt_bias, sched, hs, pvs, dhs, do, dU, dq, dk, dv, dg, dbeta, scale,
                       H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BV: tl.constexpr,
                       PREC: tl.constexpr, DT: tl.constexpr,
                       ACT: tl.constexpr, G_MIN: tl.constexpr, G_FLOOR: tl.constexpr, HIER: tl.constexpr):
@@ -167,31 +168,29 @@ def _intra_bwd_kernel(q, k, v, g, beta, A_log, dt_bias, sched, hs, dhs, do, dU, 
     dpv = _load_rows(dU, rows, rmask, H, h, V, BV)
     dout = _load_rows(do, rows, rmask, H, h, V, BV)
     vv = _load_rows(v, rows, rmask, H, h, V, BV)
-    # pass 1: P = Kd Ki^T and Kd S over the K slices (raw k under ACT; rolled loop, as in the prepare kernel)
+    pv = _load_rows(pvs, rows, rmask, H, h, V, BV)  # U - W S, as the forward's state pass formed it
+    # pass 1: P = Kd Ki^T over the K slices (raw k under ACT; rolled loop, as in the prepare kernel)
     P = tl.zeros([BT, BT], dtype=tl.float32)
-    KdS = tl.zeros([BT, BV], dtype=tl.float32)
     sq_q = tl.zeros([BT], dtype=tl.float32)
     sq_k = tl.zeros([BT], dtype=tl.float32)
     for c0 in range(0, K, BS):
         qq, kk, gg, G, GC, _ = load_slice(q, k, g, A_log, dt_bias, rows, rmask, h, H, K, BT, BS, c0, ACT, G_MIN,
                                           G_FLOOR)
-        S = _load_state_rows(hs, c, h, H, K, V, BS, BV, c0).to(dt)
         for lv in tl.static_range(4 if HIER else 1):
             fi, fj, pairs = pair_factors(gg, G, lv, i, j, BT, BS, HIER)
             P += tl.where(pairs, tl.dot(kk * fi, tl.trans(kk * fj), input_precision=PREC), 0.0)
-        KdS += tl.dot((kk * tl.exp(G)).to(dt), S, input_precision=PREC)
         if ACT != 0:
             sq_q += tl.sum(qq * qq, axis=1)
             sq_k += tl.sum(kk * kk, axis=1)
     rq = inverse_norm(sq_q, ACT)
     rk = inverse_norm(sq_k, ACT)
     P = P * rk[:, None] * rk[None, :]
-    VmKS = vv - KdS * rk[:, None]  # V - Kd S
-    # dT = dW (beta Kd)^T + dU (beta V)^T with dW = -dpv S^T and dU = dpv: dpv (V - Kd S)^T Diag(beta)
-    dT = tl.dot(dpv, tl.trans(VmKS), input_precision=PREC) * b[None, :]
+    # dT = dW (beta Kd)^T + dU (beta V)^T with dW = -dpv S^T and dU = dpv: dpv (V - Kd S)^T Diag(beta), where
+    # Diag(beta) (V - Kd S) = (I + A) pv since pv = T Diag(beta) (V - Kd S)
+    IA = tl.where(i > j, P * b[:, None], tl.where(i == j, 1.0, 0.0))
+    dT = tl.dot(dpv, tl.trans(tl.dot(IA, pv, input_precision=PREC)), input_precision=PREC)
     Tm = wy_inverse(P, b, i, j, PREC)
     Tt = tl.trans(Tm)
-    pv = tl.dot(Tm * b[None, :], VmKS, input_precision=PREC)  # = U - W S
     # T = (I + A)^-1  =>  dA = -T^T dT T^T, kept where A lives (strictly lower); A = Diag(beta) P
     dA = tl.where(i > j, -tl.dot(tl.dot(Tt, dT, input_precision=PREC), Tt, input_precision=PREC), 0.0)
     dbeta_acc = tl.sum(dA * P, axis=1)
@@ -280,7 +279,7 @@ def reverse_grid(lay: ChunkLayout, H: int, V: int, BV: int) -> tuple[int, int, i
     return lay.n_seqs, H, triton.cdiv(V, BV)
 
 
-def intra_backward(q, k, v, g, beta, scale, hs, dhs, do, dU, lay: ChunkLayout, gate: GateSpec):
+def intra_backward(q, k, v, g, beta, scale, hs, pvs, dhs, do, dU, lay: ChunkLayout, gate: GateSpec):
     """The token-parallel backward through each chunk's own terms; returns dq, dk, dv, dg, dbeta."""
     T, H, K = q.shape
     V = v.shape[-1]
@@ -289,18 +288,19 @@ def intra_backward(q, k, v, g, beta, scale, hs, dhs, do, dU, lay: ChunkLayout, g
     dbeta = torch.empty_like(beta)
     if lay.n_chunks:
         _intra_bwd_kernel[(lay.n_chunks * H,)](
-            q, k, v, g, beta, sched=lay.bwd_schedule, hs=hs, dhs=dhs, do=do, dU=dU, dq=dq, dk=dk, dv=dv, dg=dg,
+            q, k, v, g, beta, sched=lay.bwd_schedule, hs=hs, pvs=pvs, dhs=dhs, do=do, dU=dU, dq=dq, dk=dk, dv=dv, dg=dg,
             dbeta=dbeta, scale=scale, H=H, K=K, V=V, BT=CHUNK, BS=slice_width(K, V), BV=_pow2(V),
             PREC=precision(q.dtype), DT=dot_dtype(q.dtype, q.device),
             num_warps=WARPS["intra_bwd"], **gate.kernel_args(q))
     return dq, dk, dv, dg, dbeta
 
 
-def chunk_kda_bwd(q, k, v, g, beta, scale, hs, do, dht, has_h0, lay: ChunkLayout, gate: GateSpec, overlap=True):
-    """Flat [T,H,*] backward from the saved per-chunk states hs, the reverse pass beside the recomputed prepare
-    kernel when it is small enough and `overlap` allows (overlap.py). Returns dq, dk, dv, dg (fp32 with fused
-    activations), dbeta, dh0; with fused activations the gradients are with respect to the activated q, k, g
-    and beta."""
+def chunk_kda_bwd(q, k, v, g, beta, scale, hs, pvs, do, dht, has_h0, lay: ChunkLayout, gate: GateSpec,
+                  overlap=True):
+    """Flat [T,H,*] backward from the forward's saved per-chunk states hs and pseudo-values pvs, the reverse
+    pass beside the recomputed prepare kernel when it is small enough and `overlap` allows (overlap.py).
+    Returns dq, dk, dv, dg (fp32 with fused activations), dbeta, dh0; with fused activations the gradients are
+    with respect to the activated q, k, g and beta."""
     H, V = q.shape[1], v.shape[-1]
     BV = state_block(lay.n_seqs, H, V)  # as the forward's pass (same chains, same trade-off)
     terms = chunk_terms(q, v, lay.n_chunks, with_u=False)
@@ -310,4 +310,4 @@ def chunk_kda_bwd(q, k, v, g, beta, scale, hs, do, dht, has_h0, lay: ChunkLayout
                                  gate, ready)
     side_by_side(producer, reverse, ready)
     del terms, producer, reverse  # the intra kernel recomputes what it needs: free them before its outputs exist
-    return (*intra_backward(q, k, v, g, beta, scale, hs, dhs, do, dU, lay, gate), dh0)
+    return (*intra_backward(q, k, v, g, beta, scale, hs, pvs, dhs, do, dU, lay, gate), dh0)

@@ -226,12 +226,13 @@ def _prepare_kernel(q, k, v, g, beta, A_log, dt_bias, sched, ready, W, U, QG, KG
 
 
 @triton.jit(do_not_specialize=["N"])  # one compile for every batch size (a serving engine meets them all)
-def _state_fwd_kernel(W, U, QG, KG, AQK, GCX, h0, ht, hs, ckpt_slot, ckpt, o, cu, chunk_off,
+def _state_fwd_kernel(W, U, QG, KG, AQK, GCX, h0, ht, hs, pvs, ckpt_slot, ckpt, o, cu, chunk_off,
                       N, H, K: tl.constexpr, V: tl.constexpr, VU: tl.constexpr, BT: tl.constexpr,
                       BK: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr,
                       SAVE_STATES: tl.constexpr, OUTPUT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
     """The chain of one (sequence, head, block of BV state columns). U has VU <= V columns, the state V: the
-    columns past VU take zero values. Without OUTPUT only the state recurrence runs (QG, AQK and o unread)."""
+    columns past VU take zero values. Without OUTPUT only the state recurrence runs (QG, AQK and o unread). With
+    SAVE_STATES the state before each chunk goes to hs and the chunk's pseudo-values U - W S to pvs."""
     n = tl.program_id(0)
     h = tl.program_id(1)
     iv = tl.program_id(2)
@@ -271,6 +272,8 @@ def _state_fwd_kernel(W, U, QG, KG, AQK, GCX, h0, ht, hs, ckpt_slot, ckpt, o, cu
         gc = tl.load(GCX + ((c0 + c) * H + h) * K + ck, mask=ck < K, other=0.0).to(tl.float32)
         Sd = S.to(dt)
         pv = (u - tl.dot(w, Sd, input_precision=PREC)).to(dt)
+        if SAVE_STATES:
+            tl.store(pvs + xu, pv.to(pvs.dtype.element_ty), mask=rmask[:, None] & (cv[None, :] < VU))
         if OUTPUT:
             out = tl.dot(qg, Sd, input_precision=PREC) + tl.dot(aqk, pv, input_precision=PREC)
             xv = (rows[:, None] * H + h) * V + cv[None, :]
@@ -384,7 +387,8 @@ def prepare(q, k, v, g, beta, scale: float, lay: ChunkLayout, gate: GateSpec, wi
 def state_pass(terms, v, dtype, initial_state, output_final_state, lay: ChunkLayout, save_states,
                checkpoints: tuple[torch.Tensor, int] | None = None, with_output=True):
     """The forward state pass over a prepare kernel's `terms` (`dtype`: q's, which set the terms' precision).
-    Returns o (v's dtype), the final state (fp32 or None), the state before every chunk (or None) and, with
+    Returns o (v's dtype), the final state (fp32 or None), what the backward needs with `save_states` (else None):
+    the state before every chunk and the pseudo-values U - W S [T, H, VU], both in the terms' dtype, and, with
     `checkpoints` = (slot per chunk of a sequence, int32, -1 for none; number of slots), the fp32 states before
     the chunks that have a slot, [slots, N, H, K, V] (or None). Without `with_output` (terms without QG and AQK
     will do) o is None and only the state recurrence runs; the state may then be wider than v (initial_state
@@ -399,24 +403,26 @@ def state_pass(terms, v, dtype, initial_state, output_final_state, lay: ChunkLay
     o = torch.empty(T, H, V, dtype=v.dtype, device=v.device) if with_output else None
     ht = torch.empty(N, H, K, V, dtype=torch.float32, device=v.device) if output_final_state else None
     hs = torch.empty(max(lay.n_chunks, 1), H, K, V, dtype=W.dtype, device=v.device) if save_states else None
+    pvs = torch.empty(T, H, VU, dtype=W.dtype, device=v.device) if save_states else None
     slots, ckpt = None, None
     if checkpoints is not None:
         slots, n_slots = checkpoints
         ckpt = torch.empty(n_slots, N, H, K, V, dtype=torch.float32, device=v.device)
     BV = state_block(N, H, V)
     _state_fwd_kernel[(N, H, triton.cdiv(V, BV))](
-        W, U, W if QG is None else QG, KG, W if AQK is None else AQK, GC, initial_state, ht, hs, slots, ckpt,
+        W, U, W if QG is None else QG, KG, W if AQK is None else AQK, GC, initial_state, ht, hs, pvs, slots, ckpt,
         W if o is None else o, lay.cu_seqlens, lay.chunk_offsets, N=N, H=H, K=K, V=V, VU=VU, BT=CHUNK, BK=_pow2(K),
         BV=BV, HAS_H0=initial_state is not None, STORE_FINAL=output_final_state, SAVE_STATES=save_states,
         OUTPUT=with_output, PREC=precision(dtype), DT=dot_dtype(dtype, v.device), num_warps=WARPS["state"])
-    return o, ht, hs, ckpt
+    return o, ht, None if hs is None else (hs, pvs), ckpt
 
 
 def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, lay: ChunkLayout, save_states,
                   gate: GateSpec, checkpoints: tuple[torch.Tensor, int] | None = None):
     """Flat [T,H,*] forward: the prepare kernel, then the state pass (side by side they were slower on an H200,
     1.30 against 0.74 ms at B1 T8192 H32: bench/NOTES-kda.md run 14). Returns o (v's dtype), final state (fp32
-    or None), per-chunk states (or None) and the checkpoint states (`state_pass`). With fused activations in
+    or None), the backward's saved tensors (per-chunk states and pseudo-values, or None) and the checkpoint
+    states (`state_pass`). With fused activations in
     `gate`, g and beta are the gate and beta logits and q, k are not yet normalised."""
     terms = prepare(q, k, v, g, beta, scale, lay, gate)
     return state_pass(terms, v, q.dtype, initial_state, output_final_state, lay, save_states, checkpoints)
