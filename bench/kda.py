@@ -235,19 +235,13 @@ def stages(name, B, T, H, cu, tune=False):
     cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device="cuda")
     lay = chunk_layout(B, T, cu_t, "cuda")
     scale = K**-0.5
-    hs, pvs = chunk_fwd.chunk_kda_fwd(q, k, v, g, beta, scale, None, False, lay, save_states=True, gate=gate)[2]
+    saved = chunk_fwd.chunk_kda_fwd(q, k, v, g, beta, scale, None, False, lay, save_states=True, gate=gate)[2]
+    hs, pvs, *terms = saved
     do = torch.randn_like(v)
-    terms = chunk_fwd.prepare(q, k, v, g, beta, scale, lay, gate)
-
-    def rev(bv=32):
-        outs, launch = chunk_bwd.reverse_pass(terms, do, None, False, lay, bv, q.dtype)
-        launch()
-        return outs
-
+    rev = lambda bv=32: chunk_bwd.reverse_pass((terms[0], None, *terms[1:]), do, None, False, lay, bv, q.dtype)
     dU, dhs, _ = rev()
     intra = lambda *xs, act=gate: chunk_bwd.intra_backward(*xs, scale, hs, pvs, dhs, do, dU, lay, act)
-    bwd = lambda overlap=True: chunk_bwd.chunk_kda_bwd(q, k, v, g, beta, scale, hs, pvs, do, None, False, lay,
-                                                       gate, overlap)
+    bwd = lambda: chunk_bwd.chunk_kda_bwd(q, k, v, g, beta, scale, saved, do, None, False, lay, gate)
     fwd = lambda *xs, act=gate, save=False: chunk_fwd.chunk_kda_fwd(*xs, scale, None, False, lay, save, act)
     row = {"shape": name,
            "prepare": ms(lambda: chunk_fwd.prepare(q, k, v, g, beta, scale, lay, gate)),
@@ -258,8 +252,7 @@ def stages(name, B, T, H, cu, tune=False):
            "reverse pass": ms(rev),
            "intra bwd": ms(lambda: intra(q, k, v, g, beta)),
            "intra bwd fused": ms(lambda: intra(*raw, act=act)),
-           "bwd total": ms(bwd),
-           "bwd total, no overlap": ms(lambda: bwd(overlap=False))}  # the same passes one after the other
+           "bwd total": ms(bwd)}
     row["state pass"] = row["fwd total"] - row["prepare"]
     row.update(transition(activate(r), cu_t))
     print({a: (round(b, 4) if isinstance(b, float) else b) for a, b in row.items()}, flush=True)

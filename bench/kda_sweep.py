@@ -3,7 +3,7 @@
 T in {1,15,63,64,65,1000,4096}, K,V in {64,128} (and 96), heads 1..32, batch 1..4, ragged cu_seqlens, extreme
 gates and betas, with and without initial state; outputs, final states and all gradients, bf16 and fp32
 inputs; tolerances from shared/DESIGN.md (relative RMS). Prints one line per case and a summary.
-    python bench/kda_sweep.py [--quick] [--budget S] [--activations] [--overlap REPS]
+    python bench/kda_sweep.py [--quick] [--budget S] [--activations]
     python bench/kda_sweep.py --gates [--json PATH]     gate floor and unbounded gates, fla side by side
 
 --gates: every gate at K3's floor, half the channels at the floor, random bounded gates and unbounded ones
@@ -238,38 +238,12 @@ def check_activations(dev="cuda"):
     return ok
 
 
-def check_overlap(reps: int, dev="cuda"):
-    """The backward with its reverse pass beside the prepare kernel (overlap.py) against the two run one after the
-    other: the same arithmetic, so every output and gradient must agree to the bit, run after run (a missed flag
-    or a stale read shows up as a difference). Shapes where the overlap applies: few chains."""
-    ok = True
-    for B, T, H, ragged in ((1, 8192, 32, None), (1, 1000, 4, None), (2, 4096, 16, None),
-                            (1, 3000, 8, [0, 100, 1700, 3000])):
-        q, k, v, g, beta = make(B, T, H, 128, 128, torch.bfloat16, "mix", "mix", dev)
-        cu = None if ragged is None else torch.tensor(ragged, dtype=torch.int32, device=dev)
-        xs = [x.requires_grad_() for x in (q, k, v, g, beta)]
-        do = torch.randn_like(v)
-
-        def grads(xs=xs, cu=cu, do=do, overlap=True):
-            o, _ = kda_triton(*xs, cu_seqlens=cu, overlap=overlap)
-            return [o, *torch.autograd.grad(o, xs, do)]
-
-        ref = grads(overlap=False)
-        bad = sum(not torch.equal(a, b) for _ in range(reps) for a, b in zip(grads(), ref))
-        ok &= bad == 0
-        print("ok  " if bad == 0 else "FAIL", f"overlap B={B} T={T} H={H} ragged={ragged}: {reps} runs, "
-              f"{bad} tensors differ from the sequential run", flush=True)
-    return ok
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--budget", type=float, default=1e9, help="seconds after which no new case starts")
     ap.add_argument("--skip", type=int, default=0, help="start at this case (to resume a budgeted run)")
     ap.add_argument("--activations", action="store_true", help="check kda_activations only")
-    ap.add_argument("--overlap", type=int, default=0, metavar="REPS",
-                    help="check only that the overlapped backward matches the sequential one to the bit, REPS runs")
     ap.add_argument("--gates", action="store_true",
                     help="the gate-floor and unbounded-gate accuracy sweep, with fla side by side when installed")
     ap.add_argument("--json", help="write the --gates rows here")
@@ -278,8 +252,6 @@ def main():
         sys.exit("bench/kda_sweep.py needs a CUDA device (tests/test_kda_triton.py is the CPU-interpreter version)")
     if args.activations:
         sys.exit(0 if check_activations() else 1)
-    if args.overlap:
-        sys.exit(0 if check_overlap(args.overlap) else 1)
     if args.gates:
         sys.exit(0 if check_gates(args.json) else 1)
     torch.manual_seed(0)

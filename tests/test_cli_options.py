@@ -8,15 +8,10 @@ from openk3.cli import build_parser
 @pytest.mark.parametrize("command", [["train"], ["generate", "--ckpt", "x", "--prompt", "p"], ["serve"]])
 def test_kda_options_default_from_the_environment(command, monkeypatch):
     monkeypatch.delenv("OPENK3_KDA_BACKEND", raising=False)
-    monkeypatch.delenv("OPENK3_KDA_OVERLAP", raising=False)
-    args = build_parser().parse_args(command)
-    assert (args.kda_backend, args.kda_overlap) == ("auto", True)
-    args = build_parser().parse_args([*command, "--kda-backend", "chunked", "--no-kda-overlap"])
-    assert (args.kda_backend, args.kda_overlap) == ("chunked", False)
+    assert build_parser().parse_args(command).kda_backend == "auto"
+    assert build_parser().parse_args([*command, "--kda-backend", "chunked"]).kda_backend == "chunked"
     monkeypatch.setenv("OPENK3_KDA_BACKEND", "recurrent")
-    monkeypatch.setenv("OPENK3_KDA_OVERLAP", "0")
-    args = build_parser().parse_args(command)
-    assert (args.kda_backend, args.kda_overlap) == ("recurrent", False)
+    assert build_parser().parse_args(command).kda_backend == "recurrent"
 
 
 def test_bad_backend_in_the_environment_names_the_variable(monkeypatch, capsys):

@@ -229,32 +229,16 @@ def test_causal_to_the_bit(dtype, gate_min):
         assert not torch.equal(o1[:, t + 1 :], o2[:, t + 1 :])
 
 
-def test_backward_with_and_without_ready_flags():
-    """The backward's reverse pass polls ready flags set by the prepare kernel (overlap.py); without flags the
-    two run one after the other. Both give the same bits (same arithmetic), on ragged sequences."""
-    cu = torch.tensor([0, 5, 40, 71], dtype=torch.int32, device=DEV)
-    inputs = make(1, 71, 2, 16, 16, torch.float32, seed=12)
-    grads = []
-    for enabled in (True, False):
-        xs = [x.clone().requires_grad_() for x in inputs]
-        o, _ = kda_triton(*xs, cu_seqlens=cu, overlap=enabled)
-        grads.append(torch.autograd.grad(o.square().sum(), xs))
-    for a, b in zip(*grads):
-        assert torch.equal(a, b)
-
-
-def test_schedules_order_chunks_for_the_state_passes():
-    """Forward schedule: by position from each sequence's start; backward: by position from its end; rows past
-    the real chunks are empty and last."""
+def test_schedule_orders_chunks_for_the_state_pass():
+    """By position from each sequence's start; rows past the real chunks are empty and last."""
     lay = chunk_layout(1, 40, torch.tensor([0, 5, 40]), "cpu")
-    assert lay.fwd_schedule.tolist() == [[0, 0, 5], [1, 5, 21], [2, 21, 37], [3, 37, 40]]
-    assert lay.bwd_schedule.tolist() == [[0, 0, 5], [3, 37, 40], [2, 21, 37], [1, 5, 21]]
+    assert lay.schedule.tolist() == [[0, 0, 5], [1, 5, 21], [2, 21, 37], [3, 37, 40]]
     dense = chunk_layout(2, 20, None, "cpu")  # two sequences of two chunks each
-    assert dense.fwd_schedule[:, 0].tolist() == [0, 2, 1, 3] and dense.bwd_schedule[:, 0].tolist() == [1, 3, 0, 2]
+    assert dense.schedule[:, 0].tolist() == [0, 2, 1, 3]
     # built without reading cu_seqlens on the host: 40 // 16 + 3 rows for 3 real chunks, the 2 extra ones empty
     padded = chunk_layout(1, 40, torch.tensor([0, 16, 32, 40]), "cpu")
     assert padded.n_chunks == 5
-    assert padded.fwd_schedule.tolist() == [[0, 0, 16], [1, 16, 32], [2, 32, 40], [3, 0, 0], [4, 0, 0]]
+    assert padded.schedule.tolist() == [[0, 0, 16], [1, 16, 32], [2, 32, 40], [3, 0, 0], [4, 0, 0]]
 
 
 @pytest.mark.parametrize("gate_min, h0, cu", [

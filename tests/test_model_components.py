@@ -206,9 +206,9 @@ def test_meta_device_build():
 
 def test_configure_kda_sets_every_layer():
     model = K3ForCausalLM(get_preset("k3-tiny"))
-    configure_kda(model, backend="recurrent", overlap=False)
+    configure_kda(model, backend="recurrent")
     layers = [m for m in model.modules() if isinstance(m, KimiDeltaAttention)]
-    assert layers and all(m.kda_backend == "recurrent" and not m.kda_overlap for m in layers)
+    assert layers and all(m.kda_backend == "recurrent" for m in layers)
     with pytest.raises(ValueError, match="backend"):
         configure_kda(model, backend="cuda")
 

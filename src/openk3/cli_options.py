@@ -1,8 +1,7 @@
 """Options shared by the commands that build a model, with defaults from the environment, and argparse types.
 
 The CLI is the only place the KDA environment variables are read (model/ and ops/ take explicit arguments):
-OPENK3_KDA_BACKEND (auto | recurrent | chunked | triton) is the default of --kda-backend, OPENK3_KDA_OVERLAP=0 the
-default of --no-kda-overlap.
+OPENK3_KDA_BACKEND (auto | recurrent | chunked | triton) is the default of --kda-backend.
 """
 
 from __future__ import annotations
@@ -24,10 +23,6 @@ def add_kda_options(parser: argparse.ArgumentParser) -> None:
                         help="KDA implementation: auto = Triton kernels on CUDA, the chunked form on CPU (the "
                              "recurrence for single tokens); $OPENK3_KDA_BACKEND sets the default "
                              "(default: %(default)s)")
-    parser.add_argument("--kda-overlap", action=argparse.BooleanOptionalAction,
-                        default=os.environ.get("OPENK3_KDA_OVERLAP", "1") != "0",
-                        help="run the Triton backward's reverse state pass beside its producer when few chains run "
-                             "(same bits either way); OPENK3_KDA_OVERLAP=0 sets the default off (default: %(default)s)")
 
 
 def int_at_least(low: int):

@@ -53,7 +53,7 @@ def run_generate(args: argparse.Namespace) -> int:
     tok = TextTokenizer.from_file(args.tokenizer or ckpt / "tokenizer.json")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model = load_pretrained(ckpt).to(device)
-    configure_kda(model, backend=args.kda_backend, overlap=args.kda_overlap)
+    configure_kda(model, backend=args.kda_backend)
     params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
     prompt = tok.encode(args.prompt)

@@ -52,8 +52,7 @@ class KimiDeltaAttention(KeepFp32, nn.Module):
         self.num_heads, self.head_dim, self.v_head_dim = H, K, K
         self.gate_kind, self.lower_bound = kc.gate, kc.gate_lower_bound
         self.fused_conv, self.output_gate = kc.fused_conv, kc.output_gate
-        self.kda_backend = "auto"  # configure_kda sets these for a whole model
-        self.kda_overlap = True
+        self.kda_backend = "auto"  # configure_kda sets it for a whole model
         std = cfg.init_std
         self.q_proj = linear(D, H * K, std)
         self.k_proj = linear(D, H * K, std)
@@ -174,7 +173,7 @@ class KimiDeltaAttention(KeepFp32, nn.Module):
         window = conv_state.shape[-1]
         history = torch.cat([conv_state, qkv_in.transpose(1, 2).to(conv_state.dtype)], dim=-1)  # [B,C,W-1+T]
         o, state, states = kda(q, k, v, g, beta, initial_state=initial, output_final_state=True, backend=backend,
-                               gate_min=self.gate_min(), state_offsets=tuple(offsets), overlap=self.kda_overlap)
+                               gate_min=self.gate_min(), state_offsets=tuple(offsets))
         for end, s in zip(offsets, states):
             cache.record_checkpoint(end, self.layer_idx, history[..., end:end + window], s)
         return o, state
@@ -203,7 +202,7 @@ class KimiDeltaAttention(KeepFp32, nn.Module):
                                                   offsets, cache, backend)
         else:
             o, state = kda(q, k, v, g, beta, initial_state=initial, output_final_state=layer_cache is not None,
-                           backend=backend, gate_min=self.gate_min(), overlap=self.kda_overlap)
+                           backend=backend, gate_min=self.gate_min())
         if layer_cache is not None:
             layer_cache.conv_state = conv_state
             layer_cache.recurrent_state = state
@@ -230,11 +229,10 @@ class KimiDeltaAttention(KeepFp32, nn.Module):
         return self.o_proj(o.to(dtype).reshape(B, T, H * V))
 
 
-def configure_kda(model: nn.Module, *, backend: str = "auto", overlap: bool = True) -> None:
-    """Set the KDA backend ("auto" lets `resolve_backend` choose per call) and the Triton backward's overlap on
-    every KDA layer of `model`."""
+def configure_kda(model: nn.Module, *, backend: str = "auto") -> None:
+    """Set the KDA backend ("auto" lets `resolve_backend` choose per call) on every KDA layer of `model`."""
     if backend not in BACKENDS:
         raise ValueError(f"kda backend must be one of {BACKENDS}, got {backend!r}")
     for module in model.modules():
         if isinstance(module, KimiDeltaAttention):
-            module.kda_backend, module.kda_overlap = backend, overlap
+            module.kda_backend = backend

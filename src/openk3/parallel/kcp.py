@@ -118,7 +118,7 @@ def _initial_state(k, v, g, beta, split: SequenceSplit, rank: int, group, backen
 
 
 def kcp_kda(q, k, v, g, beta, split: SequenceSplit, rank: int, group, *, scale=None, backend: str = "auto",
-            gate_min: float | None = None, overlap: bool = True):
+            gate_min: float | None = None):
     """KDA over this rank's tokens of a packed stream: q, k, g [1,L,H,K], v [1,L,H,V], beta [1,L,H] (activated, as
     `openk3.ops.kda.kda` takes them) -> o [1,L,H,V]. Collective over `group`, forward and backward."""
     backend = resolve_backend(backend, k.device, k.shape[1])
@@ -127,7 +127,7 @@ def kcp_kda(q, k, v, g, beta, split: SequenceSplit, rank: int, group, *, scale=N
     initial = torch.cat([S0.unsqueeze(0), S0.new_zeros(len(cu) - 2, *S0.shape)])
     o, final = kda(q, k, v, g, beta, scale=scale, initial_state=initial,
                    cu_seqlens=torch.tensor(cu, dtype=torch.int64, device=k.device), output_final_state=True,
-                   backend=backend, gate_min=gate_min, overlap=overlap)
+                   backend=backend, gate_min=gate_min)
     if not o.requires_grad:  # no backward (evaluation), so no backward exchange
         return o
     # the tokens of this rank's first local sequence, for its initial-state gradient (none when it starts here)
@@ -148,6 +148,5 @@ def kda_layer_forward(layer, x: torch.Tensor, split: SequenceSplit, rank: int, g
     q, k, v = (t.reshape(B, L, H, K) for t in qkv.split(H * K, dim=-1))
     backend = resolve_backend(layer.kda_backend, x.device, L)
     q, k, g, beta = layer.activate(q, k, x, backend)
-    o = kcp_kda(q, k, v, g, beta, split, rank, group, backend=backend, gate_min=layer.gate_min(),
-                overlap=layer.kda_overlap)
+    o = kcp_kda(q, k, v, g, beta, split, rank, group, backend=backend, gate_min=layer.gate_min())
     return layer.output(x, o)

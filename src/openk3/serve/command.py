@@ -51,7 +51,7 @@ def build_engine(args: argparse.Namespace):
     else:
         model = K3ForCausalLM(get_preset(args.preset)).to(device)
         name, ckpt_dir = args.model_name or args.preset, None
-    configure_kda(model, backend=args.kda_backend, overlap=args.kda_overlap)
+    configure_kda(model, backend=args.kda_backend)
     # auto keeps the weights as built or stored: a bf16 forward of k3-debug on an H200 (torch 2.11) came out far
     # from fp32 on 2026-12-01 while fp32 was exact (bench/RESULTS.md, Serving); bf16 is opt-in until
     # bench/gpu_checks.py passes

@@ -46,7 +46,6 @@ class TrainArgs:
     balance_gamma: float = 1e-3
     mtp_weight: float = 0.3
     kda_backend: str = "auto"  # model.kda.configure_kda: "auto" lets ops.kda.resolve_backend choose per call
-    kda_overlap: bool = True
     qat: str | None = None  # "mxfp4": fake-quantize the routed experts in the forward (openk3.quant.qat)
     sample_tokens: int = 120
     time_limit: float = 0.0  # opt-in wall seconds for the whole run: the step count shrinks to fit; 0: off

@@ -232,7 +232,7 @@ class Trainer:
         self._seed(args.seed)
         self._setup_data()
         self.model = K3ForCausalLM(self.cfg).to(self.device)
-        configure_kda(self.model, backend=args.kda_backend, overlap=args.kda_overlap)
+        configure_kda(self.model, backend=args.kda_backend)
         if args.qat:  # before checkpointing, sharding and compile; checkpoints keep the fp32 master weights
             enable_qat(self.model, args.qat)
         if args.activation_checkpointing:

@@ -118,7 +118,6 @@ def kda(
     backend: str = "auto",
     gate_min: float | None = None,
     state_offsets: tuple[int, ...] | None = None,
-    overlap: bool = True,
 ):
     """Kimi Delta Attention over [B,T,H,K] inputs; returns (o [B,T,H,V] in v's dtype, final state fp32 or None).
 
@@ -127,7 +126,7 @@ def kda(
     -5); every backend clamps g there, and the Triton kernels take their faster bounded mode for it (any g
     is exact without it). `state_offsets`: also return the fp32 states after those many tokens, (o, final
     state or None, [states]) — from the same pass where the backend can (chunk-aligned offsets), by chained
-    calls otherwise. `overlap` (Triton backward only): run the reverse state pass beside its producer.
+    calls otherwise.
     """
     check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     T = q.shape[1]
@@ -141,13 +140,13 @@ def kda(
             # 3 offsets: 2.5 ms against 13.3 ms; bench/RESULTS.md, speculative decoding). Same results.
             name = "recurrent"
         o, final, states = _split_at(q, k, v, g, beta, offsets, initial_state, backend=name, gate_min=gate_min,
-                                     overlap=overlap, **kwargs)
+                                     **kwargs)
         return o, (final if output_final_state else None), states
     if name == "triton":
         from openk3.ops.kda.triton import kda_triton
 
         return kda_triton(q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state,
-                          gate_min=gate_min, state_offsets=offsets, overlap=overlap, **kwargs)
+                          gate_min=gate_min, state_offsets=offsets, **kwargs)
     if gate_min is not None:
         g = g.clamp_min(gate_min)
     if offsets is not None:

@@ -1,12 +1,13 @@
 """`kda_triton` and `kda_triton_fused`: the chunked Triton kernels behind an autograd.Function (SPEC-K3 §2).
 
 Saved for backward: the inputs as given (for the fused variant the raw projections and logits, so no
-activated copy stays alive; A_log and dt_bias are kept on the context), the initial state's presence, the
-state at the start of every chunk (hs) and the pseudo-values U - W S the state pass formed (pvs, [T,H,V]: the
-size of v; recomputing them took a product with every state), both in the kernels' operand dtype (bf16 for
-16-bit inputs, fp32 for fp32). Recomputed in backward: the activations (fused variant) and the
-state-independent chunk terms (W, Qd, kg, Aqk, gc; one token-parallel launch, cheaper than keeping four
-[T,H,K] tensors alive).
+activated copy stays alive; A_log and dt_bias are kept on the context), the initial state's presence, and what
+the forward's kernels produced that the backward reads: the state at the start of every chunk (hs), the
+pseudo-values U - W S (pvs, [T,H,V]) and the chunk terms W, Qd, kg, Aqk, gc, in the kernels' operand dtype
+(bf16 for 16-bit inputs, fp32 for fp32; gc fp32). Recomputing the pseudo-values took a product with every
+state, the chunk terms a second prepare kernel: keeping the terms cut fwd+bwd from 4.05 to 3.69 ms at B8 T4096
+H8 (fused activations, an H200) for 13% more peak memory (1.60 -> 1.81 GiB). Recomputed in backward: the
+activations (fused variant), inside the kernels.
 
 Gates: any g <= 0 is exact (to rounding). A declared floor (`gate_min`, K3's -5) clamps g there and, when it is
 >= BOUNDED_GATE_MIN, selects the faster bounded mode of the kernels (chunk_fwd.py); without one the kernels take
@@ -41,7 +42,7 @@ def _flat(B: int, T: int, *xs: torch.Tensor) -> list[torch.Tensor]:
 class _KDAChunkFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, scale, cu_seqlens, output_final_state, save,
-                gate: GateSpec, overlap, checkpoints):
+                gate: GateSpec, checkpoints):
         """With fused activations in `gate` (A_log, dt_bias given): g and beta are logits, q and k unnormalised.
         `checkpoints`: None or (slot per chunk, number of slots); the states there come out non-differentiable."""
         B, T, H, K = q.shape
@@ -55,7 +56,7 @@ class _KDAChunkFunction(torch.autograd.Function):
             ctx.save_for_backward(*flat, beta_flat, *saved)
             ctx.lay, ctx.scale, ctx.shape, ctx.has_h0 = lay, scale, (B, T, H, K, V), h0 is not None
             ctx.h0_dtype = None if initial_state is None else initial_state.dtype
-            ctx.gate, ctx.overlap = gate, overlap  # the gate's A_log / dt_bias: fp32 copies (or the fp32 parameters)
+            ctx.gate = gate  # the gate's A_log / dt_bias: fp32 copies (or the fp32 parameters)
             ctx.param_dtypes = None if not gate.fused else (A_log.dtype, dt_bias.dtype, dt_bias.shape)
         if ckpt is not None:
             ctx.mark_non_differentiable(ckpt)
@@ -63,13 +64,13 @@ class _KDAChunkFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht, _dckpt):
-        q, k, v, g, beta, hs, pvs = ctx.saved_tensors
+        q, k, v, g, beta, *saved = ctx.saved_tensors
         B, T, H, K, V = ctx.shape
         gate = ctx.gate
         do = do.reshape(B * T, H, V).contiguous()
         dht = None if dht is None else dht.float().contiguous()
-        dq, dk, dv, dg, dbeta, dh0 = chunk_kda_bwd(q, k, v, g, beta, ctx.scale, hs, pvs, do, dht, ctx.has_h0,
-                                                   ctx.lay, gate, ctx.overlap)
+        dq, dk, dv, dg, dbeta, dh0 = chunk_kda_bwd(q, k, v, g, beta, ctx.scale, saved, do, dht, ctx.has_h0,
+                                                   ctx.lay, gate)
         d_A_log = d_dt_bias = None
         if gate.fused:
             a_dtype, b_dtype, b_shape = ctx.param_dtypes
@@ -96,7 +97,7 @@ def checkpoint_slots(offsets: tuple[int, ...], T: int, device) -> tuple[torch.Te
 # torch.compile (compile_blocks) breaks its graph here instead of tracing into the kernels: they are fused already,
 # and Inductor's re-compilation of them fails on torch 2.11 (the float `scale` typed fp64 inside a tl.dot).
 @torch.compiler.disable
-def _run(q, k, v, g, beta, A_log, dt_bias, gate, scale, initial_state, output_final_state, cu_seqlens, overlap,
+def _run(q, k, v, g, beta, A_log, dt_bias, gate, scale, initial_state, output_final_state, cu_seqlens,
          state_offsets):
     K, T = q.shape[-1], q.shape[1]
     scale = K**-0.5 if scale is None else float(scale)
@@ -113,7 +114,7 @@ def _run(q, k, v, g, beta, A_log, dt_bias, gate, scale, initial_state, output_fi
     save = torch.is_grad_enabled() and any(x.requires_grad for x in leaves)  # keep per-chunk states for backward
     need_final = output_final_state or T in offsets
     o, ht, ckpt = _KDAChunkFunction.apply(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, cu_seqlens,
-                                          need_final, save, gate, overlap, checkpoint_slots(offsets, T, q.device))
+                                          need_final, save, gate, checkpoint_slots(offsets, T, q.device))
     if state_offsets is None:
         return o.to(out_dtype), ht
     inner = sorted({t for t in offsets if t < T})
@@ -134,18 +135,16 @@ def kda_triton(
     cu_seqlens: torch.Tensor | None = None,
     gate_min: float | None = None,
     state_offsets: tuple[int, ...] | None = None,
-    overlap: bool = True,
 ):
     """Chunked KDA on the Triton kernels; the contract of `openk3.ops.kda.kda` (pre-activated g and beta).
 
     Any gate g <= 0 is exact to rounding; `gate_min`, a lower bound the caller guarantees, clamps g there and,
     when >= -5.5 (K3's -5), runs the faster bounded kernels. With `state_offsets` (multiples of 16 in (0, T],
     no cu_seqlens) the fp32 states after those many tokens come back too, from the same pass (not
-    differentiable): returns (o, final state or None, states). `overlap=False` runs the backward's reverse state
-    pass after its producer instead of beside it (same bits). fp64 inputs compute in fp32.
+    differentiable): returns (o, final state or None, states). fp64 inputs compute in fp32.
     """
     return _run(q, k, v, g, beta, None, None, gate_spec(gate_min), scale, initial_state, output_final_state,
-                cu_seqlens, overlap, state_offsets)
+                cu_seqlens, state_offsets)
 
 
 def kda_triton_fused(
@@ -164,7 +163,6 @@ def kda_triton_fused(
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
     state_offsets: tuple[int, ...] | None = None,
-    overlap: bool = True,
 ):
     """`kda_triton` on `kda_activations(q, k, f, b, A_log, dt_bias, gate=gate, g_min=g_min)` with the activations
     fused into the chunk kernels: they read the raw projections q, k [B,T,H,K], the gate logits f [B,T,H,K] and
@@ -176,7 +174,7 @@ def kda_triton_fused(
         raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
     spec = gate_spec(None, A_log.float().contiguous(), dt_bias.float().reshape(-1).contiguous(), kimi=gate == "kimi",
                      g_min=float(g_min))
-    return _run(q, k, v, f, b, A_log, dt_bias, spec, scale, initial_state, output_final_state, cu_seqlens, overlap,
+    return _run(q, k, v, f, b, A_log, dt_bias, spec, scale, initial_state, output_final_state, cu_seqlens,
                 state_offsets)
 
 
@@ -193,9 +191,7 @@ def initial_state_grad_triton(q, k, v, g, beta, do, *, scale=None, cu_seqlens=No
     *flat, do = _flat(B, T, q, k, v, g, beta, do.to(v.dtype))
     lay = chunk_layout(B, T, cu_seqlens, q.device)
     terms = prepare(*flat, scale, lay, gate_spec(gate_min), with_u=False)
-    (_, _, dh0), launch = reverse_pass(terms, do, None, True, lay, state_block(lay.n_seqs, H, V), q.dtype)
-    launch()
-    return dh0
+    return reverse_pass(terms, do, None, True, lay, state_block(lay.n_seqs, H, V), q.dtype)[2]
 
 
 @torch.compiler.disable

@@ -7,8 +7,9 @@ after each chunk) beside the forward's saved S (the state before it):
     dpv = Aqk^T dO + kg dS'          dU = dpv
     dS  = Qd^T dO + Diag(gc) dS' - W^T dpv
 
-The chunk terms (W, Qd, kg, Aqk, gc) are recomputed by the forward's prepare kernel, taking chunks from the end
-of each sequence; with few chains the reverse pass runs beside it and polls a ready flag per chunk (overlap.py).
+The chunk terms (W, Qd, kg, Aqk, gc) are the forward's prepare kernel's, saved (recomputing them cost a third
+of the prepare-and-reverse time at k3-debug's shape; keeping them costs 3 K + 16 values a token and head
+beside the states' K V / 16).
 
 Everything else is token-parallel, one program per chunk and head with all of V, so nothing is summed across
 programs (T = (I + A)^-1, W = T Diag(beta) Kd, U = T Diag(beta) V, A = StrictTril(Diag(beta) Kd Ki^T),
@@ -33,9 +34,6 @@ of the way to the raw inputs (the L2 norms' backward needs whole rows, which thi
 
 from __future__ import annotations
 
-import functools
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -46,10 +44,8 @@ from openk3.ops.kda.triton.chunk_fwd import (
     _load_rows,
     _pow2,
     _store_rows,
-    chunk_terms,
     dot_dtype,
     inverse_norm,
-    launch_prepare,
     load_beta,
     load_slice,
     pair_factors,
@@ -60,23 +56,6 @@ from openk3.ops.kda.triton.chunk_fwd import (
     wy_inverse,
 )
 from openk3.ops.kda.triton.layout import CHUNK, ChunkLayout
-from openk3.ops.kda.triton.overlap import ready_flags, side_by_side
-
-
-@triton.jit
-def wait_ready(ready, first, i, n, h, H, known, WIN: tl.constexpr):
-    """Before step i of the reverse pass over chunks first..first+n-1 (step i is chunk n-1-i): spin until its
-    chunk is flagged, polling WIN steps at once. `known` is the step up to which chunks are known to be done;
-    returns the new one. No-op without flags."""
-    if ready is not None:
-        while known <= i:
-            w = tl.arange(0, WIN)
-            valid = i + w < n
-            c = n - 1 - (i + w)
-            f = tl.atomic_add(ready + (first + c) * H + h, tl.zeros([WIN], tl.int32), mask=valid, sem="acquire",
-                              scope="gpu")
-            known = i + tl.min(tl.where(valid & (f == 0), w, WIN), axis=0)
-    return known
 
 
 @triton.jit
@@ -100,7 +79,7 @@ def _load_chunk_terms(W, QG, KG, AQK, GCX, X, c, cg, bos, eos, h, H, ck, cv, tt,
 
 
 @triton.jit
-def _state_bwd_kernel(W, QG, KG, AQK, GCX, ready, do, dht, dh0, dU, dhs, cu, chunk_off,
+def _state_bwd_kernel(W, QG, KG, AQK, GCX, do, dht, dh0, dU, dhs, cu, chunk_off,
                       H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                       BK: tl.constexpr, BV: tl.constexpr, HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr,
                       PREC: tl.constexpr, DT: tl.constexpr):
@@ -123,13 +102,11 @@ def _state_bwd_kernel(W, QG, KG, AQK, GCX, ready, do, dht, dh0, dU, dhs, cu, chu
         dS = tl.zeros([BK, BV], dtype=tl.float32)
     # software pipelining by hand (Triton does not pipeline this loop): chunk c - 1's loads are in flight while
     # chunk c's products run; 15% faster at B1 T8192 H32 on an H200, 4% slower at B8 T4096 (NOTES-kda.md run 13)
-    known = wait_ready(ready, c0, 0, n_chunks, h, H, n_chunks * 0, 16)
     w_n, qg_n, kg_n, aqk_n, gc_n, do_n = _load_chunk_terms(W, QG, KG, AQK, GCX, do, n_chunks - 1, c0 + n_chunks - 1,
                                                           bos, eos, h, H, ck, cv, tt, K, V, BT, DT)
     for i in range(n_chunks):
         c = n_chunks - 1 - i
         w, qg, kg, aqk, gc, dout = w_n, qg_n, kg_n, aqk_n, gc_n, do_n.to(DT)
-        known = wait_ready(ready, c0, i + 1, n_chunks, h, H, known, 16)
         w_n, qg_n, kg_n, aqk_n, gc_n, do_n = _load_chunk_terms(W, QG, KG, AQK, GCX, do, c - 1, c0 + c - 1, bos, eos,
                                                               h, H, ck, cv, tt, K, V, BT, DT)
         dSd = dS.to(DT)
@@ -253,10 +230,9 @@ def _intra_bwd_kernel(q, k, v, g, beta, A_log, dt_bias, sched, hs, pvs, dhs, do,
     tl.store(dbeta + rows * H + h, dbeta_acc.to(dbeta.dtype.element_ty), mask=rmask)
 
 
-def reverse_pass(terms, do, dht, has_h0, lay: ChunkLayout, BV: int, dtype, ready=None):
-    """The reverse state pass over the prepare kernel's `terms`, polling `ready` when given (overlap.py):
-    dU (fp32), the state gradient after every chunk (dhs, like the saved states) and dh0. Returns the outputs
-    and the launch, to run when the caller chooses."""
+def reverse_pass(terms, do, dht, has_h0, lay: ChunkLayout, BV: int, dtype):
+    """The reverse state pass over the prepare kernel's `terms` (U unread): dU (fp32), the state gradient after
+    every chunk (dhs, like the saved states) and dh0 (or None without `has_h0`)."""
     W, _, QG, KG, AQK, GC = terms
     T, H, K = W.shape
     V = do.shape[-1]
@@ -265,18 +241,11 @@ def reverse_pass(terms, do, dht, has_h0, lay: ChunkLayout, BV: int, dtype, ready
     dU = torch.empty(T, H, V, **f32)
     dhs = torch.empty(max(lay.n_chunks, 1), H, K, V, dtype=W.dtype, device=W.device)
     dh0 = torch.empty(N, H, K, V, **f32) if has_h0 else None
-
-    def launch():
-        _state_bwd_kernel[reverse_grid(lay, H, V, BV)](
-            W, QG, KG, AQK, GC, ready, do, dht, dh0, dU, dhs, lay.cu_seqlens, lay.chunk_offsets,
-            H=H, K=K, V=V, BT=CHUNK, BK=_pow2(K), BV=BV, HAS_DHT=dht is not None, HAS_H0=has_h0,
-            PREC=precision(dtype), DT=dot_dtype(dtype, do.device), num_warps=WARPS["state_bwd"])
-
-    return (dU, dhs, dh0), launch
-
-
-def reverse_grid(lay: ChunkLayout, H: int, V: int, BV: int) -> tuple[int, int, int]:
-    return lay.n_seqs, H, triton.cdiv(V, BV)
+    _state_bwd_kernel[(N, H, triton.cdiv(V, BV))](
+        W, QG, KG, AQK, GC, do, dht, dh0, dU, dhs, lay.cu_seqlens, lay.chunk_offsets,
+        H=H, K=K, V=V, BT=CHUNK, BK=_pow2(K), BV=BV, HAS_DHT=dht is not None, HAS_H0=has_h0,
+        PREC=precision(dtype), DT=dot_dtype(dtype, do.device), num_warps=WARPS["state_bwd"])
+    return dU, dhs, dh0
 
 
 def intra_backward(q, k, v, g, beta, scale, hs, pvs, dhs, do, dU, lay: ChunkLayout, gate: GateSpec):
@@ -288,26 +257,19 @@ def intra_backward(q, k, v, g, beta, scale, hs, pvs, dhs, do, dU, lay: ChunkLayo
     dbeta = torch.empty_like(beta)
     if lay.n_chunks:
         _intra_bwd_kernel[(lay.n_chunks * H,)](
-            q, k, v, g, beta, sched=lay.bwd_schedule, hs=hs, pvs=pvs, dhs=dhs, do=do, dU=dU, dq=dq, dk=dk, dv=dv, dg=dg,
+            q, k, v, g, beta, sched=lay.schedule, hs=hs, pvs=pvs, dhs=dhs, do=do, dU=dU, dq=dq, dk=dk, dv=dv, dg=dg,
             dbeta=dbeta, scale=scale, H=H, K=K, V=V, BT=CHUNK, BS=slice_width(K, V), BV=_pow2(V),
             PREC=precision(q.dtype), DT=dot_dtype(q.dtype, q.device),
             num_warps=WARPS["intra_bwd"], **gate.kernel_args(q))
     return dq, dk, dv, dg, dbeta
 
 
-def chunk_kda_bwd(q, k, v, g, beta, scale, hs, pvs, do, dht, has_h0, lay: ChunkLayout, gate: GateSpec,
-                  overlap=True):
-    """Flat [T,H,*] backward from the forward's saved per-chunk states hs and pseudo-values pvs, the reverse
-    pass beside the recomputed prepare kernel when it is small enough and `overlap` allows (overlap.py).
-    Returns dq, dk, dv, dg (fp32 with fused activations), dbeta, dh0; with fused activations the gradients are
-    with respect to the activated q, k, g and beta."""
+def chunk_kda_bwd(q, k, v, g, beta, scale, saved, do, dht, has_h0, lay: ChunkLayout, gate: GateSpec):
+    """Flat [T,H,*] backward from what the forward saved (chunk_kda_fwd): the per-chunk states, the
+    pseudo-values and the chunk terms W, Qd, kg, Aqk, gc. Returns dq, dk, dv, dg (fp32 with fused activations),
+    dbeta, dh0; with fused activations the gradients are with respect to the activated q, k, g and beta."""
+    hs, pvs, W, QG, KG, AQK, GC = saved
     H, V = q.shape[1], v.shape[-1]
     BV = state_block(lay.n_seqs, H, V)  # as the forward's pass (same chains, same trade-off)
-    terms = chunk_terms(q, v, lay.n_chunks, with_u=False)
-    ready = ready_flags(lay.n_chunks, H, math.prod(reverse_grid(lay, H, V, BV)), q.device) if overlap else None
-    (dU, dhs, dh0), reverse = reverse_pass(terms, do, dht, has_h0, lay, BV, q.dtype, ready)
-    producer = functools.partial(launch_prepare, q, k, v, g, beta, scale, terms, lay.bwd_schedule, lay.n_chunks,
-                                 gate, ready)
-    side_by_side(producer, reverse, ready)
-    del terms, producer, reverse  # the intra kernel recomputes what it needs: free them before its outputs exist
+    dU, dhs, dh0 = reverse_pass((W, None, QG, KG, AQK, GC), do, dht, has_h0, lay, BV, q.dtype)
     return (*intra_backward(q, k, v, g, beta, scale, hs, pvs, dhs, do, dU, lay, gate), dh0)

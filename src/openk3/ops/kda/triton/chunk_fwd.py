@@ -155,15 +155,7 @@ def scheduled_chunk(sched, H):
 
 
 @triton.jit
-def signal_ready(ready, c, h, H):
-    """Flag chunk c of head h as written (no-op without flags): every thread's stores first, then a release."""
-    if ready is not None:
-        tl.debug_barrier()
-        tl.atomic_xchg(ready + c * H + h, 1, sem="release", scope="gpu")
-
-
-@triton.jit
-def _prepare_kernel(q, k, v, g, beta, A_log, dt_bias, sched, ready, W, U, QG, KG, AQK, GCX, scale,
+def _prepare_kernel(q, k, v, g, beta, A_log, dt_bias, sched, W, U, QG, KG, AQK, GCX, scale,
                     H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                     BS: tl.constexpr, PREC: tl.constexpr,
                     ACT: tl.constexpr, G_MIN: tl.constexpr, G_FLOOR: tl.constexpr, HIER: tl.constexpr,
@@ -222,7 +214,6 @@ def _prepare_kernel(q, k, v, g, beta, A_log, dt_bias, sched, ready, W, U, QG, KG
         for c0 in range(0, V, BS):
             vv = _load_rows(v, rows, rmask, H, h, V, BS, c0)
             _store_rows(U, tl.dot(Tb, vv, input_precision=PREC), rows, rmask, H, h, V, BS, c0)
-    signal_ready(ready, c, h, H)
 
 
 @triton.jit(do_not_specialize=["N"])  # one compile for every batch size (a serving engine meets them all)
@@ -362,25 +353,19 @@ def chunk_terms(q, v, n_chunks: int, with_u=True, with_q=True):
     return W, U, QG, KG, AQK, GC
 
 
-def launch_prepare(q, k, v, g, beta, scale: float, terms, schedule, n_chunks: int, gate: GateSpec, ready=None):
-    """The prepare kernel on flat [T,H,*] inputs into `terms` (chunk_terms), chunks in `schedule` order,
-    flagging each in `ready` when given. The terms left None (U, or QG and AQK) are not computed."""
+def prepare(q, k, v, g, beta, scale: float, lay: ChunkLayout, gate: GateSpec, with_u=True, with_q=True):
+    """The prepare kernel on flat [T,H,*] inputs; returns (W, U, QG, KG, AQK, GC), U None without `with_u`, QG
+    and AQK None without `with_q` (q then unread: pass k)."""
+    terms = chunk_terms(q, v, lay.n_chunks, with_u, with_q)
     T, H, K = q.shape
     V = v.shape[-1]
     W, U, QG, KG, AQK, GC = terms
-    if n_chunks:
-        _prepare_kernel[(n_chunks * H,)](
-            q, k, v, g, beta, sched=schedule, ready=ready, W=W, U=W if U is None else U, QG=W if QG is None else QG,
+    if lay.n_chunks:
+        _prepare_kernel[(lay.n_chunks * H,)](
+            q, k, v, g, beta, sched=lay.schedule, W=W, U=W if U is None else U, QG=W if QG is None else QG,
             KG=KG, AQK=W if AQK is None else AQK, GCX=GC, scale=scale, H=H, K=K, V=V, BT=CHUNK,
             BS=slice_width(K, V), PREC=precision(q.dtype), STORE_U=U is not None, WITH_Q=QG is not None,
             num_warps=WARPS["prepare"], maxnreg=PREPARE_MAX_REGISTERS, **gate.kernel_args(q))
-
-
-def prepare(q, k, v, g, beta, scale: float, lay: ChunkLayout, gate: GateSpec, with_u=True, with_q=True):
-    """The prepare kernel alone (forward schedule, no flags); returns (W, U, QG, KG, AQK, GC), U None without
-    `with_u`, QG and AQK None without `with_q` (q then unread: pass k)."""
-    terms = chunk_terms(q, v, lay.n_chunks, with_u, with_q)
-    launch_prepare(q, k, v, g, beta, scale, terms, lay.fwd_schedule, lay.n_chunks, gate)
     return terms
 
 
@@ -419,13 +404,17 @@ def state_pass(terms, v, dtype, initial_state, output_final_state, lay: ChunkLay
 
 def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, lay: ChunkLayout, save_states,
                   gate: GateSpec, checkpoints: tuple[torch.Tensor, int] | None = None):
-    """Flat [T,H,*] forward: the prepare kernel, then the state pass (side by side they were slower on an H200,
-    1.30 against 0.74 ms at B1 T8192 H32: bench/NOTES-kda.md run 14). Returns o (v's dtype), final state (fp32
-    or None), the backward's saved tensors (per-chunk states and pseudo-values, or None) and the checkpoint
-    states (`state_pass`). With fused activations in
-    `gate`, g and beta are the gate and beta logits and q, k are not yet normalised."""
+    """Flat [T,H,*] forward: the prepare kernel, then the state pass. Returns o (v's dtype), final state (fp32 or
+    None), with `save_states` what the backward reads (hs, pvs, W, QG, KG, AQK, GC: the per-chunk states, the
+    pseudo-values and the chunk terms but U; else None) and the checkpoint states (`state_pass`). With fused
+    activations in `gate`, g and beta are the gate and beta logits and q, k are not yet normalised."""
     terms = prepare(q, k, v, g, beta, scale, lay, gate)
-    return state_pass(terms, v, q.dtype, initial_state, output_final_state, lay, save_states, checkpoints)
+    o, ht, saved, ckpt = state_pass(terms, v, q.dtype, initial_state, output_final_state, lay, save_states,
+                                    checkpoints)
+    if saved is not None:  # the backward's reverse pass reads the chunk terms but U
+        W, _, QG, KG, AQK, GC = terms
+        saved = (*saved, W, QG, KG, AQK, GC)
+    return o, ht, saved, ckpt
 
 
 def chunk_kda_final_state(k, v, g, beta, initial_state, lay: ChunkLayout, gate: GateSpec):

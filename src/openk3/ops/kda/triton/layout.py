@@ -4,9 +4,7 @@
 start at each sequence's first token, so a chunk never straddles two sequences (the last one may be short).
 
 The token-parallel kernels take their chunks from a schedule, rows of (chunk index, first token, end token), in
-the order the state passes consume them: by position from each sequence's start for the forward pass, by
-position from its end for the reverse pass. The reverse pass, running beside the prepare kernel that feeds it
-(overlap.py), then finds its next chunk done early.
+the order the forward state pass consumes them: by position from each sequence's start.
 """
 
 from __future__ import annotations
@@ -23,8 +21,7 @@ CHUNK = 16  # tokens per chunk: a 16-token span keeps exp(+-G) inside fp32 range
 class ChunkLayout:
     cu_seqlens: torch.Tensor  # [N+1] int32, token offsets of the sequences in the flat batch
     chunk_offsets: torch.Tensor  # [N+1] int32, index of each sequence's first chunk
-    fwd_schedule: torch.Tensor  # [n_chunks, 3] int32: chunk index, first token, end token; by position from start
-    bwd_schedule: torch.Tensor  # the same rows by position from the sequence's end
+    schedule: torch.Tensor  # [n_chunks, 3] int32: chunk index, first token, end token; by position from start
     n_seqs: int
     n_chunks: int  # rows of the schedules (chunk-indexed buffers have this many rows); may include empty ones
 
@@ -32,7 +29,7 @@ class ChunkLayout:
 def _build(offsets: torch.Tensor, n_rows: int) -> ChunkLayout:
     """Tables from int64 sequence offsets [N+1] on their device, without reading them on the host: `n_rows` is
     the number of chunks, or an upper bound on it; rows past the real chunks are empty (first token = end token
-    = 0) and come last in both schedules, so the kernels launched over them do nothing."""
+    = 0) and come last in the schedule, so the kernels launched over them do nothing."""
     device = offsets.device
     N = len(offsets) - 1
     per_seq = (offsets[1:] - offsets[:-1] + CHUNK - 1) // CHUNK
@@ -45,17 +42,15 @@ def _build(offsets: torch.Tensor, n_rows: int) -> ChunkLayout:
     starts = torch.where(real, offsets[seq] + pos * CHUNK, 0)
     rows = torch.stack([index, starts, torch.where(real, torch.minimum(starts + CHUNK, offsets[seq + 1]), 0)], -1)
 
-    def schedule(position):
-        if n_rows == 0:
-            return torch.zeros(1, 3, dtype=torch.int32, device=device)
-        key = torch.where(real, position * N + seq, n_rows * (N + 1) + index)
-        return rows[torch.argsort(key)].to(torch.int32).contiguous()
-
+    if n_rows == 0:
+        schedule = torch.zeros(1, 3, dtype=torch.int32, device=device)
+    else:
+        key = torch.where(real, pos * N + seq, n_rows * (N + 1) + index)
+        schedule = rows[torch.argsort(key)].to(torch.int32).contiguous()
     return ChunkLayout(
         cu_seqlens=offsets.to(torch.int32),
         chunk_offsets=chunk_offsets.to(torch.int32),
-        fwd_schedule=schedule(pos),
-        bwd_schedule=schedule(per_seq[seq] - 1 - pos),
+        schedule=schedule,
         n_seqs=N,
         n_chunks=n_rows,
     )
