@@ -117,15 +117,14 @@ class KimiDeltaAttention(KeepFp32, nn.Module):
             return k3_gate(f, self.A_log, self.dt_bias, self.lower_bound)
         return kimi_gate(f, self.A_log, self.dt_bias)
 
-    def activate(self, q, k, x, backend: str, x_beta: torch.Tensor | None = None):
-        """The KDA inputs from the conv outputs q, k and x: L2-normalised q, k, g (fp32) and beta; beta's projection
-        reads `x_beta` when given (`forward` passes its own view of the shared autocast copy of x). When the Triton
-        kernels will run, one Triton pass does all four (forward and backward; on an H200 it took 0.13 ms where
-        PyTorch's elementwise ops took ~1.1 ms at 8192 tokens x 32 heads, bench/NOTES-kda.md run 6)."""
-        return self.activate_logits(q, k, self.gate_logits(x), self.b_proj(x if x_beta is None else x_beta), backend)
+    def activate(self, q, k, x, backend: str):
+        """The KDA inputs from the conv outputs q, k and x: L2-normalised q, k, g (fp32) and beta."""
+        return self.activate_logits(q, k, self.gate_logits(x), self.b_proj(x), backend)
 
     def activate_logits(self, q, k, f, b, backend: str):
-        """`activate` from the projections of x: the forget gate's logits f [B,T,H,K] and beta's b [B,T,H]."""
+        """`activate` from the projections of x: the forget gate's logits f [B,T,H,K] and beta's b [B,T,H]. When the
+        Triton kernels will run, one Triton pass does all four (forward and backward; on an H200 it took 0.13 ms
+        where PyTorch's elementwise ops took ~1.1 ms at 8192 tokens x 32 heads, bench/NOTES-kda.md run 6)."""
         b = b.to(acc_dtype(f.dtype))
         if backend == "triton":
             from openk3.ops.kda.triton import kda_activations  # triton is an optional dependency
@@ -183,9 +182,13 @@ class KimiDeltaAttention(KeepFp32, nn.Module):
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
         layer_cache = cache.layers[self.layer_idx] if cache is not None else None
-        # four products read x: under autocast, views of one bf16 copy (each would keep its own for backward)
+        # four products read x: under autocast, views of one bf16 copy (each would keep its own for backward). All
+        # run before the first kernel call: compiled, each Triton call (the conv's, KDA's) ends a graph, and x read
+        # by several graphs has their gradients summed outside compiled code (an fp32 add and an fp32 copy of the
+        # gradient per extra graph: 2.1 ms of k3-debug's compiled step on an H200)
         x_qkv, x_f, x_b, x_o = shared_cast(x, 4)
         qkv = qkv_in = self.qkv(x_qkv)  # [B,T,3HK]
+        f, b, out_gate = self.gate_logits(x_f), self.b_proj(x_b), self.out_gate(x_o)
         w = self.conv_weight()
         if layer_cache is not None and T == 1:
             y, conv_state = causal_conv1d_step(qkv[:, 0], w, layer_cache.conv_state)
@@ -194,7 +197,7 @@ class KimiDeltaAttention(KeepFp32, nn.Module):
             qkv, conv_state = causal_conv1d(qkv, w, layer_cache.conv_state if layer_cache is not None else None)
         q, k, v = (t.reshape(B, T, H, K) for t in qkv.split(H * K, dim=-1))
         backend = resolve_backend(self.kda_backend, x.device, T)
-        q, k, g, beta = self.activate(q, k, x_f, backend, x_beta=x_b)
+        q, k, g, beta = self.activate_logits(q, k, f, b, backend)
         initial = layer_cache.recurrent_state if layer_cache is not None else None
         offsets = [t for t in cache.checkpoint_offsets if 0 < t < T] if cache is not None else []
         if offsets:
@@ -208,7 +211,7 @@ class KimiDeltaAttention(KeepFp32, nn.Module):
             layer_cache.recurrent_state = state
             if T in cache.checkpoint_offsets:
                 cache.record_checkpoint(T, self.layer_idx, conv_state, state)
-        return self.output(x_o, o)
+        return self.output_gated(out_gate, o, x_o.dtype)
 
     def output(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """x [B,T,D], KDA output o [B,T,H,V] -> o_proj(RMSNorm_head(o) * sigmoid(output gate(x))) [B,T,D]. The norm
