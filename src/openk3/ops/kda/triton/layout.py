@@ -23,7 +23,7 @@ class ChunkLayout:
     chunk_offsets: torch.Tensor  # [N+1] int32, index of each sequence's first chunk
     schedule: torch.Tensor  # [n_chunks, 3] int32: chunk index, first token, end token; by position from start
     n_seqs: int
-    n_chunks: int  # rows of the schedules (chunk-indexed buffers have this many rows); may include empty ones
+    n_chunks: int  # rows of the schedule (chunk-indexed buffers have this many rows); may include empty ones
 
 
 def _build(offsets: torch.Tensor, n_rows: int) -> ChunkLayout:
