@@ -186,11 +186,19 @@ class OnePhaseStream:
         return self._mix(proj, norm)
 
 
-def test_model_two_phase_matches_one_phase(monkeypatch):
+@pytest.mark.parametrize("merge_kernel", [False, pytest.param(True, marks=pytest.mark.skipif(
+    torch.cuda.is_available(), reason="runs the kernel on CPU tensors under the interpreter; on a GPU "
+    "tests/test_triton_attnres.py checks it"))])
+def test_model_two_phase_matches_one_phase(monkeypatch, merge_kernel):
     """K3Model with the two-phase stream (planned: one phase 1 per block; unplanned: one per AttnRes, as a caller
     that builds BlockStream(h, block_size) gets; planned with the phases compile_blocks compiles, run eagerly here:
-    each residual add deferred into the next merge_norm) vs the one-phase stream: logits and every parameter's
+    each residual add deferred into the next merge_norm, which with `merge_kernel` is the Triton pass each way
+    that CUDA tensors take, here under the interpreter) vs the one-phase stream: logits and every parameter's
     gradient to fp32 rounding (block size 3 over 7 layers: three epochs, the last one short)."""
+    if merge_kernel:
+        import openk3.ops.attnres as ops_attnres
+
+        monkeypatch.setattr(ops_attnres, "use_triton", lambda t, compiled=False: compiled)
     cfg = get_preset("k3-tiny").with_overrides({"attn_res_block_size": 3, "num_layers": 7, "mla_layers": [2, 6],
                                                 "mtp_layers": 0})
     torch.manual_seed(0)

@@ -31,7 +31,7 @@ from torch.utils.checkpoint import checkpoint
 
 from openk3.model.common import RMSNorm
 from openk3.ops.attnres import attn_res_blocks, attn_res_merge, attn_res_merge_norm
-from openk3.ops.norms import acc_dtype
+from openk3.ops.norms import acc_dtype, compute_dtype
 
 Query = tuple[nn.Linear, RMSNorm]  # one sublayer's pseudo-query and norm
 
@@ -105,9 +105,11 @@ class BlockStream:
         acc = acc_dtype(self._blocks_dtype)
         return [norm.weight.to(acc) * proj.weight[0].to(acc) for proj, norm in queries]
 
-    def _merge(self, proj: nn.Linear, norm: RMSNorm, then: nn.Module | None = None) -> torch.Tensor:
+    def _merge(self, proj: nn.Linear, norm: RMSNorm, then: nn.Module | None = None,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """Phase 2 for the next query of the epoch, which must be (proj, norm); then `then` (the sublayer's
-        pre-norm) on the result, if given."""
+        pre-norm) on the result, if given. A fused merge_norm returns it in `out_dtype` (default: the merge's
+        dtype); the eager paths return the merge's dtype."""
         fused = then is not None and self._phases.merge_norm is not None
         if not fused:
             self._settle()
@@ -128,7 +130,7 @@ class BlockStream:
             # Inductor's partitioner chooses (at k3-debug's step on an H200 2.9 GiB more than recomputing as below,
             # and 3.4 ms less of a 183 ms step)
             x, partial = self._phases.merge_norm(mix, lse, self.partial, self._pending, q_vec, norm.eps, dtype,
-                                                 then.weight, then.eps)
+                                                 then.weight, then.eps, out_dtype)
             if self._pending is not None:
                 self.partial, self._pending = partial, None
             return x
@@ -160,10 +162,14 @@ class BlockStream:
     def attn_input(self, layer_idx: int, proj: nn.Linear | None, norm: RMSNorm | None,
                    then: nn.Module | None = None) -> torch.Tensor:
         """Steps 1-2: the attention sublayer's input, normalised by `then` if given (its pre-norm, computed with
-        phase 2: fused when compiled, recomputed in backward eagerly); opens a block when
-        layer_idx % block_size == 0."""
+        phase 2: fused when compiled, and then in autocast's dtype; recomputed in backward eagerly);
+        opens a block when layer_idx % block_size == 0."""
         merged = len(self.blocks) > 0
-        x = self._merge(proj, norm, then) if merged else self.partial
+        # a token mixer reads its input through matmuls alone, which under autocast read it in autocast's dtype:
+        # a fused merge_norm writes it in that dtype (the same bits, and no fp32 copy written and read back to be
+        # cast). Its gradient then comes back in that dtype too, summed over the mixer's products inside its
+        # compiled graph; eagerly autograd would sum them in bf16, so the eager paths keep the merge's dtype.
+        x = self._merge(proj, norm, then, compute_dtype(self.partial)) if merged else self.partial
         self._opened = layer_idx % self.block_size == 0
         if self._opened:
             self._settle()

@@ -86,12 +86,32 @@ def attn_res_merge(mix: torch.Tensor, lse: torch.Tensor, partial: torch.Tensor, 
 
 def attn_res_merge_norm(mix: torch.Tensor, lse: torch.Tensor, partial: torch.Tensor, addend: torch.Tensor | None,
                         query: torch.Tensor, eps: float, dtype: torch.dtype | None, weight: torch.Tensor,
-                        norm_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                        norm_eps: float, out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`attn_res_merge` over partial + `addend` (the last sublayer's output, not yet added; None: nothing to add),
-    then the sublayer's pre-norm (RMSNorm with `weight` and `norm_eps`) on its output; returns (normalised input,
-    the new partial sum). The form `compile_blocks` compiles, so that Inductor makes the residual add, phase 2 and
-    the norm one pass per token each way (the add's gradient and the sum of the partial sum's two gradients
-    included) and its partitioner chooses what backward keeps."""
+    then the sublayer's pre-norm (RMSNorm with `weight` and `norm_eps`) on its output, in `out_dtype` (default:
+    the merge's); returns (normalised input, the new partial sum). The form `compile_blocks` runs. On CUDA, with
+    phase 1 in fp32 (as under a bf16 autocast: bf16 partial sums, fp32 mixes), one Triton pass each way
+    (`ops.triton_attnres.merge_norm_triton`; inside torch.compile too, as a graph break: the whole function is the
+    kernel). Elsewhere the PyTorch form, which `compile_blocks` compiles: Inductor makes the residual add, phase 2
+    and the norm one pass per token forward, and four backward (the sums over tokens of the query's and the norm
+    weight's gradients each re-read the rows)."""
+    fp32 = dtype == torch.float32 and all(t.dtype == torch.float32 for t in (mix, weight, query))
+    if fp32 and use_triton(partial, compiled=True) and (addend is None or use_triton(addend, compiled=True)):
+        return _merge_norm_triton(mix, lse, partial, addend, query, eps, weight, norm_eps, out_dtype or torch.float32)
+    return attn_res_merge_norm_reference(mix, lse, partial, addend, query, eps, dtype, weight, norm_eps, out_dtype)
+
+
+def attn_res_merge_norm_reference(mix, lse, partial, addend, query, eps, dtype, weight, norm_eps,
+                                  out_dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`attn_res_merge_norm` in PyTorch's ops (off CUDA, and for other dtypes; Inductor compiles it)."""
     if addend is not None:
         partial = partial + addend
-    return rms_norm(attn_res_merge(mix, lse, partial, query, eps, dtype), weight, norm_eps), partial
+    x = rms_norm(attn_res_merge(mix, lse, partial, query, eps, dtype), weight, norm_eps)
+    return (x if out_dtype is None else x.to(out_dtype)), partial
+
+
+@torch.compiler.disable
+def _merge_norm_triton(*args) -> tuple[torch.Tensor, torch.Tensor]:
+    from openk3.ops.triton_attnres import merge_norm_triton  # triton is an optional dependency
+
+    return merge_norm_triton(*args)

@@ -1,10 +1,21 @@
 """Block AttnRes phase 2 (SPEC-K3 §4, `openk3.ops.attnres.attn_res_merge`, the reference) in one Triton pass per
-row, forward only: what inference runs (`attn_res_merge` takes it for CUDA tensors when no gradient is wanted).
-In PyTorch the merge is 13 small operations, two per decoder layer; a serving prefill of a short prompt is
-bound by launching such operations, not by their arithmetic.
+row. Forward only (`attn_res_merge_triton`): what inference runs (`attn_res_merge` takes it for CUDA tensors when
+no gradient is wanted); in PyTorch the merge is 13 small operations, two per decoder layer, and a serving prefill
+of a short prompt is bound by launching such operations, not by their arithmetic.
 
-    s   = (p . q) / sqrt(mean(p^2) + eps)        p: the partial sum in fp32, q: the query (norm weight * w)
-    out = (e^s p + e^lse mix) / (e^s + e^lse)    the softmax over the two logits (s, lse), shifted by their max
+    s   = (p . q) r0,  r0 = 1 / sqrt(mean(p^2) + eps)     p: the partial sum in fp32, q: the query (norm weight * w)
+    out = w0 p + w1 mix,  (w0, w1) = softmax(s, lse)      shifted by their max
+
+With the residual add before it and the sublayer's pre-norm after it, forward and backward (`merge_norm_triton`,
+the training step's form; the reference is `attn_res_merge_norm`'s PyTorch path):
+
+    p = partial + addend (rounded to their dtype);   x = out r1 weight,  r1 = 1 / sqrt(mean(out^2) + norm_eps)
+    backward, per row (y = out r1, g = dx weight):
+      d out  = r1 (g - y mean(g y));          d mix = w1 d out;   dweight = sum over rows of dx y
+      dw0 = d out . p,  dw1 = d out . mix;    t = w0 dw0 + w1 dw1;  ds = w0 (dw0 - t),  dlse = w1 (dw1 - t)
+      dp = w0 d out + ds r0 q - ds (p . q) r0^3 p / D  (+ the gradient of the returned p);  dq = sum of ds r0 p
+One pass over the rows each way, the two sums over rows (dweight, dq) as per-program partials: torch.compile's
+version took a forward and four backward kernels, re-reading the rows for each sum over them.
 """
 
 from __future__ import annotations
@@ -37,12 +48,170 @@ def attn_res_merge_triton(mix: torch.Tensor, lse: torch.Tensor, partial: torch.T
     [..., Q]) in `dtype`; no autograd."""
     D = partial.shape[-1]
     p2 = partial.reshape(-1, D).contiguous()
-    mix2, lse1 = mix.reshape(-1, D), lse.reshape(-1)  # views: the collapsed rows keep one stride
-    if mix2.stride(-1) != 1:
-        mix2 = mix2.contiguous()
+    mix2, lse1 = _mix_rows(mix, D), lse.reshape(-1)  # views: the collapsed rows keep one stride
     out = torch.empty(p2.shape, dtype=dtype, device=partial.device)
     if out.numel():
-        block = triton.next_power_of_2(D)
         _merge_kernel[(p2.shape[0],)](p2, mix2, lse1, query.contiguous(), out, D, mix2.stride(0), lse1.stride(0),
-                                      eps, BLOCK_D=block, num_warps=8 if block >= 4096 else 4 if block >= 1024 else 2)
+                                      eps, **_row_block(D))
     return out.view(partial.shape)
+
+
+def _mix_rows(mix: torch.Tensor, D: int) -> torch.Tensor:
+    """mix [..., D] as rows [n, D] with unit column stride (a view of phase 1's result where possible)."""
+    mix2 = mix.reshape(-1, D)
+    return mix2 if mix2.stride(-1) == 1 else mix2.contiguous()
+
+
+def _row_block(D: int, warps: int | None = None) -> dict:
+    """One program per row of D: the block and warps (by the width unless given)."""
+    block = triton.next_power_of_2(D)
+    return dict(BLOCK_D=block, num_warps=warps or (8 if block >= 4096 else 4 if block >= 1024 else 2))
+
+
+# ---- the merge with the residual add before it and the pre-norm after it, forward and backward ----------------
+
+# backward programs (each sums dweight and dq over its rows) and their warps (None: by the row width, as the
+# forward). At k3-debug's merge (8 x 4096 rows of 1024) on an H200, fwd + bwd: 1024 programs 0.93 ms, 2048
+# 0.90, 4096 0.63, 8192 0.83; 8 warps slower at all but 2048 (`python bench/attnres.py --sweep`, 2026-12-02)
+MAX_BWD_PROGRAMS = 4096
+BWD_WARPS: int | None = None
+N_STATS = 5  # per row, kept for backward: w0, w1, r0, r1, p . q
+
+
+@triton.jit
+def _merge_norm_fwd_kernel(p_ptr, a_ptr, mix_ptr, lse_ptr, q_ptr, w_ptr, x_ptr, pnew_ptr, stats_ptr, n_rows, n_cols,
+                           mix_row_stride, lse_stride, eps, norm_eps, HAS_ADD: tl.constexpr, BLOCK_D: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK_D)
+    m = c < n_cols
+    offs = row * n_cols + c
+    p = tl.load(p_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    if HAS_ADD:  # the new partial sum in its own dtype (the inputs' promoted one), and the merge reads it so
+        p_new = (p + tl.load(a_ptr + offs, mask=m, other=0.0).to(tl.float32)).to(pnew_ptr.dtype.element_ty)
+        tl.store(pnew_ptr + offs, p_new, mask=m)
+        p = p_new.to(tl.float32)
+    q = tl.load(q_ptr + c, mask=m, other=0.0)
+    dot = tl.sum(p * q, axis=0)
+    r0 = 1.0 / tl.sqrt(tl.sum(p * p, axis=0) / n_cols + eps)
+    s = dot * r0
+    lse = tl.load(lse_ptr + row * lse_stride)
+    top = tl.maximum(s, lse)
+    e_p, e_b = tl.exp(s - top), tl.exp(lse - top)
+    w0, w1 = e_p / (e_p + e_b), e_b / (e_p + e_b)
+    mix = tl.load(mix_ptr + row * mix_row_stride + c, mask=m, other=0.0)
+    out = w0 * p + w1 * mix
+    r1 = 1.0 / tl.sqrt(tl.sum(out * out, axis=0) / n_cols + norm_eps)
+    w = tl.load(w_ptr + c, mask=m, other=0.0)
+    tl.store(x_ptr + offs, (out * r1 * w).to(x_ptr.dtype.element_ty), mask=m)
+    tl.store(stats_ptr + row, w0)
+    tl.store(stats_ptr + n_rows + row, w1)
+    tl.store(stats_ptr + 2 * n_rows + row, r0)
+    tl.store(stats_ptr + 3 * n_rows + row, r1)
+    tl.store(stats_ptr + 4 * n_rows + row, dot)
+
+
+@triton.jit
+def _merge_norm_bwd_kernel(p_ptr, mix_ptr, q_ptr, w_ptr, stats_ptr, dx_ptr, dpo_ptr, dp_ptr, da_ptr, dmix_ptr,
+                           dlse_ptr, dw_part_ptr, dq_part_ptr, n_rows, n_cols, mix_row_stride, rows_per_prog,
+                           HAS_DPO: tl.constexpr, HAS_ADD: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid = tl.program_id(0)
+    c = tl.arange(0, BLOCK_D)
+    m = c < n_cols
+    q = tl.load(q_ptr + c, mask=m, other=0.0)
+    w = tl.load(w_ptr + c, mask=m, other=0.0)
+    dw_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    dq_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for i in range(0, rows_per_prog):
+        row = pid.to(tl.int64) * rows_per_prog + i
+        rows = row + c * 0  # the row index broadcast over the columns (a scalar mask trips the interpreter)
+        mr = m & (rows < n_rows)
+        offs = row * n_cols + c
+        w0 = tl.load(stats_ptr + rows, mask=mr, other=0.0)
+        w1 = tl.load(stats_ptr + n_rows + rows, mask=mr, other=0.0)
+        r0 = tl.load(stats_ptr + 2 * n_rows + rows, mask=mr, other=0.0)
+        r1 = tl.load(stats_ptr + 3 * n_rows + rows, mask=mr, other=0.0)
+        dot = tl.load(stats_ptr + 4 * n_rows + rows, mask=mr, other=0.0)
+        p = tl.load(p_ptr + offs, mask=mr, other=0.0).to(tl.float32)
+        mix = tl.load(mix_ptr + row * mix_row_stride + c, mask=mr, other=0.0)
+        dx = tl.load(dx_ptr + offs, mask=mr, other=0.0).to(tl.float32)
+        y = (w0 * p + w1 * mix) * r1
+        dw_acc += dx * y
+        g = dx * w
+        dout = r1 * (g - y * (tl.sum(g * y, axis=0) / n_cols))
+        tl.store(dmix_ptr + offs, w1 * dout, mask=mr)
+        dw0 = tl.sum(dout * p, axis=0)
+        dw1 = tl.sum(dout * mix, axis=0)
+        t = w0 * dw0 + w1 * dw1
+        ds = w0 * (dw0 - t)
+        tl.store(dlse_ptr + rows, w1 * (dw1 - t), mask=mr & (c == 0))
+        dp = w0 * dout + (ds * r0) * q - (ds * dot * r0 * r0 * r0 / n_cols) * p
+        if HAS_DPO:
+            dp += tl.load(dpo_ptr + offs, mask=mr, other=0.0).to(tl.float32)
+        dq_acc += (ds * r0) * p
+        tl.store(dp_ptr + offs, dp.to(dp_ptr.dtype.element_ty), mask=mr)
+        if HAS_ADD:
+            tl.store(da_ptr + offs, dp.to(da_ptr.dtype.element_ty), mask=mr)
+    tl.store(dw_part_ptr + pid.to(tl.int64) * n_cols + c, dw_acc, mask=m)
+    tl.store(dq_part_ptr + pid.to(tl.int64) * n_cols + c, dq_acc, mask=m)
+
+
+class _MergeNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, mix, lse, partial, addend, query, weight, eps, norm_eps, out_dtype):
+        D = partial.shape[-1]
+        p2 = partial.reshape(-1, D).contiguous()
+        n_rows = p2.shape[0]
+        mix2, lse1 = _mix_rows(mix, D), lse.reshape(-1)
+        a2 = addend.reshape(-1, D).contiguous() if addend is not None else None
+        x = torch.empty(p2.shape, dtype=out_dtype, device=p2.device)
+        pnew = torch.empty(p2.shape, dtype=torch.promote_types(partial.dtype, addend.dtype),
+                           device=p2.device) if a2 is not None else p2
+        stats = torch.empty(N_STATS, n_rows, dtype=torch.float32, device=p2.device)
+        if n_rows:
+            _merge_norm_fwd_kernel[(n_rows,)](p2, a2 if a2 is not None else p2, mix2, lse1, query, weight, x, pnew,
+                                              stats, n_rows, D, mix2.stride(0), lse1.stride(0), eps, norm_eps,
+                                              HAS_ADD=a2 is not None, **_row_block(D))
+        ctx.save_for_backward(pnew, mix2, query, weight, stats)
+        ctx.shapes = (mix.shape, lse.shape, partial.shape)
+        ctx.dtypes = (partial.dtype, addend.dtype if addend is not None else None)
+        x = x.view(partial.shape)
+        return (x, pnew.view(partial.shape)) if a2 is not None else x
+
+    @staticmethod
+    def backward(ctx, dx, dpo=None):
+        pnew, mix2, query, weight, stats = ctx.saved_tensors
+        mix_shape, lse_shape, shape = ctx.shapes
+        n_rows, D = pnew.shape
+        rows_per_prog = max(1, triton.cdiv(n_rows, MAX_BWD_PROGRAMS))
+        programs = triton.cdiv(n_rows, rows_per_prog) if n_rows else 0
+        partial_dtype, addend_dtype = ctx.dtypes
+        dp = torch.empty(n_rows, D, dtype=partial_dtype, device=pnew.device)
+        has_add = addend_dtype is not None
+        da = torch.empty(n_rows, D, dtype=addend_dtype, device=pnew.device) if has_add else None
+        dmix = torch.empty(n_rows, D, dtype=torch.float32, device=pnew.device)
+        dlse = torch.empty(n_rows, dtype=torch.float32, device=pnew.device)
+        dw_part = torch.empty(programs, D, dtype=torch.float32, device=pnew.device)
+        dq_part = torch.empty(programs, D, dtype=torch.float32, device=pnew.device)
+        if n_rows:
+            dx2 = dx.reshape(n_rows, D).contiguous()
+            dpo2 = dpo.reshape(n_rows, D).contiguous() if dpo is not None else None
+            _merge_norm_bwd_kernel[(programs,)](pnew, mix2, query, weight, stats, dx2,
+                                                dpo2 if dpo2 is not None else dp, dp, da if has_add else dp, dmix,
+                                                dlse, dw_part, dq_part, n_rows, D, mix2.stride(0), rows_per_prog,
+                                                HAS_DPO=dpo2 is not None, HAS_ADD=has_add, **_row_block(D, BWD_WARPS))
+        return (dmix.view(mix_shape), dlse.view(lse_shape), dp.view(shape), da.view(shape) if has_add else None,
+                dq_part.sum(0), dw_part.sum(0), None, None, None)
+
+
+def merge_norm_triton(mix: torch.Tensor, lse: torch.Tensor, partial: torch.Tensor, addend: torch.Tensor | None,
+                      query: torch.Tensor, eps: float, weight: torch.Tensor, norm_eps: float,
+                      out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """`attn_res_merge_norm`'s value and gradients where phase 1 ran in fp32 (mix, query and weight fp32, the
+    merge's dtype fp32; partial and addend in any float dtype, bf16 under autocast): the normalised input in
+    `out_dtype` and the new partial sum (partial + addend in their promoted dtype; partial itself when addend is
+    None)."""
+    query, weight = query.contiguous(), weight.contiguous()
+    if addend is None:
+        return _MergeNorm.apply(mix, lse, partial, None, query, weight, eps, norm_eps, out_dtype), partial
+    return _MergeNorm.apply(mix, lse, partial, addend, query, weight, eps, norm_eps, out_dtype)
+
