@@ -1,4 +1,4 @@
-"""What the KDA layer keeps for backward under bf16 autocast: one shared copy of its input for its four products
+"""What the KDA layer keeps for backward under bf16 autocast: one shared copy of its input for its two products
 (the values and gradients of separate casts), against the layer as it was; its output norm + gate through the
 Triton Function (as on CUDA; here under TRITON_INTERPRET=1) against the reference."""
 
@@ -36,7 +36,8 @@ def test_kda_layer_shares_one_copy_of_its_input(monkeypatch, output_gate):
     """k3-tiny's KDA layer (full and low-rank output gate): the output identical to the bit with one cast per
     projection, the gradients of the input and every parameter equal to fp32 rounding (the shared copy's
     gradients are summed in fp32 in another order), and one [B,T,D] bf16 copy of the input kept where there were
-    four (q|k|v, forget gate, beta, output gate): three fewer bf16 storages of x's size."""
+    two (q|k|v, and the gates' first matrices: forget gate, beta, output gate): one bf16 storage of x's size
+    fewer."""
     cfg = get_preset("k3-tiny").with_overrides({"kda": {"output_gate": output_gate}})
     torch.manual_seed(0)
     layer = KimiDeltaAttention(cfg, 0)
@@ -45,7 +46,7 @@ def test_kda_layer_shares_one_copy_of_its_input(monkeypatch, output_gate):
     shared = _run(layer, x, dy)
     monkeypatch.setattr(model_kda, "shared_cast", lambda t, n: (t,) * n)
     separate = _run(layer, x, dy)
-    assert torch.equal(shared[0], separate[0]) and separate[3] - shared[3] == 3
+    assert torch.equal(shared[0], separate[0]) and separate[3] - shared[3] == 1
     torch.testing.assert_close(shared[1], separate[1], rtol=1e-5, atol=1e-6)
     for name in separate[2]:
         torch.testing.assert_close(shared[2][name], separate[2][name], rtol=1e-5, atol=1e-6, msg=name)

@@ -80,6 +80,14 @@ def linear_concat(x: torch.Tensor, linears: list[nn.Linear]) -> torch.Tensor:
     return F.linear(x, torch.cat([lin.weight for lin in linears]))
 
 
+def linear_split(x: torch.Tensor, linears: list[nn.Linear]) -> list[torch.Tensor]:
+    """The outputs of the bias-free `linears` on x: with autograd on, views of one `linear_concat` product (x read,
+    and its gradient formed, once); without, one product each (no concatenated copy to split)."""
+    if not torch.is_grad_enabled():
+        return [F.linear(x, lin.weight) for lin in linears]
+    return list(linear_concat(x, linears).split([lin.weight.shape[0] for lin in linears], dim=-1))
+
+
 class ShortConv(nn.Module):
     """Holds a depthwise causal conv kernel `weight` [C, 1, W] (nn.Conv1d's layout, as in HF / fla checkpoints).
     No bias. Init: PyTorch's Conv1d default for this shape, U(-1/sqrt(W), 1/sqrt(W)). The math is in

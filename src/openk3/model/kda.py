@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from openk3.config import ModelConfig
-from openk3.model.common import KeepFp32, RMSNorm, ShortConv, linear, linear_concat, out_std, shared_cast
+from openk3.model.common import KeepFp32, RMSNorm, ShortConv, linear, linear_concat, linear_split, out_std, shared_cast
 from openk3.ops.conv import causal_conv1d, causal_conv1d_step
 from openk3.ops.fused import use_triton
 from openk3.ops.gates import k3_gate, kimi_gate
@@ -103,6 +103,17 @@ class KimiDeltaAttention(KeepFp32, nn.Module):
         return {"q_proj.weight": f"rows:{H}", "k_proj.weight": f"rows:{H}", "v_proj.weight": f"rows:{H}",
                 "o_proj.weight": f"cols:{H}"}
 
+    def gate_projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B,T,D] -> (f [B,T,H,K], the forget gate's logits; b [B,T,H], beta's; the output gate's [B,T,H*V]):
+        the three products of x (the gates' first matrices) as one (`linear_split`), then the low-rank second
+        matrices."""
+        B, T, _ = x.shape
+        first = self.g_proj if self.output_gate == "full" else self.g_a_proj
+        f_low, b, gate = linear_split(x, [self.f_a_proj, self.b_proj, first])
+        if self.output_gate != "full":
+            gate = self.g_b_proj(gate)
+        return self.f_b_proj(f_low).view(B, T, self.num_heads, self.head_dim), b, gate
+
     def gate_logits(self, x: torch.Tensor) -> torch.Tensor:
         """x [B,T,D] -> f [B,T,H,K], the forget gate before its activation."""
         B, T, _ = x.shape
@@ -182,13 +193,14 @@ class KimiDeltaAttention(KeepFp32, nn.Module):
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
         layer_cache = cache.layers[self.layer_idx] if cache is not None else None
-        # four products read x: under autocast, views of one bf16 copy (each would keep its own for backward). All
-        # run before the first kernel call: compiled, each Triton call (the conv's, KDA's) ends a graph, and x read
-        # by several graphs has their gradients summed outside compiled code (an fp32 add and an fp32 copy of the
-        # gradient per extra graph: 2.1 ms of k3-debug's compiled step on an H200)
-        x_qkv, x_f, x_b, x_o = shared_cast(x, 4)
+        # two products read x (q|k|v, whose output is the conv's input as it stands, and the gates'): under autocast,
+        # views of one bf16 copy (each would keep its own for backward). Both run before the first kernel call:
+        # compiled, each Triton call (the conv's, KDA's) ends a graph, and x read by several graphs has their
+        # gradients summed outside compiled code (an fp32 add and an fp32 copy of the gradient per extra graph:
+        # 2.1 ms of k3-debug's compiled step on an H200)
+        x_qkv, x_gates = shared_cast(x, 2)
         qkv = qkv_in = self.qkv(x_qkv)  # [B,T,3HK]
-        f, b, out_gate = self.gate_logits(x_f), self.b_proj(x_b), self.out_gate(x_o)
+        f, b, out_gate = self.gate_projections(x_gates)
         w = self.conv_weight()
         if layer_cache is not None and T == 1:
             y, conv_state = causal_conv1d_step(qkv[:, 0], w, layer_cache.conv_state)
@@ -211,7 +223,7 @@ class KimiDeltaAttention(KeepFp32, nn.Module):
             layer_cache.recurrent_state = state
             if T in cache.checkpoint_offsets:
                 cache.record_checkpoint(T, self.layer_idx, conv_state, state)
-        return self.output_gated(out_gate, o, x_o.dtype)
+        return self.output_gated(out_gate, o, x_gates.dtype)
 
     def output(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """x [B,T,D], KDA output o [B,T,H,V] -> o_proj(RMSNorm_head(o) * sigmoid(output gate(x))) [B,T,D]. The norm

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from openk3.config import ModelConfig
-from openk3.model.common import RMSNorm, linear, out_std
+from openk3.model.common import RMSNorm, linear, linear_split, out_std
 from openk3.ops.attention import NO_CUDNN, mla_attention_absorbed, mla_attention_expanded
 from openk3.ops.norms import acc_dtype
 
@@ -67,18 +67,27 @@ class GatedMLA(nn.Module):
 
     def query(self, x: torch.Tensor) -> torch.Tensor:
         """x [B,T,D] -> q [B,T,H,n+r]."""
-        q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        return q.view(*x.shape[:2], self.num_heads, self.qk_head_dim)
+        return self._query_from(self.q_proj(x) if self.q_lora_rank is None else self.q_a_proj(x))
+
+    def _query_from(self, q: torch.Tensor) -> torch.Tensor:
+        """q from x's first query product (q_proj's, or q_a_proj's before the norm and q_b_proj)."""
+        if self.q_lora_rank is not None:
+            q = self.q_b_proj(self.q_a_layernorm(q))
+        return q.view(*q.shape[:2], self.num_heads, self.qk_head_dim)
 
     def latent(self, x: torch.Tensor) -> torch.Tensor:
         """x [B,T,D] -> the per-token cache entry [B,T,R+r] = [RMSNorm(latent) | k_slice]."""
-        c = self.kv_a_proj_with_mqa(x)
+        return self._latent_from(self.kv_a_proj_with_mqa(x))
+
+    def _latent_from(self, c: torch.Tensor) -> torch.Tensor:
         return torch.cat([self.kv_a_layernorm(c[..., : self.kv_lora_rank]), c[..., self.kv_lora_rank :]], dim=-1)
 
     def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.query(x)
-        kv = self.latent(x)
+        # the products that read x (the query's first, the latent's, the output gate's) as one (`linear_split`)
+        first = [self.q_proj if self.q_lora_rank is None else self.q_a_proj, self.kv_a_proj_with_mqa]
+        q, c, *gate = linear_split(x, first + ([self.g_proj] if self.g_proj is not None else []))
+        q, kv = self._query_from(q), self._latent_from(c)
         kw = dict(nope_dim=self.nope_dim, v_dim=self.v_head_dim, scale=self.scale)
         if cache is None:
             o = mla_attention_expanded(q, kv, self.kv_b_proj.weight, **kw)
@@ -90,16 +99,21 @@ class GatedMLA(nn.Module):
             else:  # equal lengths: the new tokens end every row, a bottom-right causal mask (no dense mask)
                 o = mla_attention_expanded(q, kv_all, self.kv_b_proj.weight, lengths=None if cache.uniform else lengths,
                                            backends=NO_CUDNN, **kw)
-        return self.output(x, o)
+        return self.output_gated(gate[0] if gate else None, o, x.dtype)
 
     def output(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """x [B,T,D], attention output o [B,T,H,v] -> o_proj(sigmoid(g_proj(x)) * (o_norm(o) if any)) [B,T,D]."""
+        return self.output_gated(self.g_proj(x) if self.g_proj is not None else None, o, x.dtype)
+
+    def output_gated(self, gate: torch.Tensor | None, o: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """`output` from the output gate's logits gate [B,T,H*v] (g_proj's product of x; None without the gate), in
+        `dtype` (x's)."""
         B, T, H, v = o.shape
         if self.o_norm is not None:
             o = self.o_norm(o)
-        if self.g_proj is not None:
-            acc = acc_dtype(x.dtype)
-            o = (o.to(acc) * torch.sigmoid(self.g_proj(x).view(B, T, H, v).to(acc))).to(x.dtype)
+        if gate is not None:
+            acc = acc_dtype(dtype)
+            o = (o.to(acc) * torch.sigmoid(gate.view(B, T, H, v).to(acc))).to(dtype)
         return self.o_proj(o.reshape(B, T, H * v))
 
 
