@@ -84,10 +84,11 @@ def test_linear_cross_entropy_on_the_kernel(monkeypatch, reduction, chunk):
 
 
 def test_default_chunk_holds_the_same_bytes_of_logits(monkeypatch):
-    """128 MiB of logits per chunk: fp32 copies in the PyTorch form, the matmul's dtype on the kernel."""
+    """CHUNK_LOGITS_BYTES of logits per chunk: fp32 copies in the PyTorch form, the matmul's dtype on the kernel."""
     x = torch.zeros(1)
-    assert loss_ops.default_chunk(x, 32768, torch.bfloat16) == 1024  # CPU: fp32 copies
+    tokens = loss_ops.CHUNK_LOGITS_BYTES // (32768 * 4)  # fp32 logits of a 32k vocabulary
+    assert tokens > 1 and loss_ops.default_chunk(x, 32768, torch.bfloat16) == tokens  # CPU: fp32 copies
     monkeypatch.setattr(loss_ops, "use_triton", lambda t, compiled=False: True)
-    assert loss_ops.default_chunk(x, 32768, torch.bfloat16) == 2048
-    assert loss_ops.default_chunk(x, 32768, torch.float32) == 1024
+    assert loss_ops.default_chunk(x, 32768, torch.bfloat16) == 2 * tokens
+    assert loss_ops.default_chunk(x, 32768, torch.float32) == tokens
     assert loss_ops.default_chunk(x, 10**9, torch.float32) == 1

@@ -21,9 +21,11 @@ import torch.nn.functional as F
 from openk3.ops.fused import use_triton
 from openk3.ops.norms import acc_dtype, compute_dtype, fp32_island
 
-# tokens per chunk: as many as make 128 MiB of logits in the dtype the chunk holds them in (fp32 for the PyTorch
-# form: 1024 tokens of a 32k vocabulary; the Triton form keeps the matmul's bf16, so twice as many)
-CHUNK_LOGITS_BYTES = 128 << 20
+# tokens per chunk: as many as make 256 MiB of logits in the dtype the chunk holds them in (fp32 for the PyTorch
+# form: 2048 tokens of a 32k vocabulary; the Triton form keeps the matmul's bf16, so twice as many). At k3-debug's
+# step on an H200, 4096-token chunks took 1.3 ms less of GEMM time than 2048-token ones (the weight gradient's
+# product, accumulated per chunk, is longer) for 0.2 GiB more peak memory (bench/RESULTS.md, 2026-12-02)
+CHUNK_LOGITS_BYTES = 256 << 20
 REDUCTIONS = ("mean", "sum")
 
 
