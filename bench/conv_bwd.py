@@ -125,18 +125,18 @@ def sweep(B: int, T: int, C: int, with_state: bool) -> list[dict]:
     dy = torch.randn(B, T, C, device="cuda", dtype=DTYPE, generator=g)
     label = f"| {'x'.join(map(str, (B, T, C)))} | {'bf16' if with_state else 'none'} |"
     rows = []
-    y_ref = triton_conv._forward(x, w, state, DTYPE)
+    y_ref = triton_conv._forward(x, w, state, DTYPE)[0]
     for tile in SWEEP_FWD_TILES:
         ms = cuda_ms(lambda tile=tile: triton_conv._forward(x, w, state, DTYPE, tile))
-        same = torch.equal(triton_conv._forward(x, w, state, DTYPE, tile), y_ref)
+        same = torch.equal(triton_conv._forward(x, w, state, DTYPE, tile)[0], y_ref)
         rows.append({"shape": [B, T, C], "state": with_state, "pass": "fwd", "tile": list(tile), "ms": ms,
                      "same_bits": same})
         print(f"{label} fwd | [{tile[0]}, {tile[1]}] | {tile[2]} | {ms:.3f} | {same} | |")
-    reference = triton_conv._backward(x, w, state, dy)
+    reference = triton_conv._backward(x, w, state, [dy])
     for g_tile in SWEEP_G_TILES:
         for tile in SWEEP_TILES if g_tile == SWEEP_G_TILES[0] else SWEEP_TILES[:1]:
-            ms = cuda_ms(lambda tile=tile, g_tile=g_tile: triton_conv._backward(x, w, state, dy, tile, g_tile))
-            dx, dw, dstate = triton_conv._backward(x, w, state, dy, tile, g_tile)
+            ms = cuda_ms(lambda tile=tile, g_tile=g_tile: triton_conv._backward(x, w, state, [dy], tile, g_tile))
+            dx, dw, dstate = triton_conv._backward(x, w, state, [dy], tile, g_tile)
             same = torch.equal(dx, reference[0]) and (dstate is None or torch.equal(dstate, reference[2]))
             rows.append({"shape": [B, T, C], "state": with_state, "pass": "bwd", "tile": list(tile),
                          "g_tile": list(g_tile), "ms": ms, "same_bits": same, "dw_rel_err": rel(dw, reference[1])})

@@ -5,6 +5,8 @@ the buffers they allocate NaN-poisoned so an element a kernel forgets to write f
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -131,3 +133,39 @@ def test_conv_silu_triton_keeps_only_its_inputs(with_state, monkeypatch):
     want = [(torch.bfloat16, (B, T, C), 2 * B * T * C)] + ([(torch.float32, (B, C, W - 1), 4 * B * C * (W - 1))]
                                                             if with_state else [])
     assert sorted(kept, key=str) == sorted(want, key=str)
+
+
+@pytest.mark.parametrize(("B", "T", "C", "W", "with_state", "unused"), [
+    (2, 5, 12, 4, True, None), (1, 37, 66, 4, False, None), (2, 16, 96, 3, True, 1),  # a group the loss ignores
+])
+def test_conv_silu_triton_groups_are_the_channel_thirds(B, T, C, W, with_state, unused, monkeypatch):
+    """groups=3 (the KDA layer's q, k, v): three contiguous tensors equal to the bit to the thirds of the one-output
+    form, and the gradients of x, the kernel and the state equal to the bit to those of the one-output form with
+    the three gradients side by side (a third the loss does not use: its gradient is zeros), with small channel
+    tiles that divide C / 3 = 4, 22, 32 (the width the grouped form narrows a tile to), in both forms: the same
+    kernels but for their addresses (on a GPU other tile widths compile to other instruction orders)."""
+    tile = math.gcd(32, C // 3)
+    for name, value in [("BLOCK_T", 8), ("BLOCK_C", tile), ("BWD_G_BLOCK_T", 4), ("BWD_G_BLOCK_C", tile)]:
+        monkeypatch.setattr(triton_conv, name, value)
+    inputs = conv_inputs(B, T, C, W, 1.0, seed=C, with_state=with_state)
+    x, w, state, dy = (t if t is None else t.to(DEV) for t in inputs)
+    leaves = [x, w] + ([state] if with_state else [])
+    G = C // 3
+    dys = [dy[..., i * G:(i + 1) * G].contiguous() for i in range(3)]
+    if unused is not None:
+        dy = dy.clone()
+        dy[..., unused * G:(unused + 1) * G] = 0
+
+    def grouped(*a):
+        ys = triton_conv.conv_silu_triton(a[0], a[1], a[2] if with_state else None, groups=3)
+        assert all(y.is_contiguous() and y.shape == (B, T, G) for y in ys)
+        return tuple(y for i, y in enumerate(ys) if i != unused)
+
+    got = grads(grouped, leaves, [d for i, d in enumerate(dys) if i != unused])
+    want = grads(lambda *a: triton_conv.conv_silu_triton(a[0], a[1], a[2] if with_state else None), leaves, [dy])
+    n_out = 3 - (unused is not None)
+    thirds = [want[0][..., i * G:(i + 1) * G] for i in range(3) if i != unused]
+    assert all(torch.equal(a, b) for a, b in zip(got[:n_out], thirds))
+    assert all(torch.equal(a, b) for a, b in zip(got[n_out:], want[1:]))
+    with pytest.raises(ValueError, match="groups must be"):
+        triton_conv.conv_silu_triton(x[..., :C - 1], w[:C - 1], groups=3)

@@ -204,10 +204,11 @@ class KimiDeltaAttention(KeepFp32, nn.Module):
         w = self.conv_weight()
         if layer_cache is not None and T == 1:
             y, conv_state = causal_conv1d_step(qkv[:, 0], w, layer_cache.conv_state)
-            qkv = y.unsqueeze(1)
-        else:
-            qkv, conv_state = causal_conv1d(qkv, w, layer_cache.conv_state if layer_cache is not None else None)
-        q, k, v = (t.reshape(B, T, H, K) for t in qkv.split(H * K, dim=-1))
+            qkv = y.unsqueeze(1).split(H * K, dim=-1)
+        else:  # q, k, v as tensors of their own on CUDA (no copy of each out of q|k|v, nor of their gradients in)
+            qkv, conv_state = causal_conv1d(qkv, w, layer_cache.conv_state if layer_cache is not None else None,
+                                            groups=3)
+        q, k, v = (t.reshape(B, T, H, K) for t in qkv)
         backend = resolve_backend(self.kda_backend, x.device, T)
         q, k, g, beta = self.activate_logits(q, k, f, b, backend)
         initial = layer_cache.recurrent_state if layer_cache is not None else None

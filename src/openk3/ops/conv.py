@@ -20,29 +20,36 @@ def _kernel(weight: torch.Tensor) -> torch.Tensor:
 
 
 def causal_conv1d(
-    x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None = None, activation: bool = True
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Full-sequence form. x [B,T,C] -> (y [B,T,C], new state [B,C,W-1]). With the SiLU, one autograd Function
-    that keeps x (not the conv's input copy and output, as autograd would) and recomputes the conv in backward: on
-    CUDA tensors (`ops.fused.use_triton`) the Triton kernels of `ops.triton_conv`, elsewhere `_ConvSiLU`;
-    `causal_conv1d_reference` is the plain composition it must equal. While torch.compile traces, CUDA tensors
-    still take the Triton kernels (the compiled graph breaks around them: Inductor's own depthwise conv took
-    ~1 ms more per KDA layer of k3-debug's training step, bench/RESULTS.md) and others the reference."""
+    x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None = None, activation: bool = True,
+    groups: int = 1,
+) -> tuple[torch.Tensor | tuple[torch.Tensor, ...], torch.Tensor]:
+    """Full-sequence form. x [B,T,C] -> (y [B,T,C], new state [B,C,W-1]); with groups = 3, y as its three channel
+    thirds [B,T,C/3] (the KDA layer's q, k, v: on CUDA contiguous tensors of their own, so that neither they nor
+    their gradients are copied out of or into one [B,T,C] tensor; elsewhere views). With the SiLU, one autograd
+    Function that keeps x (not the conv's input copy and output, as autograd would) and recomputes the conv in
+    backward: on CUDA tensors (`ops.fused.use_triton`) the Triton kernels of `ops.triton_conv`, elsewhere
+    `_ConvSiLU`; `causal_conv1d_reference` is the plain composition it must equal. While torch.compile traces,
+    CUDA tensors still take the Triton kernels (the compiled graph breaks around them: Inductor's own depthwise
+    conv took ~1 ms more per KDA layer of k3-debug's training step, bench/RESULTS.md) and others the reference."""
     if not activation or (torch.compiler.is_compiling() and not use_triton(x, compiled=True)):
-        return causal_conv1d_reference(x, weight, state, activation)
-    return _conv_silu_with_state(x, weight, state)
+        y, new_state = causal_conv1d_reference(x, weight, state, activation)
+    else:
+        y, new_state = _conv_silu_with_state(x, weight, state, groups)
+    if groups > 1 and torch.is_tensor(y):
+        y = y.split(x.shape[-1] // groups, dim=-1)
+    return y, new_state
 
 
 @torch.compiler.disable
-def _conv_silu_with_state(x, weight, state):
+def _conv_silu_with_state(x, weight, state, groups: int = 1):
     w = _kernel(weight)
     B, T, C = x.shape
     W = w.shape[-1]
     past = x.new_zeros(B, C, W - 1) if state is None else state
-    if use_triton(x):
+    if use_triton(x) and groups in (1, 3):
         from openk3.ops.triton_conv import conv_silu_triton  # triton is an optional dependency
 
-        y = conv_silu_triton(x, w, state, compute_dtype(x, w.dtype))  # no state: its kernels read none
+        y = conv_silu_triton(x, w, state, compute_dtype(x, w.dtype), groups)  # no state: its kernels read none
     else:
         y = _ConvSiLU.apply(x, w, past, compute_dtype(x, w.dtype))
     new_state = torch.cat([past.to(x.dtype), x[:, max(T - (W - 1), 0):].transpose(1, 2)], dim=-1)

@@ -9,7 +9,9 @@ as it is laid out (channels contiguous), fp32 math on operands rounded to the co
     dw[c, i] = sum_{b, t} g[t] full[t + i]
 
 Forward: one program per [BLOCK_T, BLOCK_C] tile; each of the W taps is a shifted load of the tile (the shifts
-overlap, so they come from cache), nothing but x, w and the state is read and y written. Backward recomputes pre
+overlap, so they come from cache), nothing but x, w and the state is read and y written. With `groups` (the KDA
+layer's q|k|v) y is written as that many tensors of C / groups channels each, and their gradients are read from
+where they are: no copy to or from the channel slices either way. Backward recomputes pre
 (the Function keeps only x, w and the state, as `ops.conv._ConvSiLU`) in two passes, each W shifted loads per
 element: the first, a program per run of time steps, recomputes pre, writes g to a [B, T, C] buffer in the compute
 dtype (the rounding autograd's SiLU backward applies in `_ConvSiLU`) and sums dw from the fp32 g and the same taps
@@ -19,6 +21,8 @@ reads g at W shifted positions for dx and, in the first tile of a sequence, for 
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
@@ -76,25 +80,41 @@ def _pre(x_ptr, s_ptr, w_ptr, b, pos, p0, c, T, C, s_sb, s_sc, s_sj, W: tl.const
     return acc.to(w_ptr.dtype.element_ty).to(tl.float32)
 
 
+@triton.jit
+def _grouped(p0, p1, p2, b, t, c, c0, T, C, G, GROUPS: tl.constexpr):
+    """Addresses of [b, t, c] (t [R, 1], c [1, BC] from the tile's first channel c0) in the outputs of `GROUPS` (1
+    or 3) equal channel groups of G channels: p0 [B, T, C], or p0 / p1 / p2 [B, T, G] for channels [0, G),
+    [G, 2G), [2G, C). A tile lies in one group (its width divides G: `_group_tile`), so the group is chosen once
+    per tile and the addresses stay contiguous along the channels (chosen per element, they cost the accesses
+    their width: 5x the forward's time on an H200); G is an argument, not C / 3 computed here, so the compiler
+    knows its divisibility, and so each row's alignment, which 16-byte accesses need."""
+    if GROUPS == 1:
+        return p0 + b * T * C + t.to(tl.int64) * C + c
+    g = c0 // G
+    base = tl.where(g == 0, p0, tl.where(g == 1, p1, p2))
+    return base + b * T * G + t.to(tl.int64) * G + (c - g * G)
+
+
 # The state's strides are not specialised: as constants (the last one is 1) they make the state's loads contiguous
 # along time, and the compiler added layout conversions for them to every tile (an sm_90 compile of pass 1: 9
 # barriers and 2 KB of shared memory against 5 and 1 KB)
 @triton.jit(do_not_specialize=["T", "s_sb", "s_sc", "s_sj"])  # T: one compile for every prompt length (serving)
-def _conv_fwd_kernel(x_ptr, s_ptr, w_ptr, y_ptr, T, C, s_sb, s_sc, s_sj,
-                     W: tl.constexpr, HAS_STATE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+def _conv_fwd_kernel(x_ptr, s_ptr, w_ptr, y_ptr, y1_ptr, y2_ptr, T, C, G, s_sb, s_sc, s_sj,
+                     W: tl.constexpr, HAS_STATE: tl.constexpr, GROUPS: tl.constexpr, BLOCK_T: tl.constexpr,
+                     BLOCK_C: tl.constexpr):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     b = tl.program_id(2).to(tl.int64)
     pre = _pre(x_ptr, s_ptr, w_ptr, b, t, tl.program_id(0) * BLOCK_T, c, T, C, s_sb, s_sc, s_sj, W, HAS_STATE)
     y = pre * tl.sigmoid(pre)
-    tl.store(y_ptr + b * T * C + t.to(tl.int64)[:, None] * C + c[None, :], y.to(y_ptr.dtype.element_ty),
-             mask=(t < T)[:, None] & (c < C)[None, :])
+    tl.store(_grouped(y_ptr, y1_ptr, y2_ptr, b, t[:, None], c[None, :], tl.program_id(1) * BLOCK_C, T, C, G,
+                      GROUPS), y.to(y_ptr.dtype.element_ty), mask=(t < T)[:, None] & (c < C)[None, :])
 
 
 @triton.jit(do_not_specialize=["s_sb", "s_sc", "s_sj"])
-def _conv_bwd_g_kernel(x_ptr, s_ptr, w_ptr, dy_ptr, g_ptr, dw_part_ptr, T, C, s_sb, s_sc, s_sj, ROWS,
-                       W: tl.constexpr, WP: tl.constexpr, HAS_STATE: tl.constexpr, BLOCK_T: tl.constexpr,
-                       BLOCK_C: tl.constexpr):
+def _conv_bwd_g_kernel(x_ptr, s_ptr, w_ptr, dy_ptr, dy1_ptr, dy2_ptr, g_ptr, dw_part_ptr, T, C, G, s_sb, s_sc, s_sj,
+                       ROWS, W: tl.constexpr, WP: tl.constexpr, HAS_STATE: tl.constexpr, GROUPS: tl.constexpr,
+                       BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     """Backward pass 1, one program per ROWS time steps of a sequence and BLOCK_C channels, [BLOCK_T, BLOCK_C] tiles
     at a time: g (stored in g's dtype) and the program's share of dw, dw_part[b, split, c, i] = sum_t g[t] full[t + i]
     from the fp32 g. Each tile's taps are one [BLOCK_T, WP, BLOCK_C] load (WP = W rounded up to a power of 2) that
@@ -118,7 +138,8 @@ def _conv_bwd_g_kernel(x_ptr, s_ptr, w_ptr, dy_ptr, g_ptr, dw_part_ptr, T, C, s_
         pre = pre.to(w_ptr.dtype.element_ty).to(tl.float32)
         valid = (t < T)[:, None] & mc[None, :]
         offs = b * T * C + t.to(tl.int64)[:, None] * C + c[None, :]
-        dy = tl.load(dy_ptr + offs, mask=valid, other=0.0).to(w_ptr.dtype.element_ty).to(tl.float32)
+        dy = tl.load(_grouped(dy_ptr, dy1_ptr, dy2_ptr, b, t[:, None], c[None, :], tl.program_id(1) * BLOCK_C, T, C,
+                              G, GROUPS), mask=valid, other=0.0).to(w_ptr.dtype.element_ty).to(tl.float32)
         sig = tl.sigmoid(pre)
         g = tl.where(valid, dy * sig * (1.0 + pre * (1.0 - sig)), 0.0)
         tl.store(g_ptr + offs, g.to(g_ptr.dtype.element_ty), mask=valid)
@@ -162,9 +183,15 @@ def _conv_bwd_dx_kernel(g_ptr, w_ptr, dx_ptr, ds_ptr, T, C, W: tl.constexpr, HAS
                      ds.to(ds_ptr.dtype.element_ty), mask=(j < W - 1)[:, None] & mc[None, :])
 
 
-def _tiles(T: int, C: int, block_t: int, block_c: int) -> dict:
+def _tiles(T: int, C: int, block_t: int, block_c: int, groups: int = 1) -> dict:
     return dict(BLOCK_T=min(block_t, triton.next_power_of_2(max(T, 1))),
-                BLOCK_C=min(block_c, triton.next_power_of_2(max(C, 1))))
+                BLOCK_C=_group_tile(min(block_c, triton.next_power_of_2(max(C, 1))), C, groups))
+
+
+def _group_tile(block_c: int, C: int, groups: int) -> int:
+    """The channel tile for `groups` output groups: a power of 2 that divides C / groups (for groups > 1), so no
+    tile straddles two groups (`_grouped`)."""
+    return block_c if groups == 1 else math.gcd(block_c, C // groups)
 
 
 def _state_args(state: torch.Tensor | None) -> tuple:
@@ -175,27 +202,35 @@ def _state_args(state: torch.Tensor | None) -> tuple:
 
 
 def _forward(x: torch.Tensor, w: torch.Tensor, state: torch.Tensor | None, dtype: torch.dtype,
-             tile: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """silu(conv([state | x])) [B, T, C] in `dtype` for contiguous x [B, T, C] and w [C, W] in `dtype`; `tile`:
-    (block_t, block_c, warps), default the module's (bench/conv_bwd.py --sweep tries others)."""
+             tile: tuple[int, int, int] | None = None, groups: int = 1) -> list[torch.Tensor]:
+    """silu(conv([state | x])) [B, T, C] in `dtype` for contiguous x [B, T, C] and w [C, W] in `dtype`, as `groups`
+    (1 or 3) contiguous tensors [B, T, C / groups] of consecutive channels; `tile`: (block_t, block_c, warps),
+    default the module's (bench/conv_bwd.py --sweep tries others)."""
     B, T, C = x.shape
-    y = torch.empty(x.shape, dtype=dtype, device=x.device)
+    ys = [torch.empty(B, T, C // groups, dtype=dtype, device=x.device) for _ in range(groups)]
+    y = ys[0]
     s, strides, has_state = _state_args(state)
     block_t, block_c, warps = tile or (BLOCK_T, BLOCK_C, FWD_WARPS)
     # one tile height for every T (not fitted to short inputs): a prompt of any length reuses one compiled kernel
-    kw = _tiles(block_t, C, block_t, block_c)
+    kw = _tiles(block_t, C, block_t, block_c, groups)
     if y.numel():
         grid = (triton.cdiv(T, kw["BLOCK_T"]), triton.cdiv(C, kw["BLOCK_C"]), B)
-        _conv_fwd_kernel[grid](x, s if has_state else x, w, y, T, C, *strides, W=w.shape[-1], HAS_STATE=has_state,
-                               num_warps=warps, **kw)
-    return y
+        _conv_fwd_kernel[grid](x, s if has_state else x, w, *_three(ys), T, C, C // groups, *strides, W=w.shape[-1],
+                               HAS_STATE=has_state, GROUPS=groups, num_warps=warps, **kw)
+    return ys
+
+
+def _three(ts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The kernels' three group pointers: the groups' tensors, the first repeated when there is one group."""
+    return ts if len(ts) == 3 else [ts[0]] * 3
 
 
 def _backward(x, w, state, dy, tile: tuple[int, int, int] | None = None,
               g_tile: tuple[int, int, int, int] | None = None):
-    """(dx in x's dtype, d of the kernel [C, W] in fp32, dstate in the state's dtype or None) for contiguous x, dy
-    and w [C, W] in the compute dtype; `tile`: (block_t, block_c, warps) of pass 2, `g_tile`: (block_t, block_c,
-    rows, warps) of pass 1, default the module's (bench/conv_bwd.py --sweep tries others)."""
+    """(dx in x's dtype, d of the kernel [C, W] in fp32, dstate in the state's dtype or None) for contiguous x, w
+    [C, W] in the compute dtype and dy, the output's gradient as contiguous tensors (one [B, T, C], or one per
+    channel group as `_forward` wrote them); `tile`: (block_t, block_c, warps) of pass 2, `g_tile`: (block_t,
+    block_c, rows, warps) of pass 1, default the module's (bench/conv_bwd.py --sweep tries others)."""
     B, T, C = x.shape
     W = w.shape[-1]
     if not x.numel():
@@ -203,13 +238,14 @@ def _backward(x, w, state, dy, tile: tuple[int, int, int] | None = None,
             torch.zeros_like(state)
     s, strides, has_state = _state_args(state)
     g_block_t, g_block_c, rows, g_warps = g_tile or (BWD_G_BLOCK_T, BWD_G_BLOCK_C, BWD_G_ROWS, BWD_G_WARPS)
-    gkw = _tiles(T, C, g_block_t, g_block_c)
+    gkw = _tiles(T, C, g_block_t, g_block_c, len(dy))
     rows = triton.cdiv(min(rows, T), gkw["BLOCK_T"]) * gkw["BLOCK_T"]
     g_grid = (triton.cdiv(T, rows), triton.cdiv(C, gkw["BLOCK_C"]), B)
     g = torch.empty(x.shape, dtype=w.dtype, device=x.device)  # in the compute dtype, as autograd's SiLU backward
     dw_part = torch.empty(B * g_grid[0], C, W, dtype=torch.float32, device=x.device)
-    _conv_bwd_g_kernel[g_grid](x, s if has_state else x, w, dy, g, dw_part, T, C, *strides, rows, W=W,
-                               WP=triton.next_power_of_2(W), HAS_STATE=has_state, num_warps=g_warps, **gkw)
+    _conv_bwd_g_kernel[g_grid](x, s if has_state else x, w, *_three(dy), g, dw_part, T, C, C // len(dy), *strides,
+                               rows, W=W, WP=triton.next_power_of_2(W), HAS_STATE=has_state, GROUPS=len(dy),
+                               num_warps=g_warps, **gkw)
     block_t, block_c, warps = tile or (BWD_BLOCK_T, BWD_BLOCK_C, BWD_WARPS)
     kw = _tiles(T, C, block_t, block_c)
     grid = (triton.cdiv(T, kw["BLOCK_T"]), triton.cdiv(C, kw["BLOCK_C"]), B)
@@ -221,31 +257,37 @@ def _backward(x, w, state, dy, tile: tuple[int, int, int] | None = None,
 
 
 class _ConvSiLUTriton(torch.autograd.Function):
-    """Keeps x, w and the state as given (as `ops.conv._ConvSiLU`); backward recomputes pre."""
+    """Keeps x, w and the state as given (as `ops.conv._ConvSiLU`); backward recomputes pre. Returns the `groups`
+    outputs (`_forward`) as they are when x's dtype is the compute dtype."""
 
     @staticmethod
-    def forward(ctx, x, w, state, dtype):
+    def forward(ctx, x, w, state, dtype, groups):
         ctx.dtype = dtype
         ctx.save_for_backward(x, w, state)
-        return _forward(x.contiguous(), w.to(dtype).contiguous(), state, dtype).to(x.dtype)
+        ys = _forward(x.contiguous(), w.to(dtype).contiguous(), state, dtype, groups=groups)
+        return tuple(y.to(x.dtype) for y in ys)
 
     @staticmethod
-    def backward(ctx, dy):
+    def backward(ctx, *dys):  # (an output the loss does not use has a zero gradient here, autograd's default)
         x, w, state = ctx.saved_tensors
-        dx, dw, dstate = _backward(x.contiguous(), w.to(ctx.dtype).contiguous(), state, dy.contiguous())
+        dx, dw, dstate = _backward(x.contiguous(), w.to(ctx.dtype).contiguous(), state, [dy.contiguous() for dy in dys])
         need_x, need_w, need_state = ctx.needs_input_grad[:3]
         return (dx if need_x else None, dw.to(w.dtype) if need_w else None,
-                dstate if need_state and dstate is not None else None, None)
+                dstate if need_state and dstate is not None else None, None, None)
 
 
 def conv_silu_triton(x: torch.Tensor, w: torch.Tensor, state: torch.Tensor | None = None,
-                     dtype: torch.dtype | None = None) -> torch.Tensor:
+                     dtype: torch.dtype | None = None, groups: int = 1) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """silu(depthwise causal conv) of x [B, T, C] with the kernel w [C, W] after `state` [B, C, W-1] (the W-1
     inputs before x, oldest first; zeros when None), computed in `dtype` (default w's) -> [B, T, C] in x's dtype;
-    differentiable in x, w and the state. The new state is the caller's (`ops.conv.causal_conv1d`)."""
+    with groups=3, the three channel thirds as contiguous tensors [B, T, C/3] (the KDA layer's q, k, v); differentiable
+    in x, w and the state. The new state is the caller's (`ops.conv.causal_conv1d`)."""
     if x.dim() != 3 or w.dim() != 2 or w.shape[0] != x.shape[-1]:
         raise ValueError(f"need x [B, T, C] and w [C, W], got x {tuple(x.shape)} and w {tuple(w.shape)}")
     B, _, C = x.shape
     if state is not None and state.shape != (B, C, w.shape[-1] - 1):
         raise ValueError(f"state must be [{B}, {C}, {w.shape[-1] - 1}], got {tuple(state.shape)}")
-    return _ConvSiLUTriton.apply(x, w, state, w.dtype if dtype is None else dtype)
+    if groups not in (1, 3) or C % groups:
+        raise ValueError(f"groups must be 1 or 3 and divide the {C} channels, got {groups}")
+    ys = _ConvSiLUTriton.apply(x, w, state, w.dtype if dtype is None else dtype, groups)
+    return ys if groups > 1 else ys[0]
