@@ -126,9 +126,9 @@ class BlockStream:
             self._next += 1
             (mix, lse), q_vec = self._rows[q], self._q[q]
         if fused:
-            # the pending residual add, phase 2 and the pre-norm: one compiled function, whose backward keeps what
-            # Inductor's partitioner chooses (at k3-debug's step on an H200 2.9 GiB more than recomputing as below,
-            # and 3.4 ms less of a 183 ms step)
+            # the pending residual add, phase 2 and the pre-norm: one function, on CUDA a Triton pass each way (at
+            # k3-debug's step on an H200 3.9 ms less than compiled, whose backward Inductor partitions, and 2.7 GiB
+            # less peak; compiled, it had been 2.9 GiB more than recomputing as below, and 3.4 ms less)
             x, partial = self._phases.merge_norm(mix, lse, self.partial, self._pending, q_vec, norm.eps, dtype,
                                                  then.weight, then.eps, out_dtype)
             if self._pending is not None:
