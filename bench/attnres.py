@@ -38,7 +38,7 @@ def fwd_bwd(fn, inputs, grads):
         torch.autograd.backward(outs, grads)
         for t in leaves:
             t.grad = None
-    return run, leaves
+    return run
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -65,7 +65,7 @@ def bench_merge(args) -> dict:
         got, want = kernel(*inputs), compiled_ref(*inputs)
     row = {"max_rel_diff": max(rel(a, b) for a, b in zip(got, want))}
     for name, fn in (("triton", kernel), ("compiled", compiled_ref)):
-        row[f"{name}_ms"] = ms(fwd_bwd(fn, inputs, grads)[0])
+        row[f"{name}_ms"] = ms(fwd_bwd(fn, inputs, grads))
     row["min_bytes"] = B * T * D * ((2 + 2 + 4 + 2 + 2) + (2 + 2 + 2 + 4 + 4 + 2 + 2))
     if args.sweep:
         row["sweep"] = []
@@ -73,7 +73,7 @@ def bench_merge(args) -> dict:
             for warps in (4, 8):
                 triton_attnres.MAX_BWD_PROGRAMS, triton_attnres.BWD_WARPS = programs, warps
                 row["sweep"].append({"programs": programs, "warps": warps,
-                                     "fwd_bwd_ms": ms(fwd_bwd(kernel, inputs, grads)[0])})
+                                     "fwd_bwd_ms": ms(fwd_bwd(kernel, inputs, grads))})
                 print(row["sweep"][-1], flush=True)
     return row
 
