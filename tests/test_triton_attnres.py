@@ -147,3 +147,86 @@ def test_merge_norm_takes_the_kernel_on_the_fp32_stream(monkeypatch):
                                 torch.float64, weight.double(), 1e-6)
     assert calls == [1, 1]
 
+
+
+def blocks_case(N, Q, shape, D, seed, scale=1.0, dtypes=(FP32, BF16)):
+    """N block sums (the first in dtypes[0], as the fp32 embedding under autocast; the rest in dtypes[1]) with
+    per-block scales from 1 to 1e3 * scale, and Q fp32 queries."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = [(torch.randn(*shape, D, generator=g) * scale * 10.0 ** (3 * n / max(N - 1, 1)))
+              .to(dtypes[min(n, 1)]) for n in range(N)]
+    return blocks, torch.randn(Q, D, generator=g) * 2
+
+
+@pytest.mark.parametrize(("N", "Q", "shape", "D", "scale", "dq_programs"), [
+    (1, 3, (2, 3), 5, 1.0, 64),  # one block sum (the first epoch): the mixes are its fp32 copy
+    (2, 1, (7,), 70, 1.0, 64),  # one query (a stream without a plan)
+    (3, 8, (2, 25), 64, 1.0, 3),  # k3-debug's epochs: dq over several row ranges and column tiles, a partial last
+    (5, 17, (1, 9), 33, 1e-3, 2),  # odd counts everywhere, more queries than a dq tile's 16, small values
+    (3, 2, (3,), 130, 1e4, 64),  # large values: scores in the hundreds, the softmax one-hot
+])
+def test_blocks_kernel_matches_reference(N, Q, shape, D, scale, dq_programs, monkeypatch):
+    """Phase 1 in Triton (`blocks_triton`) against `attn_res_blocks`' PyTorch form in fp64: every mix and lse and
+    the gradients of the queries and of every block sum, for random gradients of all outputs."""
+    monkeypatch.setattr(triton_attnres, "DQ_ROW_PROGRAMS", dq_programs)
+    monkeypatch.setattr(triton_attnres, "DQ_BLOCK_R", 16)
+    monkeypatch.setattr(triton_attnres, "DQ_BLOCK_C", 32)
+    blocks, queries = blocks_case(N, Q, shape, D, seed=N * Q + D, scale=scale)
+    g = torch.Generator().manual_seed(3)
+    dmix = [torch.randn(*shape, D, generator=g) for _ in range(Q)]
+    dlse = [torch.randn(*shape, generator=g) for _ in range(Q)]
+
+    def run(fn, dtype):
+        leaves = [b.detach().to(DEV, dtype if b.dtype == FP32 else b.dtype).requires_grad_() for b in blocks]
+        q = queries.detach().to(DEV, dtype).requires_grad_()
+        mix, lse = fn(leaves, q)
+        outs = list(mix) + list(lse)
+        torch.autograd.backward(outs, [t.to(DEV, o.dtype) for t, o in zip(dmix + dlse, outs)])
+        return [t.detach() for t in outs] + [q.grad] + [b.grad for b in leaves]
+
+    got = run(lambda b, q: triton_attnres.blocks_triton(b, q, 1e-5), FP32)
+    want = run(lambda b, q: attnres.attn_res_blocks(b, q, 1e-5), torch.float64)
+    assert [t.dtype for t in got[:2 * Q + 1]] == [FP32] * (2 * Q + 1)
+    assert [t.dtype for t in got[2 * Q + 1:]] == [b.dtype for b in blocks]
+    for i, (a, b) in enumerate(zip(got, want)):
+        a, b = a.double().cpu(), b.double().cpu()
+        assert torch.isfinite(a).all(), f"tensor {i}: non-finite values (an unwritten element?)"
+        if i > 2 * Q and blocks[i - 2 * Q - 1].dtype == BF16:
+            b = b.to(BF16).double()  # the reference's fp64 gradient, rounded as the kernel's is
+        err = float((a - b).norm() / b.norm().clamp_min(1e-30))
+        assert err <= (8e-3 if i > 2 * Q and blocks[i - 2 * Q - 1].dtype == BF16 else 1e-5), (i, err)
+
+
+def test_blocks_kernel_with_unused_outputs():
+    """Mixes and lse rows that get no gradient (a query whose sublayer did not run backward) count as zeros."""
+    blocks, queries = blocks_case(2, 3, (4,), 16, seed=5)
+    for fn in (triton_attnres.blocks_triton, attnres.attn_res_blocks):
+        leaves = [b.to(DEV).requires_grad_() for b in blocks]
+        mix, lse = fn(leaves, queries.to(DEV), 1e-5)
+        (mix[1].sum() + lse[2].sum()).backward()
+        if fn is triton_attnres.blocks_triton:
+            got = [b.grad.cpu() for b in leaves]
+        else:
+            for a, b in zip(got, leaves):
+                torch.testing.assert_close(a, b.grad.cpu(), rtol=8e-3, atol=1e-5)
+
+
+def test_attn_res_blocks_takes_the_kernel_where_it_fits(monkeypatch):
+    """`attn_res_blocks` calls the phase-1 kernel where `use_triton` says so (forced for CPU tensors here), also
+    while torch.compile traces (a graph break), with fp32 queries and tiles that fit; otherwise the PyTorch form."""
+    calls = []
+    kernel = triton_attnres.blocks_triton
+    monkeypatch.setattr(triton_attnres, "blocks_triton", lambda *a: calls.append(1) or kernel(*a))
+    monkeypatch.setattr(attnres, "use_triton", lambda t, compiled=False: compiled)
+    blocks, queries = blocks_case(3, 4, (2, 3), 16, seed=6)
+    blocks, queries = [b.to(DEV) for b in blocks], queries.to(DEV)
+    fast = attnres.attn_res_blocks(blocks, queries)
+    assert calls == [1]
+    compiled = torch.compile(attnres.attn_res_blocks, backend="eager")(blocks, queries)
+    assert calls == [1, 1] and all(torch.equal(a, b) for a, b in zip(fast.mix + fast.lse, compiled.mix + compiled.lse))
+    attnres.attn_res_blocks(blocks, queries.double())
+    monkeypatch.setattr(triton_attnres, "MAX_TILE_ELEMENTS", 16)
+    slow = attnres.attn_res_blocks(blocks, queries)
+    assert calls == [1, 1]
+    for a, b in zip(fast.mix + fast.lse, slow.mix + slow.lse):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

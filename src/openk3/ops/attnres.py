@@ -43,7 +43,16 @@ def attn_res_blocks(blocks: list[torch.Tensor], queries: torch.Tensor, eps: floa
     pseudo-query). One pass over the block sums for all Q queries; each query's row of the result is a tensor of
     its own, so that no query's use makes autograd build a zero-filled [..., Q, D] gradient (as indexing one
     [..., Q, D] result per query would) and, compiled, the backward takes the rows' gradients without a stacked
-    copy."""
+    copy. On CUDA (block sums in 16/32-bit floats, fp32 queries) one Triton pass each way
+    (`ops.triton_attnres.blocks_triton`; inside torch.compile too, as a graph break), where its tiles fit."""
+    if _blocks_take_triton(blocks, queries):
+        return BlockMix(*_blocks_triton(blocks, queries, eps))
+    return attn_res_blocks_reference(blocks, queries, eps)
+
+
+def attn_res_blocks_reference(blocks: list[torch.Tensor], queries: torch.Tensor, eps: float = 1e-5) -> BlockMix:
+    """`attn_res_blocks` in PyTorch's ops (off CUDA, for fp64 and for tiles the kernels do not hold; Inductor
+    compiles it)."""
     v = torch.stack(blocks, dim=-2)  # [..., N, D], the sources' promoted dtype
     vf = v.to(acc_dtype(v.dtype))
     inv_rms = torch.rsqrt(vf.pow(2).mean(-1, keepdim=True) + eps)  # [..., N, 1]: the keys are vf * inv_rms
@@ -58,6 +67,21 @@ def attn_res_blocks(blocks: list[torch.Tensor], queries: torch.Tensor, eps: floa
             mix = tuple(sum(p[..., n, q, None] * vf[..., n, :] for n in range(N)) for q in range(Q))
             return BlockMix(mix, tuple(scores[..., q].logsumexp(-1) for q in range(Q)))
         return BlockMix((p.transpose(-1, -2) @ vf).unbind(-2), scores.logsumexp(-2).unbind(-1))
+
+
+def _blocks_take_triton(blocks: list[torch.Tensor], queries: torch.Tensor) -> bool:
+    if queries.dtype != torch.float32 or not all(use_triton(b, compiled=True) for b in blocks):
+        return False
+    from openk3.ops.triton_attnres import blocks_triton_fits  # triton is an optional dependency
+
+    return blocks_triton_fits(len(blocks), blocks[0].shape[-1])
+
+
+@torch.compiler.disable
+def _blocks_triton(*args) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    from openk3.ops.triton_attnres import blocks_triton  # triton is an optional dependency
+
+    return blocks_triton(*args)
 
 
 def attn_res_merge(mix: torch.Tensor, lse: torch.Tensor, partial: torch.Tensor, query: torch.Tensor,

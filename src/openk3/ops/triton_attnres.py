@@ -1,5 +1,8 @@
-"""Block AttnRes phase 2 (SPEC-K3 §4, `openk3.ops.attnres.attn_res_merge`, the reference) in one Triton pass per
-row. Forward only (`attn_res_merge_triton`): what inference runs (`attn_res_merge` takes it for CUDA tensors when
+"""Block AttnRes in Triton (SPEC-K3 §4): phase 1 (`blocks_triton`, at the end; the reference is
+`openk3.ops.attnres.attn_res_blocks_reference`) and phase 2 (`openk3.ops.attnres.attn_res_merge`, the reference) in
+one pass per row.
+
+Phase 2 forward only (`attn_res_merge_triton`): what inference runs (`attn_res_merge` takes it for CUDA tensors when
 no gradient is wanted); in PyTorch the merge is 13 small operations, two per decoder layer, and a serving prefill
 of a short prompt is bound by launching such operations, not by their arithmetic.
 
@@ -215,3 +218,181 @@ def merge_norm_triton(mix: torch.Tensor, lse: torch.Tensor, partial: torch.Tenso
         return _MergeNorm.apply(mix, lse, partial, None, query, weight, eps, norm_eps, out_dtype), partial
     return _MergeNorm.apply(mix, lse, partial, addend, query, weight, eps, norm_eps, out_dtype)
 
+
+
+# ---- phase 1: every query of an epoch scored against the block sums, forward and backward ---------------------
+#
+# Per row (v_n: block sum n in fp32, r_n = 1 / sqrt(mean(v_n^2) + eps), q: row q of the queries):
+#     s_nq = (v_n . q) r_n,  p_nq = softmax_n(s_nq),  mix_q = sum_n p_nq v_n,  lse_q = logsumexp_n s_nq
+# backward, given g_q = d mix_q and l_q = d lse_q:
+#     dp_nq = g_q . v_n;   ds_nq = p_nq (dp_nq - sum_m p_mq dp_mq) + p_nq l_q
+#     dv_n  = sum_q [ p_nq g_q + ds_nq r_n q - ds_nq (v_n . q) r_n^3 v_n / D ];   dq = sum over rows, n of ds_nq r_n v_n
+# One program per row holds its N block sums (as an [N, D] tile) while it loops over the queries, so each block sum
+# is read once each way and each mix written (forward) and read (backward) once; the block sums and the mixes'
+# gradients come as tuples of tensors (each its own dtype and alignment, which the compiler sees). Backward writes
+# the coefficients ds_nq r_n, and a second kernel sums dq from them and the block sums (read once more) as
+# per-program partials: summed in the row kernel, dq's [Q, D] accumulator had taken the registers that hide the
+# loads' latency (3.2 ms a call at k3-debug's last epoch on an H200, 5x its bytes). Every row vector is a [1, D]
+# tile, in the block tile's layout: as 1-D vectors each one was converted to that layout through shared memory
+# (41 conversions and 113 barriers in the backward; fwd + bwd 2.6 -> 2.0 ms). Register tiles of N x D values:
+# `blocks_triton_fits` bounds them.
+
+MAX_TILE_ELEMENTS = 1 << 14  # per program: the [N, D] block tile and its gradient, in fp32
+BLOCKS_BWD_WARPS: int | None = None  # None: by the row width, as the forward
+DQ_ROW_PROGRAMS, DQ_BLOCK_R, DQ_BLOCK_C = 64, 32, 128  # dq's partial sums: row ranges, and each program's tile
+
+
+def _pad2(n: int) -> int:
+    return max(2, triton.next_power_of_2(n))
+
+
+def blocks_triton_fits(num_blocks: int, dim: int) -> bool:
+    """Whether the phase-1 kernels' register tiles (`MAX_TILE_ELEMENTS`) hold this epoch."""
+    block = triton.next_power_of_2(dim)
+    return 2 * _pad2(num_blocks) * block <= MAX_TILE_ELEMENTS
+
+
+@triton.jit
+def _load_blocks(blocks, offs, m, n_cols, eps, N_PAD: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A row of every block sum as an [N_PAD, BLOCK_D] fp32 tile (rows past the last block zero), and their r_n as
+    [N_PAD, 1]. Every row vector is handled as a [1, BLOCK_D] tile: one layout for all, no conversions between
+    them."""
+    n_idx = tl.arange(0, N_PAD)[:, None]
+    v = tl.zeros([N_PAD, BLOCK_D], dtype=tl.float32)
+    for n in tl.static_range(len(blocks)):
+        vn = tl.load(blocks[n] + offs, mask=m, other=0.0).to(tl.float32)
+        v = tl.where(n_idx == n, vn, v)
+    r = 1.0 / tl.sqrt(tl.sum(v * v, axis=1, keep_dims=True) / n_cols + eps)
+    return v, r, n_idx < len(blocks)
+
+
+@triton.jit
+def _softmax(dot, r, valid):
+    """From the dots [N_PAD, 1] of a query with the block sums: the scores' softmax over the blocks and their
+    logsumexp."""
+    s = tl.where(valid, dot * r, float("-inf"))
+    top = tl.max(s, axis=0, keep_dims=True)
+    e = tl.exp(s - top)
+    z = tl.sum(e, axis=0, keep_dims=True)
+    return e / z, top + tl.log(z)
+
+
+@triton.jit
+def _blocks_fwd_kernel(blocks, q_ptr, mix_ptr, lse_ptr, n_rows, n_cols, eps, Q: tl.constexpr, N_PAD: tl.constexpr,
+                       BLOCK_D: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK_D)[None, :]
+    m = c < n_cols
+    v, r, valid = _load_blocks(blocks, row * n_cols + c, m, n_cols, eps, N_PAD, BLOCK_D)
+    first = tl.arange(0, 1)[:, None]
+    for q in range(Q):
+        qv = tl.load(q_ptr + q * n_cols + c, mask=m, other=0.0)
+        p, lse = _softmax(tl.sum(v * qv, axis=1, keep_dims=True), r, valid)
+        tl.store(mix_ptr + (q * n_rows + row) * n_cols + c, tl.sum(p * v, axis=0, keep_dims=True), mask=m)
+        tl.store(lse_ptr + q * n_rows + row + first, lse)
+
+
+@triton.jit
+def _blocks_bwd_kernel(blocks, dmixes, dblocks, q_ptr, dlse_ptr, coef_ptr, n_rows, n_cols, eps, N_PAD: tl.constexpr,
+                       Q_PAD: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The block sums' gradients of one row, and its coefficients ds_nq r_n of dq (coef [N, rows, Q_PAD])."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK_D)[None, :]
+    m = c < n_cols
+    offs = row * n_cols + c
+    v, r, valid = _load_blocks(blocks, offs, m, n_cols, eps, N_PAD, BLOCK_D)
+    n_idx = tl.arange(0, N_PAD)[:, None]
+    first = tl.arange(0, 1)[:, None]
+    dv = tl.zeros([N_PAD, BLOCK_D], dtype=tl.float32)
+    for q in tl.static_range(len(dmixes)):
+        qv = tl.load(q_ptr + q * n_cols + c, mask=m, other=0.0)
+        g = tl.load(dmixes[q] + offs, mask=m, other=0.0)
+        dot, dp = tl.split(tl.sum(tl.join(v * qv, v * g), axis=1, keep_dims=True))  # one reduction for both
+        p, _ = _softmax(dot, r, valid)
+        dl = tl.load(dlse_ptr + q * n_rows + row + first)
+        ds = p * (dp - tl.sum(p * dp, axis=0, keep_dims=True)) + p * dl
+        dsr = ds * r
+        dv += p * g + dsr * qv - (dsr * dot * r * r / n_cols) * v
+        tl.store(coef_ptr + (n_idx * n_rows + row) * Q_PAD + q, dsr, mask=valid)
+    for n in tl.static_range(len(dblocks)):
+        dvn = tl.sum(tl.where(n_idx == n, dv, 0.0), axis=0, keep_dims=True)
+        tl.store(dblocks[n] + offs, dvn.to(dblocks[n].dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _blocks_dq_kernel(blocks, coef_ptr, dq_part_ptr, n_rows, n_cols, rows_per_prog, Q_PAD: tl.constexpr,
+                      BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """dq's partial sum over one program's rows and columns: sum over rows and n of coef[n, row, q] v_n[row]."""
+    pid_r, pid_c = tl.program_id(0), tl.program_id(1)
+    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    q_idx = tl.arange(0, Q_PAD)
+    acc = tl.zeros([Q_PAD, BLOCK_C], dtype=tl.float32)
+    first = pid_r.to(tl.int64) * rows_per_prog
+    for start in range(0, rows_per_prog, BLOCK_R):
+        rows = first + start + tl.arange(0, BLOCK_R)
+        mr = (rows < n_rows) & (start + tl.arange(0, BLOCK_R) < rows_per_prog)
+        for n in tl.static_range(len(blocks)):
+            v = tl.load(blocks[n] + rows[:, None] * n_cols + cols[None, :],
+                        mask=mr[:, None] & (cols[None, :] < n_cols), other=0.0).to(tl.float32)
+            cf = tl.load(coef_ptr + (n * n_rows + rows[None, :]) * Q_PAD + q_idx[:, None], mask=mr[None, :],
+                         other=0.0)
+            acc = tl.dot(cf, v, acc, input_precision="ieee")
+    tl.store(dq_part_ptr + (pid_r.to(tl.int64) * Q_PAD + q_idx[:, None]) * n_cols + cols[None, :], acc,
+             mask=cols[None, :] < n_cols)
+
+
+class _Blocks(torch.autograd.Function):
+    """Phase 1 (`blocks_triton`): inputs (queries, eps, *blocks), outputs Q mixes then Q lse rows."""
+
+    @staticmethod
+    def forward(ctx, queries, eps, *blocks):
+        shape, D = blocks[0].shape, blocks[0].shape[-1]
+        rows = [b.reshape(-1, D).contiguous() for b in blocks]
+        n_rows, Q = rows[0].shape[0], queries.shape[0]
+        mix = torch.empty(Q, n_rows, D, dtype=torch.float32, device=queries.device)
+        lse = torch.empty(Q, n_rows, dtype=torch.float32, device=queries.device)
+        if n_rows:
+            _blocks_fwd_kernel[(n_rows,)](tuple(rows), queries, mix, lse, n_rows, D, eps, Q=Q, N_PAD=_pad2(len(rows)),
+                                          **_row_block(D))
+        ctx.save_for_backward(queries, *rows)
+        ctx.eps, ctx.shape = eps, shape
+        return (*mix.view(Q, *shape).unbind(0), *lse.view(Q, *shape[:-1]).unbind(0))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        queries, *rows = ctx.saved_tensors
+        n_rows, D = rows[0].shape
+        Q, dev = queries.shape[0], queries.device
+        dmixes = tuple(torch.zeros(n_rows, D, dtype=torch.float32, device=dev) if g is None else _aligned_rows(g, D)
+                       for g in grads[:Q])
+        dlse = torch.stack([torch.zeros(ctx.shape[:-1], device=dev) if g is None else g.float()
+                            for g in grads[Q:]]).reshape(Q, n_rows)
+        dblocks = tuple(torch.empty_like(r) for r in rows)
+        q_pad = max(16, triton.next_power_of_2(Q))  # tl.dot's smallest tile
+        coef = torch.zeros(len(rows), n_rows, q_pad, dtype=torch.float32, device=dev)
+        rows_per_prog = triton.cdiv(triton.cdiv(n_rows, DQ_ROW_PROGRAMS), DQ_BLOCK_R) * DQ_BLOCK_R
+        dq_part = torch.empty(triton.cdiv(n_rows, rows_per_prog) if n_rows else 0, q_pad, D, dtype=torch.float32,
+                              device=dev)
+        if n_rows:
+            _blocks_bwd_kernel[(n_rows,)](tuple(rows), dmixes, dblocks, queries, dlse, coef, n_rows, D, ctx.eps,
+                                          N_PAD=_pad2(len(rows)), Q_PAD=q_pad, **_row_block(D, BLOCKS_BWD_WARPS))
+            _blocks_dq_kernel[(dq_part.shape[0], triton.cdiv(D, DQ_BLOCK_C))](
+                tuple(rows), coef, dq_part, n_rows, D, rows_per_prog, Q_PAD=q_pad, BLOCK_R=DQ_BLOCK_R,
+                BLOCK_C=DQ_BLOCK_C)
+        return (dq_part[:, :Q].sum(0), None, *(d.view(ctx.shape) for d in dblocks))
+
+
+def _aligned_rows(t: torch.Tensor, D: int) -> torch.Tensor:
+    """t as contiguous fp32 rows [n, D] whose start is 16-byte aligned (what the kernels are specialised for)."""
+    rows = t.reshape(-1, D).to(torch.float32).contiguous()
+    return rows if rows.data_ptr() % 16 == 0 else rows.clone()
+
+
+def blocks_triton(blocks: list[torch.Tensor], queries: torch.Tensor,
+                  eps: float) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """`attn_res_blocks`' value and gradients: (the Q mixes [..., D] fp32, the Q lse rows [...] fp32) for block sums
+    of any float dtypes (the fp32 embedding and bf16 partial sums under autocast) and fp32 queries [Q, D]; where
+    `blocks_triton_fits`. The mixes are views of one [Q, ..., D] buffer."""
+    out = _Blocks.apply(queries.contiguous(), eps, *blocks)
+    Q = queries.shape[0]
+    return out[:Q], out[Q:]
