@@ -148,7 +148,6 @@ def test_merge_norm_takes_the_kernel_on_the_fp32_stream(monkeypatch):
     assert calls == [1, 1]
 
 
-
 def blocks_case(N, Q, shape, D, seed, scale=1.0, dtypes=(FP32, BF16)):
     """N block sums (the first in dtypes[0], as the fp32 embedding under autocast; the rest in dtypes[1]) with
     per-block scales from 1 to 1e3 * scale, and Q fp32 queries."""
@@ -200,15 +199,15 @@ def test_blocks_kernel_matches_reference(N, Q, shape, D, scale, dq_programs, mon
 def test_blocks_kernel_with_unused_outputs():
     """Mixes and lse rows that get no gradient (a query whose sublayer did not run backward) count as zeros."""
     blocks, queries = blocks_case(2, 3, (4,), 16, seed=5)
-    for fn in (triton_attnres.blocks_triton, attnres.attn_res_blocks):
+
+    def block_grads(fn):
         leaves = [b.to(DEV).requires_grad_() for b in blocks]
         mix, lse = fn(leaves, queries.to(DEV), 1e-5)
         (mix[1].sum() + lse[2].sum()).backward()
-        if fn is triton_attnres.blocks_triton:
-            got = [b.grad.cpu() for b in leaves]
-        else:
-            for a, b in zip(got, leaves):
-                torch.testing.assert_close(a, b.grad.cpu(), rtol=8e-3, atol=1e-5)
+        return [b.grad.cpu() for b in leaves]
+
+    for a, b in zip(block_grads(triton_attnres.blocks_triton), block_grads(attnres.attn_res_blocks_reference)):
+        torch.testing.assert_close(a, b, rtol=8e-3, atol=1e-5)
 
 
 def test_attn_res_blocks_takes_the_kernel_where_it_fits(monkeypatch):

@@ -219,7 +219,6 @@ def merge_norm_triton(mix: torch.Tensor, lse: torch.Tensor, partial: torch.Tenso
     return _MergeNorm.apply(mix, lse, partial, addend, query, weight, eps, norm_eps, out_dtype)
 
 
-
 # ---- phase 1: every query of an epoch scored against the block sums, forward and backward ---------------------
 #
 # Per row (v_n: block sum n in fp32, r_n = 1 / sqrt(mean(v_n^2) + eps), q: row q of the queries):
@@ -369,7 +368,8 @@ class _Blocks(torch.autograd.Function):
                             for g in grads[Q:]]).reshape(Q, n_rows)
         dblocks = tuple(torch.empty_like(r) for r in rows)
         q_pad = max(16, triton.next_power_of_2(Q))  # tl.dot's smallest tile
-        coef = torch.zeros(len(rows), n_rows, q_pad, dtype=torch.float32, device=dev)
+        # columns q >= Q stay unwritten: they only reach dq's rows q >= Q, which are cut off below
+        coef = torch.empty(len(rows), n_rows, q_pad, dtype=torch.float32, device=dev)
         rows_per_prog = triton.cdiv(triton.cdiv(n_rows, DQ_ROW_PROGRAMS), DQ_BLOCK_R) * DQ_BLOCK_R
         dq_part = torch.empty(triton.cdiv(n_rows, rows_per_prog) if n_rows else 0, q_pad, D, dtype=torch.float32,
                               device=dev)
