@@ -93,6 +93,16 @@ def test_group_by_expert():
     assert idx.reshape(-1)[order].tolist() == [0, 0, 1, 2, 2, 2]
 
 
+@pytest.mark.parametrize("E", [3, 256, 257, 40000])  # the sort's keys: uint8 up to 256 experts, then int16, int64
+def test_group_by_expert_is_a_stable_sort(E):
+    g = torch.Generator().manual_seed(E)
+    idx = torch.randint(0, E, (97, 5), generator=g)
+    idx[0, 0], idx[-1, -1] = 0, E - 1  # the extreme ids
+    order, counts = group_by_expert(idx, E)
+    assert torch.equal(order, torch.argsort(idx.reshape(-1), stable=True))
+    assert torch.equal(counts, torch.bincount(idx.reshape(-1), minlength=E))
+
+
 def test_situ_glu_formula_and_bounds():
     g = torch.linspace(-300, 300, 2001, dtype=torch.float64)
     u = torch.linspace(-400, 400, 2001, dtype=torch.float64).flip(0)

@@ -1,7 +1,8 @@
-"""Sigmoid top-k routing in one Triton pass (`ops.triton_routing`, inference) against `sigmoid_topk_routing`'s
-PyTorch form: weights, indices and scores, with and without the selection bias and renormalisation, k not a power
-of two, k = E, expert counts that are not powers of two, saturated logits; and when `sigmoid_topk_routing` takes
-it. On CPU the kernel runs under TRITON_INTERPRET=1 (tests/conftest.py), its outputs NaN-poisoned."""
+"""Sigmoid top-k routing in one Triton pass (`ops.triton_routing`) against `sigmoid_topk_routing`'s PyTorch form:
+weights, indices and scores, with and without the selection bias and renormalisation, k not a power of two, k = E,
+expert counts that are not powers of two, saturated logits; and how `sigmoid_topk_routing` takes it (all of the
+routing without autograd, the picks with it). On CPU the kernel runs under TRITON_INTERPRET=1 (tests/conftest.py),
+its outputs NaN-poisoned."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ def reference(logits, bias, k, renormalize, scaling, monkeypatch):
 @pytest.mark.parametrize(("N", "E", "k", "with_bias", "renormalize", "scale"), [
     (5, 8, 2, True, True, 1.0), (3, 6, 3, True, False, 1.0), (4, 70, 5, False, True, 1.0), (2, 7, 7, True, True, 1.0),
     (6, 32, 4, True, True, 30.0),  # saturated sigmoids: the bias decides
+    (300, 70, 5, True, True, 1.0), (1000, 8, 3, False, False, 1.0),  # several programs, the last one partial
 ])
 def test_routing_kernel_matches_reference(N, E, k, with_bias, renormalize, scale, monkeypatch):
     g = torch.Generator().manual_seed(N * E + k)
@@ -39,18 +41,30 @@ def test_routing_kernel_matches_reference(N, E, k, with_bias, renormalize, scale
     torch.testing.assert_close(weights, want.weights, rtol=1e-6, atol=1e-7)
 
 
-def test_sigmoid_topk_routing_takes_the_kernel_only_without_autograd(monkeypatch):
-    logits = torch.randn(3, 8, generator=torch.Generator().manual_seed(1)).to(DEV)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_sigmoid_topk_routing_takes_the_kernel_with_and_without_autograd(with_bias, monkeypatch):
+    """Without autograd the kernel does all of the routing; with it only the picks, the weights then come from
+    differentiable scores: the reference's weights and gradients (an odd expert count, k not a power of two)."""
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(7, 11, generator=g).to(DEV)
+    bias = (torch.randn(11, generator=g) * 0.1).to(DEV) if with_bias else None
+    upstream = torch.randn(7, 3, generator=g).to(DEV)
+    want_logits = logits.clone().requires_grad_()
+    want = reference(want_logits, bias, 3, True, 2.5, monkeypatch)
+    (want.weights * upstream).sum().backward()
     calls = []
     kernel = triton_routing.sigmoid_topk_routing_triton
     monkeypatch.setattr(triton_routing, "sigmoid_topk_routing_triton", lambda *a: calls.append(1) or kernel(*a))
     monkeypatch.setattr(moe_ops, "use_triton", lambda t, compiled=False: True)
     with torch.no_grad():
-        fast = moe_ops.sigmoid_topk_routing(logits, None, 2)
-    slow = moe_ops.sigmoid_topk_routing(logits.requires_grad_(), None, 2)
-    assert calls == [1] and slow.weights.requires_grad
-    assert torch.equal(fast.indices, slow.indices)
-    torch.testing.assert_close(fast.weights, slow.weights.detach(), rtol=1e-6, atol=1e-7)
+        fast = moe_ops.sigmoid_topk_routing(logits, bias, 3, scaling=2.5)
+    trained = moe_ops.sigmoid_topk_routing(logits.requires_grad_(), bias, 3, scaling=2.5)
+    (trained.weights * upstream).sum().backward()
+    assert calls == [1, 1] and not fast.weights.requires_grad
+    for got in (fast, trained):
+        assert torch.equal(got.indices, want.indices)
+        torch.testing.assert_close(got.weights, want.weights.detach(), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(logits.grad, want_logits.grad, rtol=1e-6, atol=1e-7)
 
 
 def test_routing_kernel_stays_whole_in_compiled_code(monkeypatch):
