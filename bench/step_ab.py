@@ -1,14 +1,17 @@
 """A/B of the compiled k3 training step across source trees, with the step's kernel time by category.
 
-  python bench/step_ab.py [--tree NAME=DIR ...] [--steps 8] [--kernels 40] [--preset k3-debug]
-                          [--batch-size 8 --seq-len 4096]
+  python bench/step_ab.py [--tree NAME=DIR ...] [--steps 8] [--kernels 40] [--gaps 12] [--host-profile N]
+                          [--preset k3-debug] [--batch-size 8 --seq-len 4096]
 
 CUDA only. For each tree (DIR holds a `src/` with the openk3 package; default: this checkout's, as "main") a
 process of its own builds the k3 model with `compile_blocks`, runs the bf16-autocast AdamW step of
 `bench/train.py gpu` (LM + MTP loss, fresh random batches, the same in every tree: each step's loss is listed),
 times `--steps` steps after 3 warm-up steps (which compile), then profiles one step and sums its kernels by
 category (KDA kernels, the conv, cuBLAS GEMMs, grouped GEMMs, attention, Inductor's kernels, ATen's, the loss
-rows, the optimizer). Trees run one after another on the same GPU and share Inductor's cache, so a variant
+rows, the optimizer), with the GPU's idle time inside that step and its longest gaps between kernels (the GPU
+waiting for the host), and runs one more step under CUDA's sync debug mode to list where the host waited for the
+GPU (file:line, count); `--host-profile N` adds the host's N costliest functions in a forward and a backward
+(cProfile). Trees run one after another on the same GPU and share Inductor's cache, so a variant
 recompiles only the graphs it changed. Prints a table per tree (the `--kernels` heaviest kernels) and the
 comparison last; writes bench/step_ab.json. Use it for the A/B of a change before `bench/train.py gpu` records
 the result: a tree can be a `git worktree` or an exported copy.
@@ -97,20 +100,91 @@ def child(args: argparse.Namespace) -> None:
         step()
         host_ms.append((time.perf_counter() - start) * 1e3)
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:  # no CPU tracing: it would slow the host
         step()
         torch.cuda.synchronize()
     kernels = [(e.key, e.self_device_time_total / 1e3, e.count) for e in prof.key_averages()
                if e.device_type == DeviceType.CUDA]
+    spans = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events() if e.device_type == DeviceType.CUDA]
     row = {"source": str(Path(openk3.__file__).parent), "step_ms": seconds * 1e3, "warmup_s": warmup_s,
            "peak_gib": peak, "host_ms": host_ms, "losses": [float(x) for x in losses],
-           **summarise(kernels, args.kernels)}
+           **summarise(kernels, args.kernels), **idle_gaps(spans, args.gaps), "syncs": host_syncs(step)}
+    if args.host_profile:
+        row["host_profile"] = host_profile(model, batch, opt, args.host_profile)
     print(json.dumps(row))
+
+
+def host_profile(model, batch, opt, top: int) -> dict:
+    """The host's side of one step under cProfile, the forward (with the loss) and the backward apart: the `top`
+    functions by own time, as text."""
+    import cProfile
+    import io
+    import pstats
+
+    import torch
+
+    from openk3.train.loop import lm_losses
+
+    out = {}
+    torch.cuda.synchronize()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        forward = cProfile.Profile()
+        forward.enable()
+        loss, _, _ = lm_losses(model, batch(), mtp_weight=0.3)
+        forward.disable()
+    backward = cProfile.Profile()
+    backward.enable()
+    loss.backward()
+    backward.disable()
+    opt.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    for name, prof in (("forward", forward), ("backward", backward)):
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(top)
+        out[name] = text.getvalue()
+    return out
+
+
+def idle_gaps(spans: list[tuple[float, float, str]], top: int) -> dict:
+    """The GPU's idle time inside the profiled step (its span less the union of its kernels, in ms) and the `top`
+    longest gaps between kernels, with the kernels either side: where the GPU waited for the host."""
+    spans.sort()
+    gaps, busy_until, prev, idle = [], spans[0][1] if spans else 0.0, spans[0][2] if spans else "", 0.0
+    for start, end, name in spans[1:]:
+        if start > busy_until:
+            idle += start - busy_until
+            gaps.append({"ms": (start - busy_until) / 1e3, "after": prev[:90], "before": name[:90]})
+        if end > busy_until:
+            busy_until, prev = end, name
+    gaps.sort(key=lambda g: -g["ms"])
+    return {"idle_ms": idle / 1e3, "gaps": gaps[:top]}
+
+
+def host_syncs(step) -> list[dict]:
+    """One more step under CUDA's sync debug mode: each place (file:line of the Python caller) where the host waited
+    for the GPU, with its count and the first line of the warning."""
+    import warnings
+
+    import torch
+
+    torch.cuda.set_sync_debug_mode("warn")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step()
+    torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    places: dict[str, dict] = {}
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            place = places.setdefault(f"{w.filename}:{w.lineno}", {"count": 0, "message": str(w.message)[:120]})
+            place["count"] += 1
+    return [{"place": k, **v} for k, v in sorted(places.items(), key=lambda kv: -kv[1]["count"])]
 
 
 def run_tree(name: str, tree: Path, args: argparse.Namespace) -> dict:
     env = dict(os.environ, PYTHONPATH=str((tree / "src").resolve()) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, __file__, "--child", "--steps", str(args.steps), "--kernels", str(args.kernels),
+           "--gaps", str(args.gaps), "--host-profile", str(args.host_profile),
            "--preset", args.preset, "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len)]
     start = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -126,6 +200,13 @@ def run_tree(name: str, tree: Path, args: argparse.Namespace) -> dict:
     print("| ms | calls | category | kernel |\n|---|---|---|---|")
     for k in row["top_kernels"]:
         print(f"| {k['ms']:.2f} | {k['calls']} | {k['category']} | {k['kernel'][:110]} |")
+    print(f"  GPU idle in the profiled step: {row['idle_ms']:.2f} ms; longest gaps (ms, after -> before):")
+    for g in row["gaps"]:
+        print(f"    {g['ms']:.3f}  {g['after'][:60]} -> {g['before'][:60]}")
+    for phase, text in row.get("host_profile", {}).items():
+        print(f"  host profile, {phase}:\n{text}")
+    print("  host syncs in one step: " + ("; ".join(f"{s['count']}x {s['place']} ({s['message'][:60]})"
+                                                   for s in row["syncs"]) or "none"))
     sys.stdout.flush()
     return row
 
@@ -136,6 +217,10 @@ def main() -> None:
                         help="a source tree to measure (DIR/src holds openk3); repeatable; default main=.")
     parser.add_argument("--steps", type=int, default=8, help="timed steps per tree (after 3 warm-up steps)")
     parser.add_argument("--kernels", type=int, default=40, help="heaviest kernels to list per tree")
+    parser.add_argument("--gaps", type=int, default=12, help="longest idle gaps between kernels to list per tree")
+    parser.add_argument("--host-profile", type=int, default=0, metavar="N",
+                        help="also profile the host's side of a step (cProfile, forward and backward apart) and "
+                             "list its N costliest functions")
     parser.add_argument("--preset", default="k3-debug")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=4096)
