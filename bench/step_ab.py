@@ -1,7 +1,7 @@
 """A/B of the compiled k3 training step across source trees, with the step's kernel time by category.
 
-  python bench/step_ab.py [--tree NAME=DIR ...] [--steps 8] [--kernels 40] [--gaps 12] [--host-profile N]
-                          [--preset k3-debug] [--batch-size 8 --seq-len 4096]
+  python bench/step_ab.py [--tree NAME=DIR ...] [--compile-mode NAME=MODE ...] [--steps 8] [--kernels 40]
+                          [--gaps 12] [--host-profile N] [--preset k3-debug] [--batch-size 8 --seq-len 4096]
 
 CUDA only. For each tree (DIR holds a `src/` with the openk3 package; default: this checkout's, as "main") a
 process of its own builds the k3 model with `compile_blocks`, runs the bf16-autocast AdamW step of
@@ -11,9 +11,9 @@ category (KDA kernels, the conv, cuBLAS GEMMs, grouped GEMMs, attention, Inducto
 rows, the optimizer), with the GPU's idle time inside that step and its longest gaps between kernels (the GPU
 waiting for the host), and runs one more step under CUDA's sync debug mode to list where the host waited for the
 GPU (file:line, count); `--host-profile N` adds the host's N costliest functions in a forward and a backward
-(cProfile). Trees run one after another on the same GPU and share Inductor's cache, so a variant
-recompiles only the graphs it changed. Prints a table per tree (the `--kernels` heaviest kernels) and the
-comparison last; writes bench/step_ab.json. Use it for the A/B of a change before `bench/train.py gpu` records
+(cProfile); `--compile-mode NAME=MODE` compiles tree NAME's units in that torch.compile mode. Trees run one after
+another on the same GPU and share Inductor's cache, so a variant recompiles only the graphs it changed. Prints a
+table per tree (the `--kernels` heaviest kernels) and the comparison last; writes bench/step_ab.json. Use it for the A/B of a change before `bench/train.py gpu` records
 the result: a tree can be a `git worktree` or an exported copy.
 """
 
@@ -80,7 +80,7 @@ def child(args: argparse.Namespace) -> None:
 
     from openk3.train.loop import lm_losses
 
-    model, opt = train.build_k3(cfg, "compile", "adamw")
+    model, opt = train.build_k3(cfg, "compile", "adamw", **({"mode": args.mode} if args.mode else {}))
     losses = []  # every step's loss, read after the timing (the same seed and batches in every tree)
 
     def step():
@@ -181,10 +181,10 @@ def host_syncs(step) -> list[dict]:
     return [{"place": k, **v} for k, v in sorted(places.items(), key=lambda kv: -kv[1]["count"])]
 
 
-def run_tree(name: str, tree: Path, args: argparse.Namespace) -> dict:
+def run_tree(name: str, tree: Path, args: argparse.Namespace, modes: dict[str, str]) -> dict:
     env = dict(os.environ, PYTHONPATH=str((tree / "src").resolve()) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, __file__, "--child", "--steps", str(args.steps), "--kernels", str(args.kernels),
-           "--gaps", str(args.gaps), "--host-profile", str(args.host_profile),
+           "--gaps", str(args.gaps), "--host-profile", str(args.host_profile), "--mode", modes.get(name, ""),
            "--preset", args.preset, "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len)]
     start = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -221,6 +221,10 @@ def main() -> None:
     parser.add_argument("--host-profile", type=int, default=0, metavar="N",
                         help="also profile the host's side of a step (cProfile, forward and backward apart) and "
                              "list its N costliest functions")
+    parser.add_argument("--compile-mode", action="append", default=[], metavar="NAME=MODE",
+                        help="torch.compile's mode for tree NAME (e.g. reduce-overhead: CUDA graphs); repeatable. "
+                             "The same DIR may appear as two trees with different modes")
+    parser.add_argument("--mode", default="", help=argparse.SUPPRESS)  # the child's
     parser.add_argument("--preset", default="k3-debug")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=4096)
@@ -229,6 +233,10 @@ def main() -> None:
     if args.child:
         return child(args)
     trees = [t.split("=", 1) for t in args.tree] or [["main", str(HERE.parent)]]
+    modes = dict(m.split("=", 1) for m in args.compile_mode)
+    unknown = sorted(set(modes) - {name for name, _ in trees})
+    if unknown:
+        raise SystemExit(f"--compile-mode names no --tree: {', '.join(unknown)}")
     for name, tree in trees:
         if not (Path(tree) / "src" / "openk3").is_dir():
             raise SystemExit(f"--tree {name}={tree}: no src/openk3 there")
@@ -236,7 +244,7 @@ def main() -> None:
 
     if not torch.cuda.is_available():
         raise SystemExit("bench/step_ab.py needs a CUDA device")
-    rows = [run_tree(name, Path(tree), args) for name, tree in trees]
+    rows = [run_tree(name, Path(tree), args, modes) for name, tree in trees]
     cats = sorted({c for r in rows for c in r.get("by_category", {})})
     print("\n| tree | step (ms) | kernels (ms) | peak (GiB) | " + " | ".join(cats) + " |")
     print("|---" * (4 + len(cats)) + "|")

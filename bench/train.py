@@ -171,14 +171,15 @@ K3_VARIANTS = {  # variant -> (activation checkpointing, compile_blocks)
 }
 
 
-def build_k3(cfg: ModelConfig, variant: str, optimizer: str):
+def build_k3(cfg: ModelConfig, variant: str, optimizer: str, **compile_options):
+    """The k3 model and optimizer of a variant; `compile_options` go to `compile_blocks` (e.g. mode)."""
     torch.manual_seed(0)
     model = K3ForCausalLM(cfg).to(DEVICE)
     checkpointing, compiled = K3_VARIANTS[variant]
     if checkpointing:
         enable_activation_checkpointing(model)
     if compiled:
-        compile_blocks(model)
+        compile_blocks(model, **compile_options)
     return model, build_optimizer(model, lr=1e-4, weight_decay=0.1, optimizer=optimizer)
 
 

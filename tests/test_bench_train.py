@@ -129,3 +129,39 @@ def test_train_parts_counts_what_a_forward_runs(monkeypatch):
     monkeypatch.setattr(RMSNorm, "add_forward", counted_add_forward)
     lm_losses(model, torch.randint(0, cfg.vocab_size, (1, 9)), mtp_weight=0.3)
     assert counts == dict(calls) and set(units) == set(counts)
+
+
+def load_step_ab():
+    spec = importlib.util.spec_from_file_location("bench_step_ab", BENCH.parent / "step_ab.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_step_ab_idle_gaps_against_a_timeline():
+    """The GPU's idle time and gaps from kernel spans that overlap, nest and leave holes: against a microsecond
+    timeline of busy marks, on random spans; the gaps longest first, each naming the kernels either side."""
+    idle_gaps = load_step_ab().idle_gaps
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        starts = torch.randint(0, 400, (12,), generator=g).tolist()
+        spans = [(float(s), float(s + torch.randint(1, 40, (1,), generator=g).item()), f"k{i}")
+                 for i, s in enumerate(starts)]
+        busy = torch.zeros(500, dtype=torch.bool)
+        for start, end, _ in spans:
+            busy[int(start):int(end)] = True
+        first, last = int(min(s for s, _, _ in spans)), int(max(e for _, e, _ in spans))
+        got = idle_gaps(list(spans), top=100)
+        assert abs(got["idle_ms"] * 1e3 - (~busy[first:last]).sum().item()) < 1e-9
+        holes = sum(1 for t in range(first + 1, last) if not busy[t] and busy[t - 1])
+        assert len(got["gaps"]) == holes
+        assert [x["ms"] for x in got["gaps"]] == sorted((x["ms"] for x in got["gaps"]), reverse=True)
+        assert abs(sum(x["ms"] for x in got["gaps"]) - got["idle_ms"]) < 1e-12
+    assert idle_gaps([(0.0, 10.0, "a"), (2.0, 4.0, "b"), (15.0, 20.0, "c")], top=5)["gaps"] == [
+        {"ms": 0.005, "after": "a", "before": "c"}]  # the kernel before a gap is the one that ended last
+
+
+def test_step_ab_compile_mode_must_name_a_tree():
+    run = subprocess.run([sys.executable, str(BENCH.parent / "step_ab.py"), "--tree", "a=.", "--compile-mode",
+                          "b=reduce-overhead"], capture_output=True, text=True)
+    assert run.returncode != 0 and run.stderr.strip().splitlines()[-1] == "--compile-mode names no --tree: b"
