@@ -13,8 +13,8 @@ waiting for the host), and runs one more step under CUDA's sync debug mode to li
 GPU (file:line, count); `--host-profile N` adds the host's N costliest functions in a forward and a backward
 (cProfile); `--compile-mode NAME=MODE` compiles tree NAME's units in that torch.compile mode. Trees run one after
 another on the same GPU and share Inductor's cache, so a variant recompiles only the graphs it changed. Prints a
-table per tree (the `--kernels` heaviest kernels) and the comparison last; writes bench/step_ab.json. Use it for the A/B of a change before `bench/train.py gpu` records
-the result: a tree can be a `git worktree` or an exported copy.
+table per tree (the `--kernels` heaviest kernels) and the comparison last; writes bench/step_ab.json. Use it for the
+A/B of a change before `bench/train.py gpu` records the result: a tree can be a `git worktree` or an exported copy.
 """
 
 from __future__ import annotations
