@@ -1,6 +1,6 @@
-"""Sigmoid top-k routing (SPEC-K3 §5, `openk3.ops.moe.sigmoid_topk_routing`, the reference) in one Triton pass per
-token, forward only: what inference runs on a GPU (eight small PyTorch operations per MoE layer otherwise), and in
-training the picks (whose top-k would otherwise take two sort kernels a layer).
+"""Sigmoid top-k routing (SPEC-K3 §5, `openk3.ops.moe.sigmoid_topk_routing`, the reference) in one Triton pass over a
+tile of tokens, forward only: what inference runs on a GPU (eight small PyTorch operations per MoE layer otherwise),
+and in training the picks (whose top-k would otherwise take two sort kernels a layer).
 
     s = sigmoid(logits)        the k experts of the largest s + bias (the selection bias: Quantile Balancing's)
     w_j = s[e_j] / (sum_j s[e_j] + 1e-20) * scaling       (without renormalisation: s[e_j] * scaling)
