@@ -14,10 +14,12 @@ against 4.05 at B8 T4096 H8 on an H200).
 Everything else is token-parallel, one program per chunk and head with all of V, so nothing is summed across
 programs (T = (I + A)^-1, W = T Diag(beta) Kd, U = T Diag(beta) V, A = StrictTril(Diag(beta) Kd Ki^T),
 Aqk = Tril(Qd Ki^T), kg = Ki e^G_C, gc = e^G_C). The forward's state pass saved pv = U - W S
-(= T Diag(beta) (V - Kd S)), so the only products with the states are those of the gradients:
+(= T Diag(beta) (V - Kd S)), and its prepare kernel P = Kd Ki^T, T and the rows' inverse norms (136 bytes a
+token and head; forming P over K and inverting again had been the first of this kernel's two passes over the
+channels), so the only products with the states are those of the gradients:
 
     dQd = dO S^T + dAqk Ki,  dAqk = Tril(dO pv^T),  dkg = pv dS'^T,  dW = -dpv S^T,  dgc = rowsum(S ⊙ dS')
-    dT = dW (beta Kd)^T + dU (beta V)^T = dpv (V - Kd S)^T Diag(beta) = dpv ((I + A) pv)^T
+    dT = dW (beta Kd)^T + dU (beta V)^T = dpv (V - Kd S)^T Diag(beta) = dpv ((I + A) pv)^T;  T^T dW = -(T^T dpv) S^T
     dA = -T^T dT T^T (strictly lower)
     each product x_i y_j e^(G_i - G_j) gives dG_i += x_i dx_i and dG_j -= y_j dy_j; dg = reverse cumsum of dG
     (plus kg's and gc's terms, which depend on G_C: see the kernel)
@@ -45,7 +47,6 @@ from openk3.ops.kda.triton.chunk_fwd import (
     _pow2,
     _store_rows,
     dot_dtype,
-    inverse_norm,
     load_beta,
     load_slice,
     pair_factors,
@@ -53,7 +54,6 @@ from openk3.ops.kda.triton.chunk_fwd import (
     scheduled_chunk,
     slice_width,
     state_block,
-    wy_inverse,
 )
 from openk3.ops.kda.triton.layout import CHUNK, ChunkLayout
 
@@ -130,9 +130,9 @@ def _load_state_rows(hs, c, h, H, K: tl.constexpr, V: tl.constexpr, BS: tl.const
 
 
 @triton.jit
-def _intra_bwd_kernel(q, k, v, g, beta, A_log, dt_bias, sched, hs, pvs, dhs, do, dU, dq, dk, dv, dg, dbeta, scale,
-                      H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BV: tl.constexpr,
-                      PREC: tl.constexpr, DT: tl.constexpr,
+def _intra_bwd_kernel(q, k, v, g, beta, A_log, dt_bias, sched, hs, pvs, dhs, PT, RN, do, dU, dq, dk, dv, dg, dbeta,
+                      scale, H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
+                      BV: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr,
                       ACT: tl.constexpr, G_MIN: tl.constexpr, G_FLOOR: tl.constexpr, HIER: tl.constexpr):
     """Back-propagates one chunk's terms, BS channels of K at a time and all of V (the module docstring)."""
     c, h, t0, t1 = scheduled_chunk(sched, H)
@@ -142,31 +142,20 @@ def _intra_bwd_kernel(q, k, v, g, beta, A_log, dt_bias, sched, hs, pvs, dhs, do,
     j = tl.arange(0, BT)[None, :]
     dt = DT
     b = load_beta(beta, rows, rmask, h, H, ACT)
+    # the forward's P = Kd Ki^T (rescaled), T = (I + A)^-1 and inverse row norms (chunk_fwd.pair_terms)
+    pair = (c * H + h).to(tl.int64) * 2 * BT * BT + i * BT + j
+    P = tl.load(PT + pair)
+    Tm = tl.load(PT + pair + BT * BT)
+    rq = tl.load(RN + (rows * H + h) * 2, mask=rmask, other=0.0)
+    rk = tl.load(RN + (rows * H + h) * 2 + 1, mask=rmask, other=0.0)
     dpv = _load_rows(dU, rows, rmask, H, h, V, BV)
     dout = _load_rows(do, rows, rmask, H, h, V, BV)
     vv = _load_rows(v, rows, rmask, H, h, V, BV)
     pv = _load_rows(pvs, rows, rmask, H, h, V, BV)  # U - W S, as the forward's state pass formed it
-    # pass 1: P = Kd Ki^T over the K slices (raw k under ACT; rolled loop, as in the prepare kernel)
-    P = tl.zeros([BT, BT], dtype=tl.float32)
-    sq_q = tl.zeros([BT], dtype=tl.float32)
-    sq_k = tl.zeros([BT], dtype=tl.float32)
-    for c0 in range(0, K, BS):
-        qq, kk, gg, G, GC, _ = load_slice(q, k, g, A_log, dt_bias, rows, rmask, h, H, K, BT, BS, c0, ACT, G_MIN,
-                                          G_FLOOR)
-        for lv in tl.static_range(4 if HIER else 1):
-            fi, fj, pairs = pair_factors(gg, G, lv, i, j, BT, BS, HIER)
-            P += tl.where(pairs, tl.dot(kk * fi, tl.trans(kk * fj), input_precision=PREC), 0.0)
-        if ACT != 0:
-            sq_q += tl.sum(qq * qq, axis=1)
-            sq_k += tl.sum(kk * kk, axis=1)
-    rq = inverse_norm(sq_q, ACT)
-    rk = inverse_norm(sq_k, ACT)
-    P = P * rk[:, None] * rk[None, :]
     # dT = dW (beta Kd)^T + dU (beta V)^T with dW = -dpv S^T and dU = dpv: dpv (V - Kd S)^T Diag(beta), where
     # Diag(beta) (V - Kd S) = (I + A) pv since pv = T Diag(beta) (V - Kd S)
     IA = tl.where(i > j, P * b[:, None], tl.where(i == j, 1.0, 0.0))
     dT = tl.dot(dpv, tl.trans(tl.dot(IA, pv, input_precision=PREC)), input_precision=PREC)
-    Tm = wy_inverse(P, b, i, j, PREC)
     Tt = tl.trans(Tm)
     # T = (I + A)^-1  =>  dA = -T^T dT T^T, kept where A lives (strictly lower); A = Diag(beta) P
     dA = tl.where(i > j, -tl.dot(tl.dot(Tt, dT, input_precision=PREC), Tt, input_precision=PREC), 0.0)
@@ -178,13 +167,13 @@ def _intra_bwd_kernel(q, k, v, g, beta, A_log, dt_bias, sched, hs, pvs, dhs, do,
     # takes an exact path of its own and the products see the strictly lower part only
     dAqk = tl.where(i > j, tl.dot(dout, tl.trans(pv), input_precision=PREC), 0.0)
     dAqk_diag = tl.sum(dout * pv, axis=1)
-    # the V side first, so only 16-bit copies of the [BT, V] tiles stay live through pass 2
+    # the V side first, so only 16-bit copies of the [BT, V] tiles stay live through the channel pass
     dVb = tl.dot(Tt, dpv, input_precision=PREC)
     dbeta_acc += tl.sum(dVb * vv, axis=1)
     _store_rows(dv, dVb * b[:, None], rows, rmask, H, h, V, BV)
-    pvd, dpvd, doutd = pv.to(dt), dpv.to(dt), dout.to(dt)
-    # pass 2: per-channel gradients. The one-sided terms (the state's Qd S and kg, W's Kd) are anchored at the
-    # chunk start; the pair terms take pair_factors' anchors. Each pair x_ij adds x_ij to dG_i, -x_ij to dG_j.
+    pvd, dVbd, doutd = pv.to(dt), dVb.to(dt), dout.to(dt)
+    # per-channel gradients. The one-sided terms (the state's Qd S and kg, W's Kd) are anchored at the chunk
+    # start; the pair terms take pair_factors' anchors. Each pair x_ij adds x_ij to dG_i, -x_ij to dG_j.
     for c0 in range(0, K, BS):
         qq, kk, gg, G, GC, clamped = load_slice(q, k, g, A_log, dt_bias, rows, rmask, h, H, K, BT, BS, c0, ACT,
                                                 G_MIN, G_FLOOR)
@@ -196,7 +185,7 @@ def _intra_bwd_kernel(q, k, v, g, beta, A_log, dt_bias, sched, hs, pvs, dhs, do,
         Kd = kk * eG
         Qd = qs * eG
         St = tl.trans(S)
-        dWb = tl.dot(Tt, -tl.dot(dpvd, St, input_precision=PREC), input_precision=PREC)
+        dWb = -tl.dot(dVbd, St, input_precision=PREC)  # T^T dW = -(T^T dpv) S^T
         dbeta_acc += tl.sum(dWb * Kd, axis=1)
         dKd = dWb * b[:, None]
         dQd = tl.dot(doutd, St, input_precision=PREC)
@@ -248,8 +237,9 @@ def reverse_pass(terms, do, dht, has_h0, lay: ChunkLayout, BV: int, dtype):
     return dU, dhs, dh0
 
 
-def intra_backward(q, k, v, g, beta, scale, hs, pvs, dhs, do, dU, lay: ChunkLayout, gate: GateSpec):
-    """The token-parallel backward through each chunk's own terms; returns dq, dk, dv, dg, dbeta."""
+def intra_backward(q, k, v, g, beta, scale, hs, pvs, dhs, pairs, do, dU, lay: ChunkLayout, gate: GateSpec):
+    """The token-parallel backward through each chunk's own terms (`pairs`: the forward's, chunk_fwd.pair_terms);
+    returns dq, dk, dv, dg, dbeta."""
     T, H, K = q.shape
     V = v.shape[-1]
     dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))
@@ -257,19 +247,20 @@ def intra_backward(q, k, v, g, beta, scale, hs, pvs, dhs, do, dU, lay: ChunkLayo
     dbeta = torch.empty_like(beta)
     if lay.n_chunks:
         _intra_bwd_kernel[(lay.n_chunks * H,)](
-            q, k, v, g, beta, sched=lay.schedule, hs=hs, pvs=pvs, dhs=dhs, do=do, dU=dU, dq=dq, dk=dk, dv=dv, dg=dg,
-            dbeta=dbeta, scale=scale, H=H, K=K, V=V, BT=CHUNK, BS=slice_width(K, V), BV=_pow2(V),
-            PREC=precision(q.dtype), DT=dot_dtype(q.dtype, q.device),
+            q, k, v, g, beta, sched=lay.schedule, hs=hs, pvs=pvs, dhs=dhs, PT=pairs[0], RN=pairs[1], do=do, dU=dU,
+            dq=dq, dk=dk, dv=dv, dg=dg, dbeta=dbeta, scale=scale, H=H, K=K, V=V, BT=CHUNK, BS=slice_width(K, V),
+            BV=_pow2(V), PREC=precision(q.dtype), DT=dot_dtype(q.dtype, q.device),
             num_warps=WARPS["intra_bwd"], **gate.kernel_args(q))
     return dq, dk, dv, dg, dbeta
 
 
 def chunk_kda_bwd(q, k, v, g, beta, scale, saved, do, dht, has_h0, lay: ChunkLayout, gate: GateSpec):
     """Flat [T,H,*] backward from what the forward saved (chunk_kda_fwd): the per-chunk states, the
-    pseudo-values and the chunk terms W, Qd, kg, Aqk, gc. Returns dq, dk, dv, dg (fp32 with fused activations),
-    dbeta, dh0; with fused activations the gradients are with respect to the activated q, k, g and beta."""
-    hs, pvs, W, QG, KG, AQK, GC = saved
+    pseudo-values, the chunk terms W, Qd, kg, Aqk, gc and the pair terms P, T and the inverse norms. Returns dq,
+    dk, dv, dg (fp32 with fused activations), dbeta, dh0; with fused activations the gradients are with respect
+    to the activated q, k, g and beta."""
+    hs, pvs, W, QG, KG, AQK, GC, *pairs = saved
     H, V = q.shape[1], v.shape[-1]
     BV = state_block(lay.n_seqs, H, V)  # as the forward's pass (same chains, same trade-off)
     dU, dhs, dh0 = reverse_pass((W, None, QG, KG, AQK, GC), do, dht, has_h0, lay, BV, q.dtype)
-    return (*intra_backward(q, k, v, g, beta, scale, hs, pvs, dhs, do, dU, lay, gate), dh0)
+    return (*intra_backward(q, k, v, g, beta, scale, hs, pvs, dhs, pairs, do, dU, lay, gate), dh0)

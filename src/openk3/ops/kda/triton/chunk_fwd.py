@@ -155,14 +155,15 @@ def scheduled_chunk(sched, H):
 
 
 @triton.jit
-def _prepare_kernel(q, k, v, g, beta, A_log, dt_bias, sched, W, U, QG, KG, AQK, GCX, scale,
+def _prepare_kernel(q, k, v, g, beta, A_log, dt_bias, sched, W, U, QG, KG, AQK, GCX, PT, RN, scale,
                     H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                     BS: tl.constexpr, PREC: tl.constexpr,
                     ACT: tl.constexpr, G_MIN: tl.constexpr, G_FLOOR: tl.constexpr, HIER: tl.constexpr,
-                    STORE_U: tl.constexpr, WITH_Q: tl.constexpr):
+                    STORE_U: tl.constexpr, WITH_Q: tl.constexpr, STORE_PAIRS: tl.constexpr):
     """The state-independent terms of one chunk, BS channels at a time: everything is per channel except
     the two products over K (accumulated) and T, so slices keep the register tiles small. Without WITH_Q the
-    q-side terms (Aqk, Qd: only the outputs need them) are neither computed nor stored, and q is not read."""
+    q-side terms (Aqk, Qd: only the outputs need them) are neither computed nor stored, and q is not read. With
+    STORE_PAIRS, P and T go to PT and the rows' inverse norms to RN (`pair_terms`: the backward's)."""
     c, h, t0, t1 = scheduled_chunk(sched, H)
     rows = t0 + tl.arange(0, BT)
     rmask = rows < t1
@@ -197,7 +198,14 @@ def _prepare_kernel(q, k, v, g, beta, A_log, dt_bias, sched, W, U, QG, KG, AQK, 
     if WITH_Q:
         Aqk = (Aqk + tl.where(i == j, qk[:, None], 0.0)) * (scale * rq)[:, None] * rk[None, :]
         _store_rows(AQK, Aqk, rows, rmask, H, h, BT, BT)
-    Tb = wy_inverse(P, b, i, j, PREC) * b[None, :]  # T Diag(beta)
+    Tm = wy_inverse(P, b, i, j, PREC)
+    if STORE_PAIRS:
+        pair = (c * H + h).to(tl.int64) * 2 * BT * BT + i * BT + j
+        tl.store(PT + pair, P)
+        tl.store(PT + pair + BT * BT, Tm)
+        tl.store(RN + (rows * H + h) * 2, rq, mask=rmask)
+        tl.store(RN + (rows * H + h) * 2 + 1, rk, mask=rmask)
+    Tb = Tm * b[None, :]  # T Diag(beta)
     # pass 2 reloads each slice (cache hits) and writes its terms
     for c0 in range(0, K, BS):
         qq, kk, _, G, GC, _ = load_slice(q, k, g, A_log, dt_bias, rows, rmask, h, H, K, BT, BS, c0, ACT, G_MIN,
@@ -353,19 +361,33 @@ def chunk_terms(q, v, n_chunks: int, with_u=True, with_q=True):
     return W, U, QG, KG, AQK, GC
 
 
-def prepare(q, k, v, g, beta, scale: float, lay: ChunkLayout, gate: GateSpec, with_u=True, with_q=True):
+def pair_terms(q, n_chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty buffers for what the prepare kernel hands the backward beside the chunk terms (`prepare`'s
+    `pairs`): PT [n_chunks, H, 2, BT, BT] fp32, each chunk's P = Kd Ki^T (rescaled, strictly lower) and T =
+    (I + A)^-1, and RN [T, H, 2] fp32, the inverse norms of q's and k's rows (1 without fused activations). The
+    intra backward reads them instead of forming P over K and inverting again: 136 bytes a token and head."""
+    T, H, _ = q.shape
+    return (torch.empty(max(n_chunks, 1), H, 2, CHUNK, CHUNK, dtype=torch.float32, device=q.device),
+            torch.empty(T, H, 2, dtype=torch.float32, device=q.device))
+
+
+def prepare(q, k, v, g, beta, scale: float, lay: ChunkLayout, gate: GateSpec, with_u=True, with_q=True,
+            pairs: tuple[torch.Tensor, torch.Tensor] | None = None):
     """The prepare kernel on flat [T,H,*] inputs; returns (W, U, QG, KG, AQK, GC), U None without `with_u`, QG
-    and AQK None without `with_q` (q then unread: pass k)."""
+    and AQK None without `with_q` (q then unread: pass k). `pairs` (`pair_terms`' buffers) are filled too when
+    given."""
     terms = chunk_terms(q, v, lay.n_chunks, with_u, with_q)
     T, H, K = q.shape
     V = v.shape[-1]
     W, U, QG, KG, AQK, GC = terms
+    PT, RN = pairs if pairs is not None else (GC, GC)
     if lay.n_chunks:
         _prepare_kernel[(lay.n_chunks * H,)](
             q, k, v, g, beta, sched=lay.schedule, W=W, U=W if U is None else U, QG=W if QG is None else QG,
-            KG=KG, AQK=W if AQK is None else AQK, GCX=GC, scale=scale, H=H, K=K, V=V, BT=CHUNK,
+            KG=KG, AQK=W if AQK is None else AQK, GCX=GC, PT=PT, RN=RN, scale=scale, H=H, K=K, V=V, BT=CHUNK,
             BS=slice_width(K, V), PREC=precision(q.dtype), STORE_U=U is not None, WITH_Q=QG is not None,
-            num_warps=WARPS["prepare"], maxnreg=PREPARE_MAX_REGISTERS, **gate.kernel_args(q))
+            STORE_PAIRS=pairs is not None, num_warps=WARPS["prepare"], maxnreg=PREPARE_MAX_REGISTERS,
+            **gate.kernel_args(q))
     return terms
 
 
@@ -405,15 +427,17 @@ def state_pass(terms, v, dtype, initial_state, output_final_state, lay: ChunkLay
 def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, lay: ChunkLayout, save_states,
                   gate: GateSpec, checkpoints: tuple[torch.Tensor, int] | None = None):
     """Flat [T,H,*] forward: the prepare kernel, then the state pass. Returns o (v's dtype), final state (fp32 or
-    None), with `save_states` what the backward reads (hs, pvs, W, QG, KG, AQK, GC: the per-chunk states, the
-    pseudo-values and the chunk terms but U; else None) and the checkpoint states (`state_pass`). With fused
-    activations in `gate`, g and beta are the gate and beta logits and q, k are not yet normalised."""
-    terms = prepare(q, k, v, g, beta, scale, lay, gate)
+    None), with `save_states` what the backward reads (hs, pvs, W, QG, KG, AQK, GC, PT, RN: the per-chunk
+    states, the pseudo-values, the chunk terms but U and the pair terms, `pair_terms`; else None) and the
+    checkpoint states (`state_pass`). With fused activations in `gate`, g and beta are the gate and beta logits
+    and q, k are not yet normalised."""
+    pairs = pair_terms(q, lay.n_chunks) if save_states else None
+    terms = prepare(q, k, v, g, beta, scale, lay, gate, pairs=pairs)
     o, ht, saved, ckpt = state_pass(terms, v, q.dtype, initial_state, output_final_state, lay, save_states,
                                     checkpoints)
-    if saved is not None:  # the backward's reverse pass reads the chunk terms but U
+    if saved is not None:  # the backward's reverse pass reads the chunk terms but U, its intra pass the pairs
         W, _, QG, KG, AQK, GC = terms
-        saved = (*saved, W, QG, KG, AQK, GC)
+        saved = (*saved, W, QG, KG, AQK, GC, *pairs)
     return o, ht, saved, ckpt
 
 
