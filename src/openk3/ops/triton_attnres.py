@@ -193,17 +193,17 @@ class _MergeNorm(torch.autograd.Function):
         da = torch.empty(n_rows, D, dtype=addend_dtype, device=pnew.device) if has_add else None
         dmix = torch.empty(n_rows, D, dtype=torch.float32, device=pnew.device)
         dlse = torch.empty(n_rows, dtype=torch.float32, device=pnew.device)
-        dw_part = torch.empty(programs, D, dtype=torch.float32, device=pnew.device)
-        dq_part = torch.empty(programs, D, dtype=torch.float32, device=pnew.device)
+        parts = torch.empty(2, programs, D, dtype=torch.float32, device=pnew.device)  # dweight's and dq's
         if n_rows:
             dx2 = dx.reshape(n_rows, D).contiguous()
             dpo2 = dpo.reshape(n_rows, D).contiguous() if dpo is not None else None
             _merge_norm_bwd_kernel[(programs,)](pnew, mix2, query, weight, stats, dx2,
                                                 dpo2 if dpo2 is not None else dp, dp, da if has_add else dp, dmix,
-                                                dlse, dw_part, dq_part, n_rows, D, mix2.stride(0), rows_per_prog,
+                                                dlse, parts[0], parts[1], n_rows, D, mix2.stride(0), rows_per_prog,
                                                 HAS_DPO=dpo2 is not None, HAS_ADD=has_add, **_row_block(D, BWD_WARPS))
+        dweight, dq = parts.sum(1)  # one reduction for both
         return (dmix.view(mix_shape), dlse.view(lse_shape), dp.view(shape), da.view(shape) if has_add else None,
-                dq_part.sum(0), dw_part.sum(0), None, None, None)
+                dq, dweight, None, None, None)
 
 
 def merge_norm_triton(mix: torch.Tensor, lse: torch.Tensor, partial: torch.Tensor, addend: torch.Tensor | None,
