@@ -236,11 +236,11 @@ def stages(name, B, T, H, cu, tune=False):
     lay = chunk_layout(B, T, cu_t, "cuda")
     scale = K**-0.5
     saved = chunk_fwd.chunk_kda_fwd(q, k, v, g, beta, scale, None, False, lay, save_states=True, gate=gate)[2]
-    hs, pvs, *terms = saved
+    hs, pvs, W, *terms, PT, RN = saved
     do = torch.randn_like(v)
-    rev = lambda bv=32: chunk_bwd.reverse_pass((terms[0], None, *terms[1:]), do, None, False, lay, bv, q.dtype)
+    rev = lambda bv=32: chunk_bwd.reverse_pass((W, None, *terms), do, None, False, lay, bv, q.dtype)
     dU, dhs, _ = rev()
-    intra = lambda *xs, act=gate: chunk_bwd.intra_backward(*xs, scale, hs, pvs, dhs, do, dU, lay, act)
+    intra = lambda *xs, act=gate: chunk_bwd.intra_backward(*xs, scale, hs, pvs, dhs, (PT, RN), do, dU, lay, act)
     bwd = lambda: chunk_bwd.chunk_kda_bwd(q, k, v, g, beta, scale, saved, do, None, False, lay, gate)
     fwd = lambda *xs, act=gate, save=False: chunk_fwd.chunk_kda_fwd(*xs, scale, None, False, lay, save, act)
     row = {"shape": name,
@@ -297,8 +297,8 @@ def decode_variants(N, H):
     o, g = torch.empty_like(v), -g.abs()
     for BV, nw in ((64, 4), (64, 2), (32, 4)):
         t = ms(lambda BV=BV, nw=nw: decode._kda_decode_kernel[(N, H, V // BV)](
-            q, k, v, g, beta, pool, slots, o, None, K**-0.5, H=H, K=K, V=V, T=1, BK=K, BV=BV, SAVE_STATES=False,
-            num_warps=nw))
+            q, k, v, g, beta, pool, slots, o, None, None, K**-0.5, H=H, K=K, V=V, T=1, BK=K, BV=BV,
+            SAVE_STATES=False, HAS_NUM_TOKENS=False, num_warps=nw))
         print(f"decode N={N} BV={BV} warps={nw}: {t:.4f} ms {2 * N * H * K * V * 4 / t / 1e9:.2f} TB/s", flush=True)
 
 

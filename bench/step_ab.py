@@ -1,7 +1,8 @@
 """A/B of the compiled k3 training step across source trees, with the step's kernel time by category.
 
   python bench/step_ab.py [--tree NAME=DIR ...] [--compile-mode NAME=MODE ...] [--steps 8] [--kernels 40]
-                          [--gaps 12] [--host-profile N] [--preset k3-debug] [--batch-size 8 --seq-len 4096]
+                          [--gaps 12] [--host-profile N] [--launches N] [--preset k3-debug]
+                          [--batch-size 8 --seq-len 4096]
 
 CUDA only. For each tree (DIR holds a `src/` with the openk3 package; default: this checkout's, as "main") a
 process of its own builds the k3 model with `compile_blocks`, runs the bf16-autocast AdamW step of
@@ -11,10 +12,12 @@ category (KDA kernels, the conv, cuBLAS GEMMs, grouped GEMMs, attention, Inducto
 rows, the optimizer), with the GPU's idle time inside that step and its longest gaps between kernels (the GPU
 waiting for the host), and runs one more step under CUDA's sync debug mode to list where the host waited for the
 GPU (file:line, count); `--host-profile N` adds the host's N costliest functions in a forward and a backward
-(cProfile); `--compile-mode NAME=MODE` compiles tree NAME's units in that torch.compile mode. Trees run one after
-another on the same GPU and share Inductor's cache, so a variant recompiles only the graphs it changed. Prints a
-table per tree (the `--kernels` heaviest kernels) and the comparison last; writes bench/step_ab.json. Use it for the
-A/B of a change before `bench/train.py gpu` records the result: a tree can be a `git worktree` or an exported copy.
+(cProfile); `--launches N` the N host operators that launch the most kernels (each launch costs the GPU a gap
+beside its kernel); `--compile-mode NAME=MODE` compiles tree NAME's units in that torch.compile mode. Trees run
+one after another on the same GPU and share Inductor's cache, so a variant recompiles only the graphs it changed.
+Prints a table per tree (the `--kernels` heaviest kernels) and the comparison last; writes bench/step_ab.json. Use
+it for the A/B of a change before `bench/train.py gpu` records the result: a tree can be a `git worktree` or an
+exported copy.
 """
 
 from __future__ import annotations
@@ -111,6 +114,8 @@ def child(args: argparse.Namespace) -> None:
            **summarise(kernels, args.kernels), **idle_gaps(spans, args.gaps), "syncs": host_syncs(step)}
     if args.host_profile:
         row["host_profile"] = host_profile(model, batch, opt, args.host_profile)
+    if args.launches:
+        row["launches"] = launch_sources(step, args.launches)
     print(json.dumps(row))
 
 
@@ -143,6 +148,38 @@ def host_profile(model, batch, opt, top: int) -> dict:
         pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(top)
         out[name] = text.getvalue()
     return out
+
+
+def launch_sources(step, top: int) -> dict:
+    """One more step profiled with the host's operators: each kernel (memsets and copies too) counted under the
+    operator that launched it, named with its parent ("aten::fill_ < aten::zeros"); the `top` sources by launch
+    count, with their GPU time and most frequent kernel. Every launch costs the GPU ~2 us beside its kernel."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    return rank_sources([(e.name + (f" < {e.cpu_parent.name}" if e.cpu_parent is not None else ""),
+                          [(k.name, k.duration) for k in e.kernels])
+                         for e in prof.events() if e.device_type == DeviceType.CPU and e.kernels], top)
+
+
+def rank_sources(ops: list[tuple[str, list[tuple[str, float]]]], top: int) -> dict:
+    """ops: (source, [(kernel, us), ...]) per launching operator -> the launch total and the `top` sources."""
+    sources: dict[str, dict] = {}
+    for key, kernels in ops:
+        src = sources.setdefault(key, {"launches": 0, "ms": 0.0, "kernels": {}})
+        for name, us in kernels:
+            src["launches"] += 1
+            src["ms"] += us / 1e3
+            src["kernels"][name[:80]] = src["kernels"].get(name[:80], 0) + 1
+    ranked = sorted(sources.items(), key=lambda kv: -kv[1]["launches"])
+    return {"total": sum(v["launches"] for v in sources.values()),
+            "top": [{"source": key[:140], "launches": v["launches"], "ms": v["ms"],
+                     "kernel": max(v["kernels"], key=v["kernels"].get)} for key, v in ranked[:top]]}
 
 
 def idle_gaps(spans: list[tuple[float, float, str]], top: int) -> dict:
@@ -184,7 +221,8 @@ def host_syncs(step) -> list[dict]:
 def run_tree(name: str, tree: Path, args: argparse.Namespace, modes: dict[str, str]) -> dict:
     env = dict(os.environ, PYTHONPATH=str((tree / "src").resolve()) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, __file__, "--child", "--steps", str(args.steps), "--kernels", str(args.kernels),
-           "--gaps", str(args.gaps), "--host-profile", str(args.host_profile), "--mode", modes.get(name, ""),
+           "--gaps", str(args.gaps), "--host-profile", str(args.host_profile), "--launches", str(args.launches),
+           "--mode", modes.get(name, ""),
            "--preset", args.preset, "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len)]
     start = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -203,6 +241,10 @@ def run_tree(name: str, tree: Path, args: argparse.Namespace, modes: dict[str, s
     print(f"  GPU idle in the profiled step: {row['idle_ms']:.2f} ms; longest gaps (ms, after -> before):")
     for g in row["gaps"]:
         print(f"    {g['ms']:.3f}  {g['after'][:60]} -> {g['before'][:60]}")
+    if "launches" in row:
+        print(f"  launches in one step: {row['launches']['total']}; by the operator that made them:")
+        for src in row["launches"]["top"]:
+            print(f"    {src['launches']:5d}  {src['ms']:7.2f} ms  {src['source'][:90]}  [{src['kernel'][:50]}]")
     for phase, text in row.get("host_profile", {}).items():
         print(f"  host profile, {phase}:\n{text}")
     print("  host syncs in one step: " + ("; ".join(f"{s['count']}x {s['place']} ({s['message'][:60]})"
@@ -221,6 +263,9 @@ def main() -> None:
     parser.add_argument("--host-profile", type=int, default=0, metavar="N",
                         help="also profile the host's side of a step (cProfile, forward and backward apart) and "
                              "list its N costliest functions")
+    parser.add_argument("--launches", type=int, default=0, metavar="N",
+                        help="also count one step's kernel launches by the host operator that made them and list "
+                             "the N sources with the most")
     parser.add_argument("--compile-mode", action="append", default=[], metavar="NAME=MODE",
                         help="torch.compile's mode for tree NAME (e.g. reduce-overhead: CUDA graphs); repeatable. "
                              "The same DIR may appear as two trees with different modes")

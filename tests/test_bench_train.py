@@ -161,6 +161,25 @@ def test_step_ab_idle_gaps_against_a_timeline():
         {"ms": 0.005, "after": "a", "before": "c"}]  # the kernel before a gap is the one that ended last
 
 
+def test_step_ab_rank_sources_counts_every_launch():
+    """Launch sources on random operators: every kernel counted once under its operator, the totals and GPU time
+    kept, the ranking by launch count, each source's most frequent kernel named."""
+    rank_sources = load_step_ab().rank_sources
+    g = torch.Generator().manual_seed(1)
+    ops = []
+    for i in range(40):
+        n = int(torch.randint(1, 6, (1,), generator=g))
+        ops.append((f"op{i % 7}", [(f"kernel{int(torch.randint(0, 3, (1,), generator=g))}", 2.0) for _ in range(n)]))
+    got = rank_sources(ops, top=100)
+    assert got["total"] == sum(len(k) for _, k in ops) == sum(s["launches"] for s in got["top"])
+    assert [s["launches"] for s in got["top"]] == sorted((s["launches"] for s in got["top"]), reverse=True)
+    for src in got["top"]:
+        names = [name for key, kernels in ops if key == src["source"] for name, _ in kernels]
+        assert src["launches"] == len(names) and abs(src["ms"] - 2e-3 * len(names)) < 1e-12
+        assert names.count(src["kernel"]) == max(names.count(n) for n in set(names))
+    assert len(rank_sources(ops, top=3)["top"]) == 3
+
+
 def test_step_ab_compile_mode_must_name_a_tree():
     run = subprocess.run([sys.executable, str(BENCH.parent / "step_ab.py"), "--tree", "a=.", "--compile-mode",
                           "b=reduce-overhead"], capture_output=True, text=True)
