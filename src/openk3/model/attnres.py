@@ -101,9 +101,10 @@ class BlockStream:
 
     def _query_vectors(self, queries: list[Query]) -> list[torch.Tensor]:
         """[D] per query: its norm weight times its pseudo-query, in the fp32 (fp64) compute dtype. Tensors of their
-        own, not rows of a [Q, D] matrix: a compiled phase 2 would guard on Q through their base."""
+        own, not rows of a [Q, D] matrix: a compiled phase 2 would guard on Q through their base. The projection's
+        [1, D] weight is viewed flat, not indexed: the view's backward is free, an index's fills and copies."""
         acc = acc_dtype(self._blocks_dtype)
-        return [norm.weight.to(acc) * proj.weight[0].to(acc) for proj, norm in queries]
+        return [norm.weight.to(acc) * proj.weight.view(-1).to(acc) for proj, norm in queries]
 
     def _merge(self, proj: nn.Linear, norm: RMSNorm, then: nn.Module | None = None,
                out_dtype: torch.dtype | None = None) -> torch.Tensor:
