@@ -250,10 +250,11 @@ def kda_core_bytes_per_token(heads: int, head_dim: int, v_dim: int, operand_byte
     """Bytes per token that the Triton KDA Function (`ops/kda/triton/chunk.py`, `_KDAChunkFunction`) saves for
     one layer: q, k, v in the operand dtype, g [H,K] fp32, beta [H] fp32, and what its kernels formed, in their
     dot dtype (`state_bytes`: bf16 for bf16 inputs on a GPU): the state [H,K,V] at the start of every
-    `chunk`-token chunk, the pseudo-values [H,V], W, Qd, kg [H,K] and Aqk [H,chunk]; and gc [H,K] fp32 a chunk."""
+    `chunk`-token chunk, the pseudo-values [H,V], W, Qd, kg [H,K] and Aqk [H,chunk]; and in fp32 gc [H,K] and the
+    pair terms P and T [H,chunk,chunk] a chunk, the inverse norms of q and k [H,2] a token."""
     inputs = heads * ((2 * head_dim + v_dim) * operand_bytes + 4 * head_dim + 4)
     formed = heads * (head_dim * v_dim / chunk + v_dim + 3 * head_dim + chunk) * state_bytes
-    return inputs + formed + heads * head_dim * 4 / chunk
+    return inputs + formed + heads * (head_dim + 2 * chunk * chunk) * 4 / chunk + heads * 2 * 4
 
 
 # ---- module kinds -------------------------------------------------------------------------------------------------
