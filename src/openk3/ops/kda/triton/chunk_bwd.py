@@ -49,7 +49,9 @@ from openk3.ops.kda.triton.chunk_fwd import (
     dot_dtype,
     load_beta,
     load_slice,
+    norm_offsets,
     pair_factors,
+    pair_offsets,
     precision,
     scheduled_chunk,
     slice_width,
@@ -143,11 +145,12 @@ def _intra_bwd_kernel(q, k, v, g, beta, A_log, dt_bias, sched, hs, pvs, dhs, PT,
     dt = DT
     b = load_beta(beta, rows, rmask, h, H, ACT)
     # the forward's P = Kd Ki^T (rescaled), T = (I + A)^-1 and inverse row norms (chunk_fwd.pair_terms)
-    pair = (c * H + h).to(tl.int64) * 2 * BT * BT + i * BT + j
+    pair = pair_offsets(c, h, H, i, j, BT)
     P = tl.load(PT + pair)
     Tm = tl.load(PT + pair + BT * BT)
-    rq = tl.load(RN + (rows * H + h) * 2, mask=rmask, other=0.0)
-    rk = tl.load(RN + (rows * H + h) * 2 + 1, mask=rmask, other=0.0)
+    norm = norm_offsets(rows, h, H)
+    rq = tl.load(RN + norm, mask=rmask, other=0.0)
+    rk = tl.load(RN + norm + 1, mask=rmask, other=0.0)
     dpv = _load_rows(dU, rows, rmask, H, h, V, BV)
     dout = _load_rows(do, rows, rmask, H, h, V, BV)
     vv = _load_rows(v, rows, rmask, H, h, V, BV)

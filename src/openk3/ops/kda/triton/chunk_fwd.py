@@ -144,6 +144,18 @@ def inverse_norm(sum_sq, ACT: tl.constexpr):
 
 
 @triton.jit
+def pair_offsets(c, h, H, i, j, BT: tl.constexpr):
+    """Where chunk c, head h's [BT, BT] P sits in `pair_terms`' PT (its T follows at + BT * BT)."""
+    return (c * H + h).to(tl.int64) * 2 * BT * BT + i * BT + j
+
+
+@triton.jit
+def norm_offsets(rows, h, H):
+    """Where the rows' inverse norm of q sits in `pair_terms`' RN (k's follows at + 1)."""
+    return (rows * H + h) * 2
+
+
+@triton.jit
 def scheduled_chunk(sched, H):
     """This program's chunk and head: program i*H + h takes row i of the schedule (layout.py)."""
     pid = tl.program_id(0)
@@ -200,11 +212,12 @@ def _prepare_kernel(q, k, v, g, beta, A_log, dt_bias, sched, W, U, QG, KG, AQK, 
         _store_rows(AQK, Aqk, rows, rmask, H, h, BT, BT)
     Tm = wy_inverse(P, b, i, j, PREC)
     if STORE_PAIRS:
-        pair = (c * H + h).to(tl.int64) * 2 * BT * BT + i * BT + j
+        pair = pair_offsets(c, h, H, i, j, BT)
         tl.store(PT + pair, P)
         tl.store(PT + pair + BT * BT, Tm)
-        tl.store(RN + (rows * H + h) * 2, rq, mask=rmask)
-        tl.store(RN + (rows * H + h) * 2 + 1, rk, mask=rmask)
+        norm = norm_offsets(rows, h, H)
+        tl.store(RN + norm, rq, mask=rmask)
+        tl.store(RN + norm + 1, rk, mask=rmask)
     Tb = Tm * b[None, :]  # T Diag(beta)
     # pass 2 reloads each slice (cache hits) and writes its terms
     for c0 in range(0, K, BS):
