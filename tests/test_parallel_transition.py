@@ -13,6 +13,7 @@ from openk3.ops.kda.transition import (
     kda_transition,
     kda_transition_chunked,
     kda_transition_reference,
+    piece_tokens,
 )
 from openk3.parallel.layout import SequenceSplit
 
@@ -149,6 +150,68 @@ def test_initial_state_grad_triton_and_autograd_against_the_recurrence(B, T, cu,
         assert got.dtype == torch.float32 and got.shape == expected.shape
         assert rel(got.double(), expected) < 1e-5
     assert rel(results["triton"], results["chunked"]) < 1e-5
+
+
+@pytest.mark.parametrize("B, T, piece", [(2, 96, 32), (2, 101, 32), (1, 70, 48), (1, 40, 16)])
+def test_transition_in_pieces(B, T, piece):
+    """The state-only pass cut into pieces (a dense batch of pieces when they divide T, varlen pieces otherwise),
+    their maps composed, against the fp64 composition token by token; and against one chain."""
+    pytest.importorskip("triton")
+    k, v, g, beta = inputs(B, T, 2, 16, 12, seed=T + piece, gate="near0", dtype=torch.float32)
+    S_ref, M_ref = kda_transition_reference(*(t.double() for t in (k, v, g, beta)))
+    with torch.no_grad():
+        S, M = kda_transition(k, v, g, beta, backend="triton", piece=piece)
+        S1, M1 = kda_transition(k, v, g, beta, backend="triton", piece=T)
+    assert S.shape == (B, 2, 16, 12) and M.shape == (B, 2, 16, 16) and S.dtype == M.dtype == torch.float32
+    assert rel(S.double(), S_ref) < 1e-5 and rel(M.double(), M_ref) < 1e-5
+    assert rel(S, S1) < 1e-5 and rel(M, M1) < 1e-5
+
+
+@pytest.mark.parametrize("B, T, cu, piece", [(2, 96, None, 32), (2, 101, None, 32), (1, 101, (0, 3, 70, 101), 16),
+                                             (1, 50, (0, 50), 48)])
+def test_initial_state_grad_in_pieces(B, T, cu, piece):
+    """The reverse pass from [0 | I] per piece gives [Y | M^T]; the pieces composed last first equal the recurrence's
+    initial-state gradient (dense and varlen pieces, a 3-token sequence shorter than a piece)."""
+    pytest.importorskip("triton")
+    k, v, g, beta = inputs(B, T, 2, 16, 12, seed=T + piece, gate="random", dtype=torch.float32)
+    gen = torch.Generator().manual_seed(piece)
+    q = torch.randn(B, T, 2, 16, generator=gen)
+    do = 100 * torch.randn(B, T, 2, 12, generator=gen)
+    cu_seqlens = None if cu is None else torch.tensor(cu)
+    expected = _initial_state_grad_reference(q, k, v, g, beta, do, cu_seqlens, None)
+    got = kda_initial_state_grad(q, k, v, g, beta, do, cu_seqlens=cu_seqlens, backend="triton", piece=piece)
+    assert got.dtype == torch.float32 and got.shape == expected.shape
+    assert rel(got.double(), expected) < 1e-5
+
+
+def test_reverse_pass_from_the_identity_returns_the_transposed_transition():
+    """initial_state_grad_triton from [0 | I] with dO's extra columns zero: [dS0 | M^T] (M: kda_transition's)."""
+    pytest.importorskip("triton")
+    from openk3.ops.kda.triton import initial_state_grad_triton
+
+    k, v, g, beta = inputs(1, 45, 2, 16, 12, seed=9, gate="near0", dtype=torch.float32)
+    q, do = torch.randn(1, 45, 2, 16), torch.randn(1, 45, 2, 12)
+    start = torch.cat([torch.zeros(1, 2, 16, 12), torch.eye(16).expand(1, 2, 16, 16)], dim=-1)
+    both = initial_state_grad_triton(q, k, v, g, beta, do, final_state_grad=start)
+    with torch.no_grad():
+        _, M = kda_transition(k, v, g, beta, backend="triton", piece=45)
+    assert rel(both[..., 12:], M.mT) < 1e-5
+    assert rel(both[..., :12], initial_state_grad_triton(q, k, v, g, beta, do)) < 1e-6
+    with pytest.raises(ValueError, match="final_state_grad must be"):
+        initial_state_grad_triton(q, k, v, g, beta, do, final_state_grad=start[..., :8])
+
+
+def test_piece_sizes():
+    """Few chains: a power of two of pieces, whole 64-token chunks; enough chains or short sequences: no pieces."""
+    assert piece_tokens([65536], 8) == 2048  # 32 pieces of 8 heads: 256 chains
+    assert piece_tokens([131072], 8) == 4096
+    assert piece_tokens([65536] * 2, 8) == 4096
+    assert piece_tokens([65536], 32) is None and piece_tokens([65536] * 4, 8) is None  # enough chains already
+    assert piece_tokens([1500], 8) is None and piece_tokens([2048], 8) == 1024  # pieces of >= 1024 tokens
+    size = piece_tokens([100_003], 8)
+    assert size % 64 == 0 and -(-100_003 // size) <= 32
+    with pytest.raises(ValueError, match="piece must be a positive"):
+        kda_transition(*inputs(1, 8, 1, 4, 4, seed=0, dtype=torch.float32), backend="triton", piece=0)
 
 
 def test_initial_state_grad_is_the_adjoint_of_the_initial_state():

@@ -28,6 +28,7 @@ import torch
 from openk3.ops.conv import causal_conv1d
 from openk3.ops.kda import kda, resolve_backend
 from openk3.ops.kda.transition import kda_initial_state_grad, kda_transition
+from openk3.ops.transfer import to_device
 from openk3.parallel.comm import all_gather_padded, gather_rows
 from openk3.parallel.layout import SequenceSplit
 
@@ -47,8 +48,8 @@ def conv_halo(x: torch.Tensor, split: SequenceSplit, rank: int, width: int, grou
         rows.append(offsets[j] + p - (split.bounds[j + 1] - sizes[j]) if ok else 0)
         valid.append(ok)
     # always read the gathered rows (masked), so every rank's backward reaches the gather's collective
-    mask = torch.tensor(valid, dtype=x.dtype, device=x.device).unsqueeze(-1)
-    halo = tails[torch.tensor(rows, device=x.device)] * mask
+    mask = to_device(valid, x.device, x.dtype).unsqueeze(-1)
+    halo = tails[to_device(rows, x.device, torch.long)] * mask
     return halo.t().unsqueeze(0)
 
 
@@ -126,7 +127,7 @@ def kcp_kda(q, k, v, g, beta, split: SequenceSplit, rank: int, group, *, scale=N
     cu = split.local_cu_seqlens(rank)
     initial = torch.cat([S0.unsqueeze(0), S0.new_zeros(len(cu) - 2, *S0.shape)])
     o, final = kda(q, k, v, g, beta, scale=scale, initial_state=initial,
-                   cu_seqlens=torch.tensor(cu, dtype=torch.int64, device=k.device), output_final_state=True,
+                   cu_seqlens=torch.tensor(cu), output_final_state=True,  # on the host: no synchronisation
                    backend=backend, gate_min=gate_min)
     if not o.requires_grad:  # no backward (evaluation), so no backward exchange
         return o

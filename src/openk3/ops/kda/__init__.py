@@ -126,7 +126,8 @@ def kda(
     -5); every backend clamps g there, and the Triton kernels take their faster bounded mode for it (any g
     is exact without it). `state_offsets`: also return the fp32 states after those many tokens, (o, final
     state or None, [states]) — from the same pass where the backend can (chunk-aligned offsets), by chained
-    calls otherwise.
+    calls otherwise. `cu_seqlens` (int32/int64 [N+1], B = 1) may stay on the host: it is validated there and
+    queued to the GPU kernels from pinned memory, where a device copy must be read back (the host waits).
     """
     check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     T = q.shape[1]

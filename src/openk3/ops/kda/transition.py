@@ -35,11 +35,21 @@ the zero value columns never stored); with one the full differentiable forward, 
 The other backends take the chunk-map form. Either way the chain is fp32 (fp64 for fp64 inputs): M loses accuracy
 quickly in bf16 (fla #740).
 
+A state pass is a chain over the chunks, one program per (sequence, head, V block): for one long sequence and few
+heads (KCP's case: a rank's whole piece of one document) the GPU runs a handful of programs one chunk after
+another (3.3 ms for 65,536 tokens of 8 heads on an H200, the same at V + K columns as at V). On Triton the span is
+therefore cut into pieces (`piece_tokens`) that run side by side in one pass (a batch of equal pieces, else varlen
+pieces), each from [0 | I], and the pieces' maps (M_p, b_p) are composed with `compose_maps` (fp64, log2(pieces)
+batched steps).
+
 The backward of context parallelism needs the transposed quantity: dS_0 = d<O, dO>/dS_0, the gradient of a
 span's outputs with respect to its incoming state (zero gradient on its final state). It does not depend on S_0
 (O is affine in S_0), and `kda_initial_state_grad` computes it: on the Triton kernels as the reverse state pass
 alone over the prepare kernel's chunk terms (dS <- Diag(gc) dS + Qd^T dO - W^T dpv, dpv = Aqk^T dO + kg dS, from
 dS = 0 at the end: no intra-chunk backward, no input gradients), elsewhere by autograd from a zero initial state.
+That pass is affine in the final-state gradient too, dS_start = M^T dS_end + Y, so run from [0 | I] with dO's
+extra columns zero it returns [Y | M^T]; cut into pieces as above, dS_0 = Y_1 + M_1^T (Y_2 + M_2^T (Y_3 + ...)),
+the pieces' maps composed last piece first.
 """
 
 from __future__ import annotations
@@ -49,10 +59,86 @@ import torch.nn.functional as F
 
 from openk3.ops.kda import _check_options, check_kda_inputs, kda, resolve_backend
 from openk3.ops.kda.chunked import CHUNK_SIZE
+from openk3.ops.transfer import to_device
+
+PARALLEL_CHAINS = 256  # (piece, head) chains a state pass needs to fill an H200 (132 SMs)
+MIN_PIECE = 1024  # tokens: shorter pieces cost more in composition than they win in the chain
+FEW_CHAINS = PARALLEL_CHAINS // 8  # fewer than this many (sequence, head) chains are cut into pieces
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def piece_tokens(lengths: list[int], H: int) -> int | None:
+    """Tokens per piece for the Triton state passes over sequences of these lengths with H heads (module
+    docstring): for fewer than FEW_CHAINS (sequence, head) chains, a power of two of pieces, enough for
+    PARALLEL_CHAINS chains but at most longest / MIN_PIECE, in whole 64-token chunks (so a power-of-two length is
+    cut evenly); None otherwise (on an H200, 65,536 tokens x 8 heads: transition 3.15 -> 1.28 ms, initial-state
+    gradient 3.74 -> 1.61 ms; 4 x 16,384 x 8 heads: 1.25 -> 1.26 and 1.38 -> 1.59 ms, so not cut)."""
+    longest = max(lengths, default=0)
+    chains = max(1, len(lengths) * H)
+    if chains >= FEW_CHAINS:  # the pieces' extra K columns and composition cost more than they win
+        return None
+    wanted = -(-PARALLEL_CHAINS // chains)
+    pieces = min(1 << (wanted - 1).bit_length(), 1 << max(0, (longest // MIN_PIECE).bit_length() - 1))
+    return -(-longest // (64 * pieces)) * 64 if pieces > 1 else None
+
+
+def _checked_piece(piece) -> int:
+    if isinstance(piece, bool) or not isinstance(piece, int) or piece < 1:
+        raise ValueError(f"piece must be a positive number of tokens, got {piece!r}")
+    return piece
+
+
+def _as_pieces(xs: list[torch.Tensor], lengths: list[int], size: int, packed: bool):
+    """xs [B,T,H,*] (B sequences, or with `packed` one row of sequences of these lengths) cut into pieces of
+    `size` tokens -> (the kernels' inputs, the pieces' cu_seqlens or None, pieces per sequence). Equal rows that
+    `size` divides become a dense batch of pieces (no varlen tables to build), anything else varlen pieces."""
+    B, T = xs[0].shape[:2]
+    if not packed and T % size == 0:
+        return [x.reshape(B * (T // size), size, *x.shape[2:]) for x in xs], None, [T // size] * B
+    cu, counts = _cut(lengths, size)
+    return [x.reshape(1, B * T, *x.shape[2:]) for x in xs], torch.tensor(cu), counts  # cu on the host: no sync
+
+
+def _cut(lengths: list[int], size: int) -> tuple[list[int], list[int]]:
+    """Each sequence cut into pieces of `size` tokens (the last one shorter; an empty sequence is one empty piece):
+    the pieces' cu_seqlens over the packed sequences and the number of pieces of each sequence."""
+    cu, counts = [0], []
+    for n in lengths:
+        start = cu[-1]
+        ends = list(range(start + size, start + n, size)) + [start + n]
+        cu += ends
+        counts.append(len(ends))
+    return cu, counts
+
+
+def _compose_pieces(maps: torch.Tensor, counts: list[int], V: int, reverse: bool):
+    """maps [pieces, H, K, V + K], each piece's [b | A] (S <- A S + b), pieces of sequence 0 first -> each
+    sequence's composed map (A [N, H, K, K], b [N, H, K, V]) in maps' dtype, applied in piece order (last piece
+    first with `reverse`); composed in fp64."""
+    N, P = len(counts), max(counts)
+    _, H, K, _ = maps.shape
+    if len(set(counts)) == 1:
+        grouped = maps.double().view(N, P, H, K, V + K)
+    else:
+        grouped = torch.zeros(N, P, H, K, V + K, dtype=torch.float64, device=maps.device)
+        grouped[..., V:] = torch.eye(K, dtype=torch.float64, device=maps.device)  # padding: the identity map
+        seq = [n for n, c in enumerate(counts) for _ in range(c)]
+        pos = [p for c in counts for p in range(c)]
+        grouped[to_device(seq, maps.device, torch.long), to_device(pos, maps.device, torch.long)] = maps.double()
+    grouped = grouped.movedim(1, 2)  # [N, H, P, K, V + K]
+    if reverse:
+        grouped = grouped.flip(2)
+    A, b = compose_maps(grouped[..., V:], grouped[..., :V])
+    return A.to(maps.dtype), b.to(maps.dtype)
+
+
+def _identity_start(n: int, H: int, K: int, V: int, dtype, device) -> torch.Tensor:
+    """[0 | I]: [n, H, K, V + K], zero state columns beside the identity."""
+    eye = torch.eye(K, dtype=dtype, device=device).expand(n, H, K, K)
+    return torch.cat([eye.new_zeros(n, H, K, V), eye], dim=-1)
 
 
 def kda_transition_reference(
@@ -138,30 +224,37 @@ def kda_transition(
     *,
     backend: str = "auto",
     gate_min: float | None = None,
+    piece: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The affine map of KDA over each row of k, g [B,T,H,K], v [B,T,H,V], beta [B,T,H] (activated, as `kda`
     takes them): (S_ext [B,H,K,V], M [B,H,K,K]) with S_end = M S_0 + S_ext. fp32 (fp64 for fp64 inputs off the
     Triton backend); differentiable (on Triton without a gradient to take, e.g. under no_grad, the cheaper
-    state-only pass runs). T = 0 gives the identity map. `backend` and `gate_min` as in `openk3.ops.kda.kda`."""
+    state-only pass runs, cut into pieces of `piece` tokens, default `piece_tokens`). T = 0 gives the identity
+    map. `backend` and `gate_min` as in `openk3.ops.kda.kda`."""
     name = resolve_backend(backend, k.device, k.shape[1])
-    if gate_min is not None:
-        g = g.clamp_min(gate_min)
     if name in ("chunked", "recurrent") or k.shape[1] == 0:
-        return kda_transition_chunked(k, v, g, beta)
+        return kda_transition_chunked(k, v, g if gate_min is None else g.clamp_min(gate_min), beta)
     B, T, H, K = k.shape
     V = v.shape[-1]
     acc = _acc(k.dtype)
-    eye = torch.eye(K, dtype=acc, device=k.device).expand(B, H, K, K)
-    start = torch.cat([eye.new_zeros(B, H, K, V), eye], dim=-1)  # [0 | I]
     if torch.is_grad_enabled() and any(x.requires_grad for x in (k, v, g, beta)):
         values = torch.cat([v, v.new_zeros(B, T, H, K)], dim=-1)  # [v | 0]
+        start = _identity_start(B, H, K, V, acc, k.device)
         _, final = kda(k, k, values, g, beta, initial_state=start, output_final_state=True, backend=name,  # q: unused
                        gate_min=gate_min)
-    else:
-        from openk3.ops.kda.triton import kda_final_state_triton
+        return final[..., :V], final[..., V:]
+    from openk3.ops.kda.triton import kda_final_state_triton
 
-        final = kda_final_state_triton(k, v, g, beta, initial_state=start, gate_min=gate_min)  # values [v | 0]
-    return final[..., :V], final[..., V:]
+    size = piece_tokens([T] * B, H) if piece is None else _checked_piece(piece)
+    if size is None or size >= T:  # one chain per row
+        final = kda_final_state_triton(k, v, g, beta, initial_state=_identity_start(B, H, K, V, acc, k.device),
+                                       gate_min=gate_min)  # values [v | 0]
+        return final[..., :V], final[..., V:]
+    pieces, cu, counts = _as_pieces([k, v, g, beta], [T] * B, size, packed=False)
+    start = _identity_start(sum(counts), H, K, V, acc, k.device)
+    final = kda_final_state_triton(*pieces, initial_state=start, cu_seqlens=cu, gate_min=gate_min)
+    M, S = _compose_pieces(final, counts, V, reverse=False)
+    return S, M
 
 
 def kda_initial_state_grad(
@@ -176,11 +269,13 @@ def kda_initial_state_grad(
     cu_seqlens: torch.Tensor | None = None,
     backend: str = "auto",
     gate_min: float | None = None,
+    piece: int | None = None,
 ) -> torch.Tensor:
     """The gradient of sum(o * do) with respect to the initial state of each sequence, the final states taking
     no gradient (module docstring): q, k, g [B,T,H,K], v and do [B,T,H,V], beta [B,T,H] and the options as
     `openk3.ops.kda.kda` takes them -> [N,H,K,V] (N = B, or the number of sequences with cu_seqlens), fp32
-    (fp64 for fp64 inputs off the Triton backend). Not differentiable."""
+    (fp64 for fp64 inputs off the Triton backend). Not differentiable. On Triton the sequences are cut into
+    pieces of `piece` tokens (default `piece_tokens`)."""
     check_kda_inputs(q, k, v, g, beta, None, cu_seqlens)
     _check_options(gate_min, None, q.shape[1], cu_seqlens)
     if do.shape != v.shape:
@@ -192,8 +287,16 @@ def kda_initial_state_grad(
     if name == "triton":
         from openk3.ops.kda.triton import initial_state_grad_triton
 
-        return initial_state_grad_triton(q, k, v, g, beta, do, scale=scale, cu_seqlens=cu_seqlens,
-                                         gate_min=gate_min)
+        lengths = [T] * B if cu_seqlens is None else cu_seqlens.diff().tolist()
+        size = piece_tokens(lengths, H) if piece is None else _checked_piece(piece)
+        if size is None or size >= max(lengths, default=0):
+            return initial_state_grad_triton(q, k, v, g, beta, do, scale=scale, cu_seqlens=cu_seqlens,
+                                             gate_min=gate_min)
+        pieces, cu, counts = _as_pieces([q, k, v, g, beta, do], lengths, size, packed=cu_seqlens is not None)
+        dht = _identity_start(sum(counts), H, K, V, torch.float32, k.device)
+        maps = initial_state_grad_triton(*pieces, scale=scale, cu_seqlens=cu, gate_min=gate_min,
+                                         final_state_grad=dht)  # [Y | M^T] per piece
+        return _compose_pieces(maps, counts, V, reverse=True)[1]
     h0 = torch.zeros(N, H, K, V, dtype=_acc(k.dtype), device=k.device, requires_grad=True)
     with torch.enable_grad():
         o, _ = kda(*(x.detach() for x in (q, k, v, g, beta)), scale=scale, initial_state=h0,
@@ -203,4 +306,4 @@ def kda_initial_state_grad(
 
 
 __all__ = ["kda_transition", "kda_initial_state_grad", "kda_transition_chunked", "kda_transition_reference",
-           "compose_maps"]
+           "compose_maps", "piece_tokens"]

@@ -179,19 +179,28 @@ def kda_triton_fused(
 
 
 @torch.compiler.disable
-def initial_state_grad_triton(q, k, v, g, beta, do, *, scale=None, cu_seqlens=None, gate_min=None) -> torch.Tensor:
+def initial_state_grad_triton(q, k, v, g, beta, do, *, scale=None, cu_seqlens=None, gate_min=None,
+                              final_state_grad=None) -> torch.Tensor:
     """`openk3.ops.kda.transition.kda_initial_state_grad` on the kernels: the prepare kernel's chunk terms (no U)
-    and the reverse state pass from a zero final-state gradient, whose dh0 it is; fp32 [N,H,K,V]. The pass's
-    other outputs (dU, the per-chunk state gradients) are dropped: no intra-chunk backward runs."""
+    and the reverse state pass from the final state's gradient (`final_state_grad`, default zero), whose dh0 it
+    is; fp32 [N,H,K,V']. The pass's other outputs (dU, the per-chunk state gradients) are never written: no
+    intra-chunk backward runs. final_state_grad may be wider than do, [N,H,K,V'] with V' >= V: its columns past V
+    take zero dO (from [0 | I] the result is [dS0 | M^T], M the span's transition)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    dht = final_state_grad
+    if dht is not None and (dht.dim() != 4 or tuple(dht.shape[:3]) != (N, H, K) or dht.shape[-1] < V):
+        raise ValueError(f"final_state_grad must be [{N},{H},{K},V'] with V' >= V = {V}, got {tuple(dht.shape)}")
     scale = K**-0.5 if scale is None else float(scale)
     if q.dtype not in _KERNEL_DTYPES:
         q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
     *flat, do = _flat(B, T, q, k, v, g, beta, do.to(v.dtype))
     lay = chunk_layout(B, T, cu_seqlens, q.device)
     terms = prepare(*flat, scale, lay, gate_spec(gate_min), with_u=False)
-    return reverse_pass(terms, do, None, True, lay, state_block(lay.n_seqs, H, V), q.dtype)[2]
+    dht = None if dht is None else dht.float().contiguous()
+    width = V if dht is None else dht.shape[-1]
+    return reverse_pass(terms, do, dht, True, lay, state_block(lay.n_seqs, H, width), q.dtype, store=False)[2]
 
 
 @torch.compiler.disable

@@ -61,10 +61,11 @@ from openk3.ops.kda.triton.layout import CHUNK, ChunkLayout
 
 
 @triton.jit
-def _load_chunk_terms(W, QG, KG, AQK, GCX, X, c, cg, bos, eos, h, H, ck, cv, tt, K: tl.constexpr, V: tl.constexpr,
+def _load_chunk_terms(W, QG, KG, AQK, GCX, X, c, cg, bos, eos, h, H, ck, cv, tt, K: tl.constexpr, VX: tl.constexpr,
                      BT: tl.constexpr, DT: tl.constexpr):
     """Chunk c's operands of the reverse pass, zero outside the sequence (so the pass can prefetch the next one):
-    W, Qd, kg [BT, BK] and Aqk [BT, BT] in DT, gc [BK] fp32 and X [BT, BV] (dO) as stored."""
+    W, Qd, kg [BT, BK] and Aqk [BT, BT] in DT, gc [BK] fp32 and X [BT, BV] (dO, VX columns; zero past them) as
+    stored."""
     start = bos + c * BT
     rows = start + tt
     rmask = (rows >= bos) & (rows < eos)
@@ -76,15 +77,17 @@ def _load_chunk_terms(W, QG, KG, AQK, GCX, X, c, cg, bos, eos, h, H, ck, cv, tt,
     aqk = tl.load(AQK + (rows[:, None] * H + h) * BT + tt[None, :], mask=rmask[:, None], other=0.0).to(DT)
     cg = tl.where((start >= bos) & (start < eos), cg, 0)  # a chunk outside: any valid address, never used
     gc = tl.load(GCX + (cg * H + h) * K + ck, mask=ck < K, other=0.0).to(tl.float32)
-    x = tl.load(X + (rows[:, None] * H + h) * V + cv[None, :], mask=rmask[:, None] & (cv[None, :] < V), other=0.0)
+    x = tl.load(X + (rows[:, None] * H + h) * VX + cv[None, :], mask=rmask[:, None] & (cv[None, :] < VX), other=0.0)
     return w, qg, kg, aqk, gc, x
 
 
 @triton.jit
 def _state_bwd_kernel(W, QG, KG, AQK, GCX, do, dht, dh0, dU, dhs, cu, chunk_off,
-                      H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                      H, K: tl.constexpr, V: tl.constexpr, VX: tl.constexpr, BT: tl.constexpr,
                       BK: tl.constexpr, BV: tl.constexpr, HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr,
-                      PREC: tl.constexpr, DT: tl.constexpr):
+                      STORE: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
+    """One (sequence, head, V block) chain of the reverse pass over a state of V columns; dO has VX <= V (the
+    columns past it take zero dO). With STORE, dU and the state gradient after every chunk are written."""
     n = tl.program_id(0)
     h = tl.program_id(1)
     iv = tl.program_id(2)
@@ -105,17 +108,20 @@ def _state_bwd_kernel(W, QG, KG, AQK, GCX, do, dht, dh0, dU, dhs, cu, chunk_off,
     # software pipelining by hand (Triton does not pipeline this loop): chunk c - 1's loads are in flight while
     # chunk c's products run; 15% faster at B1 T8192 H32 on an H200, 4% slower at B8 T4096 (NOTES-kda.md run 13)
     w_n, qg_n, kg_n, aqk_n, gc_n, do_n = _load_chunk_terms(W, QG, KG, AQK, GCX, do, n_chunks - 1, c0 + n_chunks - 1,
-                                                          bos, eos, h, H, ck, cv, tt, K, V, BT, DT)
+                                                          bos, eos, h, H, ck, cv, tt, K, VX, BT, DT)
     for i in range(n_chunks):
         c = n_chunks - 1 - i
         w, qg, kg, aqk, gc, dout = w_n, qg_n, kg_n, aqk_n, gc_n, do_n.to(DT)
         w_n, qg_n, kg_n, aqk_n, gc_n, do_n = _load_chunk_terms(W, QG, KG, AQK, GCX, do, c - 1, c0 + c - 1, bos, eos,
-                                                              h, H, ck, cv, tt, K, V, BT, DT)
+                                                              h, H, ck, cv, tt, K, VX, BT, DT)
         dSd = dS.to(DT)
-        tl.store(dhs + ((c0 + c) * H + h) * K * V + s_offs, dSd.to(dhs.dtype.element_ty), mask=smask)
+        if STORE:
+            tl.store(dhs + ((c0 + c) * H + h) * K * V + s_offs, dSd.to(dhs.dtype.element_ty), mask=smask)
         dpv = tl.dot(tl.trans(aqk), dout, input_precision=PREC) + tl.dot(kg, dSd, input_precision=PREC)
-        rows = bos + c * BT + tt
-        tl.store(dU + (rows[:, None] * H + h) * V + cv[None, :], dpv, mask=(rows < eos)[:, None] & (cv[None, :] < V))
+        if STORE:
+            rows = bos + c * BT + tt
+            tl.store(dU + (rows[:, None] * H + h) * V + cv[None, :], dpv,
+                     mask=(rows < eos)[:, None] & (cv[None, :] < V))
         dS = dS * gc[:, None] + tl.dot(tl.trans(qg), dout, input_precision=PREC) \
             - tl.dot(tl.trans(w), dpv.to(DT), input_precision=PREC)
     if HAS_H0:
@@ -222,20 +228,25 @@ def _intra_bwd_kernel(q, k, v, g, beta, A_log, dt_bias, sched, hs, pvs, dhs, PT,
     tl.store(dbeta + rows * H + h, dbeta_acc.to(dbeta.dtype.element_ty), mask=rmask)
 
 
-def reverse_pass(terms, do, dht, has_h0, lay: ChunkLayout, BV: int, dtype):
+def reverse_pass(terms, do, dht, has_h0, lay: ChunkLayout, BV: int, dtype, store: bool = True):
     """The reverse state pass over the prepare kernel's `terms` (U unread): dU (fp32), the state gradient after
-    every chunk (dhs, like the saved states) and dh0 (or None without `has_h0`)."""
+    every chunk (dhs, like the saved states) and dh0 (or None without `has_h0`). Without `store` only dh0 is
+    written (dU and dhs come back None) and the state may be wider than dO (dht [N, H, K, V'], V' > V): its
+    columns past V take zero dO (KCP's initial-state gradient and transposed transition at once)."""
     W, _, QG, KG, AQK, GC = terms
     T, H, K = W.shape
-    V = do.shape[-1]
+    VX = do.shape[-1]
+    V = VX if dht is None else dht.shape[-1]
+    if V != VX and store:
+        raise ValueError(f"a state wider than dO ({V} > {VX} columns) stores nothing: pass store=False")
     N = lay.n_seqs
     f32 = dict(dtype=torch.float32, device=W.device)
-    dU = torch.empty(T, H, V, **f32)
-    dhs = torch.empty(max(lay.n_chunks, 1), H, K, V, dtype=W.dtype, device=W.device)
+    dU = torch.empty(T, H, V, **f32) if store else None
+    dhs = torch.empty(max(lay.n_chunks, 1), H, K, V, dtype=W.dtype, device=W.device) if store else None
     dh0 = torch.empty(N, H, K, V, **f32) if has_h0 else None
     _state_bwd_kernel[(N, H, triton.cdiv(V, BV))](
         W, QG, KG, AQK, GC, do, dht, dh0, dU, dhs, lay.cu_seqlens, lay.chunk_offsets,
-        H=H, K=K, V=V, BT=CHUNK, BK=_pow2(K), BV=BV, HAS_DHT=dht is not None, HAS_H0=has_h0,
+        H=H, K=K, V=V, VX=VX, BT=CHUNK, BK=_pow2(K), BV=BV, HAS_DHT=dht is not None, HAS_H0=has_h0, STORE=store,
         PREC=precision(dtype), DT=dot_dtype(dtype, do.device), num_warps=WARPS["state_bwd"])
     return dU, dhs, dh0
 

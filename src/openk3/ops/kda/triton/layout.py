@@ -63,10 +63,14 @@ def _dense_layout(batch: int, seq_len: int, device: torch.device) -> ChunkLayout
 
 
 def chunk_layout(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None, device) -> ChunkLayout:
-    """Sequence and chunk tables for the flat token layout, built on `device` without a host round trip. With
-    cu_seqlens (B = 1, seq_len = all tokens) the tables hold seq_len // CHUNK + N rows, an upper bound on the
-    chunk count (each sequence adds at most one partial chunk); the extra rows are empty."""
+    """Sequence and chunk tables for the flat token layout, built on `device` without a host round trip (host
+    cu_seqlens are copied from pinned memory, queued). With cu_seqlens (B = 1, seq_len = all tokens) the tables
+    hold seq_len // CHUNK + N rows, an upper bound on the chunk count (each sequence adds at most one partial
+    chunk); the extra rows are empty."""
     if cu_seqlens is None:
         return _dense_layout(batch, seq_len, torch.device(device))
-    offsets = cu_seqlens.detach().to(device=device, dtype=torch.int64)
+    offsets = cu_seqlens.detach().to(torch.int64)
+    if offsets.device.type == "cpu" and torch.device(device).type == "cuda":
+        offsets = offsets.pin_memory()
+    offsets = offsets.to(device, non_blocking=True)
     return _build(offsets, batch * seq_len // CHUNK + len(offsets) - 1)
