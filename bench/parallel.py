@@ -2,6 +2,8 @@
 
     torchrun --nproc-per-node 2 bench/parallel.py [--out bench/parallel.json] [--tokens 131072 262144]
     torchrun --nproc-per-node 2 bench/parallel.py --smoke    # CPU (gloo) at tiny sizes: checks the script runs
+    torchrun --nproc-per-node 2 bench/parallel.py --shared-gpu   # one GPU: the checks alone, every rank on GPU 0
+    python bench/parallel.py --exchange [--tokens 65536 131072]   # one GPU: what KCP adds to a rank's step
 
 KCP: one k3-debug KDA layer (hidden 1024, 8 heads x 128, conv 4; fp32 weights under bf16 autocast, as
 `openk3 train` runs on a GPU), forward + backward over one document of T tokens: on GPU 0 alone (the plain layer:
@@ -21,6 +23,13 @@ that bf16 rounding cannot flip a choice) against one process on all ranks' token
 output, the input gradient and the worst parameter gradient, each against --check-tol.
 Timing: CUDA events, median of --iters steps after --warmup (the first compiles the Triton kernels). Prints
 Markdown tables and writes the JSON to --out. About 3 minutes on 2 H200s (budget: < 8 minutes).
+--exchange (one GPU, no torchrun; --tokens are tokens per rank here): KCP's own work on a rank of T tokens of one
+document, the forward transition (`kda_transition`, no grad) and the backward's initial-state gradient
+(`kda_initial_state_grad`), each as one chain and cut into pieces (the default), beside the plain layer's fwd+bwd
+at T and 2T tokens; GPU time with the host queued ahead (a sleep kernel first), so host overhead is not counted.
+The 2-GPU step is at least the layer at T plus both (rank 0's transition precedes rank 1's forward, rank 1's
+initial-state gradient rank 0's backward): predicted speedup = layer(2T) / (layer(T) + transition + gradient),
+communication aside. Writes bench/kcp_exchange.json (about 1 minute).
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ from openk3.config import get_preset
 from openk3.model.kda import KimiDeltaAttention
 from openk3.model.mla import GatedMLA
 from openk3.model.moe import MoE, decisive_routing
+from openk3.ops.kda.transition import kda_initial_state_grad, kda_transition, piece_tokens
 from openk3.parallel.ep import ExpertParallel, local_experts, shard_experts
 from openk3.parallel.kcp import kda_layer_forward
 from openk3.parallel.layout import SequenceSplit
@@ -140,6 +150,68 @@ def bench_ep(cfg, tokens: int, routing: str, args, rank: int, world: int, device
         rows.append({"routing": routing, "ep": world, "planner": planner, "tokens_per_gpu": tokens, "step_s": step_s,
                      "tokens_per_s_per_gpu": tokens / step_s, "max_rows": int(computed)})
     return rows
+
+
+def queued_ms(fn, iters: int) -> float:
+    """Milliseconds of GPU time per fn() call: a sleep kernel first, so the host has queued every call before the
+    GPU reaches them (a host-bound call is timed by its kernels, not its launches)."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(400_000_000)  # ~0.2 s
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def bench_exchange(cfg, tokens: int, args) -> dict:
+    """--exchange (module docstring): one GPU, `tokens` per rank."""
+    torch.manual_seed(0)
+    device = torch.device("cuda")
+    layer = KimiDeltaAttention(cfg, 0).to(device)
+    row = {"tokens_per_rank": tokens, "heads": layer.num_heads}
+    for n, key in ((tokens, "layer_ms"), (2 * tokens, "layer_2x_ms")):
+        x = torch.randn(1, n, cfg.hidden_size, device=device, requires_grad=True)
+        row[key] = 1e3 * timed(train_step(layer, layer, x, True, device), args.iters, args.warmup, device)
+        del x
+    H, K = layer.num_heads, layer.head_dim
+    raw = [torch.randn(1, tokens, H, K, device=device, dtype=torch.bfloat16) for _ in range(4)]
+    with torch.no_grad():
+        q, k, g, beta = layer.activate_logits(raw[0], raw[1], raw[2], raw[3][..., 0].float(), "triton")
+        v, do = raw[3], torch.randn_like(raw[3])
+        gate = dict(backend="triton", gate_min=layer.gate_min())
+        for piece, name in ((tokens, "one chain"), (None, "pieces")):
+            row[f"transition {name} ms"] = queued_ms(
+                lambda p=piece: kda_transition(k, v, g, beta, piece=p, **gate), args.iters)
+            row[f"state grad {name} ms"] = queued_ms(
+                lambda p=piece: kda_initial_state_grad(q, k, v, g, beta, do, piece=p, **gate), args.iters)
+    row["piece_tokens"] = piece_tokens([tokens], H)
+    for name in ("one chain", "pieces"):
+        rank_ms = row["layer_ms"] + row[f"transition {name} ms"] + row[f"state grad {name} ms"]
+        row[f"predicted speedup {name}"] = row["layer_2x_ms"] / rank_ms
+    return row
+
+
+def run_exchange(cfg, args) -> None:
+    rows = [bench_exchange(cfg, t, args) for t in args.tokens]
+    print(f"\nKCP's exchange on one GPU ({torch.cuda.get_device_name()}): one {cfg.name} KDA layer "
+          f"({cfg.kda.num_heads} heads), one document, T tokens per rank; ms\n")
+    print("| T per rank | layer at T | layer at 2T | transition: one chain / pieces | state grad: one chain / pieces "
+          "| predicted 2-GPU speedup: one chain / pieces |\n|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['tokens_per_rank']:,} | {r['layer_ms']:.2f} | {r['layer_2x_ms']:.2f} | "
+              f"{r['transition one chain ms']:.2f} / {r['transition pieces ms']:.2f} | "
+              f"{r['state grad one chain ms']:.2f} / {r['state grad pieces ms']:.2f} | "
+              f"{r['predicted speedup one chain']:.2f}x / {r['predicted speedup pieces']:.2f}x |")
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+              "rows": rows}
+    with open(args.out, "w") as f:
+        f.write(json.dumps(result, indent=2) + "\n")
+    print(f"\nwrote {args.out}")
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -244,8 +316,11 @@ def run_checks(cfg, args, rank: int, world: int, device: torch.device) -> list[d
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "parallel.json"))
-    parser.add_argument("--tokens", type=int, nargs="+", default=[131072, 262144], help="KCP document lengths")
+    parser.add_argument("--out", help="JSON path (default bench/parallel.json; bench/parallel_shared_gpu.json with "
+                                      "--shared-gpu)")
+    parser.add_argument("--tokens", type=int, nargs="+",
+                        help="KCP document lengths (default 131072 262144); with --exchange tokens per rank "
+                             "(default 65536 131072)")
     parser.add_argument("--ep-tokens", type=int, default=16384, help="EP: tokens per GPU")
     parser.add_argument("--check-tokens", type=int, default=8192, help="tokens of the equality checks")
     parser.add_argument("--check-tol", type=float, default=2e-2,
@@ -254,16 +329,30 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--smoke", action="store_true", help="CPU, gloo, k3-tiny sizes: checks the script runs")
+    parser.add_argument("--exchange", action="store_true",
+                        help="one GPU, no torchrun: time KCP's exchange work beside the layer (module docstring)")
+    parser.add_argument("--shared-gpu", action="store_true",
+                        help="every rank on GPU 0, collectives over gloo (a machine with one GPU): the checks only, "
+                             "since timings need a GPU per rank")
     args = parser.parse_args()
+    if args.out is None:
+        name = "kcp_exchange.json" if args.exchange else "parallel_shared_gpu.json" if args.shared_gpu else \
+            "parallel.json"
+        args.out = os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
+    if args.tokens is None:
+        args.tokens = [65536, 131072] if args.exchange else [131072, 262144]
     if not args.smoke and not torch.cuda.is_available():
         print("bench/parallel.py needs CUDA GPUs: run it under torchrun --nproc-per-node 2 on a GPU machine "
               "(--smoke checks it on the CPU)", file=sys.stderr)
         raise SystemExit(2)
+    if args.exchange:
+        run_exchange(get_preset("k3-debug"), args)
+        return
     if "WORLD_SIZE" not in os.environ or int(os.environ["WORLD_SIZE"]) < 2:
         print("bench/parallel.py compares 1 GPU with several: run it under torchrun --nproc-per-node 2",
               file=sys.stderr)
         raise SystemExit(2)
-    dist.init_process_group("gloo" if args.smoke else "nccl", timeout=timedelta(minutes=10))
+    dist.init_process_group("gloo" if args.smoke or args.shared_gpu else "nccl", timeout=timedelta(minutes=10))
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.smoke:
         device = torch.device("cpu")
@@ -271,12 +360,12 @@ def main() -> None:
         cfg = get_preset("k3-tiny")
         args.tokens, args.ep_tokens, args.iters, args.warmup, args.check_tokens = [512], 256, 2, 1, 96
     else:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+        device = torch.device("cuda", 0 if args.shared_gpu else int(os.environ.get("LOCAL_RANK", rank)))
         torch.cuda.set_device(device)
         cfg = get_preset("k3-debug")
     started = time.perf_counter()
     checks = run_checks(cfg, args, rank, world, device)
-    timings = not args.checks_only
+    timings = not (args.checks_only or args.shared_gpu)
     kcp = [bench_kcp(cfg, t, args, rank, world, device) for t in args.tokens] if timings else []
     ep = [row for routing in ("natural", "hot expert")
           for row in bench_ep(cfg, args.ep_tokens, routing, args, rank, world, device)] if timings else []
@@ -287,6 +376,7 @@ def main() -> None:
         for r in checks:
             print(f"| {r['check']} | {r['output']:.1e} | {r['input_grad']:.1e} | {r['param_grad']:.1e} | "
                   f"{'yes' if r['ok'] else 'NO'} |")
+    if rank == 0 and timings:
         print(f"\nKCP: one {cfg.name} KDA layer ({cfg.kda.num_heads} heads x {cfg.kda_head_dim}), fwd+bwd, one "
               f"document, 1 GPU vs {world}\n")
         print("| tokens | 1 GPU tok/s | KCP tok/s | speedup | 1 GPU peak GiB | KCP peak GiB per GPU | memory ratio |")
@@ -301,8 +391,10 @@ def main() -> None:
         for r in ep:
             print(f"| {r['routing']} | {r['ep']} | {r['planner']} | {r['tokens_per_s_per_gpu']:,.0f} | "
                   f"{r['max_rows'] if r['max_rows'] is not None else '-'} |")
+    if rank == 0:
         device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (smoke)"
-        result = {"device": device_name, "gpus": world, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+        result = {"device": device_name, "gpus": 1 if args.shared_gpu else world, "ranks": world,
+                  "backend": dist.get_backend(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
                   "checks": checks, "kcp": kcp, "ep": ep, "seconds": time.perf_counter() - started}
         with open(args.out, "w") as f:
             f.write(json.dumps(result, indent=2) + "\n")
