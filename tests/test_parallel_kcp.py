@@ -132,23 +132,35 @@ def _model_worker(rank, world):
     assert_close(step[0, -1], plain[0, 5], 1e-4, "decode through the wrapped model")
 
 
+TRITON_CASES = {  # world -> (document bounds, rank bounds, tokens per piece of the exchange's passes)
+    2: [((0, 5, 24), (0, 13, 24), None),  # rank 0's second document continues on rank 1
+        ((0, 70), (0, 37, 70), 16)],  # pieces of whole chunks, the last ones short (5 and 1 tokens)
+    # rank 1 lies inside a document (it receives and hands on a state), rank 2 ends it and starts one that rank
+    # 3 ends: its head and tail are different sequences, each cut into pieces
+    4: [((0, 5, 65, 80), (0, 20, 45, 70, 80), 16)],
+}
+
+
 def _triton_worker(rank, world):
-    """kcp_kda on the Triton kernels (the interpreter on CPU) against one process's chunked KDA, fp32."""
-    split = SequenceSplit((0, 5, 24), (0, 13, 24))  # rank 0's second document continues on rank 1
-    gen = torch.Generator().manual_seed(5)
-    q, k = torch.randn(1, 24, 1, 16, generator=gen), torch.randn(1, 24, 1, 16, generator=gen)
-    q, k = q / q.norm(dim=-1, keepdim=True), k / k.norm(dim=-1, keepdim=True)
-    v, g = torch.randn(1, 24, 1, 16, generator=gen), -0.1 * torch.rand(1, 24, 1, 16, generator=gen)
-    beta, weight = torch.rand(1, 24, 1, generator=gen), torch.randn(1, 24, 1, 16, generator=gen)
-    leaves = [t.clone().requires_grad_() for t in (q, k, v, g, beta)]
-    out, _ = kda(*leaves, cu_seqlens=torch.tensor(split.cu_seqlens), backend="chunked")
-    expected = (out, *torch.autograd.grad((out * weight).sum(), leaves))
-    lo, hi = split.bounds[rank], split.bounds[rank + 1]
-    local = [t[:, lo:hi].clone().requires_grad_() for t in (q, k, v, g, beta)]
-    out = kcp_kda(*local, split, rank, dist.group.WORLD, backend="triton")
-    got = (out, *torch.autograd.grad((out * weight[:, lo:hi]).sum(), local))
-    for name, a, b in zip(("o", "dq", "dk", "dv", "dg", "dbeta"), got, expected):
-        assert_close(a.detach(), b[:, lo:hi].detach(), 1e-4, f"triton backend, rank {rank}: {name}")
+    """kcp_kda on the Triton kernels (the interpreter on CPU; the exchanges inside the kernels,
+    `kda_triton_exchange`) against one process's chunked KDA, fp32."""
+    for cu, bounds, piece in TRITON_CASES[world]:
+        split = SequenceSplit(cu, bounds)
+        n = cu[-1]
+        gen = torch.Generator().manual_seed(n)
+        q, k = torch.randn(1, n, 1, 16, generator=gen), torch.randn(1, n, 1, 16, generator=gen)
+        q, k = q / q.norm(dim=-1, keepdim=True), k / k.norm(dim=-1, keepdim=True)
+        v, g = torch.randn(1, n, 1, 16, generator=gen), -0.1 * torch.rand(1, n, 1, 16, generator=gen)
+        beta, weight = torch.rand(1, n, 1, generator=gen), torch.randn(1, n, 1, 16, generator=gen)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, g, beta)]
+        out, _ = kda(*leaves, cu_seqlens=torch.tensor(split.cu_seqlens), backend="chunked")
+        expected = (out, *torch.autograd.grad((out * weight).sum(), leaves))
+        lo, hi = split.bounds[rank], split.bounds[rank + 1]
+        local = [t[:, lo:hi].clone().requires_grad_() for t in (q, k, v, g, beta)]
+        out = kcp_kda(*local, split, rank, dist.group.WORLD, backend="triton", piece=piece)
+        got = (out, *torch.autograd.grad((out * weight[:, lo:hi]).sum(), local))
+        for name, a, b in zip(("o", "dq", "dk", "dv", "dg", "dbeta"), got, expected):
+            assert_close(a.detach(), b[:, lo:hi].detach(), 1e-4, f"triton, {bounds}, rank {rank}: {name}")
 
 
 def _two_process_worker(rank, world):
@@ -157,9 +169,14 @@ def _two_process_worker(rank, world):
     _triton_worker(rank, world)
 
 
+def _four_process_worker(rank, world):
+    _layers_worker(rank, world)
+    _triton_worker(rank, world)
+
+
 def test_kcp_mla_and_the_model_two_processes():
     run_ranks(_two_process_worker, 2)
 
 
 def test_kcp_and_mla_layers_four_processes():
-    run_ranks(_layers_worker, 4)
+    run_ranks(_four_process_worker, 4)

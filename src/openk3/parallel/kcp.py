@@ -19,6 +19,11 @@ Per KDA layer and rank r (the token layout is a `SequenceSplit`):
               for ranks that lie inside it) is that sequence's terminal state gradient, which the ordinary KDA
               backward then takes as its final state's gradient. The earlier ranks' share of later outputs
               arrives through T, so every rank's gradients are exact, not only the last one's.
+  Triton      Both exchanges run inside the layer's own kernels (`ops.kda.triton.exchange.kda_triton_exchange`):
+              S_ext, M from the prepare kernel's chunk terms between it and the state pass, dS_ext from the saved
+              terms before the backward, each cut into pieces; so no extra prepare kernel runs, and a rank's own
+              prepare kernel overlaps its wait for the earlier ranks' maps. `_Exchange` is the collectives of both
+              routes.
 """
 
 from __future__ import annotations
@@ -63,78 +68,107 @@ def kcp_conv(x: torch.Tensor, weight: torch.Tensor, split: SequenceSplit, rank: 
     return torch.cat(outs, dim=1)
 
 
+class _Exchange:
+    """The two exchanges of one KDA call (module docstring), collective over `group`; the `StateExchange` of
+    `openk3.ops.kda.triton.exchange`, and the same steps for the other backends."""
+
+    def __init__(self, split: SequenceSplit, rank: int, group, shape: tuple[int, int, int], dtype, device):
+        self.split, self.rank, self.group = split, rank, group
+        self.shape, self.dtype, self.device = shape, dtype, device  # (H, K, V) of the state
+        self.head_continues, self.tail_continues = split.continues_from(rank), split.continues_to(rank)
+        self.M_all = None  # every rank's M [R, H, K, K], kept for the backward
+
+    def forward(self, tail_map):
+        """This rank's (S_ext, M) (None: its last sequence ends here) -> its first sequence's initial state."""
+        H, K, V = self.shape
+        if tail_map is None:
+            tail_map = (torch.zeros(H, K, V, dtype=self.dtype, device=self.device),
+                        torch.eye(K, dtype=self.dtype, device=self.device).expand(H, K, K))
+        maps = torch.cat([t.to(self.dtype) for t in tail_map], dim=-1).unsqueeze(0)
+        gathered = all_gather_padded(maps, [1] * self.split.num_ranks, self.group)
+        S_all, self.M_all = gathered[..., :V], gathered[..., V:]
+        chain = self.split.state_chain(self.rank)
+        if not chain:
+            return None
+        S = torch.zeros(H, K, V, dtype=self.dtype, device=self.device)
+        for j in chain:
+            S = self.M_all[j] @ S + S_all[j]
+        return S
+
+    def backward(self, head_grad):
+        """dS_ext of this rank's first sequence (None: it starts here) -> its last sequence's final-state
+        gradient T (None: no later rank reads that state)."""
+        if head_grad is None:
+            head_grad = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+        dS_all = all_gather_padded(head_grad.to(self.dtype).unsqueeze(0), [1] * self.split.num_ranks, self.group)
+        later = self.split.later_chain(self.rank)
+        if not later:
+            return None
+        T = torch.zeros_like(head_grad, dtype=self.dtype)
+        for j in reversed(later):
+            T = dS_all[j] + (self.M_all[j].mT @ T if self.split.spans(j) else 0)
+        return T
+
+
 class _TerminalStateGrad(torch.autograd.Function):
-    """(o, final states of the local sequences) -> o. Backward: the KCP exchange (module docstring) gives the
-    final state of this rank's last sequence its gradient T. Every rank reaches it in training (o requires grad),
-    so every rank issues its collective."""
+    """(o, final states of the local sequences) -> o. Backward: the exchange gives the final state of this rank's
+    last sequence its gradient T. Every rank reaches it in training (o requires grad), so every rank issues its
+    collective. (The Triton route does this inside `kda_triton_exchange`.)"""
 
     @staticmethod
-    def forward(ctx, o, final, M_all, q, k, v, g, beta, split, rank, group, options):
-        ctx.split, ctx.rank, ctx.group, ctx.options = split, rank, group, options
-        ctx.n_seqs = final.shape[0]
-        ctx.save_for_backward(M_all, q, k, v, g, beta)
+    def forward(ctx, o, final, exchange, options, *head):
+        ctx.exchange, ctx.options, ctx.n_seqs = exchange, options, final.shape[0]
+        ctx.save_for_backward(*head)
         return o.view_as(o)
 
     @staticmethod
     def backward(ctx, do):
-        M_all, *head = ctx.saved_tensors
-        split, rank = ctx.split, ctx.rank
-        _, H, K, _ = M_all.shape
-        if split.continues_from(rank):
-            dS_ext = kda_initial_state_grad(*head, do[:, :head[0].shape[1]], **ctx.options)[0].to(M_all.dtype)
-        else:
-            dS_ext = M_all.new_zeros(H, K, do.shape[-1])
-        dS_all = all_gather_padded(dS_ext.unsqueeze(0), [1] * split.num_ranks, ctx.group)
-        later = split.later_chain(rank)
-        if not later:
-            return (do, *[None] * 11)
-        T = torch.zeros_like(dS_ext)
-        for j in reversed(later):  # terminal gradient of this rank's last sequence
-            T = dS_all[j] + (M_all[j].mT @ T if split.spans(j) else 0)
+        head = ctx.saved_tensors
+        exchange = ctx.exchange
+        dS_ext = None
+        if exchange.head_continues:
+            dS_ext = kda_initial_state_grad(*head, do[:, :head[0].shape[1]], **ctx.options)[0]
+        T = exchange.backward(dS_ext)
+        if T is None:
+            return (do, *[None] * (3 + len(head)))
         d_final = T.new_zeros(ctx.n_seqs, *T.shape)
         d_final[-1] = T
-        return (do, d_final, *[None] * 10)
-
-
-def _initial_state(k, v, g, beta, split: SequenceSplit, rank: int, group, backend: str, gate_min):
-    """Forward exchange (module docstring): this rank's initial state S_0 [H,K,V] and every rank's M [R,H,K,K],
-    fp32 (fp64 for fp64 inputs). Collective; no autograd."""
-    _, _, H, K = k.shape
-    V = v.shape[-1]
-    acc = torch.float64 if k.dtype == torch.float64 else torch.float32
-    with torch.no_grad():
-        if split.continues_to(rank):
-            a = split.tail_start(rank)
-            S_ext, M = kda_transition(k[:, a:], v[:, a:], g[:, a:], beta[:, a:], backend=backend, gate_min=gate_min)
-            S_ext, M = S_ext[0], M[0]
-        else:
-            S_ext = k.new_zeros(H, K, V, dtype=acc)
-            M = torch.eye(K, dtype=acc, device=k.device).expand(H, K, K)
-        gathered = all_gather_padded(torch.cat([S_ext, M], dim=-1).unsqueeze(0), [1] * split.num_ranks, group)
-    S_all, M_all = gathered[..., :V], gathered[..., V:]
-    S = torch.zeros_like(S_ext)
-    for j in split.state_chain(rank):
-        S = M_all[j] @ S + S_all[j]
-    return S, M_all
+        return (do, d_final, *[None] * (2 + len(head)))
 
 
 def kcp_kda(q, k, v, g, beta, split: SequenceSplit, rank: int, group, *, scale=None, backend: str = "auto",
-            gate_min: float | None = None):
+            gate_min: float | None = None, piece: int | None = None):
     """KDA over this rank's tokens of a packed stream: q, k, g [1,L,H,K], v [1,L,H,V], beta [1,L,H] (activated, as
-    `openk3.ops.kda.kda` takes them) -> o [1,L,H,V]. Collective over `group`, forward and backward."""
+    `openk3.ops.kda.kda` takes them) -> o [1,L,H,V]. Collective over `group`, forward and backward. On Triton the
+    exchanges run inside the layer's kernels (`kda_triton_exchange`; `piece`: tokens per piece of their passes)."""
     backend = resolve_backend(backend, k.device, k.shape[1])
-    S0, M_all = _initial_state(k, v, g, beta, split, rank, group, backend, gate_min)
+    H, K, V = k.shape[2], k.shape[3], v.shape[-1]
+    acc = torch.float64 if k.dtype == torch.float64 and backend != "triton" else torch.float32
+    exchange = _Exchange(split, rank, group, (H, K, V), acc, k.device)
     cu = split.local_cu_seqlens(rank)
-    initial = torch.cat([S0.unsqueeze(0), S0.new_zeros(len(cu) - 2, *S0.shape)])
+    if backend == "triton":
+        from openk3.ops.kda.triton.exchange import kda_triton_exchange
+
+        return kda_triton_exchange(q, k, v, g, beta, cu, exchange, scale=scale, gate_min=gate_min, piece=piece)
+    with torch.no_grad():
+        tail = None
+        if exchange.tail_continues:
+            a = split.tail_start(rank)
+            S_ext, M = kda_transition(k[:, a:], v[:, a:], g[:, a:], beta[:, a:], backend=backend, gate_min=gate_min)
+            tail = (S_ext[0], M[0])
+        S0 = exchange.forward(tail)
+    initial = torch.zeros(len(cu) - 1, H, K, V, dtype=acc, device=k.device)
+    if S0 is not None:
+        initial[0] = S0
     o, final = kda(q, k, v, g, beta, scale=scale, initial_state=initial,
                    cu_seqlens=torch.tensor(cu), output_final_state=True,  # on the host: no synchronisation
                    backend=backend, gate_min=gate_min)
     if not o.requires_grad:  # no backward (evaluation), so no backward exchange
         return o
     # the tokens of this rank's first local sequence, for its initial-state gradient (none when it starts here)
-    head = [x[:, :cu[1]] if split.continues_from(rank) else None for x in (q, k, v, g, beta)]
+    head = [x[:, :cu[1]] for x in (q, k, v, g, beta)] if exchange.head_continues else []
     options = dict(scale=scale, backend=backend, gate_min=gate_min)
-    return _TerminalStateGrad.apply(o, final, M_all, *head, split, rank, group, options)
+    return _TerminalStateGrad.apply(o, final, exchange, options, *head)
 
 
 def kda_layer_forward(layer, x: torch.Tensor, split: SequenceSplit, rank: int, group) -> torch.Tensor:

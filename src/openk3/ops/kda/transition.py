@@ -114,7 +114,7 @@ def _cut(lengths: list[int], size: int) -> tuple[list[int], list[int]]:
     return cu, counts
 
 
-def _compose_pieces(maps: torch.Tensor, counts: list[int], V: int, reverse: bool):
+def compose_pieces(maps: torch.Tensor, counts: list[int], V: int, reverse: bool):
     """maps [pieces, H, K, V + K], each piece's [b | A] (S <- A S + b), pieces of sequence 0 first -> each
     sequence's composed map (A [N, H, K, K], b [N, H, K, V]) in maps' dtype, applied in piece order (last piece
     first with `reverse`); composed in fp64."""
@@ -135,7 +135,7 @@ def _compose_pieces(maps: torch.Tensor, counts: list[int], V: int, reverse: bool
     return A.to(maps.dtype), b.to(maps.dtype)
 
 
-def _identity_start(n: int, H: int, K: int, V: int, dtype, device) -> torch.Tensor:
+def identity_start(n: int, H: int, K: int, V: int, dtype, device) -> torch.Tensor:
     """[0 | I]: [n, H, K, V + K], zero state columns beside the identity."""
     eye = torch.eye(K, dtype=dtype, device=device).expand(n, H, K, K)
     return torch.cat([eye.new_zeros(n, H, K, V), eye], dim=-1)
@@ -239,7 +239,7 @@ def kda_transition(
     acc = _acc(k.dtype)
     if torch.is_grad_enabled() and any(x.requires_grad for x in (k, v, g, beta)):
         values = torch.cat([v, v.new_zeros(B, T, H, K)], dim=-1)  # [v | 0]
-        start = _identity_start(B, H, K, V, acc, k.device)
+        start = identity_start(B, H, K, V, acc, k.device)
         _, final = kda(k, k, values, g, beta, initial_state=start, output_final_state=True, backend=name,  # q: unused
                        gate_min=gate_min)
         return final[..., :V], final[..., V:]
@@ -247,13 +247,13 @@ def kda_transition(
 
     size = piece_tokens([T] * B, H) if piece is None else _checked_piece(piece)
     if size is None or size >= T:  # one chain per row
-        final = kda_final_state_triton(k, v, g, beta, initial_state=_identity_start(B, H, K, V, acc, k.device),
+        final = kda_final_state_triton(k, v, g, beta, initial_state=identity_start(B, H, K, V, acc, k.device),
                                        gate_min=gate_min)  # values [v | 0]
         return final[..., :V], final[..., V:]
     pieces, cu, counts = _as_pieces([k, v, g, beta], [T] * B, size, packed=False)
-    start = _identity_start(sum(counts), H, K, V, acc, k.device)
+    start = identity_start(sum(counts), H, K, V, acc, k.device)
     final = kda_final_state_triton(*pieces, initial_state=start, cu_seqlens=cu, gate_min=gate_min)
-    M, S = _compose_pieces(final, counts, V, reverse=False)
+    M, S = compose_pieces(final, counts, V, reverse=False)
     return S, M
 
 
@@ -293,10 +293,10 @@ def kda_initial_state_grad(
             return initial_state_grad_triton(q, k, v, g, beta, do, scale=scale, cu_seqlens=cu_seqlens,
                                              gate_min=gate_min)
         pieces, cu, counts = _as_pieces([q, k, v, g, beta, do], lengths, size, packed=cu_seqlens is not None)
-        dht = _identity_start(sum(counts), H, K, V, torch.float32, k.device)
+        dht = identity_start(sum(counts), H, K, V, torch.float32, k.device)
         maps = initial_state_grad_triton(*pieces, scale=scale, cu_seqlens=cu, gate_min=gate_min,
                                          final_state_grad=dht)  # [Y | M^T] per piece
-        return _compose_pieces(maps, counts, V, reverse=True)[1]
+        return compose_pieces(maps, counts, V, reverse=True)[1]
     h0 = torch.zeros(N, H, K, V, dtype=_acc(k.dtype), device=k.device, requires_grad=True)
     with torch.enable_grad():
         o, _ = kda(*(x.detach() for x in (q, k, v, g, beta)), scale=scale, initial_state=h0,
@@ -306,4 +306,4 @@ def kda_initial_state_grad(
 
 
 __all__ = ["kda_transition", "kda_initial_state_grad", "kda_transition_chunked", "kda_transition_reference",
-           "compose_maps", "piece_tokens"]
+           "compose_maps", "compose_pieces", "identity_start", "piece_tokens"]

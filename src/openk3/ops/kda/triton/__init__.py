@@ -6,7 +6,8 @@ optionally recording the state after each token for rollback), with their states
 `kda_activations` turns raw projections and gate logits into kda_triton's inputs in one pass;
 `kda_triton_fused` does the same inside the chunk kernels; `initial_state_grad_triton` is the
 reverse state pass alone (KCP's backward exchange), `kda_final_state_triton` the forward's state recurrence
-alone (its forward exchange).
+alone (its forward exchange); `exchange.kda_triton_exchange` runs the chunk kernels with KCP's exchanges between
+them, from the layer's own chunk terms.
 """
 
 from openk3.ops.kda.triton.activations import kda_activations, kda_activations_reference

@@ -443,9 +443,12 @@ def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, la
     None), with `save_states` what the backward reads (hs, pvs, W, QG, KG, AQK, GC, PT, RN: the per-chunk
     states, the pseudo-values, the chunk terms but U and the pair terms, `pair_terms`; else None) and the
     checkpoint states (`state_pass`). With fused activations in `gate`, g and beta are the gate and beta logits
-    and q, k are not yet normalised."""
+    and q, k are not yet normalised. `initial_state` may also be a function of the chunk terms that returns it
+    (or None), called between the two kernels (a state exchange: exchange.py)."""
     pairs = pair_terms(q, lay.n_chunks) if save_states else None
     terms = prepare(q, k, v, g, beta, scale, lay, gate, pairs=pairs)
+    if callable(initial_state):
+        initial_state = initial_state(terms)
     o, ht, saved, ckpt = state_pass(terms, v, q.dtype, initial_state, output_final_state, lay, save_states,
                                     checkpoints)
     if saved is not None:  # the backward's reverse pass reads the chunk terms but U, its intra pass the pairs
