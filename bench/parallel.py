@@ -25,10 +25,11 @@ Timing: CUDA events, median of --iters steps after --warmup (the first compiles 
 Markdown tables and writes the JSON to --out. About 3 minutes on 2 H200s (budget: < 8 minutes).
 --exchange (one GPU, no torchrun; --tokens are tokens per rank here): KCP's own work on a rank of T tokens of one
 document, the forward transition (`kda_transition`, no grad) and the backward's initial-state gradient
-(`kda_initial_state_grad`), each as one chain and cut into pieces (the default), beside the plain layer's fwd+bwd
-at T and 2T tokens; GPU time with the host queued ahead (a sleep kernel first), so host overhead is not counted.
-The 2-GPU step is at least the layer at T plus both (rank 0's transition precedes rank 1's forward, rank 1's
-initial-state gradient rank 0's backward): predicted speedup = layer(2T) / (layer(T) + transition + gradient),
+(`kda_initial_state_grad`), each as one chain, cut into pieces, and in pieces from the layer's own chunk terms
+(what KCP runs on Triton, `kda_triton_exchange`), beside the plain layer's fwd+bwd at T and 2T tokens; GPU time
+with the host queued ahead (a sleep kernel first), so host overhead is not counted. The 2-GPU step is at least
+the layer at T plus both (rank 0's transition precedes rank 1's forward, rank 1's initial-state gradient rank 0's
+backward): predicted speedup = layer(2T) / (layer(T) + transition + gradient),
 communication aside. Writes bench/kcp_exchange.json (about 1 minute).
 """
 
@@ -170,6 +171,10 @@ def queued_ms(fn, iters: int) -> float:
 
 def bench_exchange(cfg, tokens: int, args) -> dict:
     """--exchange (module docstring): one GPU, `tokens` per rank."""
+    from openk3.ops.kda.triton.chunk_fwd import chunk_kda_fwd, gate_spec, prepare
+    from openk3.ops.kda.triton.exchange import first_sequence_state_grad, last_sequence_map
+    from openk3.ops.kda.triton.layout import chunk_layout
+
     torch.manual_seed(0)
     device = torch.device("cuda")
     layer = KimiDeltaAttention(cfg, 0).to(device)
@@ -189,8 +194,17 @@ def bench_exchange(cfg, tokens: int, args) -> dict:
                 lambda p=piece: kda_transition(k, v, g, beta, piece=p, **gate), args.iters)
             row[f"state grad {name} ms"] = queued_ms(
                 lambda p=piece: kda_initial_state_grad(q, k, v, g, beta, do, piece=p, **gate), args.iters)
+        # what KCP runs on Triton: the same from the layer's own chunk terms (kda_triton_exchange)
+        flat = [x[0].contiguous() for x in (q, k, v, g, beta, do)]
+        lay, spec, scale = chunk_layout(1, tokens, None, device), gate_spec(layer.gate_min()), K**-0.5
+        terms = prepare(*flat[:5], scale, lay, spec)
+        saved = chunk_kda_fwd(*flat[:5], scale, None, False, lay, True, spec)[2]
+        row["transition in the kernels ms"] = queued_ms(
+            lambda: last_sequence_map(terms, flat[2], [0, tokens], q.dtype, None), args.iters)
+        row["state grad in the kernels ms"] = queued_ms(
+            lambda: first_sequence_state_grad(saved, flat[5], [0, tokens], q.dtype, None), args.iters)
     row["piece_tokens"] = piece_tokens([tokens], H)
-    for name in ("one chain", "pieces"):
+    for name in ("one chain", "pieces", "in the kernels"):
         rank_ms = row["layer_ms"] + row[f"transition {name} ms"] + row[f"state grad {name} ms"]
         row[f"predicted speedup {name}"] = row["layer_2x_ms"] / rank_ms
     return row
@@ -200,13 +214,15 @@ def run_exchange(cfg, args) -> None:
     rows = [bench_exchange(cfg, t, args) for t in args.tokens]
     print(f"\nKCP's exchange on one GPU ({torch.cuda.get_device_name()}): one {cfg.name} KDA layer "
           f"({cfg.kda.num_heads} heads), one document, T tokens per rank; ms\n")
-    print("| T per rank | layer at T | layer at 2T | transition: one chain / pieces | state grad: one chain / pieces "
-          "| predicted 2-GPU speedup: one chain / pieces |\n|---|---|---|---|---|---|")
+    ways = ("one chain", "pieces", "in the kernels")
+    print("| T per rank | layer at T | layer at 2T | transition | state grad | predicted 2-GPU speedup |\n"
+          "|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['tokens_per_rank']:,} | {r['layer_ms']:.2f} | {r['layer_2x_ms']:.2f} | "
-              f"{r['transition one chain ms']:.2f} / {r['transition pieces ms']:.2f} | "
-              f"{r['state grad one chain ms']:.2f} / {r['state grad pieces ms']:.2f} | "
-              f"{r['predicted speedup one chain']:.2f}x / {r['predicted speedup pieces']:.2f}x |")
+        cells = [" / ".join(f"{r[f'{what} {w} ms']:.2f}" for w in ways) for what in ("transition", "state grad")]
+        speedups = " / ".join(f"{r[f'predicted speedup {w}']:.2f}x" for w in ways)
+        print(f"| {r['tokens_per_rank']:,} | {r['layer_ms']:.2f} | {r['layer_2x_ms']:.2f} | {cells[0]} | {cells[1]} | "
+              f"{speedups} |")
+    print(f"\n(each: {' / '.join(ways)}; 'in the kernels': from the layer's own chunk terms, as KCP runs on Triton)")
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
               "rows": rows}
     with open(args.out, "w") as f:
