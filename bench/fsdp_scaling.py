@@ -4,17 +4,20 @@ per GPU.
 
     python bench/fsdp_scaling.py [--gpus 2] [--layouts fsdp cp ep] [--preset k3-debug] [--steps 20]
                                  [--batch-size 8] [--seq-len 4096] [--optimizer adamw] [--smoke]
-                                 [--json bench/train_gpu.json]
+                                 [--json bench/train_gpu.json] [--key fsdp]
+    python bench/fsdp_scaling.py --gpus 8 --layouts cp=2,ep=4 --steps 50 --key combined   # FSDP2 x CP x EP
 
 Every run is a real process: `python -m openk3 train` alone, then under `torchrun --standalone --nproc-per-node
 N` once per layout: fsdp (FSDP2 data parallel; `--batch-size` is the global batch, so each GPU takes batch / N
 sequences), cp (`--cp N`: one packed stream split over the GPUs, KDA context parallel) and ep (`--ep N`: data
-parallel with the experts split over the GPUs, balanced planner). Each writes
+parallel with the experts split over the GPUs, balanced planner); `cp=C,ep=E` (either may be left out) combines
+them: C-rank context-parallel groups, E-rank expert groups, data parallel over what remains. Each writes
 metrics.jsonl (per step: loss and the global batch's tokens/s); tokens/s is the median over the steps after the
-first three (compilation and allocator warm-up). The result goes under the key "fsdp" of the JSON file (other keys
-kept: by default bench/train_gpu.json, beside bench/train.py's rows): one row per run with `gpus`, `tokens_per_s`,
-`tokens_per_s_per_gpu`, `loss_max_abs_diff_vs_1gpu` (over all steps), and the scaling efficiency (per-GPU rate
-with N GPUs over the 1-GPU rate). `--smoke` runs the same on the CPU (gloo, k3-tiny, 4 steps) to check the script.
+first three (compilation and allocator warm-up). The result goes under the key --key (default "fsdp") of the JSON
+file (other keys kept: by default bench/train_gpu.json, beside bench/train.py's rows): one row per run with
+`gpus`, `tokens_per_s`, `tokens_per_s_per_gpu`, `loss_max_abs_diff_vs_1gpu` (over all steps), and the scaling
+efficiency (per-GPU rate with N GPUs over the 1-GPU rate). `--smoke` runs the same on the CPU (gloo, k3-tiny,
+4 steps) to check the script.
 """
 
 from __future__ import annotations
@@ -35,6 +38,20 @@ WARMUP_STEPS = 3
 LAYOUT_FLAGS = {"fsdp": [], "cp": ["--cp"], "ep": ["--ep"]}
 
 
+def layout_args(layout: str, gpus: int) -> list[str]:
+    """`openk3 train`'s flags for a layout: fsdp, cp or ep over all the GPUs, or `cp=C,ep=E` (groups of C and E
+    ranks; either part may be left out). Raises ValueError for anything else or sizes that do not divide `gpus`."""
+    if layout in LAYOUT_FLAGS:
+        return [a for flag in LAYOUT_FLAGS[layout] for a in (flag, str(gpus))]
+    flags = []
+    for part in layout.split(","):
+        name, _, size = part.partition("=")
+        if name not in ("cp", "ep") or not size.isdigit() or int(size) < 1 or gpus % int(size):
+            raise ValueError(f"layout {layout!r}: expected fsdp, cp, ep or cp=C,ep=E with C and E dividing {gpus}")
+        flags += [f"--{name}", size]
+    return flags
+
+
 def train_command(args: argparse.Namespace, out: Path, gpus: int, layout: str) -> list[str]:
     train = ["-m", "openk3", "train", "--preset", args.preset, "--max-steps", str(args.steps), "--seed", "7",
              "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--optimizer", args.optimizer,
@@ -42,9 +59,8 @@ def train_command(args: argparse.Namespace, out: Path, gpus: int, layout: str) -
              "--device", "cpu" if args.smoke else "cuda", *(["--lr", str(args.lr)] if args.lr else [])]
     if gpus == 1:
         return [sys.executable, *train]
-    layout_args = [a for flag in LAYOUT_FLAGS[layout] for a in (flag, str(gpus))]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}", *train,
-            *layout_args]
+            *layout_args(layout, gpus)]
 
 
 def run(args: argparse.Namespace, gpus: int, workdir: Path, layout: str) -> dict:
@@ -74,8 +90,9 @@ def run(args: argparse.Namespace, gpus: int, workdir: Path, layout: str) -> dict
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gpus", type=int, default=2, help="processes (GPUs) of the parallel runs")
-    ap.add_argument("--layouts", nargs="+", default=list(LAYOUT_FLAGS), choices=list(LAYOUT_FLAGS),
-                    help="parallel layouts to run on --gpus GPUs, each against the 1-GPU run")
+    ap.add_argument("--layouts", nargs="+", default=list(LAYOUT_FLAGS),
+                    help="parallel layouts to run on --gpus GPUs, each against the 1-GPU run: fsdp, cp, ep (each "
+                         "over all the GPUs) or cp=C,ep=E (FSDP2 x CP x EP)")
     ap.add_argument("--preset", default=None, help="model preset (default k3-debug; k3-tiny with --smoke)")
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps (default 20; 4 with --smoke)")
     ap.add_argument("--batch-size", type=int, default=None, help="global batch (default 8; 4 with --smoke)")
@@ -87,8 +104,14 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=480.0, help="seconds each run may take")
     ap.add_argument("--smoke", action="store_true", help="the same on the CPU (gloo) at toy sizes")
     ap.add_argument("--json", default=str(Path(__file__).resolve().parent / "train_gpu.json"),
-                    help="JSON file whose 'fsdp' key gets the result (the file's other keys are kept)")
+                    help="JSON file whose --key key gets the result (the file's other keys are kept)")
+    ap.add_argument("--key", default="fsdp", help="the JSON key of this result (default fsdp)")
     args = ap.parse_args()
+    for layout in args.layouts:
+        try:
+            layout_args(layout, args.gpus)
+        except ValueError as err:
+            ap.error(str(err))
     toy = args.smoke
     for key, full, small in (("preset", "k3-debug", "k3-tiny"), ("steps", 20, 4), ("batch_size", 8, 4),
                              ("seq_len", 4096, 64), ("lr", 3e-4, None)):
@@ -124,11 +147,11 @@ def main() -> None:
                                               for r in rows) + " |")
     path = Path(args.json)
     data = json.loads(path.read_text()) if path.exists() else {}
-    data["fsdp"] = {"preset": args.preset, "steps": args.steps, "batch_size": args.batch_size,
+    data[args.key] = {"preset": args.preset, "steps": args.steps, "batch_size": args.batch_size,
                     "seq_len": args.seq_len, "optimizer": args.optimizer, "lr": args.lr, "smoke": toy,
                     "date": time.strftime("%Y-%m-%d"), "rows": rows}
     path.write_text(json.dumps(data, indent=1))
-    print(f"wrote {path} (key 'fsdp')")
+    print(f"wrote {path} (key {args.key!r})")
     if any(r["failed"] for r in rows):
         raise SystemExit(1)
 

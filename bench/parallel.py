@@ -1,6 +1,7 @@
 """Scale-out on GPUs: KDA context parallel and expert parallel against one GPU (NCCL, one process per GPU).
 
     torchrun --nproc-per-node 2 bench/parallel.py [--out bench/parallel.json] [--tokens 131072 262144]
+                                                  [--experts 32] [--top-k 4]
     torchrun --nproc-per-node 2 bench/parallel.py --smoke    # CPU (gloo) at tiny sizes: checks the script runs
     torchrun --nproc-per-node 2 bench/parallel.py --shared-gpu   # one GPU: the checks alone, every rank on GPU 0
     python bench/parallel.py --exchange [--tokens 65536 131072]   # one GPU: what KCP adds to a rank's step
@@ -9,12 +10,12 @@ KCP: one k3-debug KDA layer (hidden 1024, 8 heads x 128, conv 4; fp32 weights un
 `openk3 train` runs on a GPU), forward + backward over one document of T tokens: on GPU 0 alone (the plain layer:
 Triton KDA kernels), then split over all GPUs (KCP, T / world tokens each). tokens/s = T / step time (KCP: the
 slowest rank's); peak = torch.cuda.max_memory_allocated per GPU (weights, input and activations of the step).
-EP: one k3-debug LatentMoE layer (32 experts top-4, latent 512, expert hidden 512), forward + backward of S tokens
-per GPU: EP=1 (every GPU holds all experts and routes its own tokens: data parallel, no communication) against
-EP=world (32 / world experts per GPU, all_to_all dispatch and combine) with the balanced (MoonEP) and the static
-planner, under the random router's natural routing and with one hot expert that every token picks (half of all
-token-expert rows). tokens/s per GPU = S / step time (the slowest rank's); rows = the most token-expert rows one
-GPU computed.
+EP: one k3-debug LatentMoE layer (32 experts top-4 unless --experts / --top-k say otherwise, latent 512, expert
+hidden 512), forward + backward of S tokens per GPU: EP=1 (every GPU holds all experts and routes its own tokens:
+data parallel, no communication) against EP=world (experts / world per GPU, all_to_all dispatch and combine) with
+the balanced (MoonEP) and the static planner, under the random router's natural routing and with one hot expert
+that every token picks (1 / top-k of all token-expert rows, all on that expert's home rank without replicas).
+tokens/s per GPU = S / step time (the slowest rank's); rows = the most token-expert rows one GPU computed.
 Checks first (issue 14's equalities on NCCL with the Triton backend, bf16 autocast): the KDA and MLA layers under
 CP against the plain layer run on each document alone, on a packed stream of --check-tokens tokens in three
 layouts (a document across the rank boundary at an odd position, a document boundary exactly on a rank boundary,
@@ -342,6 +343,8 @@ def main() -> None:
     parser.add_argument("--check-tol", type=float, default=2e-2,
                         help="relative RMS error allowed in the checks (bf16 autocast against the same in one process)")
     parser.add_argument("--checks-only", action="store_true", help="the equality checks without the timings")
+    parser.add_argument("--experts", type=int, help="routed experts of the k3-debug variant (default 32)")
+    parser.add_argument("--top-k", type=int, help="experts per token of the k3-debug variant (default 4)")
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--smoke", action="store_true", help="CPU, gloo, k3-tiny sizes: checks the script runs")
@@ -379,6 +382,10 @@ def main() -> None:
         device = torch.device("cuda", 0 if args.shared_gpu else int(os.environ.get("LOCAL_RANK", rank)))
         torch.cuda.set_device(device)
         cfg = get_preset("k3-debug")
+        moe = {key: value for key, value in (("num_experts", args.experts), ("top_k", args.top_k)) if value}
+        cfg = cfg.with_overrides({"moe": moe}) if moe else cfg
+        if cfg.moe.num_experts % world:
+            raise SystemExit(f"bench/parallel.py: {cfg.moe.num_experts} experts do not split over {world} ranks")
     started = time.perf_counter()
     checks = run_checks(cfg, args, rank, world, device)
     timings = not (args.checks_only or args.shared_gpu)
