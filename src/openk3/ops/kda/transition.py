@@ -85,10 +85,13 @@ def piece_tokens(lengths: list[int], H: int) -> int | None:
     return -(-longest // (64 * pieces)) * 64 if pieces > 1 else None
 
 
-def _checked_piece(piece) -> int:
-    if isinstance(piece, bool) or not isinstance(piece, int) or piece < 1:
+def piece_size(lengths: list[int], H: int, piece: int | None = None) -> int | None:
+    """The piece size to cut these sequences into: `piece` (a positive number of tokens) or `piece_tokens`'s
+    choice; None when no sequence would be cut (one chain each)."""
+    if piece is not None and (isinstance(piece, bool) or not isinstance(piece, int) or piece < 1):
         raise ValueError(f"piece must be a positive number of tokens, got {piece!r}")
-    return piece
+    size = piece_tokens(lengths, H) if piece is None else piece
+    return None if size is None or size >= max(lengths, default=0) else size
 
 
 def _as_pieces(xs: list[torch.Tensor], lengths: list[int], size: int, packed: bool):
@@ -245,8 +248,8 @@ def kda_transition(
         return final[..., :V], final[..., V:]
     from openk3.ops.kda.triton import kda_final_state_triton
 
-    size = piece_tokens([T] * B, H) if piece is None else _checked_piece(piece)
-    if size is None or size >= T:  # one chain per row
+    size = piece_size([T] * B, H, piece)
+    if size is None:  # one chain per row
         final = kda_final_state_triton(k, v, g, beta, initial_state=identity_start(B, H, K, V, acc, k.device),
                                        gate_min=gate_min)  # values [v | 0]
         return final[..., :V], final[..., V:]
@@ -288,8 +291,8 @@ def kda_initial_state_grad(
         from openk3.ops.kda.triton import initial_state_grad_triton
 
         lengths = [T] * B if cu_seqlens is None else cu_seqlens.diff().tolist()
-        size = piece_tokens(lengths, H) if piece is None else _checked_piece(piece)
-        if size is None or size >= max(lengths, default=0):
+        size = piece_size(lengths, H, piece)
+        if size is None:
             return initial_state_grad_triton(q, k, v, g, beta, do, scale=scale, cu_seqlens=cu_seqlens,
                                              gate_min=gate_min)
         pieces, cu, counts = _as_pieces([q, k, v, g, beta, do], lengths, size, packed=cu_seqlens is not None)
@@ -306,4 +309,4 @@ def kda_initial_state_grad(
 
 
 __all__ = ["kda_transition", "kda_initial_state_grad", "kda_transition_chunked", "kda_transition_reference",
-           "compose_maps", "compose_pieces", "identity_start", "piece_tokens"]
+           "compose_maps", "compose_pieces", "identity_start", "piece_size", "piece_tokens"]

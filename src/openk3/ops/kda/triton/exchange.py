@@ -25,7 +25,7 @@ from typing import Protocol
 import torch
 
 from openk3.ops.kda import _check_options, check_kda_inputs
-from openk3.ops.kda.transition import compose_pieces, identity_start, piece_tokens
+from openk3.ops.kda.transition import compose_pieces, identity_start, piece_size
 from openk3.ops.kda.triton.chunk_bwd import chunk_kda_bwd, reverse_pass
 from openk3.ops.kda.triton.chunk_fwd import chunk_kda_fwd, gate_spec, state_block, state_pass
 from openk3.ops.kda.triton.layout import CHUNK, ChunkLayout, chunk_layout
@@ -56,18 +56,13 @@ def _span_layout(bounds: list[int], start: int, end: int, piece: int, device) ->
     return dataclasses.replace(lay, chunk_offsets=lay.chunk_offsets + before), len(cuts) - 1
 
 
-def _piece_size(n: int, H: int, piece: int | None) -> int:
-    size = piece_tokens([n], H) if piece is None else piece
-    return n if size is None or size >= n else size
-
-
 def last_sequence_map(terms, v, bounds: list[int], dtype, piece: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(S_ext, M) of the row's last sequence from the prepare kernel's terms (flat v [T,H,V]; `dtype`: q's, which
     set the terms' precision): each piece's state-only pass from [0 | I] (values [v | 0]), composed."""
     T, H, K = terms[0].shape
     V = v.shape[-1]
     start = bounds[-2]
-    lay, n = _span_layout(bounds, start, T, _piece_size(T - start, H, piece), v.device)
+    lay, n = _span_layout(bounds, start, T, piece_size([T - start], H, piece) or T - start, v.device)
     maps = state_pass(terms, v, dtype, identity_start(n, H, K, V, torch.float32, v.device), True, lay, False,
                       with_output=False)[1]
     M, S = compose_pieces(maps, [n], V, reverse=False)
@@ -81,7 +76,7 @@ def first_sequence_state_grad(saved, do, bounds: list[int], dtype, piece: int | 
     W, QG, KG, AQK, GC = saved[2:7]
     T, H, K = W.shape
     V = do.shape[-1]
-    lay, n = _span_layout(bounds, 0, bounds[1], _piece_size(bounds[1], H, piece), do.device)
+    lay, n = _span_layout(bounds, 0, bounds[1], piece_size([bounds[1]], H, piece) or bounds[1], do.device)
     dht = identity_start(n, H, K, V, torch.float32, do.device)
     maps = reverse_pass((W, None, QG, KG, AQK, GC), do, dht, True, lay, state_block(n, H, V + K), dtype,
                         store=False)[2]
