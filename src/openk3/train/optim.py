@@ -16,10 +16,15 @@ magnitudes (a head with large gradients takes the spectrum from the others). One
 an orthogonal update of the same RMS, is more stable at scale, and is cheaper (H small Newton-Schulz iterations
 instead of one large one). Experts likewise: each expert is a separate FFN seen by different tokens.
 
-Speed: the blocks are independent, so one optimizer step stacks every block of the same shape (the heads and
+Speed: the blocks are independent, so one optimizer step copies every block of the same shape (the heads and
 experts of one parameter and of every other parameter with blocks of that shape: all layers' q/k/v heads, all
-layers' experts) and runs one batched Newton-Schulz chain per shape (`muon_updates`), in bf16 on CUDA and fp32
-on CPU. `muon_update_reference` is the plain per-block loop it must equal.
+layers' experts) into one batch, cast to bf16 on CUDA (fp32 on CPU) on the way, and runs one batched
+Newton-Schulz chain per shape (`BlockBatches`). Each parameter then takes its part of the batch in place,
+through its block view, so no update is transposed, cast or scaled in a pass of its own (the RMS scale rides on
+the last iteration). On a GPU the elementwise work is two Triton launches over all Muon parameters
+(`ops.triton_muon`: momentum + Nesterov update written into the batches; weight decay + update), elsewhere (CPU,
+FSDP2's DTensors) multi-tensor PyTorch passes. `muon_update_reference` is the plain per-block loop the batched
+form must equal.
 
 AdamW (betas 0.9/0.95) takes embeddings, the LM head, norms, every 1-D parameter, KDA's A_log and dt_bias, and
 depthwise conv kernels. The router's `e_score_correction_bias` is a buffer, not a parameter: no optimizer sees it
@@ -32,10 +37,13 @@ FSDP2: parameters are DTensors sharded on dim 0; a block can straddle shards, so
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 from torch import nn
 from torch.optim.adamw import adamw
+
+from openk3.ops.fused import triton_available
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
 NS_STEPS = 5
@@ -45,23 +53,33 @@ ADAM_BETAS = (0.9, 0.95)
 ADAM_EPS = 1e-8
 
 
+def _newton_schulz_batch(x: torch.Tensor, steps: int, scale: float) -> torch.Tensor:
+    """The quintic iteration on a batch [N, r, c] in x's dtype; x is normalised in place first (norms in fp32,
+    so spectral norm <= Frobenius norm <= 1), and the last iteration's output is multiplied by `scale`.
+
+    Each step forms the r x r polynomial P = a I + b A + c A^2 (A = x x^T) and then x <- P x, one product with
+    no accumulate input: x a + (b A + c A A) x as one GEMM would first copy x into its output. A tall batch
+    (r > c) iterates on its c x c Gram matrix, x <- x P with A = x^T x: the transpose of the same step, so tall
+    blocks are never transposed in memory."""
+    a, b, c = NS_COEFFS
+    norms = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True, dtype=torch.float32)
+    x.mul_((1 / (norms + 1e-7)).to(x.dtype))
+    tall = x.shape[-2] > x.shape[-1]
+    for step in range(steps):  # three batched matmuls a step
+        s = scale if step == steps - 1 else 1.0
+        A = torch.bmm(x.mT, x) if tall else torch.bmm(x, x.mT)
+        P = torch.baddbmm(A, A, A, beta=b * s, alpha=c * s)
+        P.diagonal(dim1=-2, dim2=-1).add_(a * s)
+        x = torch.bmm(x, P) if tall else torch.bmm(P, x)  # P is symmetric
+    return x
+
+
 def newton_schulz(g: torch.Tensor, steps: int = NS_STEPS, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Approximate orthogonalisation U V^T of each matrix in a batch [..., r, c] (quintic iteration), returned in
-    fp32. The normalisation is fp32; the iteration's matmuls run in `dtype` (bf16 keeps the singular values in
-    the iteration's band, as Muon's reference implementation runs it on GPUs)."""
-    a, b, c = NS_COEFFS
-    x = g.float()
-    tall = x.shape[-2] > x.shape[-1]
-    if tall:
-        x = x.mT
-    x = x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)  # spectral norm <= Frobenius norm <= 1
-    batch = x.shape[:-2]
-    x = x.reshape(-1, *x.shape[-2:]).to(dtype)
-    for _ in range(steps):  # x <- a x + (b A + c A A) x,  A = x x^T: three batched matmuls
-        A = torch.bmm(x, x.mT)
-        x = torch.baddbmm(x, torch.baddbmm(A, A, A, beta=b, alpha=c), x, beta=a)
-    x = x.float().reshape(*batch, *x.shape[-2:])
-    return x.mT if tall else x
+    fp32. The norms are fp32; the iteration's matmuls run in `dtype` (bf16 keeps the singular values in the
+    iteration's band, as Muon's reference implementation runs it on GPUs)."""
+    x = g.reshape(-1, *g.shape[-2:]).to(dtype, copy=True)
+    return _newton_schulz_batch(x, steps, 1.0).float().reshape(g.shape)
 
 
 def parse_head_split(split: str) -> tuple[str, int]:
@@ -73,15 +91,16 @@ def parse_head_split(split: str) -> tuple[str, int]:
 
 
 def to_blocks(t: torch.Tensor, split: str) -> torch.Tensor:
-    """The parameter viewed as a batch of blocks [N, r, c] (see the module docstring)."""
+    """The parameter as a batch of blocks [N, r, c] (see the module docstring): a view of t whatever its strides
+    (only one dimension is split), so writing the blocks writes t."""
     if split == "whole":
         return t.unsqueeze(0)
     if split == "experts":
         return t
     kind, heads = parse_head_split(split)
     if kind == "rows":
-        return t.reshape(heads, t.shape[0] // heads, t.shape[1])
-    return t.reshape(t.shape[0], heads, t.shape[1] // heads).transpose(0, 1)
+        return t.view(heads, t.shape[0] // heads, t.shape[1])
+    return t.view(t.shape[0], heads, t.shape[1] // heads).transpose(0, 1)
 
 
 def from_blocks(blocks: torch.Tensor, split: str, shape: torch.Size) -> torch.Tensor:
@@ -96,7 +115,7 @@ def _rms_scale(block_shape: tuple[int, ...]) -> float:
 
 def muon_update_reference(update: torch.Tensor, split: str) -> torch.Tensor:
     """The specification of one parameter's update (no lr): each block orthogonalised on its own, one after the
-    other, in fp32, scaled by 0.2 sqrt(max(rows, cols)). `muon_updates` is the batched form of the same."""
+    other, in fp32, scaled by 0.2 sqrt(max(rows, cols)). `muon_block_updates` is the batched form of the same."""
     blocks = to_blocks(update, split)
     ortho = torch.stack([newton_schulz(block) for block in blocks])
     return from_blocks(ortho * _rms_scale(blocks.shape), split, update.shape)
@@ -107,24 +126,64 @@ def newton_schulz_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-def muon_updates(updates: list[torch.Tensor], splits: list[str],
-                 dtype: torch.dtype | None = None) -> list[torch.Tensor]:
-    """`muon_update_reference` for many parameters at once: the blocks of all of them are grouped by shape (tall
-    blocks transposed: Newton-Schulz commutes with transposition) and device, and each group is one batched
-    Newton-Schulz chain. dtype: the iteration's (None: by device)."""
+class BlockBatches:
+    """Empty batches, one per block shape and device, that the updates' blocks are written into: `parts[i]` is
+    the i-th update's blocks (`to_blocks(update, split)`'s shape [N_i, r, c]) as a contiguous part of its batch.
+    `orthogonalised()` runs one batched Newton-Schulz chain per batch and returns each update's part of the
+    result (scaled by the RMS factor), in the same order."""
+
+    def __init__(self, block_shapes: list[torch.Size], devices: list[torch.device], dtype: torch.dtype | None = None):
+        groups: dict[tuple, list[int]] = {}
+        for i, (shape, device) in enumerate(zip(block_shapes, devices, strict=True)):
+            groups.setdefault((tuple(shape[1:]), device), []).append(i)
+        self.parts: list[torch.Tensor] = [torch.empty(0)] * len(block_shapes)
+        self._batches = []
+        for (shape, device), members in groups.items():
+            sizes = [block_shapes[i][0] for i in members]
+            batch = torch.empty(sum(sizes), *shape, dtype=dtype or newton_schulz_dtype(device), device=device)
+            self._batches.append((batch, members, sizes))
+            for i, part in zip(members, batch.split(sizes), strict=True):
+                self.parts[i] = part
+
+    def orthogonalised(self) -> list[torch.Tensor]:
+        out = list(self.parts)
+        for batch, members, sizes in self._batches:
+            ortho = _newton_schulz_batch(batch, NS_STEPS, _rms_scale(batch.shape))
+            for i, part in zip(members, ortho.split(sizes), strict=True):
+                out[i] = part
+        return out
+
+
+def muon_block_updates(updates: list[torch.Tensor], splits: list[str],
+                       dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    """`muon_update_reference` for many parameters at once, in block form: for each update its blocks
+    (`to_blocks(update, split)`'s shape) orthogonalised and scaled, in the iteration's dtype (None: by device),
+    as views of one batch per block shape (`BlockBatches`; the blocks are copied in, cast on the way)."""
     blocks = [to_blocks(u, s) for u, s in zip(updates, splits, strict=True)]
-    tall = [b.shape[-2] > b.shape[-1] for b in blocks]
-    wide = [b.mT if t else b for b, t in zip(blocks, tall)]
-    groups: dict[tuple, list[int]] = {}
-    for i, b in enumerate(wide):
-        groups.setdefault((tuple(b.shape[1:]), b.device), []).append(i)
-    out: list[torch.Tensor | None] = [None] * len(blocks)
-    for (shape, device), members in groups.items():
-        stacked = torch.cat([wide[i] for i in members])
-        ortho = newton_schulz(stacked, dtype=dtype or newton_schulz_dtype(device)) * _rms_scale(shape)
-        for i, part in zip(members, ortho.split([wide[i].shape[0] for i in members]), strict=True):
-            out[i] = from_blocks(part.mT if tall[i] else part, splits[i], updates[i].shape)
-    return out
+    batches = BlockBatches([b.shape for b in blocks], [b.device for b in blocks], dtype)
+    for part, b in zip(batches.parts, blocks, strict=True):
+        part.copy_(b)
+    return batches.orthogonalised()
+
+
+def _cols_heads(split: str) -> int:
+    """H for a "cols:H" split (whose blocks reorder the parameter's elements), 1 for every other split."""
+    return parse_head_split(split)[1] if split.startswith("cols:") else 1
+
+
+def _fused_muon_blocker(params: list[torch.Tensor], grads: list[torch.Tensor], bufs: list[torch.Tensor]) -> str | None:
+    """Why Muon's elementwise passes cannot run as the Triton kernels of `ops.triton_muon`, or None when they can:
+    plain contiguous CUDA tensors of one dtype a list (CPU tensors under TRITON_INTERPRET=1, the tests')."""
+    if not triton_available():
+        return "triton is not installed"
+    if not params[0].is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        return f"the parameters are on {params[0].device}, not on a CUDA device"
+    from openk3.ops import triton_muon
+
+    if not all(triton_muon.supports(ts) for ts in (params, grads, bufs)):
+        return ("the parameters, gradients or momentum buffers are not all plain contiguous tensors of one float "
+                "dtype on one device (FSDP2's DTensors take the PyTorch form)")
+    return None
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
@@ -136,10 +195,13 @@ def _is_dtensor(t: torch.Tensor) -> bool:
 class MuonAdamW(torch.optim.Optimizer):
     """One optimizer, two rules: groups with algorithm="muon" (and a "split") or algorithm="adamw"."""
 
-    def __init__(self, groups: list[dict], lr: float, weight_decay: float = 0.0):
+    def __init__(self, groups: list[dict], lr: float, weight_decay: float = 0.0, fused: bool | None = None):
+        """fused: Muon's elementwise passes as Triton kernels: None where the tensors allow (CUDA, not sharded),
+        True always (ValueError at the step where they cannot run), False never (PyTorch passes)."""
         defaults = dict(lr=lr, weight_decay=weight_decay, algorithm="adamw", split="whole",
                         momentum=MUON_MOMENTUM, betas=ADAM_BETAS, eps=ADAM_EPS)
         super().__init__(groups, defaults)
+        self.fused = fused
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -154,38 +216,68 @@ class MuonAdamW(torch.optim.Optimizer):
         return loss
 
     def _muon_step(self, groups: list[dict]) -> None:
-        """Every Muon group at once: momentum (multi-tensor ops per group), then one batched Newton-Schulz per block
-        shape, then the decayed update (multi-tensor ops per group)."""
-        todo: list[tuple[list[torch.Tensor], dict]] = []
-        updates, splits = [], []
+        """Every Muon group at once: the momentum M <- mu M + G in place and the Nesterov update G + mu M written
+        into one batch per block shape, one batched Newton-Schulz chain per batch, then weight decay and the
+        updates applied through the parameters' block views. On a GPU the two elementwise parts are one Triton
+        launch each (`ops.triton_muon`); otherwise multi-tensor passes per group (`_muon_group_updates`), where
+        sharded parameters gather their Nesterov update first."""
+        work = []  # (group, its parameters with a gradient, their momentum buffers)
         for group in groups:
             params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
             for p in params:
                 if "momentum_buffer" not in self.state[p]:
                     self.state[p]["momentum_buffer"] = torch.zeros_like(p)
-            grads = [p.grad for p in params]
-            bufs = [self.state[p]["momentum_buffer"] for p in params]
-            mu = group["momentum"]
+            if params:
+                work.append((group, params, [self.state[p]["momentum_buffer"] for p in params]))
+        params = [p for _, ps, _ in work for p in ps]
+        bufs = [b for _, _, bs in work for b in bs]
+        if not params:
+            return
+        blocker = _fused_muon_blocker(params, [p.grad for p in params], bufs) if self.fused is not False else ""
+        if blocker and self.fused:
+            raise ValueError(f"MuonAdamW(fused=True): {blocker}")
+        if blocker is not None:
+            self._muon_group_updates(work)
+            return
+        from openk3.ops import triton_muon
+
+        def per_param(value) -> list:
+            return [value(group) for group, ps, _ in work for _ in ps]
+
+        splits = per_param(lambda g: g["split"])
+        heads = [_cols_heads(s) for s in splits]
+        batches = BlockBatches([to_blocks(p, s).shape for p, s in zip(params, splits, strict=True)],
+                               [p.device for p in params])
+        triton_muon.momentum_into_blocks([p.grad for p in params], bufs, batches.parts, heads,
+                                         per_param(lambda g: g["momentum"]))
+        triton_muon.apply_block_updates(params, batches.orthogonalised(), heads, per_param(lambda g: g["lr"]),
+                                        per_param(lambda g: 1 - g["lr"] * g["weight_decay"]))
+
+    @staticmethod
+    def _muon_group_updates(work: list[tuple[dict, list[torch.Tensor], list[torch.Tensor]]]) -> None:
+        """`_muon_step` in PyTorch operations (the reference of the fused form, and FSDP2's path). (An
+        out-of-place momentum, one pass fewer, made the eager training step slower: 196 new buffers a step
+        against the backward's allocations, bench/RESULTS.md.)"""
+        updates, splits = [], []
+        for group, params, bufs in work:
+            grads, mu = [p.grad for p in params], group["momentum"]
             torch._foreach_mul_(bufs, mu)
             torch._foreach_add_(bufs, grads)
-            nesterov = torch._foreach_add(grads, bufs, alpha=mu)
-            todo.append((params, group))
-            updates += [n.full_tensor() if _is_dtensor(n) else n for n in nesterov]
+            updates += [n.full_tensor() if _is_dtensor(n) else n for n in torch._foreach_add(grads, bufs, alpha=mu)]
             splits += [group["split"]] * len(params)
-        results = iter(muon_updates(updates, splits))
-        for params, group in todo:
-            steps = []
-            for p in params:
-                update = next(results).to(p.dtype)
-                if _is_dtensor(p):
-                    from torch.distributed.tensor import distribute_tensor
+        results = iter(muon_block_updates(updates, splits))
+        for group, params, _ in work:
+            lr, split = group["lr"], group["split"]
+            torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
+            if not _is_dtensor(params[0]):  # each parameter's block view takes its update in place, cast on the fly
+                torch._foreach_add_([to_blocks(p, split) for p in params], [next(results) for _ in params],
+                                    alpha=-lr)
+                continue
+            from torch.distributed.tensor import distribute_tensor
 
-                    update = distribute_tensor(update, p.device_mesh, p.placements, src_data_rank=None)
-                steps.append(update)
-            torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
-            torch._foreach_add_(params, steps, alpha=-group["lr"])
+            for p in params:
+                update = from_blocks(next(results), split, p.shape).to(p.dtype)
+                p.add_(distribute_tensor(update, p.device_mesh, p.placements, src_data_rank=None), alpha=-lr)
 
     def _adamw_group(self, group: dict) -> None:
         """AdamW through torch's own implementation: its fused kernels when every parameter is a plain CUDA tensor
@@ -270,7 +362,8 @@ def param_groups(model: nn.Module, weight_decay: float, optimizer: str = "muon")
     return groups
 
 
-def build_optimizer(model: nn.Module, lr: float, weight_decay: float, optimizer: str = "muon") -> MuonAdamW:
+def build_optimizer(model: nn.Module, lr: float, weight_decay: float, optimizer: str = "muon",
+                    fused: bool | None = None) -> MuonAdamW:
     if optimizer not in ("muon", "adamw"):
         raise ValueError(f"--optimizer must be 'muon' or 'adamw', got {optimizer!r}")
-    return MuonAdamW(param_groups(model, weight_decay, optimizer), lr=lr, weight_decay=weight_decay)
+    return MuonAdamW(param_groups(model, weight_decay, optimizer), lr=lr, weight_decay=weight_decay, fused=fused)
