@@ -107,8 +107,9 @@ def child(args: argparse.Namespace) -> None:
         step()
         torch.cuda.synchronize()
     kernels = [(e.key, e.self_device_time_total / 1e3, e.count) for e in prof.key_averages()
-               if e.device_type == DeviceType.CUDA]
-    spans = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events() if e.device_type == DeviceType.CUDA]
+               if e.device_type == DeviceType.CUDA and not e.is_user_annotation]  # ranges span kernels
+    spans = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+             if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
     row = {"source": str(Path(openk3.__file__).parent), "step_ms": seconds * 1e3, "warmup_s": warmup_s,
            "peak_gib": peak, "host_ms": host_ms, "losses": [float(x) for x in losses],
            **summarise(kernels, args.kernels), **idle_gaps(spans, args.gaps), "syncs": host_syncs(step)}

@@ -15,6 +15,14 @@
       head dim, and the time of each). Estimated at 3-5 minutes on an H200. The file's "fsdp" entry (written by
       bench/fsdp_scaling.py: 1 GPU against FSDP2 on 2) is kept.
       --profile: also print torch.profiler's full operator table.
+  python bench/train.py optim [--steps 10 --warmup 3 --rounds 3 --batch-size 8 --seq-len 4096 --preset k3-debug]
+      CUDA only. What per-head Muon costs over AdamW (the peer: fused, as in the gpu rows), as it runs (its
+      elementwise passes in Triton) and with PyTorch's multi-tensor passes instead ("muon-pytorch", FSDP2's
+      form), two ways on one model: in the eager bf16 training step of the gpu rows (the optimizers alternated
+      `--rounds` times, the best of each: a fresh model's step moves by +-3% from one build to the next), and
+      the optimizer step alone with fixed random gradients (no forward or backward around it); then the
+      heaviest kernels of one step of each Muon form. Writes bench/train_optim.json (rows: optimizer, step_ms and
+      over_adamw_ms alone, train_step_ms and train_over_adamw; the two Muon profiles). About a minute.
   python bench/train.py cpu   [--steps 3 --batch-size 2 --seq-len 256 --threads N]
       One training step (forward + backward + loss) of a small Kimi Linear-shaped model in openk3 beside HF
       transformers' KimiLinearForCausalLM holding the same weights (written by openk3.interop in the hub layout,
@@ -229,13 +237,14 @@ def dense_result(cfg: ModelConfig, args: argparse.Namespace, batch, loss: str) -
 
 def top_kernels(prof, rows: int = 10, device_type=None) -> list[dict]:
     """The `rows` kernels with the most device time in a torch.profiler run, each with its share of all the
-    device time the profile saw (`device_type`: the profiler's DeviceType of the kernels; CUDA by default)."""
+    device time the profile saw (`device_type`: the profiler's DeviceType of the kernels; CUDA by default).
+    User annotations (record_function ranges such as `Optimizer.step`) span kernels and are left out."""
     from torch.autograd import DeviceType
 
     device_type = DeviceType.CUDA if device_type is None else device_type
     attr = "self_cpu_time_total" if device_type == DeviceType.CPU else "self_device_time_total"
     time_of = lambda e: getattr(e, attr)  # microseconds
-    kernels = [e for e in prof.key_averages() if e.device_type == device_type]
+    kernels = [e for e in prof.key_averages() if e.device_type == device_type and not e.is_user_annotation]
     total = sum(time_of(e) for e in kernels) or 1.0
     kernels.sort(key=time_of, reverse=True)
     return [{"kernel": e.key, "ms": time_of(e) / 1e3, "share": time_of(e) / total, "calls": e.count}
@@ -293,11 +302,9 @@ def print_results(env: dict, results: list[dict], profiles: dict, mla: dict) -> 
     for variant, profile in profiles.items():
         if profile is None:
             continue
-        print(f"\nProfile of one {env['preset']} AdamW step ({variant}): {profile['device_ms']:.1f} ms of kernel "
-              f"time (wall {profile['step_wall_ms_profiled']:.1f} ms under the profiler)\n\n| kernel | ms | share | "
-              "calls |\n|---|---|---|---|")
-        for k in profile["top_kernels"]:
-            print(f"| {k['kernel'][:90]} | {k['ms']:.1f} | {k['share']:.1%} | {k['calls']} |")
+        print_kernels(f"Profile of one {env['preset']} AdamW step ({variant}): {profile['device_ms']:.1f} ms of "
+                      f"kernel time (wall {profile['step_wall_ms_profiled']:.1f} ms under the profiler)",
+                      profile["top_kernels"], digits=1)
     print("\n| model | optimizer | variant | step (ms) | tokens/s | MFU | peak memory (GiB) | warm-up (s) |\n"
           "|---|---|---|---|---|---|---|---|")
     for r in results:
@@ -322,14 +329,26 @@ def free_gpu() -> None:
     torch.cuda.empty_cache()
 
 
-def gpu(args: argparse.Namespace) -> list[dict]:
+def print_kernels(title: str, kernels: list[dict], digits: int) -> None:
+    print(f"\n{title}\n\n| kernel | ms | share | calls |\n|---|---|---|---|")
+    for k in kernels:
+        print(f"| {k['kernel'][:90]} | {k['ms']:.{digits}f} | {k['share']:.1%} | {k['calls']} |")
+
+
+def cuda_mode(mode: str, args: argparse.Namespace):
+    """(the preset's config, a fresh random batch [B, T + 1] a call) for a CUDA-only mode; exits without CUDA."""
     if not torch.cuda.is_available():
-        raise SystemExit("bench/train.py gpu needs a CUDA device")
+        raise SystemExit(f"bench/train.py {mode} needs a CUDA device")
     cfg = get_preset(args.preset)
 
     def batch() -> torch.Tensor:
         return torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len + 1), device=DEVICE)
 
+    return cfg, batch
+
+
+def gpu(args: argparse.Namespace) -> list[dict]:
+    cfg, batch = cuda_mode("gpu", args)
     results = []
     rows = [("eager", "adamw"), ("act. ckpt", "adamw"), ("eager", "muon")]
     rows += [] if args.no_compile else [("compile", "adamw")]
@@ -362,6 +381,56 @@ def gpu(args: argparse.Namespace) -> list[dict]:
                                 "profile_compiled": profile_compiled, "mla_attention": mla, **kept}, indent=1))
     print_results(env, results, {"eager": profile, "compile_blocks": profile_compiled}, mla)
     return results
+
+
+def optim(args: argparse.Namespace) -> list[dict]:
+    cfg, batch = cuda_mode("optim", args)
+    model, _ = build_k3(cfg, "eager", "adamw")
+    opts = {name: build_optimizer(model, lr=1e-4, weight_decay=0.1, optimizer=name.split("-")[0],
+                                  fused=False if name == "muon-pytorch" else None)
+            for name in ("adamw", "muon", "muon-pytorch")}
+    train_s = {name: math.inf for name in opts}
+    for _ in range(args.rounds):  # both optimizers on the same model, alternated: the best of each
+        for name, opt in opts.items():
+            train_s[name] = min(train_s[name], time_steps(k3_train_step(model, opt, batch), args.steps,
+                                                          args.warmup)[0])
+    torch.manual_seed(1)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 1e-3
+    rows = []
+    for name, opt in opts.items():
+        alone_s, warmup_s = time_steps(opt.step, args.steps, args.warmup)
+        rows.append({"optimizer": name, "step_ms": alone_s * 1e3, "train_step_ms": train_s[name] * 1e3,
+                     "warmup_s": warmup_s})
+    profile = {name: profile_optimizer_step(opts[name]) for name in ("muon", "muon-pytorch")}
+    parameters = sum(p.numel() for p in model.parameters())
+    for r in rows:
+        r["over_adamw_ms"] = r["step_ms"] - rows[0]["step_ms"]
+        r["train_over_adamw"] = r["train_step_ms"] / rows[0]["train_step_ms"] - 1
+    env = {"gpu": torch.cuda.get_device_name(), "preset": args.preset, "torch": torch.__version__,
+           "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds, "batch": args.batch_size,
+           "seq_len": args.seq_len, "parameters": parameters}
+    (HERE / "train_optim.json").write_text(json.dumps({"env": env, "results": rows, "profile_muon": profile["muon"],
+                                                       "profile_muon_pytorch": profile["muon-pytorch"]}, indent=1))
+    print(env)
+    for name, prof in profile.items():
+        print_kernels(f"One {name} step: {prof['device_ms']:.1f} ms of kernel time", prof["top_kernels"], digits=2)
+    print("\n| optimizer | step alone (ms) | over AdamW (ms) | eager training step (ms) | over AdamW |\n"
+          "|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['optimizer']} | {r['step_ms']:.2f} | {r['over_adamw_ms']:+.2f} | {r['train_step_ms']:.1f} | "
+              f"{r['train_over_adamw']:+.1%} |")
+    return rows
+
+
+def profile_optimizer_step(opt: torch.optim.Optimizer) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
+    with profile(activities=activities) as prof:
+        opt.step()
+        torch.cuda.synchronize()
+    return {"device_ms": sum(k["ms"] for k in top_kernels(prof, rows=10**9)), "top_kernels": top_kernels(prof)}
 
 
 def _version(package: str) -> str | None:
@@ -438,25 +507,33 @@ def cpu(args: argparse.Namespace) -> dict:
     return result
 
 
+def step_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The timed steps and the batch shape of the CUDA modes."""
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=4096)
+    return parser
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="training-step benchmarks (see the module docstring)")
     sub = parser.add_subparsers(dest="mode", required=True)
-    g = sub.add_parser("gpu")
-    g.add_argument("--steps", type=int, default=10)
-    g.add_argument("--warmup", type=int, default=3)
-    g.add_argument("--batch-size", type=int, default=8)
-    g.add_argument("--seq-len", type=int, default=4096)
+    g = step_arguments(sub.add_parser("gpu"))
     g.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the GPU (H100/H200 SXM)")
     g.add_argument("--profile", action="store_true", help="also print torch.profiler's full operator table")
     g.add_argument("--no-compile", action="store_true", help="leave out the compile_blocks row (its warm-up compiles)")
     g.add_argument("--preset", default="k3-debug", help="the k3 model (the dense baseline is sized to match it)")
+    o = step_arguments(sub.add_parser("optim"))
+    o.add_argument("--rounds", type=int, default=3, help="training-step timings per optimizer, alternated")
+    o.add_argument("--preset", default="k3-debug")
     c = sub.add_parser("cpu")
     c.add_argument("--steps", type=int, default=3)
     c.add_argument("--batch-size", type=int, default=2)
     c.add_argument("--seq-len", type=int, default=256)
     c.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
-    gpu(args) if args.mode == "gpu" else cpu(args)
+    {"gpu": gpu, "optim": optim, "cpu": cpu}[args.mode](args)
 
 
 if __name__ == "__main__":

@@ -36,16 +36,18 @@ def test_gpu_mode_without_cuda_is_one_line_error():
 
 
 def test_top_kernels_shares():
-    """The profile summary: the heaviest entries first, each with its share of the device's total time."""
+    """The profile summary: the heaviest entries first, each with its share of the device's total time; a
+    record_function range around them is not one of them."""
     from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     bench = load_bench()
     a = torch.randn(256, 256)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU]) as prof, record_function("a range over the kernels"):
         for _ in range(3):
             (a @ a).relu().sum()
     rows = bench.top_kernels(prof, rows=3, device_type=DeviceType.CPU)
+    assert all(r["kernel"] != "a range over the kernels" for r in bench.top_kernels(prof, 10**9, DeviceType.CPU))
     assert len(rows) == 3 and [r["ms"] for r in rows] == sorted((r["ms"] for r in rows), reverse=True)
     everything = bench.top_kernels(prof, rows=10**9, device_type=DeviceType.CPU)
     assert abs(sum(r["share"] for r in everything) - 1) < 1e-6
@@ -63,10 +65,9 @@ class FakeEvent:
         return (end.t - self.t) * 1e3
 
 
-def test_gpu_run_logic_on_cpu(monkeypatch, tmp_path, capsys):
-    """The whole `gpu` mode on the CPU with a toy k3-tiny (torch.cuda's timing and memory calls replaced by
-    stand-ins, the compiled row left out: Inductor takes minutes here): every row and field the JSON promises, the
-    profile and MLA sections, and the results table printed last."""
+def bench_on_cpu(monkeypatch, tmp_path):
+    """bench/train.py pointed at the CPU with a toy k3-tiny, torch.cuda's timing and memory calls replaced by
+    stand-ins, its JSON written under tmp_path."""
     bench = load_bench()
     toy = get_preset("k3-tiny").with_overrides(TOY)
     monkeypatch.setattr(bench, "get_preset", lambda name: toy)
@@ -76,6 +77,33 @@ def test_gpu_run_logic_on_cpu(monkeypatch, tmp_path, capsys):
                         "reset_peak_memory_stats": lambda: None, "max_memory_allocated": lambda: 2**30,
                         "empty_cache": lambda: None, "get_device_name": lambda: "cpu stand-in"}.items():
         monkeypatch.setattr(torch.cuda, name, value)
+    return bench
+
+
+def test_optim_mode_logic_on_cpu(monkeypatch, tmp_path, capsys):
+    """`optim` on the CPU stand-ins: AdamW, Muon and Muon in PyTorch passes, each row's cost over AdamW, the table
+    printed last."""
+    bench = bench_on_cpu(monkeypatch, tmp_path)
+    monkeypatch.setattr(sys, "argv", ["train.py", "optim", "--steps", "2", "--warmup", "1", "--batch-size", "1",
+                                      "--seq-len", "32"])
+    bench.main()
+    data = json.loads((tmp_path / "train_optim.json").read_text())
+    rows = data["results"]
+    assert [r["optimizer"] for r in rows] == ["adamw", "muon", "muon-pytorch"]
+    assert rows[0]["over_adamw_ms"] == 0 and all(r["step_ms"] > 0 for r in rows)
+    assert rows[1]["over_adamw_ms"] == rows[1]["step_ms"] - rows[0]["step_ms"]
+    assert rows[0]["train_over_adamw"] == 0 and all(r["train_step_ms"] > 0 for r in rows)
+    assert data["env"]["parameters"] > 0
+    assert "top_kernels" in data["profile_muon"] and "top_kernels" in data["profile_muon_pytorch"]
+    last = capsys.readouterr().out.strip().splitlines()
+    assert last[-5].startswith("| optimizer | step alone (ms)") and last[-1].startswith("| muon-pytorch |")
+
+
+def test_gpu_run_logic_on_cpu(monkeypatch, tmp_path, capsys):
+    """The whole `gpu` mode on the CPU with a toy k3-tiny (torch.cuda's timing and memory calls replaced by
+    stand-ins, the compiled row left out: Inductor takes minutes here): every row and field the JSON promises, the
+    profile and MLA sections, and the results table printed last."""
+    bench = bench_on_cpu(monkeypatch, tmp_path)
     monkeypatch.setattr(sys, "argv", ["train.py", "gpu", "--preset", "k3-tiny", "--steps", "1", "--warmup", "1",
                                       "--batch-size", "1", "--seq-len", "32", "--no-compile"])
     bench.main()
