@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from openk3.ops.transfer import to_device
+
 BLOCK = 4096  # elements a program
 NUM_WARPS = 4  # BLOCK 4096 and 4 warps: 3.6 TB/s, the best of a sweep on an H200 (bench/RESULTS.md)
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -115,21 +117,15 @@ def _layout(t: torch.Tensor, heads: int) -> tuple[int, int, int, int]:
     return t.numel(), heads, width // heads, out * (width // heads)
 
 
-def _on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small per-step table (addresses, learning rates): through pinned memory, so the copy does not wait for
-    the GPU to finish the backward pass."""
-    table = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
-    return table.to(device, non_blocking=True)
-
-
 def _launch(kernel, tensors: list[torch.Tensor], heads: list[int], addresses: list[list[torch.Tensor]],
             scalars: list[list[float]], dtypes: list[torch.dtype]) -> None:
     device = tensors[0].device
     chunks, layouts = _tables(tuple(_layout(t, h) for t, h in zip(tensors, heads, strict=True)), device)
+    # the per-step tables (addresses, learning rates) are queued from pinned memory: no wait for the backward
     pointers = [[x.data_ptr() for x in xs] for xs in addresses]
     kernel[(chunks.shape[0],)](
-        chunks, layouts, *[_on_device(p, torch.int64, device) for p in pointers],
-        *[_on_device(s, torch.float32, device) for s in scalars], *[_TL_DTYPES[d] for d in dtypes],
+        chunks, layouts, *[to_device(p, device, torch.int64) for p in pointers],
+        *[to_device(s, device, torch.float32) for s in scalars], *[_TL_DTYPES[d] for d in dtypes],
         ALIGNED=all(p % 16 == 0 for ps in pointers for p in ps), BLOCK=BLOCK, num_warps=NUM_WARPS)
 
 

@@ -233,8 +233,8 @@ class MuonAdamW(torch.optim.Optimizer):
         bufs = [b for _, _, bs in work for b in bs]
         if not params:
             return
-        blocker = _fused_muon_blocker(params, [p.grad for p in params], bufs) if self.fused is not False else ""
-        if blocker and self.fused:
+        blocker = "fused=False" if self.fused is False else _fused_muon_blocker(params, [p.grad for p in params], bufs)
+        if blocker is not None and self.fused:
             raise ValueError(f"MuonAdamW(fused=True): {blocker}")
         if blocker is not None:
             self._muon_group_updates(work)
