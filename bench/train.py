@@ -251,9 +251,16 @@ def top_kernels(prof, rows: int = 10, device_type=None) -> list[dict]:
             for e in kernels[:rows]]
 
 
+def profiler_activities() -> list:
+    """torch.profiler's activities for the timed device: CPU, and CUDA where the kernels run."""
+    from torch.profiler import ProfilerActivity
+
+    return [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
+
+
 def profile_k3_step(cfg: ModelConfig, batch, full_tables: bool, variant: str = "eager") -> dict:
     """One k3 AdamW step of `variant` under torch.profiler, after two warm-up steps: the top 10 kernels."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import profile
 
     model, opt = build_k3(cfg, variant, "adamw")
     step = k3_train_step(model, opt, batch)
@@ -261,8 +268,7 @@ def profile_k3_step(cfg: ModelConfig, batch, full_tables: bool, variant: str = "
         step()
     torch.cuda.synchronize()
     start = time.perf_counter()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=profiler_activities()) as prof:
         step()
         torch.cuda.synchronize()
     wall_ms = (time.perf_counter() - start) * 1e3
@@ -390,7 +396,7 @@ def optim(args: argparse.Namespace) -> list[dict]:
                                   fused=False if name == "muon-pytorch" else None)
             for name in ("adamw", "muon", "muon-pytorch")}
     train_s = {name: math.inf for name in opts}
-    for _ in range(args.rounds):  # both optimizers on the same model, alternated: the best of each
+    for _ in range(args.rounds):  # the optimizers on the same model, alternated: the best of each
         for name, opt in opts.items():
             train_s[name] = min(train_s[name], time_steps(k3_train_step(model, opt, batch), args.steps,
                                                           args.warmup)[0])
@@ -424,10 +430,9 @@ def optim(args: argparse.Namespace) -> list[dict]:
 
 
 def profile_optimizer_step(opt: torch.optim.Optimizer) -> dict:
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import profile
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=profiler_activities()) as prof:
         opt.step()
         torch.cuda.synchronize()
     return {"device_ms": sum(k["ms"] for k in top_kernels(prof, rows=10**9)), "top_kernels": top_kernels(prof)}
