@@ -3,7 +3,8 @@
   python bench/train.py gpu   [--steps 10 --warmup 3 --batch-size 8 --seq-len 4096 --peak-tflops 989] [--profile]
                               [--no-compile]
       CUDA only (without it: a one-line error). k3-debug in bf16 autocast (MTP weight 0.3) eager, with activation
-      checkpointing and with compile_blocks (torch.compile per block; the warm-up steps include compiling), beside
+      checkpointing and with compile_blocks (torch.compile per block; the warm-up steps include compiling), the
+      last also with its forward and backward replayed as one CUDA graph (`openk3 train --cuda-graphs`), beside
       a dense pre-norm transformer (torch SDPA causal attention, SwiGLU) with the same active parameter count and
       the same tokens, all with AdamW so the models are compared (the dense model twice: with the fused LM head +
       cross-entropy k3's rows use, `openk3.ops.loss`, so that pair differs in the model only, and with plain
@@ -63,6 +64,7 @@ from openk3.model import K3ForCausalLM
 from openk3.model.compile import compile_blocks
 from openk3.ops.attention import causal_sdpa, fused_sdpa_choice, padded_v_for_flash
 from openk3.ops.loss import linear_cross_entropy
+from openk3.train.graphs import GraphedForwardBackward
 from openk3.train.loop import enable_activation_checkpointing, lm_losses
 from openk3.train.optim import build_optimizer
 
@@ -159,23 +161,37 @@ def time_steps(step, steps: int, warmup: int) -> tuple[float, float]:
     return start.elapsed_time(end) / 1000 / steps, warmup_s
 
 
-def k3_train_step(model, opt, batch):
-    """One bf16-autocast training step of the k3 model on a fresh batch (LM + MTP loss)."""
+def k3_forward_backward(model, cuda_graph: bool = False):
+    """The bf16-autocast forward (LM + MTP loss) and backward of the k3 model on a batch; with `cuda_graph`
+    replayed as one CUDA graph after two warm-up calls (the class behind `openk3 train --cuda-graphs`)."""
+
+    def forward_backward(ids: torch.Tensor) -> tuple[torch.Tensor]:
+        with torch.autocast(DEVICE, dtype=torch.bfloat16, cache_enabled=not cuda_graph):
+            loss, _, _ = lm_losses(model, ids, mtp_weight=0.3)
+        loss.backward()
+        return (loss.detach(),)
+
+    return GraphedForwardBackward(forward_backward, list(model.parameters())) if cuda_graph else forward_backward
+
+
+def k3_train_step(model, opt, batch, forward_backward=None):
+    """One training step of the k3 model on a fresh batch: `forward_backward` (default: k3_forward_backward's
+    eager one), then the optimizer."""
+    forward_backward = forward_backward or k3_forward_backward(model)
 
     def step():
-        with torch.autocast(DEVICE, dtype=torch.bfloat16):
-            loss, _, _ = lm_losses(model, batch(), mtp_weight=0.3)
-        loss.backward()
+        forward_backward(batch())
         opt.step()
         opt.zero_grad(set_to_none=True)
 
     return step
 
 
-K3_VARIANTS = {  # variant -> (activation checkpointing, compile_blocks)
-    "eager": (False, False),
-    "act. ckpt": (True, False),
-    "compile": (False, True),
+K3_VARIANTS = {  # variant -> (activation checkpointing, compile_blocks, CUDA graph)
+    "eager": (False, False, False),
+    "act. ckpt": (True, False, False),
+    "compile": (False, True, False),
+    "compile + CUDA graph": (False, True, True),
 }
 
 
@@ -183,7 +199,7 @@ def build_k3(cfg: ModelConfig, variant: str, optimizer: str, **compile_options):
     """The k3 model and optimizer of a variant; `compile_options` go to `compile_blocks` (e.g. mode)."""
     torch.manual_seed(0)
     model = K3ForCausalLM(cfg).to(DEVICE)
-    checkpointing, compiled = K3_VARIANTS[variant]
+    checkpointing, compiled, _ = K3_VARIANTS[variant]
     if checkpointing:
         enable_activation_checkpointing(model)
     if compiled:
@@ -202,8 +218,14 @@ def result_row(model: str, optimizer: str, variant: str, seconds: float, warmup_
 def k3_result(cfg: ModelConfig, variant: str, optimizer: str, args: argparse.Namespace, batch) -> dict:
     model, opt = build_k3(cfg, variant, optimizer)
     torch.cuda.reset_peak_memory_stats()
-    seconds, warmup_s = time_steps(k3_train_step(model, opt, batch), args.steps, args.warmup)
-    return result_row(cfg.name, optimizer, variant, seconds, warmup_s, k3_flops_per_token(cfg, args.seq_len), args)
+    forward_backward = k3_forward_backward(model, cuda_graph=K3_VARIANTS[variant][2])
+    graphed = forward_backward if isinstance(forward_backward, GraphedForwardBackward) else None
+    warmup = max(args.warmup, graphed.warmup + 1) if graphed else args.warmup  # the timed steps replay
+    seconds, warmup_s = time_steps(k3_train_step(model, opt, batch, forward_backward), args.steps, warmup)
+    row = result_row(cfg.name, optimizer, variant, seconds, warmup_s, k3_flops_per_token(cfg, args.seq_len), args)
+    if graphed is not None and graphed.failed:  # the step ran eagerly: say so beside its time
+        row["graph_error"] = graphed.failed
+    return row
 
 
 def dense_loss(dense: DenseLM, ids: torch.Tensor, loss: str) -> torch.Tensor:
@@ -357,12 +379,12 @@ def gpu(args: argparse.Namespace) -> list[dict]:
     cfg, batch = cuda_mode("gpu", args)
     results = []
     rows = [("eager", "adamw"), ("act. ckpt", "adamw"), ("eager", "muon")]
-    rows += [] if args.no_compile else [("compile", "adamw")]
+    rows += [] if args.no_compile else [("compile", "adamw"), ("compile + CUDA graph", "adamw")]
     for variant, optimizer in rows:
         try:
             results.append(k3_result(cfg, variant, optimizer, args, batch))
         except Exception as e:  # compiling can fail on some torch / triton pair: keep the other rows
-            if variant != "compile":
+            if not K3_VARIANTS[variant][1]:
                 raise
             results.append({"model": cfg.name, "optimizer": optimizer, "variant": variant,
                             "error": error_summary(e)})
@@ -527,7 +549,7 @@ def main() -> None:
     g = step_arguments(sub.add_parser("gpu"))
     g.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the GPU (H100/H200 SXM)")
     g.add_argument("--profile", action="store_true", help="also print torch.profiler's full operator table")
-    g.add_argument("--no-compile", action="store_true", help="leave out the compile_blocks row (its warm-up compiles)")
+    g.add_argument("--no-compile", action="store_true", help="leave out the compiled rows (their warm-up compiles)")
     g.add_argument("--preset", default="k3-debug", help="the k3 model (the dense baseline is sized to match it)")
     o = step_arguments(sub.add_parser("optim"))
     o.add_argument("--rounds", type=int, default=3, help="training-step timings per optimizer, alternated")

@@ -40,6 +40,7 @@ class TrainArgs:
     threads: int = 0  # torch intra-op threads on CPU; 0: auto (see loop.cpu_threads)
     dtype: str = "auto"
     compile: bool = False
+    cuda_graphs: bool = False  # replay each step's forward and backward as one CUDA graph (openk3.train.graphs)
     activation_checkpointing: bool = False
     optimizer: str = "muon"
     balance: str = "quantile"

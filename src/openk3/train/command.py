@@ -66,6 +66,10 @@ def add_train_parser(subparsers) -> None:
     p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16"],
                    help="autocast dtype (auto: bf16 on GPU, fp32 on CPU); parameters stay fp32")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="after two eager warm-up steps, replay each step's forward and backward as one CUDA graph "
+                        "(one CUDA device, one process, fixed batch shapes; the optimizer, clipping and balancing "
+                        "run outside it); combine with --compile on a GPU, where the host's launches are the limit")
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="recompute each token mixer and FFN in backward")
     p.add_argument("--optimizer", default=d.optimizer, choices=["muon", "adamw"],

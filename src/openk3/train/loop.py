@@ -4,7 +4,8 @@ One step: WSD lr -> next global batch (each data-parallel rank takes its slice) 
 (bf16 on GPU) -> loss = next-token CE + mtp_weight * MTP CE (position t predicts t+2) -> backward -> gradient
 clipping -> per-head Muon + AdamW -> router bias update (Quantile Balancing / sign rule / none) from that step's
 scores -> metrics line. Held-out loss every `eval_every` steps and at the end, checkpoints every `save_every`
-steps and at the end, then loss.png, a text sample, and the held-out loss beside the unigram baseline.
+steps and at the end, then loss.png, a text sample, and the held-out loss beside the unigram baseline. With
+--cuda-graphs the forward and backward replay as one CUDA graph after two warm-up steps (openk3.train.graphs).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from openk3.train.distributed import (
     load_full_state,
     mean_across,
 )
+from openk3.train.graphs import GraphedForwardBackward
 from openk3.train.optim import build_optimizer
 from openk3.train.schedule import WSDSchedule
 
@@ -88,6 +90,15 @@ def resolve_device(args: TrainArgs, world: World) -> torch.device:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     return device
+
+
+def check_cuda_graphs(device: torch.device, world: World) -> None:
+    """--cuda-graphs (openk3.train.graphs) needs one CUDA device and one process."""
+    if device.type != "cuda":
+        raise ValueError(f"--cuda-graphs needs a CUDA device; this run is on {device.type}")
+    if world.size > 1:
+        raise ValueError(f"--cuda-graphs runs in one process (FSDP2's and the parallel layouts' collectives are not "
+                         f"captured); this run has {world.size}")
 
 
 def cpu_threads(requested: int, world: World) -> int:
@@ -223,6 +234,8 @@ class Trainer:
         self.world = init_world("cuda" if device_name.startswith("cuda") else "cpu")
         claim_out_dir(self.out, args.resume, args.overwrite, delete=self.world.is_main)
         self.device = resolve_device(args, self.world)
+        if args.cuda_graphs:
+            check_cuda_graphs(self.device, self.world)
         if self.device.type == "cpu":
             torch.set_num_threads(cpu_threads(args.threads, self.world))
         self.amp = autocast_dtype(args, self.device)
@@ -241,6 +254,8 @@ class Trainer:
             compile_blocks(self.model)
         self.parallel = parallelize(self.model, self.dims, self.world.rank, self.device.type,
                                     ep_planner=args.ep_planner, activation_checkpointing=args.activation_checkpointing)
+        self.graphed = None if not args.cuda_graphs else GraphedForwardBackward(self._forward_backward,
+                                                                               list(self.model.parameters()))
         self.optimizer = build_optimizer(self.model, args.lr, args.weight_decay, args.optimizer)
         self.balancer = RouterBalancer(self.model, args.balance, self.cfg.moe.top_k if self.cfg.moe else 1,
                                        args.balance_gamma)
@@ -341,6 +356,14 @@ class Trainer:
         return {"unigram_loss": self.unigram}
 
     # ---- the loop --------------------------------------------------------------------------------------------
+    def _forward_backward(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The LM and MTP losses of `batch` (detached), their weighted sum back-propagated."""
+        with torch.autocast(self.device.type, dtype=self.amp or torch.float32, enabled=self.amp is not None,
+                            cache_enabled=not self.args.cuda_graphs):
+            loss, lm, mtp = self._losses(batch)
+        loss.backward()
+        return lm.detach(), None if mtp is None else mtp.detach()
+
     def train_step(self) -> dict:
         args = self.args
         lr = self.schedule(self.step)
@@ -348,9 +371,7 @@ class Trainer:
             group["lr"] = lr
         batch = self._next_batch()
         start = time.perf_counter()
-        with torch.autocast(self.device.type, dtype=self.amp or torch.float32, enabled=self.amp is not None):
-            loss, lm, mtp = self._losses(batch)
-        loss.backward()
+        lm, mtp = (self.graphed or self._forward_backward)(batch)
         grad_norm = clip_grad_norm(self.model, args.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -77,6 +77,9 @@ class CaptionTrainer(Trainer):
             if value is not None:
                 raise ValueError(f"{flag}: preset {args.preset!r} has a vision tower and trains on the embedded "
                                  "shapes task, which has its own data and tokenizer")
+        if args.cuda_graphs:
+            raise ValueError("--cuda-graphs needs batches of one shape; the shapes task's prompts change length "
+                             "with the image's canvas")
         if args.cp > 1:
             raise ValueError(f"--cp {args.cp}: the shapes task's sequences (an image and its caption) are not split "
                              "across ranks; train a model with a vision tower with --cp 1")
