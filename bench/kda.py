@@ -223,7 +223,8 @@ def gate_modes(name, B, T, H, cu, results):
 def stages(name, B, T, H, cu, tune=False):
     """Time each launch of ours alone: forward (prepare, state pass), backward (prepare, reverse pass, intra),
     pre-activated and fused; KCP's transition at width V + K (the full forward on [v | 0] against the state-only
-    pass); with `tune`, warps per kernel and the reverse pass's V block and reduction."""
+    pass); with `tune`, warps per kernel, the intra backward's pipeline stages and register cap, and the reverse
+    pass's V block."""
     from openk3.ops.kda.triton import chunk_bwd, chunk_fwd
     from openk3.ops.kda.triton.layout import chunk_layout
 
@@ -267,6 +268,14 @@ def stages(name, B, T, H, cu, tune=False):
             t_fwd = ms(lambda: fwd(*raw, act=act))
             print(f"  {kernel} warps={nw}: fwd fused {t_fwd:.4f} bwd {ms(bwd):.4f}", flush=True)
     chunk_fwd.WARPS.update(default)
+    launch = dict(chunk_fwd.INTRA_BWD_LAUNCH)
+    for variant in ({"num_stages": 3}, {"num_stages": 1}, {"num_stages": 1, "maxnreg": 168}, {"num_stages": 2,
+                                                                                              "maxnreg": 168}):
+        chunk_fwd.INTRA_BWD_LAUNCH.clear()
+        chunk_fwd.INTRA_BWD_LAUNCH.update(variant)
+        print(f"  intra_bwd {variant}: {ms(lambda: intra(*raw, act=act)):.4f} fused", flush=True)
+    chunk_fwd.INTRA_BWD_LAUNCH.clear()
+    chunk_fwd.INTRA_BWD_LAUNCH.update(launch)
 
 
 def transition(inputs, cu):

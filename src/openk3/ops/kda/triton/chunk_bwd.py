@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from openk3.ops.kda.triton.chunk_fwd import (
+    INTRA_BWD_LAUNCH,
     WARPS,
     GateSpec,
     _load_rows,
@@ -264,7 +265,7 @@ def intra_backward(q, k, v, g, beta, scale, hs, pvs, dhs, pairs, do, dU, lay: Ch
             q, k, v, g, beta, sched=lay.schedule, hs=hs, pvs=pvs, dhs=dhs, PT=pairs[0], RN=pairs[1], do=do, dU=dU,
             dq=dq, dk=dk, dv=dv, dg=dg, dbeta=dbeta, scale=scale, H=H, K=K, V=V, BT=CHUNK, BS=slice_width(K, V),
             BV=_pow2(V), PREC=precision(q.dtype), DT=dot_dtype(q.dtype, q.device),
-            num_warps=WARPS["intra_bwd"], **gate.kernel_args(q))
+            num_warps=WARPS["intra_bwd"], **INTRA_BWD_LAUNCH, **gate.kernel_args(q))
     return dq, dk, dv, dg, dbeta
 
 

@@ -45,6 +45,10 @@ WARPS = {"prepare": 2, "state": 4, "state_bwd": 4, "intra_bwd": 4}
 # registers per thread for the prepare kernel (127 uncapped): 10 programs per SM instead of 8, the same bits, 4%
 # faster on pre-activated and 14% on raw inputs on an H200; 80 and 64 were slower (bench/NOTES-kda.md run 18)
 PREPARE_MAX_REGISTERS = 96
+# the intra backward without software pipelining (its channel loop's loads were staged ahead) and at 128 registers
+# a thread (254 uncapped, 2 programs per SM): 1.78 -> 1.38 ms at B8 T4096 H8 with fused activations on an H200
+# (bench/NOTES-kda.md run 26); 168 registers 1.40, 200 1.88; two stages 1.51-1.79; 8 warps 2.2-3.2
+INTRA_BWD_LAUNCH = {"num_stages": 1, "maxnreg": 128}
 # the bounded mode's one anchor keeps e^-G of 15 gates inside fp32 (e^88.7) for per-token g >= this
 BOUNDED_GATE_MIN = -5.5
 # e^-110 underflows to 0 in fp32: clamping g there is invisible to fp32 arithmetic and keeps block sums finite
