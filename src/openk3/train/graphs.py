@@ -29,7 +29,8 @@ Outputs = tuple[torch.Tensor | None, ...]
 
 class GraphedForwardBackward:
     """`fn(batch) -> outputs` (a tuple of detached tensors or None; it runs the forward and `loss.backward()`)
-    called through a CUDA graph after `warmup` eager calls; `params` are the tensors whose gradients it makes."""
+    called through a CUDA graph after `warmup` eager calls; `params` are the tensors whose gradients it makes.
+    Once captured, every call returns the same output tensors, refreshed: read or clone them before the next."""
 
     def __init__(self, fn: Callable[[torch.Tensor], Outputs], params: Sequence[torch.Tensor], warmup: int = 2):
         if warmup < 1:
@@ -54,8 +55,8 @@ class GraphedForwardBackward:
                 raise ValueError(f"CUDA graphs need the batch on a CUDA device, got {batch.device}")
             self.batch = torch.empty_like(batch)
         if batch.shape != self.batch.shape or batch.dtype != self.batch.dtype:
-            raise ValueError(f"a CUDA-graphed step takes batches of one shape: {tuple(self.batch.shape)} "
-                             f"{self.batch.dtype} at capture, got {tuple(batch.shape)} {batch.dtype}")
+            raise ValueError(f"a CUDA-graphed step takes batches of one shape: the first was "
+                             f"{tuple(self.batch.shape)} {self.batch.dtype}, got {tuple(batch.shape)} {batch.dtype}")
         self.batch.copy_(batch)
         self.calls += 1
         if self.graph is None and self.calls <= self.warmup:
