@@ -269,8 +269,9 @@ def stages(name, B, T, H, cu, tune=False):
             print(f"  {kernel} warps={nw}: fwd fused {t_fwd:.4f} bwd {ms(bwd):.4f}", flush=True)
     chunk_fwd.WARPS.update(default)
     launch = dict(chunk_fwd.INTRA_BWD_LAUNCH)
-    for variant in ({"num_stages": 3}, {"num_stages": 1}, {"num_stages": 1, "maxnreg": 168}, {"num_stages": 2,
-                                                                                              "maxnreg": 168}):
+    variants = ({"num_stages": 3}, {"num_stages": 1}, {"num_stages": 1, "maxnreg": 168},
+                {"num_stages": 2, "maxnreg": 168})
+    for variant in variants:
         chunk_fwd.INTRA_BWD_LAUNCH.clear()
         chunk_fwd.INTRA_BWD_LAUNCH.update(variant)
         print(f"  intra_bwd {variant}: {ms(lambda: intra(*raw, act=act)):.4f} fused", flush=True)

@@ -254,8 +254,8 @@ class Trainer:
             compile_blocks(self.model)
         self.parallel = parallelize(self.model, self.dims, self.world.rank, self.device.type,
                                     ep_planner=args.ep_planner, activation_checkpointing=args.activation_checkpointing)
-        self.graphed = None if not args.cuda_graphs else GraphedForwardBackward(self._forward_backward,
-                                                                               list(self.model.parameters()))
+        self.graphed = (GraphedForwardBackward(self._forward_backward, list(self.model.parameters()))
+                        if args.cuda_graphs else None)
         self.optimizer = build_optimizer(self.model, args.lr, args.weight_decay, args.optimizer)
         self.balancer = RouterBalancer(self.model, args.balance, self.cfg.moe.top_k if self.cfg.moe else 1,
                                        args.balance_gamma)
