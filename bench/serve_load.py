@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import math
 import random
@@ -198,20 +199,25 @@ def load_tokenizer(spec: str):
 class PromptSource:
     """Text of about n tokens cut from the corpus at a random place: a window of n corpus tokens when a tokenizer
     is given (decoded; re-encoding it can differ by a token at the window's edges), else n / tokens_per_char
-    characters (set by the probes)."""
+    characters (the server's ratio, measured by `probe`)."""
 
     def __init__(self, corpus: str, tokenizer=None):
         self.corpus, self.tokenizer = corpus, tokenizer
         self.ids = tokenizer.encode_plain(corpus) if tokenizer is not None else None
-        self.tokens_per_char: float | None = None
 
-    def text(self, rng: random.Random, n: int) -> tuple[str, int | None]:
-        """(the text, its token count by the local tokenizer, or None without one)."""
+    def text(self, rng: random.Random, n: int, tokens_per_char: float | None = None) -> tuple[str, int | None]:
+        """(the text, its token count by the local tokenizer, or None without one: then tokens_per_char is needed)."""
         if self.ids is not None:
             text = self.tokenizer.decode_plain(cyclic(self.ids, rng.randrange(len(self.ids)), n))
             return text, len(self.tokenizer.encode_plain(text))
-        chars = max(1, round(n / self.tokens_per_char))
+        chars = max(1, round(n / tokens_per_char))
         return cyclic(self.corpus, rng.randrange(len(self.corpus)), chars), None
+
+
+@functools.lru_cache(maxsize=2)
+def prompt_source(data: str | None, tokenizer: str | None) -> PromptSource:
+    """Cached: a script calls run_load once a row, and tokenizing the corpus takes seconds."""
+    return PromptSource(load_corpus(data), load_tokenizer(tokenizer) if tokenizer else None)
 
 
 def load_corpus(data: str | None) -> str:
@@ -235,11 +241,11 @@ class Job:
     output_lens: list[int]
 
 
-def make_job(index: int, cfg: LoadConfig, source: PromptSource) -> Job:
+def make_job(index: int, cfg: LoadConfig, source: PromptSource, tokens_per_char: float) -> Job:
     rng = random.Random(f"{cfg.seed}:{index}")  # a job's text depends on the seed and its index only
     turns = cfg.agent_turns if cfg.workload == "agent" else 1
     targets = [cfg.prompt_len.sample(rng)] + [cfg.agent_turn_len.sample(rng) for _ in range(turns - 1)]
-    texts, local = zip(*(source.text(rng, n) for n in targets))
+    texts, local = zip(*(source.text(rng, n, tokens_per_char) for n in targets))
     return Job(index, list(texts), list(local), targets, [cfg.output_len.sample(rng) for _ in range(turns)])
 
 
@@ -439,12 +445,13 @@ async def fetch_model(client, base: str) -> str:
     return models[0]["id"]
 
 
-async def probe(runner: Runner, source: PromptSource) -> None:
+async def probe(runner: Runner, corpus: str) -> float:
     """Two short unstreamed requests (max_tokens 1): the server answers at all, takes ignore_eos (else the run goes
-    without it), and counts tokens per character on the corpus (the slope between the two prompts' usage)."""
+    without it), and counts tokens per character on the corpus (the slope between the two prompts' usage): returns
+    that."""
     rng, counts = random.Random(f"{runner.cfg.seed}:probe"), []
     for chars in PROBE_CHARS:
-        text = cyclic(source.corpus, rng.randrange(len(source.corpus)), chars)
+        text = cyclic(corpus, rng.randrange(len(corpus)), chars)
         prompt = [{"role": "user", "content": text}] if runner.chat else text
         while True:
             body = {**runner.payload(prompt, 1), "stream": False}
@@ -465,13 +472,13 @@ async def probe(runner: Runner, source: PromptSource) -> None:
     if not slope > 0:
         raise LoadError(f"probe prompts of {PROBE_CHARS} characters counted {counts} tokens: cannot calibrate; "
                         "pass --tokenizer")
-    source.tokens_per_char = slope
+    return slope
 
 
 async def load(url: str, config: LoadConfig) -> dict:
     """The coroutine behind `run_load`."""
     cfg, base = config, url.rstrip("/").removesuffix("/v1")
-    source = PromptSource(load_corpus(cfg.data), load_tokenizer(cfg.tokenizer) if cfg.tokenizer else None)
+    source = prompt_source(cfg.data, cfg.tokenizer)
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(cfg.timeout, connect=30.0), limits=limits,
@@ -479,14 +486,14 @@ async def load(url: str, config: LoadConfig) -> dict:
         try:
             model = cfg.model or await fetch_model(client, base)
             runner = Runner(client, base, cfg, model, cfg.ignore_eos)
-            await probe(runner, source)
+            tokens_per_char = await probe(runner, source.corpus)
         except httpx.HTTPError as exc:
             raise LoadError(f"cannot reach {base}: {type(exc).__name__}: {exc}") from None
         jobs: dict[int, Job] = {}
 
         def make(index: int) -> Job:
             if index not in jobs:
-                jobs[index] = make_job(index, cfg, source)
+                jobs[index] = make_job(index, cfg, source, tokens_per_char)
             return jobs[index]
 
         for index in range(cfg.num_requests or 0):  # built before the clock starts
@@ -495,10 +502,10 @@ async def load(url: str, config: LoadConfig) -> dict:
         total = cfg.num_requests * turns if cfg.num_requests and cfg.duration is None else None
         with tqdm(total=total, unit="req", disable=not cfg.progress, file=sys.stderr, leave=False) as runner.bar:
             duration = await runner.run(make)
-    tokens = f"tokenizer {cfg.tokenizer}" if cfg.tokenizer else f"calibrated {source.tokens_per_char:.4g} tok/char"
+    tokens = f"tokenizer {cfg.tokenizer}" if cfg.tokenizer else f"calibrated {tokens_per_char:.4g} tok/char"
     return summarize(runner.records, duration, cfg, {"url": base, "model": model, "ignore_eos": runner.ignore_eos,
                                                      "prompt_lengths": tokens,
-                                                     "tokens_per_char": source.tokens_per_char})
+                                                     "tokens_per_char": tokens_per_char})
 
 
 def run_load(url: str, config: LoadConfig | None = None, **fields) -> dict:
@@ -604,7 +611,8 @@ def format_report(report: dict) -> str:
         f"{fmt(report['output_tok_per_s'])} output tok/s, {fmt(report['total_tok_per_s'])} total tok/s",
         f"tokens      prompt {report['prompt_tokens']:,} (cached "
         f"{'-' if report['cached_tokens'] is None else format(report['cached_tokens'], ',')}), "
-        f"output {report['output_tokens']:,}",
+        f"output {report['output_tokens']:,}"
+        + ("" if report["usage_reported"] else " (no usage from the server: output tokens are the chunks with text)"),
         f"{'(ms)':<10}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}",
     ]
     for name in ("ttft", "tpot", "itl", "e2e"):

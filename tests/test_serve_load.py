@@ -1,12 +1,16 @@
 """bench/serve_load.py against a real `openk3 serve` process (k3-tiny on the CPU, the byte-level tokenizer): its
 counts agree with the usage the server returned, its latencies are ordered, its arrival processes keep their
 schedule and concurrency, the agent workload grows its session and hits the prefix cache, failures are counted by
-HTTP status, and bad input or an unreachable server gets one line."""
+HTTP status, and bad input or an unreachable server gets one line. A minimal OpenAI-style server that knows neither
+ignore_eos nor stream usage checks the generator's fallbacks; prompts cut by a BPE tokenizer have the asked length."""
 
 import importlib.util
 import json
+import random
 import socket
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -30,7 +34,7 @@ def check_report(report: dict) -> list[dict]:
     totals over the duration, and the duration spans the requests."""
     done = [r for r in report["requests"] if r["status"] == "ok"]
     assert report["completed"] == len(done) and report["failed"] == len(report["requests"]) - len(done)
-    assert report["prompt_tokens"] == sum(r["prompt_tokens"] for r in done)
+    assert report["prompt_tokens"] == sum(r["prompt_tokens"] or 0 for r in done)  # None: the server sent no usage
     assert report["output_tokens"] == sum(r["output_tokens"] for r in done)
     for r in done:
         assert 0 < r["ttft"] <= r["e2e"]
@@ -141,3 +145,77 @@ def test_help_explains_every_flag():
     text = p.format_help()
     for flag in ("--request-rate", "--max-concurrency", "--prompt-len", "--workload", "--agent-turn-len", "--slo"):
         assert flag in text
+
+
+@pytest.fixture(scope="module")
+def plain_server():
+    """A minimal OpenAI-style /v1/completions in this process: it refuses `ignore_eos` with a 400 (as OpenAI does
+    an unknown field), counts two characters a prompt token, and streams max_tokens chunks of "ab" without a usage
+    chunk. Yields (its URL, the prompt lengths its streamed requests had)."""
+    import uvicorn
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+    app, received = FastAPI(), []
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": "plain", "object": "model"}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await request.json()
+        if "ignore_eos" in body:
+            return JSONResponse({"error": {"message": "Unrecognized request argument supplied: ignore_eos"}}, 400)
+        if not body.get("stream"):
+            usage = {"prompt_tokens": len(body["prompt"]) // 2, "completion_tokens": 1}
+            return {"choices": [{"index": 0, "text": "ab", "finish_reason": "length"}], "usage": usage}
+        received.append(len(body["prompt"]))
+        chunk = json.dumps({"choices": [{"index": 0, "text": "ab", "finish_reason": None}]})
+        events = [f"data: {chunk}\n\n"] * body["max_tokens"] + ["data: [DONE]\n\n"]
+        return StreamingResponse(iter(events), media_type="text/event-stream")
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the plain server did not start"
+        time.sleep(0.01)
+    yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}", received
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def test_a_server_without_ignore_eos_or_stream_usage(plain_server):
+    url, received = plain_server
+    report = serve_load.run_load(url, max_concurrency=2, num_requests=4, prompt_len="10:50", output_len="3:9")
+    assert report["completed"] == 4 and not report["ignore_eos"] and not report["usage_reported"]
+    assert report["tokens_per_char"] == 0.5 and report["model"] == "plain"
+    done = check_report(report)
+    assert sorted(received) == sorted(2 * r["prompt_target"] for r in done)  # calibrated: 2 characters a token
+    for r in done:
+        assert r["prompt_tokens"] is None and r["output_tokens"] == r["output_target"]  # counted by chunk
+    assert "ignore_eos refused" in serve_load.format_report(report)
+
+
+def test_cyclic_matches_indexing_modulo_the_length():
+    rng = random.Random(0)
+    for _ in range(50):
+        seq = [rng.randrange(9) for _ in range(rng.randint(1, 7))]
+        start, n = rng.randrange(len(seq)), rng.randint(0, 30)
+        assert serve_load.cyclic(seq, start, n) == [seq[(start + i) % len(seq)] for i in range(n)]
+        assert serve_load.cyclic("".join(map(str, seq)), start, n) == "".join(str(x) for x in
+                                                                               serve_load.cyclic(seq, start, n))
+
+
+def test_prompts_cut_by_a_bpe_tokenizer_have_the_asked_length(tmp_path):
+    from openk3.tokenizer import train_bpe
+
+    corpus = serve_load.load_corpus(None)[:60_000]
+    train_bpe([corpus], 320).save(tmp_path / "tokenizer.json")
+    tok = serve_load.load_tokenizer(str(tmp_path))  # --tokenizer DIR: its tokenizer.json
+    source, rng = serve_load.PromptSource(corpus, tok), random.Random(0)
+    for n in (1, 2, 17, 500, 3 * len(source.ids) + 5):  # the last wraps around the corpus
+        text, count = source.text(rng, n)
+        assert count == len(tok.encode_plain(text)) and abs(count - n) <= 2  # re-encoding may merge at the edges
