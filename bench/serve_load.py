@@ -159,8 +159,10 @@ class LoadConfig:
         for name, value in positive.items():
             if value is not None and not value > 0:
                 raise LoadError(f"--{name.replace('_', '-')} must be > 0, got {value}")
-        if self.temperature < 0 or not 0 < self.top_p <= 1:
-            raise LoadError("--temperature must be >= 0 and --top-p in (0, 1]")
+        if not self.temperature >= 0:
+            raise LoadError(f"--temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise LoadError(f"--top-p must be in (0, 1], got {self.top_p}")
         if self.num_requests is None and self.duration is None:
             self.num_requests = 1 if self.workload == "agent" else 100
         if self.num_requests is None and math.isinf(self.request_rate) and self.max_concurrency is None:
@@ -257,7 +259,7 @@ class Record:
     error's name."""
 
     job: int
-    turn: int
+    turn: int  # 1: a text request, or an agent session's first
     start: float
     status: str = "ok"
     ttft: float | None = None
@@ -265,8 +267,8 @@ class Record:
     prompt_tokens: int | None = None  # the server's usage (None when it reported none)
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, where reported
     output_tokens: int | None = None  # the server's usage, else the chunks with text
-    prompt_target: int = 0  # tokens asked for (agent: the whole conversation's new text of this turn)
-    prompt_local: int | None = None  # the local tokenizer's count of the new text
+    prompt_target: int = 0  # tokens asked for (agent: of this turn's new text only)
+    prompt_local: int | None = None  # the local tokenizer's count of that text (None without --tokenizer)
     output_target: int = 0
     error: str | None = None
     itl: list[float] = field(default_factory=list, repr=False)
@@ -385,7 +387,8 @@ class Runner:
                 conversation = [*conversation, {"role": "user", "content": text}]
             else:
                 conversation = f"{conversation}\n\n{text}" if turn else text
-            record = Record(job.index, turn, 0.0, prompt_target=target, prompt_local=local, output_target=max_tokens)
+            record = Record(job.index, turn + 1, 0.0, prompt_target=target, prompt_local=local,
+                            output_target=max_tokens)
             await stream_request(self.client, self.url, self.payload(conversation, max_tokens), self.chat, record,
                                  self.t0)
             self.records.append(record)
@@ -489,6 +492,8 @@ async def load(url: str, config: LoadConfig) -> dict:
             tokens_per_char = await probe(runner, source.corpus)
         except httpx.HTTPError as exc:
             raise LoadError(f"cannot reach {base}: {type(exc).__name__}: {exc}") from None
+        except ValueError as exc:
+            raise LoadError(f"{base} answered a probe with something that is not JSON ({exc})") from None
         jobs: dict[int, Job] = {}
 
         def make(index: int) -> Job:
@@ -508,14 +513,14 @@ async def load(url: str, config: LoadConfig) -> dict:
                                                      "tokens_per_char": tokens_per_char})
 
 
-def run_load(url: str, config: LoadConfig | None = None, **fields) -> dict:
+def run_load(url: str, config: LoadConfig | None = None, **options) -> dict:
     """Run one workload against the server at `url` (http://host:port, with or without /v1) and return the report
     (`summarize`'s dict). Give a LoadConfig, or its fields as keywords: run_load(url, max_concurrency=8,
     num_requests=64, prompt_len="60:200", output_len=256, temperature=0.8, top_p=0.95). Raises LoadError (one line)
     for a bad field, an unreachable server or a refused probe; the requests' own failures are counted instead."""
     if config is None:
-        config = LoadConfig(**fields)
-    elif fields:
+        config = LoadConfig(**options)
+    elif options:
         raise TypeError("run_load: pass a LoadConfig or its fields as keywords, not both")
     return asyncio.run(load(url, config))
 
@@ -574,7 +579,7 @@ def summarize(records: list[Record], duration: float, cfg: LoadConfig, meta: dic
         report["goodput"] = {"slo_s": cfg.slo, "requests": good, "req_per_s": rate(good),
                              "fraction": good / len(records) if records else None}
     if cfg.workload == "agent":
-        report["turns"] = [turn_summary(t, [r for r in done if r.turn == t]) for t in range(cfg.agent_turns)]
+        report["turns"] = [turn_summary(t, [r for r in done if r.turn == t]) for t in range(1, cfg.agent_turns + 1)]
     report["requests"] = [r.export() for r in records]
     return report
 
@@ -584,7 +589,7 @@ def turn_summary(turn: int, records: list[Record]) -> dict:
         values = [v for v in values if v is not None]
         return float(np.mean(values)) if values else None
 
-    return {"turn": turn + 1, "completed": len(records), "prompt_tokens": mean([r.prompt_tokens for r in records]),
+    return {"turn": turn, "completed": len(records), "prompt_tokens": mean([r.prompt_tokens for r in records]),
             "cached_tokens": mean([r.cached_tokens for r in records]), "ttft_s": mean([r.ttft for r in records]),
             "tpot_s": mean([r.tpot for r in records])}
 
@@ -613,7 +618,7 @@ def format_report(report: dict) -> str:
         f"{'-' if report['cached_tokens'] is None else format(report['cached_tokens'], ',')}), "
         f"output {report['output_tokens']:,}"
         + ("" if report["usage_reported"] else " (no usage from the server: output tokens are the chunks with text)"),
-        f"{'(ms)':<10}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}",
+        f"{'(ms)':<10}" + "".join(f"{k:>10}" for k in STATS),
     ]
     for name in ("ttft", "tpot", "itl", "e2e"):
         d = report[f"{name}_s"] or {}
@@ -632,42 +637,48 @@ def format_report(report: dict) -> str:
 # ---- command line -------------------------------------------------------------------------------------------
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="serve_load.py", description=__doc__.split("\n\n")[0] + " Streams every "
-                                "request and reports throughput, TTFT / TPOT / ITL / E2E percentiles and goodput.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(prog="serve_load.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     d = LoadConfig()
     p.add_argument("url", help="the server, http://HOST:PORT (a /v1 suffix is fine)")
     p.add_argument("--endpoint", choices=list(ENDPOINTS), default=d.endpoint,
-                   help="completions: /v1/completions with a text prompt; chat: /v1/chat/completions with messages")
+                   help="completions (default): /v1/completions with a text prompt; chat: /v1/chat/completions "
+                   "with messages")
     p.add_argument("--model", help="the model name to send (default: the first one GET /v1/models lists)")
     p.add_argument("--num-requests", type=int, help="requests to send (agent workload: sessions); default 100 "
                    "(agent: 1) unless --duration is given")
     p.add_argument("--duration", type=float, help="seconds after which no new request (session) starts")
     p.add_argument("--request-rate", type=float, default=d.request_rate,
-                   help="arrivals a second; inf: all at once, or a closed loop of --max-concurrency clients")
+                   help="arrivals a second; inf (default): all at once, or a closed loop of --max-concurrency clients")
     p.add_argument("--arrival", choices=ARRIVALS, default=d.arrival,
-                   help="gaps between arrivals at a finite rate: exponential (Poisson process) or 1/rate")
+                   help="gaps between arrivals at a finite rate: exponential (Poisson process, default) or 1/rate")
     p.add_argument("--max-concurrency", type=int, help="requests (sessions) in flight at most; with rate inf: "
                    "that many clients, each sending its next request when its last one finished")
     p.add_argument("--workload", choices=WORKLOADS, default=d.workload,
-                   help="text: independent prompts; agent: sessions resending the whole conversation each turn")
+                   help="text (default): independent prompts; agent: sessions resending the whole conversation "
+                   "each turn")
     p.add_argument("--prompt-len", default=str(d.prompt_len),
-                   help="prompt tokens (agent: the first turn's): N, or A:B drawn uniformly")
-    p.add_argument("--output-len", default=str(d.output_len), help="max_tokens of each request: N, or A:B uniformly")
-    p.add_argument("--agent-turns", type=int, default=d.agent_turns, help="requests in each agent session")
+                   help="prompt tokens (agent: the first turn's): N, or A:B drawn uniformly (default %(default)s)")
+    p.add_argument("--output-len", default=str(d.output_len),
+                   help="max_tokens of each request: N, or A:B uniformly (default %(default)s)")
+    p.add_argument("--agent-turns", type=int, default=d.agent_turns,
+                   help="requests in each agent session (default %(default)s)")
     p.add_argument("--agent-turn-len", default=str(d.agent_turn_len),
-                   help="new tokens each later agent turn adds after the previous reply: N or A:B")
-    p.add_argument("--temperature", type=float, default=d.temperature, help="sampling temperature (0: greedy)")
-    p.add_argument("--top-p", type=float, default=d.top_p, help="nucleus sampling mass")
+                   help="new tokens each later agent turn adds after the previous reply: N or A:B "
+                   "(default %(default)s)")
+    p.add_argument("--temperature", type=float, default=d.temperature, help="sampling temperature (default 0: greedy)")
+    p.add_argument("--top-p", type=float, default=d.top_p, help="nucleus sampling mass (default 1)")
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=d.ignore_eos,
-                   help="ask the server to run every reply to max_tokens (dropped if the server refuses the field)")
+                   help="ask the server to run every reply to max_tokens (default; dropped if the server refuses "
+                   "the field)")
     p.add_argument("--slo", help="goodput bounds in seconds, e.g. ttft=0.5,tpot=0.05,e2e=20 (any of the three)")
-    p.add_argument("--seed", type=int, default=d.seed, help="seeds prompts, lengths and Poisson gaps")
+    p.add_argument("--seed", type=int, default=d.seed, help="seeds prompts, lengths and Poisson gaps (default 0)")
     p.add_argument("--tokenizer", help="a tokenizer.json, a directory holding one, or 'bytes' (openk3's byte-level "
                    "fallback): prompts of exact token windows; default: calibrate characters per token by probes")
     p.add_argument("--data", help="prompt corpus: a text or JSONL file, or a directory (as openk3 train --data); "
                    "default: the Python standard library's sources")
-    p.add_argument("--timeout", type=float, default=d.timeout, help="seconds one request may take")
+    p.add_argument("--timeout", type=float, default=d.timeout,
+                   help="seconds one request may take (default %(default)s)")
     p.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
     p.add_argument("--json", metavar="PATH", help="write the report (with one record per request) to PATH")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -99,7 +99,7 @@ def test_agent_session_grows_and_reuses_its_prefix(server):
     report = serve_load.run_load(server, workload="agent", agent_turns=3, prompt_len=200, agent_turn_len=30,
                                  output_len=4, tokenizer="bytes")
     turns = sorted(report["requests"], key=lambda r: r["turn"])
-    assert [r["turn"] for r in turns] == [0, 1, 2] and report["completed"] == 3
+    assert [r["turn"] for r in turns] == [1, 2, 3] and report["completed"] == 3
     check_report(report)
     assert turns[0]["prompt_tokens"] == turns[0]["prompt_local"]
     for before, after in zip(turns, turns[1:]):
