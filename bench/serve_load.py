@@ -27,13 +27,16 @@ and counts the tokens each reply really had). Sampling: `--temperature`, `--top-
 Every request is streamed (`stream_options.include_usage`) through `--endpoint completions` (/v1/completions) or
 `chat` (/v1/chat/completions). Times are taken on arrival of each streamed chunk:
 - TTFT: from sending the request to its first chunk with text; E2E: to the end of its stream;
-- TPOT: (E2E - TTFT) / (output tokens - 1), per request; ITL: the gaps between chunks with text, over all of them;
+- TPOT: (E2E - TTFT) / (output tokens - 1), per request; ITL: the gaps between chunks with text, over all of them
+  (a chunk can hold several tokens, e.g. while a server holds back part of a UTF-8 character);
 - throughput: finished requests, output tokens and prompt + output tokens, a second of the run (first send to
   last finish); goodput: finished requests a second whose TTFT, TPOT and E2E meet `--slo` (seconds);
 - failures: counted by HTTP status, or by the error's name (a dropped connection, a stream that ended badly).
-It prints a table, and with `--json PATH` writes the report with one record per request.
+It prints a table, and with `--json PATH` writes the report with one record per request. Before the clock starts:
+GET /v1/models (for the model name, unless `--model`), the two probe requests (max_tokens 1), and every prompt.
+Needs httpx (the project's `test` extra) and openk3 importable (the corpus, the tokenizers).
 
-Python: `run_load(url, **fields)` (the fields of `LoadConfig`) runs the same and returns the report as a dict;
+Python: `run_load(url, **options)` (the fields of `LoadConfig`) runs the same and returns the report as a dict;
 `load(url, config)` is the coroutine, for callers already inside an event loop. The report's keys: see `summarize`.
 """
 

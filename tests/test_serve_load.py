@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from serve_process import serve_process
+from serve_process import metric, serve_process
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "serve_load.py"
 spec = importlib.util.spec_from_file_location("serve_load", BENCH)
@@ -52,9 +52,13 @@ def check_report(report: dict) -> list[dict]:
 
 
 def test_poisson_completions_count_what_the_server_reports(server):
+    generated, received = metric(server, "generation_tokens_total"), metric(server, "requests_received_total")
     report = serve_load.run_load(server, request_rate=20, num_requests=6, prompt_len="40:90", output_len=5,
                                  tokenizer="bytes", temperature=0.8, top_p=0.95, slo="ttft=5,tpot=0.03", seed=1)
     assert report["completed"] == 6 and report["failures"] == {} and report["usage_reported"]
+    probes = len(serve_load.PROBE_CHARS)  # one token each
+    assert metric(server, "requests_received_total") - received == 6 + probes
+    assert metric(server, "generation_tokens_total") - generated == report["output_tokens"] + probes
     done = check_report(report)
     for r in done:
         assert 40 <= r["prompt_target"] <= 90
@@ -96,8 +100,10 @@ def test_fixed_rate_for_a_duration_from_the_command_line(server, tmp_path, capsy
 
 
 def test_agent_session_grows_and_reuses_its_prefix(server):
+    hits = metric(server, "prefix_cache_hit_tokens_total")
     report = serve_load.run_load(server, workload="agent", agent_turns=3, prompt_len=200, agent_turn_len=30,
-                                 output_len=4, tokenizer="bytes")
+                                 output_len=4, tokenizer="bytes", seed=3)  # a seed of its own: new probe prompts
+    assert metric(server, "prefix_cache_hit_tokens_total") - hits == report["cached_tokens"]
     turns = sorted(report["requests"], key=lambda r: r["turn"])
     assert [r["turn"] for r in turns] == [1, 2, 3] and report["completed"] == 3
     check_report(report)
