@@ -33,7 +33,7 @@ Every request is streamed (`stream_options.include_usage`) through `--endpoint c
   last finish); goodput: finished requests a second whose TTFT, TPOT and E2E meet `--slo` (seconds);
 - failures: counted by HTTP status, or by the error's name (a dropped connection, a stream that ended badly).
 It prints a table, and with `--json PATH` writes the report with one record per request. Before the clock starts:
-GET /v1/models (for the model name, unless `--model`), the two probe requests (max_tokens 1), and every prompt.
+GET /v1/models (for the model name, unless `--model`), two probe requests (max_tokens 1), and every prompt.
 Needs httpx (the project's `test` extra) and openk3 importable (the corpus, the tokenizers).
 
 Python: `run_load(url, **options)` (the fields of `LoadConfig`) runs the same and returns the report as a dict;
@@ -64,7 +64,8 @@ ARRIVALS = ("poisson", "fixed")
 SLO_METRICS = ("ttft", "tpot", "e2e")
 PERCENTILES = (50, 90, 99)
 STATS = ("mean", *(f"p{q}" for q in PERCENTILES))
-PROBE_CHARS = (256, 2048)  # the two probe prompts: tokens per character is the slope between them
+PROBE_SNIPPET = 512  # characters: the probe prompts are one corpus snippet, then it and more from random places
+PROBE_CHARS = (2048, 32768)  # the calibrating probe's size: the longest prompt asked for, within these bounds
 REFUSED_FIELD = (400, 422)  # what servers answer a body field they do not know
 
 
@@ -451,34 +452,55 @@ async def fetch_model(client, base: str) -> str:
     return models[0]["id"]
 
 
-async def probe(runner: Runner, corpus: str) -> float:
-    """Two short unstreamed requests (max_tokens 1): the server answers at all, takes ignore_eos (else the run goes
-    without it), and counts tokens per character on the corpus (the slope between the two prompts' usage): returns
-    that."""
-    rng, counts = random.Random(f"{runner.cfg.seed}:probe"), []
-    for chars in PROBE_CHARS:
-        text = cyclic(corpus, rng.randrange(len(corpus)), chars)
-        prompt = [{"role": "user", "content": text}] if runner.chat else text
-        while True:
-            body = {**runner.payload(prompt, 1), "stream": False}
-            del body["stream_options"]
-            response = await runner.client.post(runner.url, json=body)
-            if response.status_code in REFUSED_FIELD and runner.ignore_eos and "ignore_eos" in response.text:
-                runner.ignore_eos = False
-                continue
+async def probe_request(runner: Runner, text: str) -> httpx.Response:
+    """One unstreamed request of max_tokens 1; a refused ignore_eos is dropped for the rest of the run."""
+    prompt = [{"role": "user", "content": text}] if runner.chat else text
+    while True:
+        body = {**runner.payload(prompt, 1), "stream": False}
+        del body["stream_options"]
+        response = await runner.client.post(runner.url, json=body)
+        if response.status_code in REFUSED_FIELD and runner.ignore_eos and "ignore_eos" in response.text:
+            runner.ignore_eos = False
+            continue
+        return response
+
+
+def probe_usage(runner: Runner, response: httpx.Response) -> dict:
+    if response.status_code != 200:
+        raise LoadError(f"the server answered {response.status_code} to a probe request on {runner.url}: "
+                        f"{error_text(response.content)}")
+    usage = response.json().get("usage") or {}
+    if not isinstance(usage.get("prompt_tokens"), int):
+        raise LoadError(f"the server's reply to a probe request on {runner.url} has no usage.prompt_tokens")
+    return usage
+
+
+async def probe(runner: Runner, corpus: str, calibrate: bool) -> tuple[float | None, list[dict]]:
+    """Before the run: a snippet of the corpus as a prompt (the server answers at all, and takes ignore_eos, else
+    the run goes without it); to `calibrate`, then that snippet with more from random places, and the server's
+    tokens per character on the corpus is the slope between the two prompts' usage (an average over the corpus,
+    without the chat template's or a BOS token's share). The second prompt has as many characters as the longest
+    prompt asked for has tokens (within PROBE_CHARS; a token spans a character or more), halved while the server
+    refuses it as too long. Returns (tokens per character or None, the probes' usage)."""
+    rng = random.Random(f"{runner.cfg.seed}:probe")
+    snippet = lambda: cyclic(corpus, rng.randrange(len(corpus)), PROBE_SNIPPET)
+    first = snippet()
+    usages = [probe_usage(runner, await probe_request(runner, first))]
+    if not calibrate:
+        return None, usages
+    chars = min(max(runner.cfg.prompt_len.high, PROBE_CHARS[0]), PROBE_CHARS[1])
+    more = [snippet() for _ in range(chars // PROBE_SNIPPET - 1)]
+    while True:
+        response = await probe_request(runner, first + "".join(more))
+        if response.status_code not in (400, 413) or PROBE_SNIPPET * (len(more) + 1) <= PROBE_CHARS[0]:
             break
-        if response.status_code != 200:
-            raise LoadError(f"the server answered {response.status_code} to a probe request on {runner.url}: "
-                            f"{error_text(response.content)}")
-        usage = response.json().get("usage") or {}
-        if not isinstance(usage.get("prompt_tokens"), int):
-            raise LoadError(f"the server's reply to a probe request on {runner.url} has no usage.prompt_tokens")
-        counts.append(usage["prompt_tokens"])
-    slope = (counts[1] - counts[0]) / (PROBE_CHARS[1] - PROBE_CHARS[0])
+        more = more[:len(more) // 2]
+    usages.append(probe_usage(runner, response))
+    slope = (usages[1]["prompt_tokens"] - usages[0]["prompt_tokens"]) / (PROBE_SNIPPET * len(more))
     if not slope > 0:
-        raise LoadError(f"probe prompts of {PROBE_CHARS} characters counted {counts} tokens: cannot calibrate; "
-                        "pass --tokenizer")
-    return slope
+        raise LoadError(f"probe prompts of {PROBE_SNIPPET} and {PROBE_SNIPPET * (len(more) + 1)} characters counted "
+                        f"{[u['prompt_tokens'] for u in usages]} tokens: cannot calibrate; pass --tokenizer")
+    return slope, usages
 
 
 async def load(url: str, config: LoadConfig) -> dict:
@@ -492,7 +514,7 @@ async def load(url: str, config: LoadConfig) -> dict:
         try:
             model = cfg.model or await fetch_model(client, base)
             runner = Runner(client, base, cfg, model, cfg.ignore_eos)
-            tokens_per_char = await probe(runner, source.corpus)
+            tokens_per_char, probe_usage = await probe(runner, source.corpus, calibrate=source.ids is None)
         except httpx.HTTPError as exc:
             raise LoadError(f"cannot reach {base}: {type(exc).__name__}: {exc}") from None
         except ValueError as exc:
@@ -513,7 +535,7 @@ async def load(url: str, config: LoadConfig) -> dict:
     tokens = f"tokenizer {cfg.tokenizer}" if cfg.tokenizer else f"calibrated {tokens_per_char:.4g} tok/char"
     return summarize(runner.records, duration, cfg, {"url": base, "model": model, "ignore_eos": runner.ignore_eos,
                                                      "prompt_lengths": tokens,
-                                                     "tokens_per_char": tokens_per_char})
+                                                     "tokens_per_char": tokens_per_char, "probe_usage": probe_usage})
 
 
 def run_load(url: str, config: LoadConfig | None = None, **options) -> dict:

@@ -56,7 +56,7 @@ def test_poisson_completions_count_what_the_server_reports(server):
     report = serve_load.run_load(server, request_rate=20, num_requests=6, prompt_len="40:90", output_len=5,
                                  tokenizer="bytes", temperature=0.8, top_p=0.95, slo="ttft=5,tpot=0.03", seed=1)
     assert report["completed"] == 6 and report["failures"] == {} and report["usage_reported"]
-    probes = len(serve_load.PROBE_CHARS)  # one token each
+    probes = len(report["probe_usage"])  # of one token each
     assert metric(server, "requests_received_total") - received == 6 + probes
     assert metric(server, "generation_tokens_total") - generated == report["output_tokens"] + probes
     done = check_report(report)
@@ -103,7 +103,8 @@ def test_agent_session_grows_and_reuses_its_prefix(server):
     hits = metric(server, "prefix_cache_hit_tokens_total")
     report = serve_load.run_load(server, workload="agent", agent_turns=3, prompt_len=200, agent_turn_len=30,
                                  output_len=4, tokenizer="bytes", seed=3)  # a seed of its own: new probe prompts
-    assert metric(server, "prefix_cache_hit_tokens_total") - hits == report["cached_tokens"]
+    probe_hits = sum(u["prompt_tokens_details"]["cached_tokens"] for u in report["probe_usage"])
+    assert metric(server, "prefix_cache_hit_tokens_total") - hits == report["cached_tokens"] + probe_hits
     turns = sorted(report["requests"], key=lambda r: r["turn"])
     assert [r["turn"] for r in turns] == [1, 2, 3] and report["completed"] == 3
     check_report(report)
@@ -117,8 +118,10 @@ def test_agent_session_grows_and_reuses_its_prefix(server):
 
 
 def test_failures_are_counted_by_http_status(server):
-    report = serve_load.run_load(server, num_requests=2, prompt_len=5000, output_len=2, tokenizer="bytes")
+    report = serve_load.run_load(server, num_requests=2, prompt_len=5000, output_len=2)
     assert report["completed"] == 0 and report["failures"] == {"413": 2}
+    # the calibrating probe, first of about 5000 characters, was shortened into k3-tiny's 4096-token context
+    assert 2048 <= report["probe_usage"][1]["prompt_tokens"] < 4096
     assert "context holds" in report["failure_examples"]["413"]
     assert report["ttft_s"] is None and report["request_throughput"] == 0
     assert "2 x 413" in serve_load.format_report(report)
