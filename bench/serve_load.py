@@ -14,9 +14,11 @@ request starts after S seconds; those in flight finish) bound the run.
 Prompts: real text cut at random places from a corpus (the Python standard library's sources, as
 `openk3 train` uses; `--data PATH` for your own), of `--prompt-len` tokens: N, or uniform A:B. With `--tokenizer`
 (a tokenizer.json, a checkpoint directory holding one, or `bytes` for openk3's byte-level fallback) a prompt is
-the decoded text of a window of N corpus tokens; without it, two probe requests measure the server's tokens per
-character on the corpus (its `usage.prompt_tokens`) and a prompt is that many characters. Either way the report
-counts the tokens the server's usage says it received. `--workload agent` runs sessions that grow turn by turn:
+the decoded text of a window of N corpus tokens; without it, a probe request measures the server's tokens per
+character on the corpus (its `usage.prompt_tokens`; `probe` says how) and a prompt is that many characters: an
+average, so a prompt can be some 10% off (more for short ones) where the ratio varies over the text. The same
+tokenizer gives the same prompts on every server, for a fair comparison. Either way the report counts the
+tokens the server's usage says it received. `--workload agent` runs sessions that grow turn by turn:
 each turn resends the whole conversation (the previous replies included) plus `--agent-turn-len` new tokens, so
 a server's prefix cache is exercised; `--num-requests` then counts sessions, each of `--agent-turns` requests.
 
@@ -33,7 +35,7 @@ Every request is streamed (`stream_options.include_usage`) through `--endpoint c
   last finish); goodput: finished requests a second whose TTFT, TPOT and E2E meet `--slo` (seconds);
 - failures: counted by HTTP status, or by the error's name (a dropped connection, a stream that ended badly).
 It prints a table, and with `--json PATH` writes the report with one record per request. Before the clock starts:
-GET /v1/models (for the model name, unless `--model`), two probe requests (max_tokens 1), and every prompt.
+GET /v1/models (for the model name, unless `--model`), the probe requests (max_tokens 1), and every prompt.
 Needs httpx (the project's `test` extra) and openk3 importable (the corpus, the tokenizers).
 
 Python: `run_load(url, **options)` (the fields of `LoadConfig`) runs the same and returns the report as a dict;

@@ -76,11 +76,11 @@ def test_closed_loop_chat_holds_its_concurrency(server):
     done = check_report(report)
     assert report["tokens_per_char"] == pytest.approx(1.0, abs=0.05)  # bytes, calibrated on mostly-ASCII text
     for r in done:
-        assert r["prompt_tokens"] > r["prompt_target"] - 8  # the text, about 64 bytes, plus the chat template
+        assert r["prompt_tokens"] > r["prompt_target"]  # the text (about 64 bytes) and the chat template
         assert r["output_tokens"] == 4
     starts = sorted(r["start"] for r in done)
     ends = sorted(r["start"] + r["e2e"] for r in done)
-    in_flight = [sum(s <= t < e for s, e in zip(starts, ends)) for t in starts]
+    in_flight = [sum(s <= t for s in starts) - sum(e <= t for e in ends) for t in starts]
     assert max(in_flight) == 2  # two clients ...
     for k, start in enumerate(starts[2:], 2):  # ... each sending its next request after its last one finished
         assert sum(end <= start for end in ends) >= k - 1
