@@ -276,6 +276,7 @@ class Record:
     prompt_target: int = 0  # tokens asked for (agent: of this turn's new text only)
     prompt_local: int | None = None  # the local tokenizer's count of that text (None without --tokenizer)
     output_target: int = 0
+    chunks: int = 0  # stream chunks with text (a chunk can carry several tokens)
     error: str | None = None
     itl: list[float] = field(default_factory=list, repr=False)
     reply: str = field(default="", repr=False)
@@ -357,10 +358,10 @@ async def read_stream(client, url: str, payload: dict, chat: bool, record: Recor
         record.status = "stream_error"
         record.error = f"finish_reason {end_reason}" if done else "the stream ended without [DONE]"
         return
-    record.reply = "".join(pieces)
+    record.reply, record.chunks = "".join(pieces), len(pieces)
     record.ttft = record.e2e if record.ttft is None else record.ttft  # a reply without text: its first byte is its end
     if record.output_tokens is None:
-        record.output_tokens = len(record.itl) + (last is not None)
+        record.output_tokens = record.chunks
 
 
 # ---- the run ------------------------------------------------------------------------------------------------
@@ -568,11 +569,13 @@ def meets(record: Record, slo: dict[str, float]) -> bool:
 
 
 def summarize(records: list[Record], duration: float, cfg: LoadConfig, meta: dict) -> dict:
-    """The report: meta (url, model, ignore_eos, how prompt lengths were made), the config, counts (`completed`,
-    `failed`, `failures` by status), token totals (from the server's usage; `cached_tokens` None when the server
+    """The report: meta (`url`, `model`, `ignore_eos` as sent, `prompt_lengths` how they were made,
+    `tokens_per_char` calibrated or None, `probe_usage`), the `config`, counts (`completed`, `failed`, `failures`
+    and `failure_examples` by status), token totals (from the server's usage; `cached_tokens` None when the server
     reports none), `duration_s`, `request_throughput` (req/s), `output_tok_per_s`, `total_tok_per_s`,
     distributions {mean, p50, p90, p99} in seconds of `ttft_s`, `tpot_s`, `itl_s`, `e2e_s` (None with no data),
-    `goodput` (with --slo), `turns` (agent: per-turn means), and `requests` (one record each, in start order)."""
+    `tokens_per_chunk` (ITL is per chunk with text: above 1, a gap spans several tokens), `goodput` (with --slo),
+    `turns` (agent: per-turn means), and `requests` (one record each, in start order)."""
     records = sorted(records, key=lambda r: r.start)
     done = [r for r in records if r.ok]
     failures: dict[str, int] = {}
@@ -599,6 +602,7 @@ def summarize(records: list[Record], duration: float, cfg: LoadConfig, meta: dic
         "ttft_s": distribution([r.ttft for r in done]),
         "tpot_s": distribution([r.tpot for r in done if r.tpot is not None]),
         "itl_s": distribution([gap for r in done for gap in r.itl]),
+        "tokens_per_chunk": output_tokens / chunks if (chunks := sum(r.chunks for r in done)) else None,
         "e2e_s": distribution([r.e2e for r in done]),
     }
     if cfg.slo:
@@ -643,7 +647,7 @@ def format_report(report: dict) -> str:
         f"{fmt(report['output_tok_per_s'])} output tok/s, {fmt(report['total_tok_per_s'])} total tok/s",
         f"tokens      prompt {report['prompt_tokens']:,} (cached "
         f"{'-' if report['cached_tokens'] is None else format(report['cached_tokens'], ',')}), "
-        f"output {report['output_tokens']:,}"
+        f"output {report['output_tokens']:,} ({fmt(report['tokens_per_chunk'], spec='.2f')} a chunk with text)"
         + ("" if report["usage_reported"] else " (no usage from the server: output tokens are the chunks with text)"),
         f"{'(ms)':<10}" + "".join(f"{k:>10}" for k in STATS),
     ]

@@ -37,7 +37,8 @@ def check_report(report: dict) -> list[dict]:
     assert report["prompt_tokens"] == sum(r["prompt_tokens"] or 0 for r in done)  # None: the server sent no usage
     assert report["output_tokens"] == sum(r["output_tokens"] for r in done)
     for r in done:
-        assert 0 < r["ttft"] <= r["e2e"]
+        assert 0 < r["ttft"] <= r["e2e"] and 1 <= r["chunks"] <= r["output_tokens"]
+    assert report["tokens_per_chunk"] == pytest.approx(report["output_tokens"] / sum(r["chunks"] for r in done))
     for name in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
         d = report[name]
         assert 0 <= d["p50"] <= d["p90"] <= d["p99"]
@@ -204,7 +205,7 @@ def test_a_server_without_ignore_eos_or_stream_usage(plain_server):
     done = check_report(report)
     assert sorted(received) == sorted(2 * r["prompt_target"] for r in done)  # calibrated: 2 characters a token
     for r in done:
-        assert r["prompt_tokens"] is None and r["output_tokens"] == r["output_target"]  # counted by chunk
+        assert r["prompt_tokens"] is None and r["output_tokens"] == r["chunks"] == r["output_target"]  # by chunk
     assert "ignore_eos refused" in serve_load.format_report(report)
 
 
