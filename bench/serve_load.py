@@ -21,6 +21,8 @@ tokenizer gives the same prompts on every server, for a fair comparison. Either 
 tokens the server's usage says it received. `--workload agent` runs sessions that grow turn by turn:
 each turn resends the whole conversation (the previous replies included) plus `--agent-turn-len` new tokens, so
 a server's prefix cache is exercised; `--num-requests` then counts sessions, each of `--agent-turns` requests.
+Prompts depend on `--seed` and the request's index only: a second run with the same seed on the same server
+finds them in its prefix cache (the report's cached tokens), so warm up with another seed.
 
 Replies: `--output-len` tokens, N or uniform A:B, as `max_tokens`, with `ignore_eos` (vLLM's and openk3's field)
 so that every reply runs to its length; a server that refuses the field is run without it (the report says so,
