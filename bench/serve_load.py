@@ -37,7 +37,8 @@ Every request is streamed (`stream_options.include_usage`) through `--endpoint c
   last finish); goodput: finished requests a second whose TTFT, TPOT and E2E meet `--slo` (seconds);
 - failures: counted by HTTP status, or by the error's name (a dropped connection, a stream that ended badly).
 It prints a table, and with `--json PATH` writes the report with one record per request. Before the clock starts:
-GET /v1/models (for the model name, unless `--model`), the probe requests (max_tokens 1), and every prompt.
+GET /v1/models (for the model name, unless `--model`), the probe requests (max_tokens 1), and every prompt (a run
+bounded by `--duration` alone makes each as it starts).
 Needs httpx (the project's `test` extra) and openk3 importable (the corpus, the tokenizers).
 
 Python: `run_load(url, **options)` (the fields of `LoadConfig`) runs the same and returns the report as a dict;
