@@ -172,25 +172,46 @@ def test_prefill_spends_exactly_the_step_budget(model):
         assert fed == [40] * 4 + [193 - 160]
 
 
-def test_a_full_pool_evicts_cached_pages_and_a_request_that_cannot_fit_fails_alone(model):
-    """Pool pressure: new pages come from evicting (or demoting to the host tier) unlocked cached pages, outputs
-    stay exact; a request that needs more pages than the pool has ends with "error" and the others run on."""
+def test_a_full_pool_evicts_cached_pages_and_preempts_the_latest_sequence(model):
+    """Pool pressure: new pages come from evicting (or demoting to the host tier) unlocked cached pages; when none
+    is left, the latest admitted sequence is preempted and later resumed (recompute, hitting the prefix cache where
+    it can): every output stays exact and every page comes back."""
     rng = random.Random(3)
     prompts = [[rng.randrange(90) for _ in range(n)] for n in (100, 40, 120, 70, 100)]
     greedy = SamplingParams(max_tokens=10, temperature=0)
     for host in (0, 1 << 20):
         engine = make_engine(model, kv_pages=1 + 2 * 3, cache_bytes=1 << 20, host_cache_bytes=host,
-                             scheduler=SchedulerConfig(max_running=2, prefill_tokens_per_step=48))
+                             max_model_len=300, scheduler=SchedulerConfig(max_running=2, prefill_tokens_per_step=48))
         requests = run(engine, prompts, 10, stagger=3)
         assert all(r.output == generate_ids(model, r.prompt, 10, greedy) for r in requests)
         stats = engine.prefix_cache.stats
         assert (stats.demoted_pages if host else stats.evicted_pages) > 0
-    engine = make_engine(model, kv_pages=3, scheduler=SchedulerConfig(max_running=2, prefill_tokens_per_step=48))
-    (big,) = run(engine, [prompts[2]], 10)  # 120 + 10 tokens need 3 pages; the pool has 2
-    (small,) = run(engine, [prompts[1]], 10)
-    assert big.finish_reason == "error" and small.finish_reason == "length"
-    assert small.output == generate_ids(model, small.prompt, 10, greedy)
-    assert engine.pages.num_free + sum(p.phys is not None for p in engine.prefix_cache.pages) == 2
+    for prefix_cache in (True, False):  # three sequences that grow past the pool together: preemption
+        engine = make_engine(model, kv_pages=1 + 7, prefix_cache=prefix_cache, max_model_len=7 * 4 * H - 1,
+                             scheduler=SchedulerConfig(max_running=3, prefill_tokens_per_step=64))
+        requests = run(engine, [prompts[0][:60], prompts[1], prompts[3][:50]], 90)
+        assert engine.metrics.preemptions > 0 and sum(r.preemptions for r in requests) == engine.metrics.preemptions
+        for r in requests:
+            assert r.finish_reason == "length" and r.output == generate_ids(model, r.prompt, 90, greedy)
+        held = sum(p.phys is not None for p in engine.prefix_cache.pages) if prefix_cache else 0
+        assert engine.pages.num_free + held == engine.pages.num_pages - 1
+        assert engine.states.num_free == engine.states.num_slots
+
+
+def test_max_model_len_bounds_prompts_and_must_fit_the_pool(model):
+    """A prompt of max_model_len tokens or more is refused; the pool must hold one max_model_len sequence, and
+    max_model_len may exceed the model's max_seq_len (NoPE: only memory bounds the context)."""
+    engine = make_engine(model, max_model_len=100)
+    with pytest.raises(ValueError, match="--max-model-len"):
+        engine.add_request(list(range(1, 101)), SamplingParams(max_tokens=4))
+    (r,) = run(engine, [list(range(1, 90))], 30)
+    assert r.finish_reason == "length" and r.length == 100  # stopped at max_model_len, not max_tokens
+    with pytest.raises(ValueError, match="--kv-pages 5 holds 256 tokens; one sequence of --max-model-len 400"):
+        make_engine(model, kv_pages=5, max_model_len=400)
+    long = make_engine(model, max_model_len=4 * model.config.max_seq_len, prefix_cache=False)
+    assert long.tables.max_pages * long.page_size > 4 * model.config.max_seq_len
+    (r,) = run(long, [[7] * (model.config.max_seq_len + 20)], 3)
+    assert r.finish_reason == "length" and len(r.output) == 3
 
 
 def test_a_failing_sequence_fails_alone_and_gives_back_its_pages(model, poisoned_sampling):

@@ -5,7 +5,14 @@ import pytest
 import torch
 
 from openk3.ops.attention import mla_attention_absorbed
-from openk3.ops.paged_mla import combine_splits, paged_mla_decode, paged_mla_decode_reference
+from openk3.ops.paged_mla import (
+    MAX_SPLITS,
+    PROGRAMS_PER_PROCESSOR,
+    combine_splits,
+    paged_mla_decode,
+    paged_mla_decode_reference,
+    split_count,
+)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # without CUDA the kernel runs under TRITON_INTERPRET=1
 
@@ -38,9 +45,36 @@ def test_kernel_matches_reference(lengths, page_size, splits):
     tiles (empty splits), heads fewer than a head block, an odd latent width."""
     q, pool, tables, rows, lens, _ = paged_setup(lengths, page_size, latent_dim=24, slice_dim=8, heads=3, seed=splits)
     want = paged_mla_decode_reference(q, pool, tables, rows, lens, 24, scale=0.3)
-    got = paged_mla_decode(q, pool, tables, rows, lens, 24, scale=0.3, num_splits=splits)
+    got = paged_mla_decode(q, pool, tables, rows, lens, 24, scale=0.3, num_splits=splits, min_split=32)
     assert got.shape == (len(lengths), 3, 24) and got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("queries", [1, 5])
+def test_split_count_by_queries_and_a_long_sequence(queries):
+    """The op's own split count (0): a long sequence at a small batch spreads over many splits, each at least
+    `min_split` positions; the short ones use their first splits only (the rest are empty)."""
+    lengths = [700, 1, 65, 300, 33][:queries]
+    q, pool, tables, rows, lens, _ = paged_setup(lengths, 64, latent_dim=16, slice_dim=8, heads=2, seed=queries)
+    want = paged_mla_decode_reference(q, pool, tables, rows, lens, 16, scale=0.2)
+    for min_split in (32, 256):
+        got = paged_mla_decode(q, pool, tables, rows, lens, 16, scale=0.2, min_split=min_split)
+        torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+
+
+def test_split_count_fills_the_device_and_stays_in_bounds():
+    cpu = torch.device("cpu")
+    assert split_count(1, 1, cpu) == PROGRAMS_PER_PROCESSOR
+    assert split_count(10**6, 1, cpu) == 1
+    assert all(1 <= split_count(n, b, cpu) <= MAX_SPLITS for n in (1, 3, 64) for b in (1, 2))
+
+
+def test_kernel_refuses_bad_split_arguments():
+    q, pool, tables, rows, lens, _ = paged_setup([5], 8, latent_dim=16, slice_dim=0, heads=1, seed=0)
+    with pytest.raises(ValueError, match="num_splits"):
+        paged_mla_decode(q, pool, tables, rows, lens, 16, scale=1.0, num_splits=-1)
+    with pytest.raises(ValueError, match="min_split"):
+        paged_mla_decode(q, pool, tables, rows, lens, 16, scale=1.0, min_split=40)
 
 
 def test_kernel_extreme_scores_and_more_heads_than_a_block():

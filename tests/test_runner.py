@@ -84,6 +84,42 @@ def test_prefill_chunks_then_decode_steps_equal_one_forward(name, kernels):
             torch.testing.assert_close(torch.stack(logits[b]), full, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("name", ["k3-small-mla-first", "kimi-tiny"])
+def test_right_padded_prefill_of_different_lengths_equals_each_chunk_alone(name):
+    """Chunks of 9, 2, 14 and 1 tokens (two continuing a prompt) in one right-padded forward give each chunk's
+    logits, KDA conv windows and recurrent states and MLA latents of the chunk prefilled alone; the padding writes
+    only the null page (K3's bounded gates and Kimi's unbounded ones)."""
+    torch.manual_seed(0)
+    model = randomize(K3ForCausalLM(CONFIGS[name]()), seed=21)
+    runner = make_runner(model, "torch", slots=5, pages=60)
+    rng = torch.Generator().manual_seed(22)
+    slots, starts, lengths = [3, 0, 4, 1], [0, 6, 3, 0], [9, 2, 14, 1]
+    ids = [torch.randint(0, model.config.vocab_size, (s + n,), generator=rng).tolist()
+           for s, n in zip(starts, lengths)]
+    for slot, s, n in zip(slots, starts, lengths):
+        give_pages(runner, slot, s + n, rng)
+    pools = (runner.states.conv, runner.states.recurrent, runner.pages.pages)
+    with torch.no_grad():
+        for b, s in enumerate(starts):  # the prompts' earlier parts, one by one
+            if s:
+                runner.prefill([ids[b][:s]], [slots[b]], [0])
+        before = [t.clone() for t in pools]
+        alone = []
+        for b, s in enumerate(starts):
+            alone.append(runner.prefill([ids[b][s:]], [slots[b]], [s])[0][0])
+        want = [t.clone() for t in pools]
+        for t, b in zip(pools, before):
+            t.copy_(b)
+        got, ckpts = runner.prefill([x[s:] for x, s in zip(ids, starts)], slots, starts)
+    assert not ckpts
+    torch.testing.assert_close(got, torch.stack(alone), rtol=1e-4, atol=1e-4)
+    for t, w in zip(pools[:2], want[:2]):
+        torch.testing.assert_close(t, w, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(runner.pages.pages[:, 1:], want[2][:, 1:], rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="different lengths take no checkpoint"):
+        runner.prefill([ids[0][:3], ids[0][:2]], slots[:2], [0, 0], checkpoint_offsets=(1,))
+
+
 @pytest.mark.parametrize("kernels,compile_backend", [("torch", None), ("triton", None), ("torch", "eager")])
 def test_short_prefills_of_any_lengths_equal_the_models_prefill(kernels, compile_backend):
     """Chunks of 3, 8 and 1 tokens (one continuing a prompt) in one short-prefill step give each chunk's logits, KDA

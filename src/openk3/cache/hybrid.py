@@ -64,6 +64,11 @@ class HybridCache:
     calling the model; every KDA layer then records its batch state after that many of the new tokens in
     `checkpoints[offset][layer index] = KDALayerCache` (copies), so a prefix cache can snapshot every hash-block
     boundary of a long prefill chunk in one forward (SPEC §7). Offsets are cleared by `advance`.
+
+    Right-padded rows in one forward: set `num_tokens` [B] (the real new tokens of each row, the rest padding at its
+    end) before calling the model. The padding leaves every KDA state where the row's real tokens put it; its MLA
+    latents land past the row's length, where nothing reads them before they are overwritten. A serving engine
+    prefills prompts of different lengths together this way; `advance` clears it.
     """
 
     def __init__(self, layers: list[KDALayerCache | MLALayerCache], lengths: list[int], device: torch.device):
@@ -72,6 +77,7 @@ class HybridCache:
         self.lengths = to_device(self._lengths, device, torch.long)
         self.checkpoint_offsets: tuple[int, ...] = ()
         self.checkpoints: dict[int, dict[int, KDALayerCache]] = {}
+        self.num_tokens: torch.Tensor | None = None
 
     def record_checkpoint(self, offset: int, layer_idx: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
         """Called by KDA layers for each requested offset (see the class docstring)."""
@@ -123,6 +129,7 @@ class HybridCache:
         self._lengths = [n + num_tokens for n in self._lengths]
         self.lengths = self.lengths + num_tokens
         self.checkpoint_offsets = ()
+        self.num_tokens = None
 
     def rewind(self, kept: list[int], forwarded: int) -> None:
         """Keep only the first kept[b] of the `forwarded` tokens of the last forward, per sequence (speculative

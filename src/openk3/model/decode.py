@@ -61,7 +61,6 @@ class DecodeBatch:
     conv: torch.Tensor
     recurrent: torch.Tensor
     kernels: str = "torch"
-    num_splits: int = 1  # split-KV programs per query in the paged MLA kernel
     conv_out: torch.Tensor | None = None
     recurrent_out: torch.Tensor | None = None
     num_tokens: torch.Tensor | None = None
@@ -141,8 +140,7 @@ def mla_decode_step(layer: GatedMLA, x: torch.Tensor, j: int, batch: DecodeBatch
         q_latent = torch.einsum("bhn,hnr->bhr", q[..., :n].reshape(B * T, H, n), w[:, :n])  # W_UK into the query
         q_absorbed = torch.cat([q_latent, q[..., n:].reshape(B * T, H, -1)], dim=-1)
         rows = batch.slots.repeat_interleave(T)  # one kernel row per query, each with its own length
-        o_latent = paged_mla_decode(q_absorbed, pool, batch.tables, rows, positions.reshape(-1) + 1, R, layer.scale,
-                                    batch.num_splits)
+        o_latent = paged_mla_decode(q_absorbed, pool, batch.tables, rows, positions.reshape(-1) + 1, R, layer.scale)
         o = torch.einsum("bhr,hvr->bhv", o_latent.to(q.dtype), w[:, n:]).view(B, T, H, v)  # W_UV on the way out
     else:
         L = int(batch.lengths.max()) + T
@@ -161,10 +159,11 @@ def fuse_kda_inputs(model) -> None:
 
 
 @torch.no_grad()
-def decode_forward(model, ids: torch.Tensor, batch: DecodeBatch, taps: tuple[int, ...] = ()):
+def decode_forward(model, ids: torch.Tensor, batch: DecodeBatch, taps: tuple[int, ...] = (),
+                   last: torch.Tensor | None = None):
     """ids [B,T] (T new tokens per sequence) -> (logits [B,T,vocab], the hidden states entering the layers in
     `taps` (what their input norms read: `openk3.draft.tapped_hidden_states`), [B,T,D] each, in taps' order); the
-    pools advance by the T tokens in place."""
+    pools advance by the T tokens in place. `last` [B]: only the logits at row b's position last[b], [B,1,vocab]."""
     cfg = model.config
     index = {i: j for j, i in enumerate(sorted(cfg.kda_layers))}
     index.update({i: j for j, i in enumerate(sorted(cfg.mla_layers))})
@@ -191,6 +190,8 @@ def decode_forward(model, ids: torch.Tensor, batch: DecodeBatch, taps: tuple[int
             x = stream.mlp_input(layer.mlp_res_proj, layer.mlp_res_norm)
             stream.add_mlp(layer.mlp(layer.post_attention_layernorm(x)))
         h = stream.output(m.output_res_proj, m.output_res_norm)
+    if last is not None:
+        h = h[torch.arange(h.shape[0], device=h.device), last].unsqueeze(1)
     return model.lm_head(m.norm(h)), [tapped[i] for i in taps]
 
 

@@ -10,7 +10,7 @@ from torch import nn
 
 from openk3.config import ModelConfig
 from openk3.model.common import KeepFp32, RMSNorm, ShortConv, linear, linear_concat, linear_split, out_std, shared_cast
-from openk3.ops.conv import causal_conv1d, causal_conv1d_step
+from openk3.ops.conv import causal_conv1d, causal_conv1d_step, conv_windows
 from openk3.ops.fused import use_triton
 from openk3.ops.gates import k3_gate, kimi_gate
 from openk3.ops.kda import BACKENDS, kda, resolve_backend
@@ -211,6 +211,12 @@ class KimiDeltaAttention(KeepFp32, nn.Module):
         q, k, v = (t.reshape(B, T, H, K) for t in qkv)
         backend = resolve_backend(self.kda_backend, x.device, T)
         q, k, g, beta = self.activate_logits(q, k, f, b, backend)
+        ragged = cache.num_tokens if cache is not None else None
+        if ragged is not None:  # right padding: no decay (g = 0) and no write (beta = 0) keep the state (SPEC §2)
+            pad = torch.arange(T, device=x.device) >= ragged.view(B, 1)
+            g = g.masked_fill(pad[..., None, None], 0.0)
+            beta = beta.masked_fill(pad[..., None], 0.0)
+            conv_state = conv_windows(layer_cache.conv_state, qkv_in, ragged)
         initial = layer_cache.recurrent_state if layer_cache is not None else None
         offsets = [t for t in cache.checkpoint_offsets if 0 < t < T] if cache is not None else []
         if offsets:

@@ -84,6 +84,15 @@ class _ConvSiLU(torch.autograd.Function):
         return *(next(grads) if t.requires_grad else None for t in inputs), None
 
 
+def conv_windows(state: torch.Tensor, x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """The conv state after ends[b] of the T inputs of row b: state [B,C,W-1] before them, x [B,T,C] -> the last W-1
+    inputs up to that point [B,C,W-1] (the state itself where ends[b] = 0)."""
+    history = torch.cat([state, x.transpose(1, 2).to(state.dtype)], dim=-1)  # [B,C,W-1+T]
+    window = state.shape[-1]
+    index = ends.view(-1, 1, 1) + torch.arange(window, device=x.device)
+    return history.gather(2, index.expand(-1, history.shape[1], -1))
+
+
 def causal_conv1d_reference(
     x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None = None, activation: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,11 +12,16 @@ Scores are scale * (q . [latent | k_slice]), softmax over the sequence's positio
 fp32 pools take exact fp32 products (input_precision "ieee"; tf32 would cost 1e-3), 16-bit pools the tensor cores.
 The kernel splits the positions ("flash decoding"): program (n, split, head block) walks one contiguous share of
 sequence n with an online softmax and writes its partial output and log-sum-exp; `combine_splits` merges them.
-A split with an empty share writes lse = -inf and weighs nothing. `num_splits` is a launch constant, so the
-launch is the same whatever the lengths (CUDA-graph friendly); no host synchronisation.
+The split count is chosen inside the op from the number of queries (enough programs to fill the device), so a
+compiled caller never specialises on it; each split walks at least `min_split` positions, so a short sequence
+uses one or a few splits and the rest exit at once (lse = -inf: they weigh nothing). A long context at a small
+batch thus spreads over the whole device. The launch is the same whatever the lengths (CUDA-graph friendly); no
+host synchronisation.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -28,6 +33,21 @@ except ImportError:  # triton is optional (the gpu extra); the reference needs n
 
 BLOCK_H = 16  # heads per program (tl.dot needs >= 16 rows)
 BLOCK_N = 32  # positions per tile
+MIN_SPLIT = 256  # positions a split walks at least (a multiple of BLOCK_N)
+MAX_SPLITS = 64
+PROGRAMS_PER_PROCESSOR = 4
+
+
+@functools.cache
+def processors(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (1 elsewhere: the interpreter)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def split_count(queries: int, head_blocks: int, device: torch.device) -> int:
+    """Splits per query: about PROGRAMS_PER_PROCESSOR programs per processor over all queries and head blocks."""
+    programs = PROGRAMS_PER_PROCESSOR * processors(device)
+    return max(1, min(MAX_SPLITS, -(-programs // max(1, queries * head_blocks))))
 
 def paged_positions(tables: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
     """Flat row indices into pool.view(-1, R+r) of `positions` ([N] or [N,L]) of each query's sequence."""
@@ -71,51 +91,55 @@ def combine_splits(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
 
 
 def paged_mla_decode(q: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, rows: torch.Tensor,
-                     lengths: torch.Tensor, latent_dim: int, scale: float, num_splits: int = 1) -> torch.Tensor:
-    """The Triton kernel (same contract as `paged_mla_decode_reference`). Returns [N,H,R] fp32."""
+                     lengths: torch.Tensor, latent_dim: int, scale: float, num_splits: int = 0,
+                     min_split: int = MIN_SPLIT) -> torch.Tensor:
+    """The Triton kernel (same contract as `paged_mla_decode_reference`). Returns [N,H,R] fp32. num_splits 0: by
+    the number of queries and the device (`split_count`); min_split: positions a split walks at least."""
     D = q.shape[-1]
     if pool.shape[-1] != D or not pool.is_contiguous():
         raise ValueError(f"pool must be a contiguous [pages, P, {D}] tensor, got {tuple(pool.shape)}")
-    if num_splits < 1:
-        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    out, lse = paged_mla_splits(q, pool, tables, rows, lengths, latent_dim, scale, num_splits)
-    return combine_splits(out, lse) if num_splits > 1 else out[:, 0]
+    if num_splits < 0:
+        raise ValueError(f"num_splits must be >= 0 (0: chosen by the op), got {num_splits}")
+    if min_split < 1 or min_split % BLOCK_N:
+        raise ValueError(f"min_split must be a positive multiple of {BLOCK_N}, got {min_split}")
+    return paged_mla_attend(q, pool, tables, rows, lengths, latent_dim, scale, num_splits, min_split)
 
 
 # A torch custom op, so that torch.compile keeps the launch whole in a compiled decode step (`openk3.serve.runner`)
-@torch.library.custom_op("openk3::paged_mla_splits", mutates_args=())
-def paged_mla_splits(q: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, rows: torch.Tensor,
-                     lengths: torch.Tensor, latent_dim: int, scale: float, num_splits: int
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's per-split outputs: out [N,S,H,R] fp32 and log-sum-exp [N,S,H] (S = num_splits)."""
+# and never sees the split count, which depends on the batch
+@torch.library.custom_op("openk3::paged_mla_attend", mutates_args=())
+def paged_mla_attend(q: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, rows: torch.Tensor,
+                     lengths: torch.Tensor, latent_dim: int, scale: float, num_splits: int, min_split: int
+                     ) -> torch.Tensor:
     N, H, D = q.shape
     R, r = latent_dim, D - latent_dim
-    out = torch.empty(N, num_splits, H, R, dtype=torch.float32, device=q.device)
-    lse = torch.empty(N, num_splits, H, dtype=torch.float32, device=q.device)
+    head_blocks = triton.cdiv(H, BLOCK_H)  # heads share every latent tile
+    splits = num_splits or split_count(N, head_blocks, q.device)
+    out = torch.empty(N, splits, H, R, dtype=torch.float32, device=q.device)
+    lse = torch.empty(N, splits, H, dtype=torch.float32, device=q.device)
     if N:
-        grid = (N, num_splits, triton.cdiv(H, BLOCK_H))  # heads share every latent tile
-        _paged_mla_decode_kernel[grid](
+        _paged_mla_decode_kernel[(N, splits, head_blocks)](
             q.contiguous(), pool, tables, rows.to(torch.int32), lengths.to(torch.int32), out, lse, scale, H,
-            tables.stride(0), P=pool.shape[1], R=R, RS=r, BLOCK_R=triton.next_power_of_2(R),
+            tables.stride(0), splits, P=pool.shape[1], R=R, RS=r, BLOCK_R=triton.next_power_of_2(R),
             BLOCK_RS=max(16, triton.next_power_of_2(max(r, 1))), BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N,
-            NUM_SPLITS=num_splits, PREC="ieee" if pool.dtype == torch.float32 else "tf32", num_warps=4)
-    return out, lse
+            MIN_SPLIT=min_split, PREC="ieee" if pool.dtype == torch.float32 else "tf32",
+            num_warps=4)
+    return combine_splits(out, lse) if splits > 1 else out[:, 0]
 
 
-@paged_mla_splits.register_fake
-def _(q, pool, tables, rows, lengths, latent_dim, scale, num_splits):
+@paged_mla_attend.register_fake
+def _(q, pool, tables, rows, lengths, latent_dim, scale, num_splits, min_split):
     N, H, _ = q.shape
-    return (q.new_empty(N, num_splits, H, latent_dim, dtype=torch.float32),
-            q.new_empty(N, num_splits, H, dtype=torch.float32))
+    return q.new_empty(N, H, latent_dim, dtype=torch.float32)
 
 
 if triton is not None:
 
     @triton.jit
-    def _paged_mla_decode_kernel(q, pool, tables, rows, lengths, out, lse, scale, H, table_stride,
+    def _paged_mla_decode_kernel(q, pool, tables, rows, lengths, out, lse, scale, H, table_stride, num_splits,
                                 P: tl.constexpr, R: tl.constexpr, RS: tl.constexpr, BLOCK_R: tl.constexpr,
                                 BLOCK_RS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                                NUM_SPLITS: tl.constexpr, PREC: tl.constexpr):
+                                MIN_SPLIT: tl.constexpr, PREC: tl.constexpr):
         n = tl.program_id(0)
         split = tl.program_id(1)
         heads = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -123,7 +147,7 @@ if triton is not None:
         D: tl.constexpr = R + RS
         length = tl.load(lengths + n)
         table = tables + tl.load(rows + n).to(tl.int64) * table_stride
-        share = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N  # whole tiles per split
+        share = tl.maximum(tl.cdiv(tl.cdiv(length, num_splits), BLOCK_N) * BLOCK_N, MIN_SPLIT)  # whole tiles
         start = split * share
         end = tl.minimum(length, start + share)
 
@@ -156,7 +180,7 @@ if triton is not None:
 
         live = denom > 0
         o = acc / tl.where(live, denom, 1.0)[:, None]
-        part = (n * NUM_SPLITS + split) * H + heads
+        part = (n * num_splits + split) * H + heads
         tl.store(out + part.to(tl.int64)[:, None] * R + cr[None, :], o, mask=hm[:, None] & (cr[None, :] < R))
         tl.store(lse + part, tl.where(live, m + tl.log(tl.where(live, denom, 1.0)), float("-inf")), mask=hm)
 

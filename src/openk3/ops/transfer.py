@@ -1,10 +1,15 @@
-"""Small host -> device copies that do not make the host wait for the GPU.
+"""Small host <-> device copies: host -> device without making the host wait for the GPU, device -> host waiting
+without holding Python's GIL.
 
 `torch.tensor(values, device="cuda")` copies from pageable memory and synchronises: the host waits for every kernel
 queued before the copy. The prefill built its index tensors that way, so the host could not queue a chunk's
 kernels while the GPU still ran the previous chunk's: each chunk cost its host time plus its device time. From
 pinned memory with non_blocking=True the copy is queued on the stream like a kernel, and PyTorch's pinned-memory
 allocator keeps the host buffer until the copy has run.
+
+`tensor.tolist()` of a CUDA tensor waits for the GPU holding the GIL, so a server's event loop on another thread
+cannot run while an engine step waits for its sampled tokens; `host_list` waits on a CUDA event first, which
+releases the GIL while it waits.
 """
 
 from __future__ import annotations
@@ -18,3 +23,12 @@ def to_device(values, device: torch.device | str, dtype: torch.dtype | None = No
     if device.type != "cuda":
         return torch.tensor(values, dtype=dtype, device=device)
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
+def host_list(tensor: torch.Tensor) -> list:
+    """tensor.tolist(), the wait for a CUDA tensor's producers done without the GIL."""
+    if tensor.is_cuda:
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(tensor.device))
+        done.synchronize()
+    return tensor.tolist()

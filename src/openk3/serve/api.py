@@ -123,7 +123,7 @@ def create_app(engine: Engine, model_name: str, remote_images: RemoteImages | No
 
     async def generate(request: Request, body: SamplingFields, prompt: list[int], arrival: float, chat: bool,
                        images: list | None = None):
-        params = sampling_params(body, engine.model_config.max_seq_len, engine.vocab_limit)
+        params = sampling_params(body, engine.max_model_len, engine.vocab_limit)
         events = asyncio.Queue()
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         rids = [rid] if body.n == 1 else [f"{rid}-{i}" for i in range(body.n)]  # one engine request per choice
@@ -139,7 +139,7 @@ def create_app(engine: Engine, model_name: str, remote_images: RemoteImages | No
             cancel(rids)
             raise APIError(429, str(exc), code="queue_full", kind="rate_limit_error") from exc
         except ValueError as exc:
-            too_long = len(prompt) >= engine.model_config.max_seq_len
+            too_long = len(prompt) >= engine.max_model_len
             raise APIError(413 if too_long else 400, str(exc), "messages" if chat else "prompt",
                            "context_length_exceeded" if too_long else None) from exc
         reply = Reply(rid, model_name, chat, body.n, body.include_usage, names, params.logprobs is not None)

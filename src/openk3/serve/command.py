@@ -3,14 +3,16 @@
     openk3 serve --preset k3-tiny --port 8000            # random-init weights (seeded): a demo / test server
     openk3 serve --ckpt runs/k3-tiny --port 8000         # a training run's latest checkpoint (or a step-* dir)
 
-Once it accepts requests it prints one line with the URL, the model and the prefix-cache settings. The host and
+Once it accepts requests it prints one line with the URL, the model, its dtype, whether decode runs as CUDA graphs,
+the capacity (latent-cache tokens, sequences, the longest sequence) and the prefix-cache settings. The host and
 port are checked (and the socket bound) before the model loads.
 
 The tokenizer is the checkpoint's tokenizer.json when it has one, else the byte-level fallback
 (`openk3.tokenizer`). The prefix cache's hash block / page default to K3's ratio scaled to the context
-(h=16, P=192 for toy contexts; h=512, P=6144 at 1M). On a GPU the engine decodes with Triton kernels over its
-paged latent cache and KDA state pool, captures the decode step as CUDA graphs at start-up (the time is printed),
-and prefills up to 16384 tokens per step in one forward.
+(h=16, P=192 for toy contexts; h=512, P=6144 at 1M). On a GPU the engine serves bf16 by default, decodes with
+Triton kernels over its paged latent cache and KDA state pool, captures the decode step as CUDA graphs at start-up
+(the time is printed), and sizes the latent cache from the memory left after the weights
+(--gpu-memory-utilization, as vLLM does); a sequence whose pages run out is preempted and resumed later.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import sys
 from pathlib import Path
 
 from openk3.cli_options import add_kda_options, int_at_least
+from openk3.serve.capacity import GPU_BATCHED_TOKENS
 
 
 def build_engine(args: argparse.Namespace):
@@ -33,7 +36,7 @@ def build_engine(args: argparse.Namespace):
 
     from openk3.config import get_preset
     from openk3.model import K3ForCausalLM, configure_kda
-    from openk3.serve.engine import GPU_PREFILL_TOKENS, Engine, EngineConfig
+    from openk3.serve.engine import Engine, EngineConfig
     from openk3.serve.scheduler import SchedulerConfig
     from openk3.tokenizer import load_tokenizer
 
@@ -52,10 +55,7 @@ def build_engine(args: argparse.Namespace):
         model = K3ForCausalLM(get_preset(args.preset)).to(device)
         name, ckpt_dir = args.model_name or args.preset, None
     configure_kda(model, backend=args.kda_backend)
-    # auto keeps the weights as built or stored: a bf16 forward of k3-debug on an H200 (torch 2.11) came out far
-    # from fp32 on 2026-12-01 while fp32 was exact (bench/RESULTS.md, Serving); bf16 is opt-in until
-    # bench/gpu_checks.py passes
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(args.dtype)
+    dtype = serving_dtype(args.dtype, device)
     if dtype is not None:
         model = model.to(dtype)
     tokenizer = load_tokenizer(ckpt_dir, model.config.vocab_size)
@@ -68,16 +68,19 @@ def build_engine(args: argparse.Namespace):
         draft = load_draft(model, ckpt_dir)
     config = EngineConfig(
         prefix_cache=not args.no_prefix_cache, hash_block=args.hash_block, page_size=args.page_size,
-        cache_bytes=int(args.cache_mb * (1 << 20)), host_cache_bytes=int(args.host_cache_mb * (1 << 20)),
+        cache_bytes=None if args.cache_mb is None else int(args.cache_mb * (1 << 20)),
+        host_cache_bytes=int(args.host_cache_mb * (1 << 20)),
         disk_cache_dir=args.disk_cache_dir, disk_cache_bytes=int(args.disk_cache_mb * (1 << 20)),
         checkpoint_every=args.checkpoint_every, prefill_chunk_blocks=args.prefill_chunk_blocks,
-        kv_pages=args.kv_pages, kernels=args.kernels, cuda_graphs=not args.no_cuda_graphs,
+        kv_pages=args.kv_pages, max_model_len=args.max_model_len,
+        gpu_memory_utilization=args.gpu_memory_utilization, kernels=args.kernels, cuda_graphs=not args.no_cuda_graphs,
         compile_decode=not args.no_compile, compile_prefill=args.compile_prefill, seed=args.seed,
         short_prefill_tokens=args.short_prefill,
         speculative=args.speculative,
         scheduler=SchedulerConfig(
-            max_running=args.max_running, max_queue=args.max_queue,
-            prefill_tokens_per_step=args.prefill_tokens or (GPU_PREFILL_TOKENS if device.type == "cuda" else 256)),
+            max_running=args.max_num_seqs, max_queue=args.max_queue,
+            prefill_tokens_per_step=args.max_num_batched_tokens or (
+                GPU_BATCHED_TOKENS if device.type == "cuda" else 256)),
     )
     engine = Engine(model, tokenizer, config, draft)
     runner = engine.runner
@@ -87,8 +90,17 @@ def build_engine(args: argparse.Namespace):
         print(f"openk3 serve: CUDA graphs for decode batches {steps.get('decode')}{others} captured in "
               f"{runner.capture_seconds:.2f} s", file=sys.stderr, flush=True)
     elif runner.graph_error:
-        print(f"openk3 serve: CUDA graphs off ({runner.graph_error})", file=sys.stderr, flush=True)
+        print(f"openk3 serve: decoding eagerly, CUDA graphs off ({runner.graph_error})", file=sys.stderr, flush=True)
     return engine, name
+
+
+def serving_dtype(name: str, device):
+    """--dtype: auto is bfloat16 on a GPU (the fast path) and the weights' own dtype elsewhere; None: keep it."""
+    import torch
+
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else None
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
@@ -121,7 +133,12 @@ def ready_line(sock: socket.socket, name: str, engine) -> str:
         c, mib = cache.config, lambda n: f"{n / (1 << 20):g} MiB" if n else "off"
         settings = (f"prefix cache: hash block {c.hash_block}, page {c.page_size} tokens, device {mib(c.device_bytes)}"
                     f", host {mib(c.host_bytes)}, disk {mib(c.disk_bytes) if c.disk_dir else 'off'}")
-    return f"openk3 serve: ready at {url} (model {name!r} on {device}; {settings})"
+    dtype = str(engine.model.model.embed_tokens.weight.dtype).removeprefix("torch.")
+    graphs = "CUDA graphs" if engine.runner.graphs else "eager decode"
+    cap = engine.capacity
+    capacity = (f"capacity {cap.tokens:,} tokens, {engine.config.scheduler.max_running} sequences, "
+                f"{engine.max_model_len:,} tokens a sequence")
+    return f"openk3 serve: ready at {url} (model {name!r} on {device}, {dtype}, {graphs}; {capacity}; {settings})"
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -181,7 +198,7 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--device", default=None, help="cpu / cuda (default: cuda when available)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="weights and caches (auto: as built or stored; bfloat16 is the fast choice on a GPU)")
+                   help="weights and caches (auto: bfloat16 on a GPU, as built or stored on a CPU)")
     p.add_argument("--no-prefix-cache", action="store_true", help="disable the hybrid prefix cache")
     p.add_argument("--hash-block", type=int, default=None, help="tokens per hash block h (default: by context)")
     p.add_argument("--page-size", type=int, default=None, help="tokens per physical page P (default 12 h)")
@@ -191,16 +208,29 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--prefill-chunk-blocks", type=int, default=None,
                    help="hash blocks per prefill forward at most (checkpoints inside it are taken in the same pass; "
                         "default 12 on CPU, 16384 tokens on a GPU)")
-    p.add_argument("--cache-mb", type=float, default=256, help="prefix cache device tier (MiB)")
+    p.add_argument("--cache-mb", type=float, default=None,
+                   help="prefix cache device tier (MiB; default: a fifth of the cache memory on a GPU, 256 on CPU)")
     p.add_argument("--host-cache-mb", type=float, default=0, help="prefix cache host tier (MiB, 0: off)")
     p.add_argument("--disk-cache-dir", default=None, help="prefix cache disk tier directory (needs a host tier)")
     p.add_argument("--disk-cache-mb", type=float, default=1024, help="prefix cache disk tier (MiB)")
-    p.add_argument("--max-running", type=int, default=32, help="sequences decoded together at most")
+    p.add_argument("--max-num-seqs", "--max-running", dest="max_num_seqs", type=int_at_least(1), default=128,
+                   help="sequences running (decoded together) at most; also the largest CUDA-graph batch "
+                        "(default 128)")
+    p.add_argument("--max-model-len", type=int_at_least(2), default=None, metavar="N",
+                   help="tokens of one sequence (prompt + reply) at most (default: the model's max_seq_len; the "
+                        "MLA layers are NoPE, so a longer context only needs memory)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="F",
+                   help="fraction of the GPU's memory for weights, activations and the caches: the latent cache "
+                        "gets what is left (default 0.9)")
     p.add_argument("--max-queue", type=int, default=1024, help="waiting requests before 429s")
-    p.add_argument("--prefill-tokens", type=int, default=None,
-                   help="prefill token budget per engine step (default 256 on CPU, 16384 on a GPU)")
+    p.add_argument("--max-num-batched-tokens", "--prefill-tokens", dest="max_num_batched_tokens",
+                   type=int_at_least(1), default=None, metavar="N",
+                   help="prompt tokens prefilled per engine step, beside the decode batch: lower keeps decoding "
+                        "smoother while long prompts arrive, higher gives a faster first token (default 256 on "
+                        f"CPU, {GPU_BATCHED_TOKENS} on a GPU)")
     p.add_argument("--kv-pages", type=int, default=None,
-                   help="physical pages of the MLA latent pool (default: room for the live tokens and the cache)")
+                   help="physical pages of the MLA latent pool (default: from memory on a GPU, see "
+                        "--gpu-memory-utilization; a fixed 131,072 tokens plus the cache on CPU)")
     p.add_argument("--kernels", default="auto", choices=["auto", "triton", "torch"],
                    help="decode kernels: triton (the GPU path), torch (the reference); auto: by device")
     p.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly on a GPU (no CUDA graphs)")

@@ -2,23 +2,25 @@
 
 State lives in preallocated pools on the model's device: MLA latents in physical pages of P tokens (`PagePool`,
 one block table per running sequence, pages ref-counted and shared by reference with the prefix cache) and the
-KDA conv windows and fp32 recurrent states in one slot per running sequence (`StatePool`). The `ModelRunner` does
-the tensor work: decode with static shapes (CUDA graphs at bucketed batch sizes on a GPU) and prefill chunks.
+KDA conv windows and fp32 recurrent states in one slot per running sequence (`StatePool`). The pool is sized from
+the device's memory on a GPU (openk3.serve.capacity); it must hold one sequence of `max_model_len` tokens. The
+`ModelRunner` does the tensor work: decode with static shapes (CUDA graphs at bucketed batch sizes on a GPU) and
+prefill chunks.
 
-One `step()`: apply cancellations, admit requests (a prefix hit shares the hit's pages by reference, copies the
-part of a partly hit page it may not write into, and loads the hit's KDA checkpoint into the slot), run one
-batched decode for every decoding sequence, then batched prefill chunks within the step's token budget. Every
-full hash block a sequence completes (in prefill or decode) is registered with the physical page holding its
-latents. A prefill chunk covers up to `prefill_chunk_blocks` hash blocks and ends at the prompt's last full hash
-block (the turn boundary) or at the prompt's end; inside it the model records KDA checkpoints every
-`checkpoint_every` hash blocks in the same forward; decode passes every boundary one token at a time. Chunking and
-checkpoint offsets are the same whether or not the cache is on, so greedy output does not depend on it. A failure
-in one sequence's work ends that sequence (reason "error"), not the others. There is no preemption: a sequence
-that finds every page in use after the cache's unlocked pages are evicted ends with "error"; the default pool
-(`kv_pages`) holds the scheduler's `max_live_tokens` plus a partial page per running sequence plus the cache, so
-only a smaller `kv_pages` can get there. `EngineLoop` runs steps on a background thread; `add_request` and
-`cancel` are thread-safe. Each reply's text is decoded token by token (openk3.tokenizer.TextStream) and searched for
-stop strings only where the new token can complete one: a token's host work does not grow with the reply.
+One `step()`: apply cancellations; admit waiting requests while their prompts find pages (free, or held only by
+the prefix cache) and slots (a prefix hit shares the hit's pages by reference, copies the part of a partly hit
+page it may not write into, and loads the hit's KDA checkpoint into the slot); run one batched decode for every
+decoding sequence; then prefill chunks within the step's token budget, as few forwards as it can: chunks of any
+lengths right-padded together, short ones in the runner's CUDA-graph step, and those with KDA checkpoints inside
+them (long prompts, every `checkpoint_every` hash blocks) with others of their length. A chunk ends at the prompt's
+last full hash block (the turn boundary) or at its end. Every full hash block a sequence completes (in prefill or
+decode) is registered with the physical page holding its latents. Chunking and checkpoint offsets are the same
+whether or not the cache is on, so greedy output does not depend on it. When a sequence needs a page and none is
+left, the latest admitted sequence is preempted: it goes back to the head of the queue keeping its output, and on
+re-admission prefills prompt and output again (the prefix cache usually holds most of it). A failure in one
+sequence's work ends that sequence (reason "error"), not the others. `EngineLoop` runs steps on a background
+thread; `add_request` and `cancel` are thread-safe. Each reply's text is decoded token by token
+(openk3.tokenizer.TextStream) and searched for stop strings only where the new token can complete one.
 
 Images (SPEC §12): a request may carry prepared images (openk3.images) whose placeholder runs are in its prompt.
 Each prefill chunk passes the model the image tokens of the placeholders it holds (`ModelRunner.prefill`'s
@@ -58,8 +60,9 @@ from torch.nn.utils.rnn import pad_sequence
 from openk3.cache.paged import BlockTables, PagePool
 from openk3.cache.state_pool import StatePool
 from openk3.draft import EagleDraft, accept_drafts, accept_drafts_on_logits, accept_greedy, draw, target_distributions
-from openk3.ops.transfer import to_device
+from openk3.ops.transfer import host_list, to_device
 from openk3.sampling import SamplingParams, request_rng, sample_tokens, token_logprobs
+from openk3.serve.capacity import Capacity, check_utilization, fixed_capacity, gpu_capacity
 from openk3.serve.prefix_cache import PrefixCache, PrefixCacheConfig, image_keyed_tokens
 from openk3.serve.runner import ModelRunner
 from openk3.serve.scheduler import Request, RequestEvent, Scheduler, SchedulerConfig
@@ -72,9 +75,10 @@ SLOW_STEP_S = 0.25  # an engine step longer than this is logged (INFO) with what
 
 # A prefill forward costs ~25-30 ms of host time on an H200 whatever its length (k3-debug: ~1,500 eager ops), so a
 # long prompt goes in few, long forwards: 12k tokens took 141-151 ms in three of 4096 (bench/RESULTS.md, 2026-12-01).
-GPU_PREFILL_TOKENS = 16384  # prefill token budget per step on a GPU (the CPU default is SchedulerConfig's)
 GPU_PREFILL_CHUNK_TOKENS = 16384  # tokens per prefill forward on a GPU, rounded to hash blocks
-SHORT_PREFILL_TOKENS = 16  # GPU default of EngineConfig.short_prefill_tokens
+# GPU default of EngineConfig.short_prefill_tokens: ordinary prompts (up to a few hundred tokens) prefill as CUDA-graph
+# replays instead of the model's eager forward (~25 ms of host time for k3-debug on an H200, which also holds the GIL)
+SHORT_PREFILL_TOKENS = 256
 CHECKPOINT_SPACING_TOKENS = 512  # K3's prefill checkpoint spacing on a GPU (SPEC §7: every 512 tokens)
 
 
@@ -89,21 +93,22 @@ class EngineConfig:
     prefix_cache: bool = True
     hash_block: int | None = None  # None: default_block_sizes
     page_size: int | None = None  # P: tokens per physical page (None: 12 h)
-    cache_bytes: int = 256 << 20  # device tier of the prefix cache
+    cache_bytes: int | None = None  # device tier of the prefix cache (None: openk3.serve.capacity's default)
     host_cache_bytes: int = 0
     disk_cache_dir: str | None = None
     disk_cache_bytes: int = 0
+    max_model_len: int | None = None  # tokens of one sequence at most (None: the model's max_seq_len)
+    gpu_memory_utilization: float = 0.9  # of the device's memory, for weights, activations and the caches (CUDA)
     checkpoint_every: int | None = None  # hash blocks between prefill KDA checkpoints (None: 1 on CPU, 512 tokens
     #                                      on a GPU, where each checkpoint splits the Triton KDA call)
     prefill_chunk_blocks: int | None = None  # hash blocks per prefill forward at most (None: 12 on CPU, one
     #                                          physical page at K3's ratio; GPU_PREFILL_CHUNK_TOKENS on a GPU)
-    kv_pages: int | None = None  # physical pages in the pool (None: room for max_live_tokens + the cache)
+    kv_pages: int | None = None  # physical pages in the pool (None: from memory on a GPU, openk3.serve.capacity)
     kernels: str = "auto"  # decode kernels: "triton" (the GPU path), "torch" (the reference), auto: by device
     cuda_graphs: bool = True  # capture decode as CUDA graphs at start-up (CUDA only)
     compile_decode: bool = True  # torch.compile (Inductor) the decode step (CUDA only)
     # torch.compile (Inductor, dynamic shapes) the FFN, norm and AttnRes units that prefill runs (CUDA only;
-    # `model.compile.compile_blocks` without the token mixers). Off: on an H200, prefills of new shapes recompiled
-    # inside a timed 32-client run (bench/RESULTS.md, 2026-12-01)
+    # `model.compile.compile_blocks` without the token mixers). Off: prefills of new shapes recompile
     compile_prefill: bool = False
     speculative: int = 0  # draft tokens per verification (needs the engine's draft model); 0: off
     # prompt chunks of at most this many tokens prefill in one static step of the runner, captured as CUDA graphs
@@ -113,11 +118,12 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
-        for name in ("checkpoint_every", "prefill_chunk_blocks"):
+        for name in ("checkpoint_every", "prefill_chunk_blocks", "max_model_len"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"engine field {name!r} must be >= 1, got {getattr(self, name)}")
         if self.kv_pages is not None and self.kv_pages < 2:
             raise ValueError(f"engine field 'kv_pages' must be >= 2 (one is the null page), got {self.kv_pages}")
+        check_utilization(self.gpu_memory_utilization)
         if self.kernels not in ("auto", "triton", "torch"):
             raise ValueError(f"engine field 'kernels' must be auto, triton or torch, got {self.kernels!r}")
         if self.speculative < 0:
@@ -177,10 +183,32 @@ class EngineMetrics:
     spec_drafts: int = 0  # speculative verifications (one per sequence and round)
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    preemptions: int = 0  # running sequences sent back to the queue for want of pages (resumed by recompute)
 
 
 class PoolExhausted(RuntimeError):
     pass
+
+
+RAGGED_FREE_TOKENS = 2048  # a right-padded prefill forward this small costs its launches, whatever the padding
+
+
+def ragged_groups(chunks: list[tuple[Request, int]]) -> list[list[tuple[Request, int]]]:
+    """Chunks (request, end) of different lengths as forwards of right-padded rows: longest first, each forward
+    growing while its padded size stays within twice its real tokens (or RAGGED_FREE_TOKENS)."""
+    ordered = sorted(chunks, key=lambda c: c[1] - c[0].fed, reverse=True)
+    groups: list[list[tuple[Request, int]]] = []
+    for chunk in ordered:
+        n = chunk[1] - chunk[0].fed
+        if groups:
+            group = groups[-1]
+            longest = group[0][1] - group[0][0].fed
+            real = sum(end - r.fed for r, end in group) + n
+            if longest * (len(group) + 1) <= max(2 * real, RAGGED_FREE_TOKENS):
+                group.append(chunk)
+                continue
+        groups.append([chunk])
+    return groups
 
 
 @dataclass(eq=False)
@@ -220,7 +248,8 @@ class Engine:
         embed = model.model.embed_tokens.weight
         device, dtype = embed.device, embed.dtype
         gpu = device.type == "cuda"
-        default_h, _ = default_block_sizes(mc.max_seq_len)
+        self.max_model_len = config.max_model_len or mc.max_seq_len
+        default_h, _ = default_block_sizes(self.max_model_len)
         h = self.hash_block = config.hash_block or default_h
         P = self.page_size = config.page_size or 12 * h
         if P % h:
@@ -232,29 +261,39 @@ class Engine:
         n_mla = len(mc.mla_layers) + (self.draft is not None)  # the draft's latents: one more layer of pages
         width = mc.mla.kv_lora_rank + mc.mla.qk_rope_head_dim
         page_bytes = max(1, n_mla * P * width * embed.element_size())
-        cache_pages = config.cache_bytes // page_bytes if config.prefix_cache and n_mla else 0
-        num_pages = config.kv_pages or 1 + sched.max_running + -(-sched.max_live_tokens // P) + cache_pages
-        self.pages = PagePool(n_mla, num_pages, P, width, dtype=dtype, device=device)
-        self.tables = BlockTables(sched.max_running, -(-mc.max_seq_len // P), device=device)
+        short = self._short_prefill_tokens(config, gpu)
+        # a static step's padding tokens write latents past a row's end: room for them in every table row
+        slack = max(short, config.speculative + 1)
+        self.tables = BlockTables(sched.max_running, -(-(self.max_model_len + slack) // P), device=device)
         self.states = StatePool(mc, sched.max_running, dtype=dtype, device=device)
         kernels = config.kernels if config.kernels != "auto" else ("triton" if gpu else "torch")
-        self.runner = ModelRunner(model, self.pages, self.tables, self.states, max_batch=sched.max_running,
+        warm = PagePool(n_mla, 2, P, width, dtype=dtype, device=device)  # the warm-up writes only the null page
+        self.runner = ModelRunner(model, warm, self.tables, self.states, max_batch=sched.max_running,
                                   kernels=kernels, cuda_graphs=config.cuda_graphs, draft=self.draft,
                                   speculative=config.speculative if self.draft is not None else 0,
-                                  short_prefill=self._short_prefill_tokens(config, gpu),
+                                  short_prefill=short,
                                   compile_backend="inductor" if config.compile_decode and gpu else None,
                                   prefill_compile_backend="inductor" if config.compile_prefill and gpu else None)
+        if gpu:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
         if gpu or self.runner.prefill_compiled:  # first: a unit that fails to compile goes back to eager
-            longest = min(self.chunk_blocks * h, mc.max_seq_len // h * h)
+            # the largest prefill forward a step makes: a chunk, or right-padded chunks of twice the step's budget
+            budget = max(h, 2 * sched.prefill_tokens_per_step // h * h)
+            longest = min(self.chunk_blocks * h, budget, self.max_model_len // h * h)
             self.runner.warm_up_prefill(long=(longest, self._checkpoint_offsets(0, longest)))
         if gpu:  # the sampling kernel's first use compiles it (~0.2 s): not inside a request's first step
             sample_tokens(torch.zeros(1, mc.vocab_size, device=device), [SamplingParams(temperature=1.0)],
                           [request_rng(0)])
+        self.capacity = self._capacity(page_bytes, device)
+        del warm
+        self.pages = PagePool(n_mla, self.capacity.pages, P, width, dtype=dtype, device=device)
+        self.runner.attach_pages(self.pages)
         self.runner.capture()
 
         self.prefix_cache = PrefixCache(PrefixCacheConfig(
             hash_block=h, page_size=P, page_bytes=page_bytes,
-            device_bytes=config.cache_bytes, host_bytes=config.host_cache_bytes,
+            device_bytes=self.capacity.cache_bytes, host_bytes=config.host_cache_bytes,
             disk_dir=config.disk_cache_dir, disk_bytes=config.disk_cache_bytes, device=str(device),
         ), store=self.pages) if config.prefix_cache else None
         self.scheduler = Scheduler(sched)
@@ -268,6 +307,20 @@ class Engine:
         self._outbox: list[tuple[Callable[[RequestEvent], None], RequestEvent]] = []  # the step's events
         # called with a step's events [(on_event, event)] instead of each on_event (openk3.serve.api sets it)
         self.event_sink: Callable[[list], None] | None = None
+
+    def _capacity(self, page_bytes: int, device: torch.device) -> Capacity:
+        """The pool's size (openk3.serve.capacity): from the device's free memory on a GPU, measured after the
+        weights, the state pool and the longest prefill forward's warm-up; else fixed."""
+        config = self.config
+        fields = dict(page_bytes=page_bytes, page_size=self.page_size, max_model_len=self.max_model_len,
+                      cache_bytes=config.cache_bytes, prefix_cache=config.prefix_cache)
+        if device.type != "cuda" or config.kv_pages is not None:
+            return fixed_capacity(kv_pages=config.kv_pages, max_num_seqs=config.scheduler.max_running, **fields)
+        torch.cuda.synchronize(device)
+        free, total = torch.cuda.mem_get_info(device)
+        return gpu_capacity(total=total, free=free, reserved=torch.cuda.memory_reserved(device),
+                            peak_allocated=torch.cuda.max_memory_allocated(device),
+                            utilization=config.gpu_memory_utilization, **fields)
 
     @property
     def checkpoint_bytes(self) -> int:
@@ -284,11 +337,11 @@ class Engine:
         prefilling them again. `images`: prepared images (openk3.images.PreparedImage) whose placeholder runs the
         prompt holds, in order. `every_token`: an event per token (a stream); False: only the first token's (its
         time to first token) and the last, which carries everything not yet sent (a reply sent whole)."""
-        limit = self.model_config.max_seq_len
+        limit = self.max_model_len
         if not prompt:
             raise ValueError("the prompt is empty")
         if len(prompt) >= limit:
-            raise ValueError(f"the prompt has {len(prompt)} tokens; the context holds {limit}")
+            raise ValueError(f"the prompt has {len(prompt)} tokens; a sequence holds {limit} (--max-model-len)")
         if max(prompt) >= self.model_config.vocab_size or min(prompt) < 0:
             raise ValueError(f"token ids must be in [0, {self.model_config.vocab_size})")
         vision = self.model_config.vision
@@ -348,17 +401,19 @@ class Engine:
             for r in [r for r in (*self.scheduler.waiting, *self.scheduler.running) if r.rid in cancels]:
                 self._finish(r, "cancelled")
             # (the locked fraction walks the prefix cache's pages: only when a request waits to be admitted)
-            admitted = self.scheduler.admit(self._locked_fraction()) if self.scheduler.waiting else []
+            admitted = self.scheduler.admit(self._locked_fraction(), self._fits()) if self.scheduler.waiting else []
         for r in admitted:
             with self._isolated([r]):
                 self._start(r)
-        K, limit = self.config.speculative, self.model_config.max_seq_len
+        K, limit = self.config.speculative, self.max_model_len
         speculating, decoding = [], []
         for r in [r for r in self.scheduler.running if not r.prefilling]:
             if self.draft is not None and r.fed + K + 1 <= limit and self._has_pages(r, r.fed + K + 1):
                 speculating.append(r)
             elif self._has_pages(r, r.fed + 1):
                 decoding.append(r)
+        # (a later sequence's pages may have preempted an earlier one)
+        speculating, decoding = ([r for r in rows if r.slot is not None] for rows in (speculating, decoding))
         if speculating:
             with self._isolated(speculating):
                 self._speculate(speculating)
@@ -366,23 +421,36 @@ class Engine:
             with self._isolated(decoding):
                 self._decode(decoding)
         for round_ in self.scheduler.prefill_rounds(self._chunk_end):
-            alike: dict[tuple[int, tuple[int, ...]], list[tuple[Request, int]]] = {}  # same length and checkpoints
-            short: list[tuple[Request, int]] = []  # chunks for the short-prefill step, any lengths together
-            for r, end in round_:
-                if not self._has_pages(r, end):  # (or failed in an earlier round)
-                    continue
-                offsets = self._checkpoint_offsets(r.fed, end)
-                if end - r.fed <= self.runner.short_prefill and not offsets and r.images is None:
-                    short.append((r, end))
-                else:
-                    alike.setdefault((end - r.fed, offsets), []).append((r, end))
-            if short:
-                with self._isolated([r for r, _ in short]):
-                    self._prefill(short, short=True)
-            for group in alike.values():
-                with self._isolated([r for r, _ in group]):
-                    self._prefill(group)
+            for group, offsets, short in self._prefill_groups([(r, end) for r, end in round_
+                                                               if self._has_pages(r, end)]):
+                group = [(r, end) for r, end in group if r.slot is not None]  # (preempted since)
+                if group:
+                    with self._isolated([r for r, _ in group]):
+                        self._prefill(group, offsets, short)
         self.metrics.steps += 1
+
+    def _prefill_groups(self, chunks: list[tuple[Request, int]]):
+        """A round's prefill chunks (request, end) as forwards: (chunks, checkpoint offsets, short). Chunks of at most
+        `short_prefill` tokens go together through the runner's short step; chunks with KDA checkpoints inside
+        them, image tokens or a draft to feed go with chunks of the same length and offsets; the rest, of any
+        lengths, are right-padded together (`ragged_groups`)."""
+        alike: dict[tuple[int, tuple[int, ...]], list[tuple[Request, int]]] = {}
+        short, ragged = [], []
+        for r, end in chunks:
+            offsets = self._checkpoint_offsets(r.fed, end)
+            inside = tuple(o for o in offsets if o < end - r.fed)  # the chunk's end state is the slot's own
+            if inside or r.images is not None or self.draft is not None:
+                alike.setdefault((end - r.fed, offsets), []).append((r, end))
+            elif end - r.fed <= self.runner.short_prefill:
+                short.append((r, end))
+            else:
+                ragged.append((r, end))
+        if short:
+            yield short, (), True
+        for group in ragged_groups(ragged):
+            yield group, (), False
+        for (_, offsets), group in alike.items():
+            yield group, offsets, False
 
     @contextmanager
     def _isolated(self, requests: list[Request]):
@@ -406,9 +474,9 @@ class Engine:
         return locked / cache.config.device_bytes
 
     def _chunk_end(self, r: Request, pos: int) -> int:
-        h = self.hash_block
-        turn_boundary = (len(r.prompt) // h) * h
-        return min((pos // h + self.chunk_blocks) * h, turn_boundary if turn_boundary > pos else len(r.prompt))
+        h, n = self.hash_block, r.prefill_len
+        turn_boundary = (n // h) * h
+        return min((pos // h + self.chunk_blocks) * h, turn_boundary if turn_boundary > pos else n)
 
     def _checkpoint_offsets(self, start: int, end: int) -> tuple[int, ...]:
         """Offsets into a prefill chunk [start, end) where KDA checkpoints are wanted: every `checkpoint_every`
@@ -419,33 +487,77 @@ class Engine:
             ends.add(end)
         return tuple(sorted(e - start for e in ends))
 
-    # ---- pages and slots ----------------------------------------------------------------------------------
-    def _alloc_page(self) -> int:
-        """A free physical page, evicting unlocked prefix-cache pages when the pool is full."""
+    # ---- pages, slots, admission and preemption ------------------------------------------------------------
+    def _alloc_page(self) -> int | None:
+        """A free physical page, evicting unlocked prefix-cache pages when the pool is full; None if none is left."""
         pid = self.pages.alloc()
         while pid is None and self.prefix_cache is not None and self.prefix_cache.evict(self.pages.page_bytes):
             pid = self.pages.alloc()
-        if pid is None:
-            raise PoolExhausted(f"all {self.pages.num_pages} latent pages are in use by running sequences")
         return pid
 
     def _has_pages(self, r: Request, tokens: int) -> bool:
-        """Give a live sequence pages for its first `tokens` positions; False if it is over (or fails for want of
-        pages: then it alone ends)."""
-        while r.finish_reason is None and len(self.tables.pages[r.slot]) * self.page_size < tokens:
+        """Give a live sequence pages for its first `tokens` positions, preempting the latest admitted sequences
+        while none is left (`_preempt`); False if it is over, or was preempted itself."""
+        while r.finish_reason is None and r.slot is not None and \
+                len(self.tables.pages[r.slot]) * self.page_size < tokens:
             with self._isolated([r]):
-                self.tables.append(r.slot, self._alloc_page())
-        return r.finish_reason is None
+                pid = self._alloc_page()
+                while pid is None:
+                    victim = next(v for v in reversed(self.scheduler.running) if v.slot is not None)
+                    if victim is r and sum(v.slot is not None for v in self.scheduler.running) == 1:
+                        raise PoolExhausted(f"all {self.pages.num_pages} latent pages are in use by one sequence")
+                    self._preempt(victim)
+                    if victim is r:
+                        return False
+                    pid = self._alloc_page()
+                self.tables.append(r.slot, pid)
+        return r.finish_reason is None and r.slot is not None
+
+    def _preempt(self, r: Request) -> None:
+        """Send a running sequence back to the head of the queue for want of pages: its pages, slot and cache lease
+        go, its output stays; re-admitted, it prefills its prompt and output again (recompute) and decodes on."""
+        if r.lease is not None:
+            self.prefix_cache.release(r.lease)
+            r.lease = None
+        self._release_resources(r)
+        r.fed = 0
+        self.scheduler.preempt(r)
+        self.metrics.preemptions += 1
+        log.info("preempted %s at %d tokens: the latent pages ran out (%d running)", r.rid, r.length,
+                 len(self.scheduler.running))
+
+    def _fits(self) -> Callable[[Request], bool]:
+        """Admission's memory check for one step: a request fits while its prefill's pages (those of the earlier
+        admissions of the step counted) leave a watermark of the pool free or evictable."""
+        available = self.pages.num_free + self._evictable_pages() - self.pages.num_pages // 100
+        if not self.states.num_free:
+            return lambda r: False
+
+        def fits(r: Request) -> bool:
+            nonlocal available
+            need = -(-(r.prefill_len + 1) // self.page_size)
+            available -= need
+            return available >= 0
+
+        return fits
+
+    def _evictable_pages(self) -> int:
+        """Physical pages only the prefix cache holds and no running sequence has locked."""
+        cache = self.prefix_cache
+        if cache is None:
+            return 0
+        return sum(1 for p in cache.pages if not p.locks and p.phys is not None and self.pages.refs[p.phys] == 1)
 
     def _start(self, r: Request) -> None:
         """Admission: a slot, and on a prefix hit the hit's pages (shared) and its KDA checkpoint (loaded)."""
-        self.metrics.prompt_tokens += len(r.prompt)
+        if not r.preemptions:
+            self.metrics.prompt_tokens += len(r.prompt)
         r.slot = self.states.alloc()
         if r.slot is None:
             raise PoolExhausted("no free KDA state slot")
         pages: list[int] = []
         if self.prefix_cache is not None:
-            r.lease = self.prefix_cache.acquire(self._cache_tokens(r), max_hit=len(r.prompt) - 1)
+            r.lease = self.prefix_cache.acquire(self._cache_tokens(r), max_hit=r.prefill_len - 1)
             hit = r.lease.hit_tokens
             if hit:
                 pages = list(r.lease.hit_pages)
@@ -454,13 +566,17 @@ class Engine:
                 partial = hit % self.page_size
                 if partial and not r.lease.owns_tail:  # copy-on-write: the hit's part of a page others write
                     own = self._alloc_page()
+                    if own is None:
+                        raise PoolExhausted("no free latent page for the copy of a partly hit page")
                     self.pages.copy_prefix(pages[-1], own, partial)
                     self.pages.release(pages[-1])
                     pages[-1] = own
                 self.states.load(r.slot, r.lease.hit_checkpoint)
                 if self.draft is not None and r.lease.hit_checkpoint.get("feature") is not None:
                     self.features[r] = r.lease.hit_checkpoint["feature"].unsqueeze(0)
-                r.fed = r.cached_tokens = hit
+                r.fed = hit
+                if not r.preemptions:  # (what usage reports: the prompt's hit at its first admission)
+                    r.cached_tokens = hit
         self.tables.set(r.slot, pages)
 
     def _release_resources(self, r: Request) -> None:
@@ -545,13 +661,13 @@ class Engine:
         the host), and the distributions they came from."""
         params, requests = [r.params for r in drafts.requests], drafts.requests
         if drafts.plain_greedy:
-            tokens = logits.argmax(-1).tolist()
+            tokens = host_list(logits.argmax(-1))
         elif drafts.on_logits:
-            tokens = sample_tokens(logits, params, [r.rng for r in requests]).tolist()
+            tokens = host_list(sample_tokens(logits, params, [r.rng for r in requests]))
             drafts.steps.append(logits.clone())  # the draft pass's output buffer is rewritten by the next pass
         else:
             q = target_distributions(logits, params, [[*r.output, *d] for r, d in zip(requests, drafts.drafted)])
-            tokens = draw(q, params, [r.rng for r in requests]).tolist()
+            tokens = host_list(draw(q, params, [r.rng for r in requests]))
             drafts.steps.append(q)
         for d, token in zip(drafts.drafted, tokens):
             d.append(token)
@@ -559,7 +675,7 @@ class Engine:
     def _verify(self, drafts: DraftRound, logits: torch.Tensor) -> list[list[int]]:
         """Each row's accepted drafts plus one target token, from the verification's logits [B, K+1, V]."""
         if drafts.plain_greedy:
-            return [accept_greedy(d, picks) for d, picks in zip(drafts.drafted, logits.argmax(-1).tolist())]
+            return [accept_greedy(d, picks) for d, picks in zip(drafts.drafted, host_list(logits.argmax(-1)))]
         requests = drafts.requests
         params, rngs = [r.params for r in requests], [r.rng for r in requests]
         if drafts.on_logits:
@@ -567,16 +683,15 @@ class Engine:
         return accept_drafts(drafts.drafted, torch.stack(drafts.steps, 1), logits, params, rngs,
                              [r.output for r in requests])
 
-    def _prefill(self, chunks: list[tuple[Request, int]], short: bool = False) -> None:
-        """The next chunk of each request's prompt, (request, end of its chunk): all of the same length with the
-        same checkpoint offsets, or with `short` all short (the runner's short-prefill step: any lengths, no
-        checkpoints, no images)."""
+    def _prefill(self, chunks: list[tuple[Request, int]], offsets: tuple[int, ...] = (), short: bool = False) -> None:
+        """The next chunk of each request's prompt, (request, end of its chunk), in one forward: chunks of one length
+        with the KDA checkpoint `offsets`, chunks of any lengths without (right-padded), or with `short` all short
+        (the runner's short-prefill step). See `_prefill_groups`."""
         self.metrics.prefill_forwards += 1
         requests, ends = [r for r, _ in chunks], [end for _, end in chunks]
-        offsets = self._checkpoint_offsets(requests[0].fed, ends[0])
         images = [e for r, end in chunks if r.images for e in r.images.chunk_embeds(r.fed, end, self.model)]
         image_embeds = torch.cat(images) if images else None
-        chunks = [r.prompt[r.fed:end] for r, end in zip(requests, ends)]
+        chunks = [(r.tokens if r.output else r.prompt)[r.fed:end] for r, end in zip(requests, ends)]
         slots, starts = [r.slot for r in requests], [r.fed for r in requests]
         features = None
         if short:
@@ -590,8 +705,9 @@ class Engine:
             prev = torch.stack([self._pending(r)[-1] for r in requests]).unsqueeze(1)
             self.runner.draft_step(torch.cat([prev, features[:, :-1]], dim=1), to_device(chunks, prev.device),
                                    slots, starts)
-        # only the rows that end their prompt sample (and draw from their random source)
-        ending = [row for row, (r, end) in enumerate(zip(requests, ends)) if end == len(r.prompt)]
+        # only the rows that end their prompt sample (and draw from their random source); a preempted sequence
+        # prefilling its output again has its next token already
+        ending = [row for row, (r, end) in enumerate(zip(requests, ends)) if end == r.prefill_len and not r.output]
         sample = self._sampler([requests[row] for row in ending], logits[ending])
         sampled_row = {row: i for i, row in enumerate(ending)}  # batch row -> its row among the sampled ones
         for row, (r, end) in enumerate(zip(requests, ends)):
@@ -643,9 +759,9 @@ class Engine:
         logits = logits[:, : self.vocab_limit]
         params = [r.params for r in requests]
         if all(p.greedy and p.plain for p in params):
-            return logits.argmax(-1).tolist().__getitem__
+            return host_list(logits.argmax(-1)).__getitem__
         try:
-            tokens = sample_tokens(logits, params, [r.rng for r in requests], [r.output for r in requests]).tolist()
+            tokens = host_list(sample_tokens(logits, params, [r.rng for r in requests], [r.output for r in requests]))
         except Exception:
             log.exception("batched sampling failed; sampling each row alone")
             tokens = None
@@ -668,7 +784,7 @@ class Engine:
         reason = None
         if token in self.stop_ids and not r.params.ignore_eos:
             reason = "stop"
-        elif len(r.output) >= r.params.max_tokens or r.length >= self.model_config.max_seq_len:
+        elif len(r.output) >= r.params.max_tokens or r.length >= self.max_model_len:
             reason = "length"
         if token not in self.stop_ids:  # a stop token adds no text, also when ignore_eos lets it through
             stream = self.texts[r]

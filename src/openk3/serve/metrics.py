@@ -4,7 +4,8 @@ Read from the engine at each scrape (counters and gauges): openk3_requests_recei
 openk3_requests_finished_total{reason} (engine requests: one per choice), openk3_prompt_tokens_total,
 openk3_generation_tokens_total, openk3_engine_steps_total, openk3_engine_step_seconds_total (wall time inside the
 engine's steps), openk3_engine_slowest_step_seconds, openk3_engine_prefill_forwards_total (batched prefill
-forwards), openk3_queue_requests, openk3_running_requests,
+forwards), openk3_engine_preemptions_total (sequences preempted for want of latent pages), openk3_queue_requests,
+openk3_running_requests,
 openk3_prefix_cache_queried_tokens_total, openk3_prefix_cache_hit_tokens_total, openk3_prefix_cache_utilisation,
 and with --speculative (0 otherwise) openk3_spec_decode_drafts_total (verifications, one per sequence and round),
 openk3_spec_decode_draft_tokens_total and openk3_spec_decode_accepted_tokens_total (vLLM's acceptance length is
@@ -50,6 +51,8 @@ class EngineCollector(Collector):
             ("engine_steps", "Engine steps.", m.steps),
             ("engine_step_seconds", "Wall time of the engine's steps.", m.step_seconds),
             ("engine_prefill_forwards", "Batched prefill forwards.", m.prefill_forwards),
+            ("engine_preemptions", "Running sequences sent back to the queue for want of latent pages.",
+             m.preemptions),
             ("prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache.",
              stats.queried_tokens if stats else 0),
             ("prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache.",

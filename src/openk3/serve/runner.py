@@ -75,14 +75,8 @@ def draft_forward(draft: EagleDraft, prev: torch.Tensor, ids: torch.Tensor, last
 
 def short_prefill_forward(model, ids: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
     """Rows of up to T real tokens (batch.num_tokens) -> the logits after each row's last real token [B, vocab]."""
-    logits, _ = decode_forward(model, ids, batch)
-    return logits[torch.arange(ids.shape[0], device=ids.device), (batch.num_tokens - 1).clamp(min=0)]
-
-
-def split_kv(queries: int, processors: int) -> int:
-    """Split-KV programs per query of a decode step's MLA attention (one per sequence, K + 1 per sequence when
-    verifying): about two programs per SM (or CPU core) over all queries, at most 16."""
-    return max(1, min(16, 2 * processors // queries))
+    logits, _ = decode_forward(model, ids, batch, last=(batch.num_tokens - 1).clamp(min=0))
+    return logits[:, 0]
 
 
 class ModelRunner:
@@ -119,8 +113,6 @@ class ModelRunner:
         self._compile()
         cfg = model.config
         self.kda_layers, self.mla_layers = sorted(cfg.kda_layers), sorted(cfg.mla_layers)
-        gpu = self.device.type == "cuda"
-        self.processors = torch.cuda.get_device_properties(self.device).multi_processor_count if gpu else 1
         self.short_prefill = short_prefill
         if short_prefill:  # the short prefills' static inputs: tokens and real lengths per row
             self.short_ids = torch.zeros(max_batch, short_prefill, dtype=torch.long, device=self.device)
@@ -133,6 +125,13 @@ class ModelRunner:
             conv, rec = states.conv, states.recurrent
             self.conv_out = conv.new_zeros(conv.shape[0], max_batch, K, *conv.shape[2:])
             self.recurrent_out = rec.new_zeros(rec.shape[0], max_batch, K, *rec.shape[2:])
+
+    def attach_pages(self, pages: PagePool) -> None:
+        """Use `pages` as the latent pool from now on (the engine sizes it after the prefill warm-up has measured
+        the activations' memory); before `capture`, whose graphs hold the pool's address."""
+        if self.graphs:
+            raise RuntimeError("the page pool is fixed once the decode steps are captured")
+        self.pages = pages
 
     def captured(self) -> dict[str, list[int]]:
         """Step name ("decode", "verify", "draft1", ...) -> the batch sizes captured as CUDA graphs."""
@@ -149,13 +148,11 @@ class ModelRunner:
         self.verify_step = compile_(verify_forward)
 
     # ---- decode steps: plain, speculative verification, draft ------------------------------------------------
-    def _batch(self, size: int, rows: int | None = None, outs: bool = False, ragged: bool = False) -> DecodeBatch:
-        """The step's view of the pools for `size` sequences (`rows` queries per MLA layer: size * T)."""
+    def _batch(self, size: int, outs: bool = False, ragged: bool = False) -> DecodeBatch:
+        """The step's view of the pools for `size` sequences."""
         return DecodeBatch(slots=self.inputs[1, :size], lengths=self.inputs[2, :size], latents=self.pages.pages,
                            tables=self.tables.tables, conv=self.states.conv, recurrent=self.states.recurrent,
                            kernels=self.kernels,
-                           # compiled, one split count for every batch (a constant of the graph, like the bucket)
-                           num_splits=split_kv(1 if self.compiled else rows or size, self.processors),
                            conv_out=self.conv_out[:, :size] if outs else None,
                            recurrent_out=self.recurrent_out[:, :size] if outs else None,
                            num_tokens=self.short_lengths[:size] if ragged else None)
@@ -167,15 +164,15 @@ class ModelRunner:
         S, K = self.short_prefill, self.speculative
         if S:
             steps["prefill"] = (lambda size: short_prefill_forward(
-                self.model, self.short_ids[:size], self._batch(size, size * S, ragged=True)), False)
+                self.model, self.short_ids[:size], self._batch(size, ragged=True)), False)
         if K:
             steps["verify"] = (lambda size: self.verify_step(
-                self.model, self.draft, self.spec_ids[:size], self._batch(size, size * (K + 1), outs=True)),
+                self.model, self.draft, self.spec_ids[:size], self._batch(size, outs=True)),
                 self.compiled)
             for T in sorted({1, K + 1}):
                 steps[f"draft{T}"] = (lambda size, T=T: draft_forward(
                     self.draft, self.spec_prev[:size, :T], self.spec_ids[:size, :T], self.spec_last[:size],
-                    self._batch(size, size * T)), False)
+                    self._batch(size)), False)
         return steps
 
     def _run(self, name: str, size: int):
@@ -213,19 +210,21 @@ class ModelRunner:
         if not self.cuda_graphs:
             return 0.0
         start = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
         while True:
+            pool = torch.cuda.graph_pool_handle()  # a fresh pool for each attempt: a failed capture spoils its own
             try:
                 self._capture([name for name in self._steps() if name != "prefill"], pool)
                 break
             except RuntimeError as err:
                 self.graphs.clear()
-                self.graph_error = str(err).splitlines()[0]
+                torch.cuda.synchronize()
+                self.graph_error = str(err).strip().splitlines()[0]
                 if not self.compiled:
                     self.cuda_graphs = False
-                    log.warning("CUDA graph capture failed, decoding eagerly: %s", self.graph_error)
+                    log.warning("CUDA graphs off, decoding eagerly: capture failed (%s)", self.graph_error)
                     break
-                log.warning("capturing the compiled decode steps failed, trying uncompiled: %s", self.graph_error)
+                log.warning("capturing the compiled decode steps failed, capturing them uncompiled (%s)",
+                            self.graph_error)
                 self.compiled = False
                 self._compile()
         if self.cuda_graphs and self.short_prefill:
@@ -277,8 +276,14 @@ class ModelRunner:
             for batch in sorted({1, 2, self.max_batch}):
                 for offsets in ((), (tokens,)):
                     self.forward([[0] * tokens] * batch, [pad] * batch, [0] * batch, offsets)
+            self.forward([[0] * tokens, [0] * (tokens // 2)], [pad] * 2, [0] * 2)  # right-padded rows
             if long is not None:
                 self.forward([[0] * long[0]], [pad], [0], long[1])
+            if self.short_prefill:  # its largest step, eagerly: the memory its CUDA graph will take
+                self.inputs.zero_()
+                self.inputs[1].fill_(pad)
+                self.short_lengths.fill_(self.short_prefill)
+                self._run("prefill", self.max_batch)
             log.info("prefill warmed up in %.1f s", time.perf_counter() - start)
         except Exception as err:  # Inductor's errors have no common base class
             if not self.prefill_compiled:
@@ -348,8 +353,9 @@ class ModelRunner:
     def prefill(self, chunks: list[list[int]], slots: list[int], starts: list[int],
                 checkpoint_offsets: tuple[int, ...] = (), image_embeds: torch.Tensor | None = None,
                 ) -> tuple[torch.Tensor, dict[int, dict[str, torch.Tensor]]]:
-        """Feed each sequence its next chunk (all chunks the same length T) from position starts[b]. Returns the
-        logits after each chunk [B, vocab] and, per requested offset, the KDA states after that many tokens:
+        """Feed each sequence its next chunk from position starts[b]: chunks of one length, or of different lengths
+        (right-padded to the longest in one forward, `HybridCache.num_tokens`; then no checkpoint offsets). Returns
+        the logits after each chunk [B, vocab] and, per requested offset, the KDA states after that many tokens:
         {offset: {"conv": [n_kda, B, C, W-1], "recurrent": [n_kda, B, H, K, V]}}. image_embeds [N, hidden]: the
         image tokens of the chunks' image placeholders, row-major over the batch (K3ForCausalLM.forward)."""
         logits, checkpoints, _ = self.forward(chunks, slots, starts, checkpoint_offsets, image_embeds=image_embeds)
@@ -358,9 +364,13 @@ class ModelRunner:
     @torch.no_grad()
     def forward(self, chunks: list[list[int]], slots: list[int], starts: list[int],
                 checkpoint_offsets: tuple[int, ...] = (), image_embeds: torch.Tensor | None = None):
-        """`prefill`'s pass, returning (the last position's logits [B, 1, vocab], the checkpoints, the draft's
+        """`prefill`'s pass, returning (the logits after each chunk [B, 1, vocab], the checkpoints, the draft's
         features of the chunk's positions [B, T, D] or None without a draft)."""
-        B, T = len(chunks), len(chunks[0])
+        B, T = len(chunks), max(map(len, chunks))
+        sizes = [len(c) for c in chunks]
+        ragged = min(sizes) < T
+        if ragged and (checkpoint_offsets or self.draft is not None or image_embeds is not None):
+            raise ValueError("chunks of different lengths take no checkpoint offsets, draft or images")
         slot_t = to_device(slots, self.device)
         conv, recurrent = self.states.gather(slot_t)
         P, width = self.pages.page_size, self.pages.width
@@ -376,9 +386,14 @@ class ModelRunner:
                 layers.append(KDALayerCache(conv[j], recurrent[j]))
         cache = HybridCache(layers, starts, self.device)
         cache.checkpoint_offsets = checkpoint_offsets
-        ids = to_device(chunks, self.device)
+        ids = to_device([c + [0] * (T - len(c)) for c in chunks] if ragged else chunks, self.device)
+        real = to_device(sizes, self.device)
         features = None
-        if self.draft is None:  # (with a cache, MLA attends without cuDNN: ops.attention.NO_CUDNN)
+        if ragged:  # the logits after each row's last real token
+            cache.num_tokens = real
+            normed = self.model(ids, cache=cache, return_logits=False).head_inputs
+            logits = self.model.lm_head(normed[torch.arange(B, device=self.device), real - 1]).unsqueeze(1)
+        elif self.draft is None:  # (with a cache, MLA attends without cuDNN: ops.attention.NO_CUDNN)
             logits = self.model(ids, cache=cache, logits_to_keep=1, image_embeds=image_embeds).logits
         else:
             with tapped_hidden_states(self.model, self.draft.taps) as tapped:
@@ -389,8 +404,11 @@ class ModelRunner:
         if kda_caches:
             self.states.scatter(slot_t, torch.stack([c.conv_state for c in kda_caches]),
                                 torch.stack([c.recurrent_state for c in kda_caches]))
-        new = to_device(starts, self.device).view(B, 1) + torch.arange(T, device=self.device)
-        flat = paged_positions(self.tables.tables, slot_t, new, P).reshape(-1)
+        offset = torch.arange(T, device=self.device)
+        new = to_device(starts, self.device).view(B, 1) + offset
+        # a padding position writes into the null page (scratch): past a row's end its table may have no page
+        flat = paged_positions(self.tables.tables, slot_t, new.clamp(max=self.tables.max_pages * P - 1), P)
+        flat = torch.where(offset < real.view(B, 1), flat, 0).reshape(-1)
         rows = torch.arange(B, device=self.device).view(B, 1)
         for j, i in enumerate(self.mla_layers):
             latents = cache.layers[i].buffer[rows, new]  # [B,T,R+r]

@@ -1,10 +1,14 @@
 """Requests and the continuous-batching scheduler: queueing, admission control and per-step work selection.
 
-Admission auto-throttles (SPEC §6, the rollout engine's rule, applied to serving) from three signals:
+Admission auto-throttles (SPEC §6, the rollout engine's rule, applied to serving) from four signals:
 - queue length: `submit` refuses new requests once `max_queue` wait (the API answers 429);
-- running requests: at most `max_running` sequences are live, and their tokens stay under `max_live_tokens`;
+- running requests: at most `max_running` sequences are live;
+- memory: the engine's `fits` says whether the next request's prompt finds latent pages (free or evictable);
 - cache utilisation: while more than `max_locked_fraction` of the prefix cache's device tier is locked by
   running sequences, new ones wait (they could neither hit nor write without thrashing).
+A running sequence whose pages run out mid-decode is preempted (`preempt`): it goes back to the head of the queue
+with what it has generated, and on re-admission prefills its prompt and output again (recompute; the prefix cache
+usually holds most of it) before it decodes on.
 A request with a leader (`after`: another choice of the same API request) waits at the head of the queue until its
 leader has prefilled, so that it finds the prompt in the prefix cache. Each step then runs every decoding sequence
 (one token each) and spends at most `prefill_tokens_per_step` on prefill chunks, oldest requests first; requests
@@ -67,9 +71,17 @@ class Request:
     images: Any = None  # the prompt's images (openk3.serve.engine.PromptImages), None for a text prompt
     every_token: bool = True  # an event per token; False: the first token's and the last (Engine.add_request)
 
+    preemptions: int = 0
+
+    @property
+    def prefill_len(self) -> int:
+        """Tokens to consume before decoding: the prompt, and after a preemption the output but its last token
+        (which the next decode step feeds)."""
+        return len(self.prompt) + max(0, len(self.output) - 1)
+
     @property
     def prefilling(self) -> bool:
-        return self.fed < len(self.prompt)
+        return self.fed < self.prefill_len
 
     @property
     def tokens(self) -> list[int]:
@@ -82,14 +94,13 @@ class Request:
 
 @dataclass
 class SchedulerConfig:
-    max_running: int = 32
+    max_running: int = 32  # sequences running at once (--max-num-seqs)
     max_queue: int = 1024
-    max_live_tokens: int = 1 << 17
-    prefill_tokens_per_step: int = 256  # CPU default; `default_prefill_tokens` gives the GPU's
+    prefill_tokens_per_step: int = 256  # prompt tokens per engine step (--max-num-batched-tokens; CPU default)
     max_locked_fraction: float = 0.9
 
     def __post_init__(self) -> None:
-        for name in ("max_running", "max_queue", "max_live_tokens", "prefill_tokens_per_step"):
+        for name in ("max_running", "max_queue", "prefill_tokens_per_step"):
             if getattr(self, name) < 1:
                 raise ValueError(f"scheduler field {name!r} must be >= 1, got {getattr(self, name)}")
 
@@ -105,25 +116,26 @@ class Scheduler:
             raise QueueFull(f"the queue holds {len(self.waiting)} requests (max_queue={self.config.max_queue})")
         self.waiting.append(request)
 
-    def live_tokens(self) -> int:
-        return sum(r.length + r.params.max_tokens for r in self.running)
-
-    def admit(self, locked_fraction: float) -> list[Request]:
-        """Move waiting requests to running while the three throttles allow; FIFO, no overtaking."""
+    def admit(self, locked_fraction: float, fits: Callable[[Request], bool] = lambda r: True) -> list[Request]:
+        """Move waiting requests to running while the throttles allow; FIFO, no overtaking. `fits(request)`: the
+        engine's memory check, called in order; it may count what the earlier admissions of this call take."""
         cfg, admitted = self.config, []
-        live = self.live_tokens()
         while self.waiting and len(self.running) < cfg.max_running and locked_fraction <= cfg.max_locked_fraction:
             leader = self.waiting[0].after
             if leader is not None and leader.finish_reason is None and leader.prefilling:
                 break  # it would prefill the prompt its leader is about to put in the prefix cache
-            need = len(self.waiting[0].prompt) + self.waiting[0].params.max_tokens
-            if self.running and live + need > cfg.max_live_tokens:
+            if self.running and not fits(self.waiting[0]):
                 break
             request = self.waiting.popleft()
-            live += need
             self.running.append(request)
             admitted.append(request)
         return admitted
+
+    def preempt(self, request: Request) -> None:
+        """A running request back to the head of the queue (it keeps its output; the engine freed its state)."""
+        self.running.remove(request)
+        self.waiting.appendleft(request)
+        request.preemptions += 1
 
     def prefill_rounds(self, chunk_end: Callable[[Request, int], int]) -> list[list[tuple[Request, int]]]:
         """Prefill work of one step: rounds of (request, end of its next chunk), oldest first, exactly within the
@@ -135,7 +147,7 @@ class Scheduler:
             this_round = []
             for r in self.running:
                 pos = fed.get(r, r.fed)
-                if pos >= len(r.prompt) or budget <= 0:
+                if pos >= r.prefill_len or budget <= 0:
                     continue
                 end = min(chunk_end(r, pos), pos + budget)
                 fed[r] = end
