@@ -31,6 +31,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import socket
 import subprocess
 import sys
@@ -272,6 +273,7 @@ def main() -> None:
     out_dir = os.environ.get("OUT", str(BENCH))
     ap.add_argument("--json", default=os.path.join(out_dir, "serve_gpu.json"))
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a `timeout` stops the servers too (Server.__exit__)
     if not args.smoke and not torch.cuda.is_available():
         sys.exit("bench/serve_gpu.py: error: needs a CUDA GPU (torch sees none); --smoke runs it on the CPU")
     device = "cpu" if args.smoke else "cuda"

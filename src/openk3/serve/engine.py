@@ -76,9 +76,9 @@ SLOW_STEP_S = 0.25  # an engine step longer than this is logged (INFO) with what
 # A prefill forward costs ~25-30 ms of host time on an H200 whatever its length (k3-debug: ~1,500 eager ops), so a
 # long prompt goes in few, long forwards: 12k tokens took 141-151 ms in three of 4096 (bench/RESULTS.md, 2026-12-01).
 GPU_PREFILL_CHUNK_TOKENS = 16384  # tokens per prefill forward on a GPU, rounded to hash blocks
-# GPU default of EngineConfig.short_prefill_tokens: ordinary prompts (up to a few hundred tokens) prefill as CUDA-graph
-# replays instead of the model's eager forward (~25 ms of host time for k3-debug on an H200, which also holds the GIL)
-SHORT_PREFILL_TOKENS = 256
+# GPU default of EngineConfig.short_prefill_tokens (the decode kernels unroll their token loop: T = 256 did not compile
+# within minutes on an H200, 2026-12-04)
+SHORT_PREFILL_TOKENS = 16
 CHECKPOINT_SPACING_TOKENS = 512  # K3's prefill checkpoint spacing on a GPU (SPEC §7: every 512 tokens)
 
 
@@ -257,6 +257,7 @@ class Engine:
         self.checkpoint_every = config.checkpoint_every or (max(1, CHECKPOINT_SPACING_TOKENS // h) if gpu else 1)
         self.chunk_blocks = config.prefill_chunk_blocks or (max(12, GPU_PREFILL_CHUNK_TOKENS // h) if gpu else 12)
         sched = config.scheduler
+        self.idle_prefill = max(sched.prefill_tokens_per_step, self.chunk_blocks * h if gpu else 0)
 
         n_mla = len(mc.mla_layers) + (self.draft is not None)  # the draft's latents: one more layer of pages
         width = mc.mla.kv_lora_rank + mc.mla.qk_rope_head_dim
@@ -278,9 +279,7 @@ class Engine:
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
         if gpu or self.runner.prefill_compiled:  # first: a unit that fails to compile goes back to eager
-            # the largest prefill forward a step makes: a chunk, or right-padded chunks of twice the step's budget
-            budget = max(h, 2 * sched.prefill_tokens_per_step // h * h)
-            longest = min(self.chunk_blocks * h, budget, self.max_model_len // h * h)
+            longest = min(self.chunk_blocks * h, self.max_model_len // h * h)  # the longest prefill forward
             self.runner.warm_up_prefill(long=(longest, self._checkpoint_offsets(0, longest)))
         if gpu:  # the sampling kernel's first use compiles it (~0.2 s): not inside a request's first step
             sample_tokens(torch.zeros(1, mc.vocab_size, device=device), [SamplingParams(temperature=1.0)],
@@ -420,7 +419,10 @@ class Engine:
         if decoding:
             with self._isolated(decoding):
                 self._decode(decoding)
-        for round_ in self.scheduler.prefill_rounds(self._chunk_end):
+        # the step's prefill budget protects decoding sequences' inter-token latency; with none decoding, a long
+        # prompt goes in chunks as long as the engine's longest forward (on a GPU)
+        budget = self.scheduler.config.prefill_tokens_per_step if speculating or decoding else self.idle_prefill
+        for round_ in self.scheduler.prefill_rounds(self._chunk_end, budget):
             for group, offsets, short in self._prefill_groups([(r, end) for r, end in round_
                                                                if self._has_pages(r, end)]):
                 group = [(r, end) for r, end in group if r.slot is not None]  # (preempted since)

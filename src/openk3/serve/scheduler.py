@@ -137,11 +137,12 @@ class Scheduler:
         self.waiting.appendleft(request)
         request.preemptions += 1
 
-    def prefill_rounds(self, chunk_end: Callable[[Request, int], int]) -> list[list[tuple[Request, int]]]:
+    def prefill_rounds(self, chunk_end: Callable[[Request, int], int],
+                       budget: int | None = None) -> list[list[tuple[Request, int]]]:
         """Prefill work of one step: rounds of (request, end of its next chunk), oldest first, exactly within the
         token budget (the chunk that reaches the budget is cut there). A request may get several chunks (one per
         round) when few are prefilling."""
-        budget, fed = self.config.prefill_tokens_per_step, {}
+        budget, fed = budget or self.config.prefill_tokens_per_step, {}
         rounds: list[list[tuple[Request, int]]] = []
         while budget > 0:
             this_round = []
