@@ -6,8 +6,9 @@ The server part starts `openk3 serve --preset k3-debug --device cuda` as a real 
 (bf16, CUDA graphs, the latent cache sized from memory) and drives it over HTTP with bench/serve_load.py:
 1. decode: C = 1, 8, 32, 64 closed-loop clients, each request a text prompt of 60-200 tokens and a 256-token
    reply (temperature 0.8, top_p 0.95): output tokens a second, end to end;
-2. 64 clients with 16k-token contexts at once (256-token replies): the aggregate decode rate (the sum of the
-   requests' 1 / TPOT: they decode together) and whether the engine held them all at once (no preemption);
+2. 64 clients with 16k-token contexts: all prefilled together (one token each), then the same prompts again (the
+   prefix cache hits them, as an agent's next turn) with 256-token replies decoding together: the aggregate decode
+   rate, and whether the engine held them all at once (no preemption);
 3. the mixed stream: Poisson arrivals at 12 requests a second, 96 requests, prompts uniform 1k-11k tokens,
    replies uniform 32-256 (temperature 0.8, top_p 0.95): TTFT and inter-token latency percentiles;
 then a second server with `--max-model-len 1048576` (K3's context) for
@@ -142,16 +143,7 @@ def default_server(args: argparse.Namespace, device: str) -> dict:
             print(f"decode, {c} clients: {rates[c]:.1f} tok/s (TTFT p50 {report['ttft_s']['p50'] * 1e3:.0f} ms, "
                   f"TPOT p50 {report['tpot_s']['p50'] * 1e3:.2f} ms)", flush=True)
         out["rates"], out["decode_reports"] = rates, reports
-        preempted = server.counter("openk3_engine_preemptions_total")
-        report = check(run_load(url, max_concurrency=args.many[0], num_requests=args.many[0],
-                                prompt_len=args.many[1], output_len=args.reply, temperature=0.8, tokenizer="bytes",
-                                seed=5), "many long contexts")
-        aggregate = sum(1.0 / r["tpot"] for r in report["requests"] if r.get("tpot"))
-        out["many_long"] = {"clients": args.many[0], "context": args.many[1], "aggregate_decode_tok_per_s": aggregate,
-                            "preemptions": server.counter("openk3_engine_preemptions_total") - preempted,
-                            "ttft_p50_s": report["ttft_s"]["p50"], "report": summary(report)}
-        print(f"{args.many[0]} clients x {args.many[1]} tokens: aggregate decode {aggregate:.0f} tok/s, "
-              f"{out['many_long']['preemptions']:.0f} preemptions", flush=True)
+        out["many_long"] = many_long(args, server)
         report = check(run_load(url, request_rate=args.mixed_rate, num_requests=args.mixed_requests,
                                 prompt_len=args.mixed_prompt, output_len=args.mixed_reply, seed=7, **{
                                     k: v for k, v in TEXT.items() if k != "prompt_len"}), "mixed stream")
@@ -165,6 +157,33 @@ def default_server(args: argparse.Namespace, device: str) -> dict:
     return out
 
 
+def many_long(args: argparse.Namespace, server: Server) -> dict:
+    """Step 2: the clients' contexts prefilled together (first pass, one token each), then the same prompts again
+    (prefix-cache hits, as an agent's next turn) decoding together: the aggregate decode rate of the second pass."""
+    clients, context = args.many
+    common = dict(max_concurrency=clients, num_requests=clients, prompt_len=context, temperature=0.8,
+                  tokenizer="bytes", seed=5)
+    preempted = server.counter("openk3_engine_preemptions_total")
+    first = check(run_load(server.url, output_len=1, **common), "many long contexts, first pass")
+    report = check(run_load(server.url, output_len=args.reply, **common), "many long contexts")
+    out = {"clients": clients, "context": context, "aggregate_decode_tok_per_s": report["output_tok_per_s"],
+           "cached_tokens": report["cached_tokens"], "first_pass_s": first["duration_s"],
+           "first_pass_ttft_p50_s": first["ttft_s"]["p50"], "ttft_p50_s": report["ttft_s"]["p50"],
+           "tpot_p50_s": report["tpot_s"]["p50"],
+           "preemptions": server.counter("openk3_engine_preemptions_total") - preempted, "report": summary(report)}
+    print(f"{clients} clients x {context} tokens: prefilled in {first['duration_s']:.1f} s, then "
+          f"{out['aggregate_decode_tok_per_s']:.0f} tok/s aggregate decode (TPOT p50 {out['tpot_p50_s'] * 1e3:.1f} "
+          f"ms, {report['cached_tokens']} cached prompt tokens), {out['preemptions']:.0f} preemptions", flush=True)
+    return out
+
+
+def many_server(args: argparse.Namespace, device: str) -> dict:
+    """Step 2 alone on a server with the default flags."""
+    with Server(args.preset, device, args.server_flags, args.server_log) as server:
+        server.wait_ready(900)
+        return {"many_long": many_long(args, server)}
+
+
 def long_server(args: argparse.Namespace, device: str) -> dict:
     """Step 4 on a server with `--max-model-len` 1M."""
     out: dict = {}
@@ -175,6 +194,7 @@ def long_server(args: argparse.Namespace, device: str) -> dict:
         rows = []
         for context in (args.short_context, *args.contexts):
             reply = args.reply if context < args.long_model_len // 2 else args.reply // 2
+            context = min(context, args.long_model_len - reply)  # the reply fits the sequence
             report = check(run_load(server.url, max_concurrency=1, num_requests=1, prompt_len=context,
                                     output_len=reply, temperature=0.8, tokenizer="bytes", seed=context,
                                     timeout=1800), f"context {context}")
@@ -259,15 +279,16 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-PARTS = {"server": default_server, "long": long_server, "peer": peer_half}
+PARTS = {"server": default_server, "many": many_server, "long": long_server, "peer": peer_half}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default=None, help="model preset (default k3-debug; k3-tiny with --smoke)")
     ap.add_argument("--only", choices=sorted(PARTS), nargs="+", default=None,
-                    help="run these parts (server: steps 1-3, long: step 4, peer) and keep the others' figures from "
-                         "the --json file")
+                    help="run these parts (server: steps 1-3, many: step 2 alone, long: step 4, peer) and keep the "
+                         "others' figures from the --json file")
+    ap.add_argument("--contexts", type=int, nargs="+", default=None, help="step 4's contexts (default 64k 256k 1M)")
     ap.add_argument("--smoke", action="store_true", help="run on the CPU at toy sizes")
     ap.add_argument("--server-log", default=None, help="keep the servers' logs here (and PATH.long)")
     out_dir = os.environ.get("OUT", str(BENCH))
