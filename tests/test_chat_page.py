@@ -1,8 +1,9 @@
 """The chat page `openk3 serve` shows at /, driven in headless Chromium (Debian's `chromium`, through Playwright's
 Python package; no browser download) against real server processes: two typed turns stream their replies, the
 second turn's stats line shows the prefix cache serving the first turn, and each reply is the text the API gives
-for the same conversation (so the page resends it whole, assembles the stream right and escapes the text). On a
-vision model the page attaches an image as a data: URL part. Screenshots go to the test's tmp_path.
+for the same conversation (so the page resends it whole, assembles the stream right and escapes the text); a
+refused turn shows the server's error and is left out of the conversation; "New chat" starts over. On a vision
+model the page attaches an image as a data: URL part. Screenshots go to the test's tmp_path.
 
 Needs `apt-get install chromium` and the test extras (playwright). In CI (CI=true) a missing browser fails the test;
 elsewhere it is skipped with the install command."""
@@ -138,15 +139,17 @@ def test_two_turns_stream_and_the_second_hits_the_prefix_cache(o1_server, page, 
     assert int(stats2[1]) > 0
 
 
-def test_a_refused_turn_shows_the_error_and_is_not_resent(o1_server, page):
+def test_a_refused_turn_is_not_resent_and_new_chat_starts_over(o1_server, page):
     open_chat(page, o1_server, "k3-tiny")
     page.fill("#max-tokens", "0")
     _, stats = send(page, "This turn asks for no tokens.", 1)
     assert stats.startswith("error: max_tokens must be in [1, ") and stats.endswith("(this turn is not resent)")
     page.fill("#max-tokens", "8")
-    _, stats = send_and_wait(page, "Hello", 2)
-    assert int(stats[5]) == api_reply(o1_server, "k3-tiny", [{"role": "user", "content": "Hello"}])["usage"][
-        "prompt_tokens"]
+    alone = api_reply(o1_server, "k3-tiny", [{"role": "user", "content": "Hello"}])["usage"]["prompt_tokens"]
+    assert int(send_and_wait(page, "Hello", 2)[1][5]) == alone
+    page.click("#new-chat")
+    assert page.locator(".message").count() == 0 and page.locator("#empty").is_visible()
+    assert int(send_and_wait(page, "Hello", 1)[1][5]) == alone
 
 
 @pytest.fixture(scope="module")
