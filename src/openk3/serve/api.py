@@ -2,8 +2,10 @@
 
 POST /v1/completions, POST /v1/chat/completions (the chat template of `openk3.tokenizer`; `image_url` content
 parts with inline data: URLs for a model with a vision tower, openk3.serve.vision), both with
-`stream: true` as server-sent events ending in `data: [DONE]`; GET /v1/models; GET /health (200 once the engine
-runs); GET /metrics (Prometheus text, openk3.serve.metrics). `usage.prompt_tokens_details.cached_tokens` is the
+`stream: true` as server-sent events ending in `data: [DONE]`; GET /v1/models (its `input_modalities` hold "image"
+for a model with a vision tower); GET /health (200 once the engine runs); GET /metrics (Prometheus text,
+openk3.serve.metrics); GET / (the chat page, static/chat.html: one self-contained file, nothing fetched from
+elsewhere, which its Content-Security-Policy enforces). `usage.prompt_tokens_details.cached_tokens` is the
 prefix-cache hit. A request with `n` choices becomes n engine requests (the first with the request's `seed`, the
 others with seeds derived from it: `openk3.sampling.choice_seed`); with the prefix cache on, the others are admitted
 once the first has prefilled, so they reuse its prompt. Response objects: openk3.serve.responses.
@@ -29,9 +31,10 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import replace
+from importlib import resources
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from openk3.sampling import choice_seed
@@ -44,12 +47,18 @@ from openk3.serve.vision import RemoteImages, chat_messages
 from openk3.tokenizer import encode_chat
 
 MAX_BODY_BYTES = 8 << 20
+CHAT_PAGE = resources.files("openk3.serve") / "static" / "chat.html"
+# the page's own inline script and style, requests to this server, and images the user attached (data: URLs)
+CHAT_PAGE_POLICY = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; "
+                    "img-src 'self' data:; base-uri 'none'; form-action 'none'")
 
 
 def create_app(engine: Engine, model_name: str, remote_images: RemoteImages | None = None) -> FastAPI:
     state = {"ready": False, "created": int(time.time())}
     metrics = ServerMetrics(engine)
     names = TokenNames(engine.tokenizer, engine.stop_ids)
+    chat_page = CHAT_PAGE.read_text(encoding="utf-8")
+    modalities = ["text"] if engine.model_config.vision is None else ["text", "image"]
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -88,7 +97,11 @@ def create_app(engine: Engine, model_name: str, remote_images: RemoteImages | No
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": state["created"],
-                                            "owned_by": "openk3"}]}
+                                            "owned_by": "openk3", "input_modalities": modalities}]}
+
+    @app.get("/", include_in_schema=False)
+    async def index():
+        return HTMLResponse(chat_page, headers={"Content-Security-Policy": CHAT_PAGE_POLICY})
 
     @app.get("/metrics")
     async def prometheus():
