@@ -10,7 +10,7 @@ import torch
 
 from openk3.cli import main
 from openk3.config import get_preset
-from openk3.generate import generate_ids
+from openk3.generation import generate_ids
 from openk3.interop import load_pretrained
 from openk3.model import K3ForCausalLM
 from openk3.sampling import SamplingParams

@@ -37,7 +37,7 @@ class TrainArgs:
     eval_windows: int = 32
     resume: str | None = None
     device: str | None = None
-    threads: int = 0  # torch intra-op threads on CPU; 0: auto (see loop.cpu_threads)
+    threads: int = 0  # torch intra-op threads on CPU; 0: auto (openk3.cli_options.cpu_threads)
     dtype: str = "auto"
     compile: bool = False
     cuda_graphs: bool = False  # replay each step's forward and backward as one CUDA graph (openk3.train.graphs)
