@@ -57,7 +57,7 @@ def add_generate_parser(subparsers) -> None:
                                           "directory: its latest checkpoint) with the incremental decode cache.")
     p.add_argument("--ckpt", required=True, help="checkpoint directory or training --out directory")
     p.add_argument("--prompt", required=True)
-    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--max-new-tokens", type=int_at_least(1), default=200)
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--top-k", type=int, default=50, help="0 = no top-k cut")

@@ -30,7 +30,7 @@ class TrainArgs:
     decay_frac: float = 0.3
     grad_clip: float = 1.0
     seed: int = 0
-    out: str = "runs/k3-tiny"
+    out: str | None = None  # None: runs/<preset>
     overwrite: bool = False  # replace another run's files in `out` (otherwise refused)
     save_every: int = 0  # 0: only at the end
     eval_every: int = 50
@@ -57,6 +57,8 @@ class TrainArgs:
     ep_planner: str = "balanced"  # "balanced" (MoonEP: S x K rows per rank) or "static" (every row to its home rank)
 
     def __post_init__(self) -> None:
+        if self.out is None:
+            self.out = f"runs/{self.preset}"
         for f in fields(self):
             problem = bound_problem(f.name, getattr(self, f.name))
             if problem:

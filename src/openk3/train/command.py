@@ -42,9 +42,9 @@ def add_train_parser(subparsers) -> None:
     number("weight_decay", float, "decoupled weight decay")
     number("grad_clip", float, "gradient-norm clipping threshold")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the initialisation, data order and sampling")
-    p.add_argument("--out", default=d.out, metavar="DIR",
-                   help="run directory; one that holds another run's files is refused unless --resume continues "
-                        "it or --overwrite replaces it")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="run directory (default: runs/PRESET); one that holds another run's files is refused unless "
+                        "--resume continues it or --overwrite replaces it")
     p.add_argument("--overwrite", action="store_true",
                    help="delete another run's files in --out (metrics, checkpoints, sample, plot) before starting")
     number("save_every", int, "checkpoint every N steps (0: only at the end)", metavar="N")
@@ -95,8 +95,11 @@ def train(args: TrainArgs) -> dict:
     return (CaptionTrainer if model_config(args).vision is not None else Trainer)(args).run()
 
 
-def run_train(args: argparse.Namespace) -> int:
+def train_args(args: argparse.Namespace) -> TrainArgs:
     names = {f.name for f in dataclasses.fields(TrainArgs)}
-    values = {k: v for k, v in vars(args).items() if k in names}
-    train(TrainArgs(**values, progress=not args.no_progress))
+    return TrainArgs(**{k: v for k, v in vars(args).items() if k in names}, progress=not args.no_progress)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    train(train_args(args))
     return 0

@@ -25,9 +25,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from openk3.accounting import count_parameters, parameter_summary
 from openk3.checkpoints import CheckpointError, latest_checkpoint
 from openk3.cli_options import cpu_threads
 from openk3.config import ModelConfig, get_preset
+from openk3.draft.model import DRAFT_CONFIG
 from openk3.model import K3ForCausalLM, configure_kda
 from openk3.model.compile import compile_blocks
 from openk3.ops.loss import linear_cross_entropy
@@ -191,8 +193,12 @@ def claim_out_dir(out: Path, resume: str | None, overwrite: bool, delete: bool) 
     if not overwrite:
         latest = latest_checkpoint(out)
         names = ", ".join(p.name + ("/" if p.is_dir() else "") for p in found[:4]) + (", ..." if found[4:] else "")
+        if latest is not None and (latest / DRAFT_CONFIG).is_file():  # `openk3 draft --out`: a target and a draft
+            raise ValueError(f"--out {out} holds a draft run of `openk3 draft` ({names}), which `openk3 train` "
+                             "cannot continue; choose another --out, or pass --overwrite to replace it")
+        resumable = latest is not None and (latest / "trainer.pt").is_file()
         raise ValueError(f"--out {out} already holds a training run ({names}); "
-                         + (f"continue it with --resume {latest}, " if latest else "")
+                         + (f"continue it with --resume {latest}, " if resumable else "")
                          + "choose another --out, or pass --overwrite to replace it")
     for path in found if delete else []:
         if path.is_dir():
@@ -488,8 +494,8 @@ class Trainer:
 
     # ---- output ----------------------------------------------------------------------------------------------
     def _announce(self) -> None:
-        n = sum(p.numel() for p in self.model.parameters())
-        print(f"openk3 train: {self.cfg.name} ({n / 1e6:.2f}M parameters), {self.train_tokens:,} training tokens, "
+        print(f"openk3 train: {self.cfg.name} ({parameter_summary(count_parameters(self.cfg))}), "
+              f"{self.train_tokens:,} training tokens, "
               f"{self.schedule.total_steps} steps x {self.args.batch_size} x {self.args.seq_len} tokens, "
               f"optimizer={self.args.optimizer}, balance={self.args.balance}, device={self.device}"
               f"{f', qat={self.args.qat} (checkpoints hold the full-precision weights)' if self.args.qat else ''}"
