@@ -19,6 +19,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("openk3.info", "add_info_parser"),
     ("openk3.train.command", "add_train_parser"),
     ("openk3.generate", "add_generate_parser"),
+    ("openk3.export", "add_export_parser"),
     ("openk3.serve.command", "add_serve_parser"),
     ("openk3.train.draft_command", "add_draft_parser"),
 ]
