@@ -37,7 +37,7 @@ import torch
 
 from openk3.checkpoints import resolve_checkpoint
 from openk3.draft import SpeculationStats, load_draft, speculative_generate
-from openk3.generate import generate_ids
+from openk3.generation import generate_ids
 from openk3.interop import load_pretrained
 from openk3.sampling import SamplingParams
 from openk3.tokenizer import TextTokenizer

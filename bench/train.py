@@ -58,8 +58,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend
 
+from openk3.accounting import count_parameters
 from openk3.config import ModelConfig, get_preset
-from openk3.info import count_parameters
 from openk3.model import K3ForCausalLM
 from openk3.model.compile import compile_blocks
 from openk3.ops.attention import causal_sdpa, fused_sdpa_choice, padded_v_for_flash

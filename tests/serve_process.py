@@ -4,6 +4,7 @@ import select
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from contextlib import contextmanager
 
@@ -51,6 +52,31 @@ def serve_process(*args: str, timeout: float = 180):
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+@contextmanager
+def inprocess_server(engine, model_name: str, log_level: str = "critical"):
+    """`create_app(engine)` under uvicorn on a thread of this process, on a free loopback port; yields the base URL.
+    uvicorn leaves logging alone (no log_config): its records and the app's reach the root logger (pytest's caplog)
+    from `log_level` up."""
+    import uvicorn
+
+    from openk3.serve.api import create_app
+    from openk3.serve.command import listen_socket
+
+    sock = listen_socket("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, model_name), log_level=log_level, log_config=None))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not server.started:
+            assert time.monotonic() < deadline and thread.is_alive(), "the in-process server did not start"
+            time.sleep(0.05)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
 
 
 def metric(url: str, name: str) -> float:

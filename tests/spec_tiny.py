@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from openk3.train.command import train
 from openk3.train.draft import DraftArgs, train_draft
-from openk3.train.loop import train
 from train_tiny import make_corpus, one_thread, tiny_args
 
 TARGET_STEPS = 40

@@ -17,7 +17,8 @@ import torch
 from openk3.checkpoints import CheckpointError, latest_checkpoint, sha256_file, verify_checkpoint
 from openk3.config import get_preset
 from openk3.train.checkpoint import load_checkpoint
-from openk3.train.loop import Trainer, train
+from openk3.train.command import train
+from openk3.train.loop import Trainer
 from train_tiny import TINY, make_corpus, one_thread, tiny_args
 
 STEPS, SAVE_AT = 6, 3

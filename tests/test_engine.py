@@ -264,14 +264,17 @@ def test_reply_sent_whole_gets_its_first_and_last_events_and_a_sink_one_batch_pe
 
 def full_redecode_events(tokenizer, params: SamplingParams, tokens: list[int]) -> list[tuple[str, bool, str | None]]:
     """The reply's events by the plain rule: after every token decode the whole output (stop tokens left out), cut
-    it at the earliest stop string, and send all but a trailing U+FFFD run and the longest end that begins a stop
-    string (brute force); (delta, finished, finish_reason) per event, the text's last one at the finish."""
+    it at the earliest stop string of complete characters (none ending with a final U+FFFD), and send all but a
+    trailing U+FFFD run and the longest end that begins a stop string (brute force); (delta, finished,
+    finish_reason) per event, the text's last one at the finish."""
     stop_ids, events, sent = tokenizer.stop_ids, [], 0
     for k, token in enumerate(tokens):
         reason = "stop" if token in stop_ids and not params.ignore_eos else \
             "length" if k + 1 >= params.max_tokens else None
         text = tokenizer.decode_plain([t for t in tokens[:k + 1] if t not in stop_ids])
-        starts = [i for s in params.stop if s for i in range(len(text)) if text.startswith(s, i)]
+        complete = len(text) - text.endswith("\ufffd")  # a final U+FFFD may be a character missing bytes
+        starts = [i for s in params.stop if s for i in range(len(text)) if text.startswith(s, i)
+                  and i + len(s) <= complete]
         if starts:
             text, reason = text[:min(starts)], "stop"
         if reason is not None:

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
+from openk3.accounting import cache_bytes, count_parameters
 from openk3.cli import main
 from openk3.config import get_preset
-from openk3.info import cache_bytes, count_parameters
 
 
 def test_k3_counts():
@@ -49,3 +49,22 @@ def test_cli_text_and_unknown_preset(capsys):
     assert "unknown preset 'k9'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main([])
+
+
+@pytest.mark.parametrize("preset", ["k3-tiny", "k3-tiny-vl"])
+def test_the_counts_cover_every_parameter_once_and_train_states_the_same(preset, capsys):
+    """Language model + MTP + vision is every parameter of the built model (tied weights once); `openk3 train`
+    announces the same numbers as `openk3 info` prints (openk3.accounting is the one definition)."""
+    from openk3.accounting import parameter_summary, short_count
+    from openk3.model import K3ForCausalLM
+
+    cfg = get_preset(preset)
+    counts = count_parameters(cfg)
+    built = sum(p.numel() for p in K3ForCausalLM(cfg).parameters())
+    assert counts["total_params"] + counts["mtp_params"] + counts["vision_params"] == built
+    summary = parameter_summary(counts)
+    assert summary.startswith(f"{short_count(counts['total_params'])} parameters + "
+                              f"{short_count(counts['mtp_params'])} MTP")
+    assert ("vision" in summary) == (counts["vision_params"] > 0)
+    assert main(["info", "--preset", preset]) == 0
+    assert f"total parameters   {short_count(counts['total_params']):>10}" in capsys.readouterr().out

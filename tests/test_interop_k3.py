@@ -415,3 +415,41 @@ def test_mxfp4_file_errors(tmp_path):
     save_file(stored, tmp_path / "model.safetensors")
     with pytest.raises(ValueError, match=rf"MXFP4 pair {re.escape(p)}0\.w1\.weight_packed \[32, 16\] and "):
         load_pretrained(tmp_path)
+
+
+# ---- `openk3 export`, run directories, file modes ----------------------------------------------------------------
+
+def test_export_cli_packs_the_experts_and_carries_the_tokenizer(tmp_path, capsys):
+    """`openk3 export --quantization mxfp4` on a training run directory (its latest checkpoint): the experts as
+    save_pretrained packs them, the tokenizer.json copied, so `openk3 generate --ckpt` on the export needs no
+    --tokenizer; an existing export is not overwritten without --overwrite. load_pretrained reads a run directory
+    as the commands do; every file is written with the same mode (safetensors' own writer leaves 0600)."""
+    from openk3 import export
+    from openk3.cli import main
+    from openk3.interop.layouts import LAYOUTS
+    from openk3.interop.quantization import QUANTIZATIONS
+    from openk3.tokenizer import train_bpe
+
+    assert set(export.QUANTIZATIONS) == set(QUANTIZATIONS) and set(export.LAYOUTS) == set(LAYOUTS)
+    cfg = tiny_k3(vocab_size=300)
+    model = random_model(cfg, seed=3)
+    run = tmp_path / "run"
+    for step in ("step-000001", "step-000002"):  # complete checkpoints have a manifest (openk3.checkpoints)
+        save_pretrained(random_model(cfg, seed=int(step[-1])) if step.endswith("1") else model, run / step)
+        (run / step / "manifest.json").write_text("{}")
+    train_bpe(["def f(x):\n    return x + 1\n"] * 20, 300).save(run / "step-000002" / "tokenizer.json")
+    assert_identical(load_pretrained(run), model)  # the latest checkpoint
+    out = tmp_path / "k3-tiny-mxfp4"
+    assert main(["export", "--ckpt", str(run), "--out", str(out), "--quantization", "mxfp4"]) == 0
+    assert f"-> {out} (k3 layout, mxfp4" in capsys.readouterr().out
+    assert (out / "tokenizer.json").read_bytes() == (run / "step-000002" / "tokenizer.json").read_bytes()
+    assert "quantization_config" in json.loads((out / "config.json").read_text())
+    assert_identical(load_pretrained(out), with_quantized_experts(model))
+    modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
+    assert len(set(modes.values())) == 1, modes
+    assert main(["generate", "--ckpt", str(out), "--prompt", "def ", "--max-new-tokens", "3"]) == 0
+    assert capsys.readouterr().out.startswith("def ")
+    assert main(["export", "--ckpt", str(run), "--out", str(out), "--quantization", "mxfp4"]) == 2
+    assert "already holds a checkpoint" in capsys.readouterr().err
+    assert main(["export", "--ckpt", str(run), "--out", str(out), "--overwrite"]) == 0
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from openk3.cache.paged import NULL_PAGE
-from openk3.generate import generate_ids
+from openk3.generation import generate_ids
 from openk3.model import K3ForCausalLM
 from openk3.sampling import SamplingParams
 from openk3.serve.engine import Engine, EngineConfig

@@ -74,7 +74,7 @@ def test_qat_experts_equal_a_per_token_reference_with_mxfp8_activations():
 
 def test_qat_flag_and_what_qat_refuses(monkeypatch):
     seen = []
-    monkeypatch.setattr("openk3.train.loop.train", seen.append)
+    monkeypatch.setattr("openk3.train.command.train", seen.append)
     assert main(["train", "--qat", "mxfp4", "--no-progress"]) == 0 and seen[0].qat == "mxfp4"
     with pytest.raises(ValueError, match="no routed experts"):
         enable_qat(random_model(tiny_k3(moe=None), seed=0))

@@ -3,6 +3,8 @@ can fail another, tokenization is linear and off the event loop, request text ne
 every bad input is a 4xx in OpenAI's error shape naming its parameter, and a client that leaves is cancelled."""
 
 import json
+import logging
+import socket
 import statistics
 import threading
 import time
@@ -11,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from serve_process import metric, serve_process
+from serve_process import inprocess_server, metric, serve_process
 
 MODEL = "k3-tiny"
 ERROR_KEYS = {"message", "type", "param", "code"}
@@ -101,6 +103,28 @@ def test_tokenization_is_linear_and_off_the_event_loop(server):
     assert len(health) >= 3 and statistics.median(health) < statistics.median(big) / 4, (health, big)
 
 
+def test_a_message_of_150k_text_parts_gets_its_413_fast_and_stalls_nobody(server):
+    """Issue 46: 7.7 MB in 150,000 text parts took 10.8 s to get its 413 (the parts joined quadratically, the whole
+    text tokenized before the context check) and held other requests for up to 7.9 s. The parts now join once and
+    encoding stops as soon as the prompt cannot fit; small requests sent meanwhile are answered."""
+    parts = [{"type": "text", "text": f"part {i:06d} of the text"} for i in range(150_000)]
+    raw = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": parts}], "max_tokens": 1}).encode()
+    assert 7_500_000 < len(raw) < 8 << 20
+    small = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        start = time.perf_counter()
+        big = pool.submit(post, server, "/v1/chat/completions", raw)
+        time.sleep(0.3)  # the big body is on its way or being parsed
+        replies = [(post(server, "/v1/chat/completions", small), time.perf_counter()) for _ in range(3)]
+        big = big.result()
+        big_seconds = time.perf_counter() - start
+    assert big.status_code == 413, big.text
+    assert big.json()["error"]["code"] == "context_length_exceeded" and big.json()["error"]["param"] == "messages"
+    assert big_seconds < 8, f"the 413 took {big_seconds:.1f} s"
+    assert all(r.status_code == 200 for r, _ in replies)
+    assert replies[-1][1] - start < 10, "the small requests waited behind the big one"
+
+
 @pytest.mark.parametrize("path, body, status, param", [
     # issue 19: lone surrogates, deep nesting, max_completion_tokens 0, include_usage type, seed range
     ("/v1/completions", b'{"model": "k3-tiny", "prompt": "a\\ud800b"}', 400, "prompt"),
@@ -142,6 +166,9 @@ def test_tokenization_is_linear_and_off_the_event_loop(server):
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      400, "messages.0.content"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 0}, 400, "n"),
+    # issue 46: OpenAI's limit of 4 is on the list of stop strings, not on the length of a single one
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "stop": "</answer>"}, 200, None),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "stop": ["a", "b", "c", "d", "</answer>"]}, 400, "stop"),
     ("/v1/completions", b"\xef\xbb\xbf{}", 400, None),
     ("/v1/completions", b'"just a string"', 400, None),
     ("/v1/completions", b"x" * (9 << 20), 413, None),
@@ -198,32 +225,25 @@ def test_the_server_keeps_serving_after_the_battery(server, client):
     assert json.loads(httpx.get(f"{server}/v1/models", timeout=10).text)["data"][0]["id"] == MODEL
 
 
-def test_a_request_whose_sequence_fails_gets_500_and_the_others_200(poisoned_sampling):
-    """In-process uvicorn over an engine whose sampling fails for one seed: that request gets a 500 (or, streamed,
-    finish_reason "error"), the concurrent ones get their normal replies."""
+def small_engine(**scheduler):
+    """An engine over a 4-layer k3-tiny with the byte tokenizer (SchedulerConfig fields as keywords)."""
     import torch
-    import uvicorn
 
     from openk3.config import get_preset
     from openk3.model import K3ForCausalLM
-    from openk3.serve.api import create_app
-    from openk3.serve.command import listen_socket
-    from openk3.serve.engine import Engine
+    from openk3.serve.engine import Engine, EngineConfig
+    from openk3.serve.scheduler import SchedulerConfig
     from openk3.tokenizer import ByteTokenizer
 
     torch.manual_seed(0)
     cfg = get_preset(MODEL).with_overrides({"num_layers": 4, "mla_layers": [1, 3], "mtp_layers": 0})
-    sock = listen_socket("127.0.0.1", 0)
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server = uvicorn.Server(uvicorn.Config(create_app(Engine(K3ForCausalLM(cfg), ByteTokenizer()), MODEL),
-                                           log_level="critical"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 60
-        while not server.started:
-            assert time.monotonic() < deadline and thread.is_alive(), "the in-process server did not start"
-            time.sleep(0.05)
+    return Engine(K3ForCausalLM(cfg), ByteTokenizer(), EngineConfig(scheduler=SchedulerConfig(**scheduler)))
+
+
+def test_a_request_whose_sequence_fails_gets_500_and_the_others_200(poisoned_sampling):
+    """In-process uvicorn over an engine whose sampling fails for one seed: that request gets a 500 (or, streamed,
+    finish_reason "error"), the concurrent ones get their normal replies."""
+    with inprocess_server(small_engine(), MODEL) as url:
         body = {"model": MODEL, "prompt": "hello", "max_tokens": 4, "ignore_eos": True, "temperature": 0}
         with ThreadPoolExecutor(max_workers=4) as pool:
             # sampled: greedy rows never reach sample_tokens
@@ -237,6 +257,38 @@ def test_a_request_whose_sequence_fails_gets_500_and_the_others_200(poisoned_sam
         assert events[-1]["choices"][0]["finish_reason"] == "error" and bad_stream.text.endswith("data: [DONE]\n\n")
         assert all(g.status_code == 200 and g.json()["usage"]["completion_tokens"] == 4 for g in good)
         assert good[0].json()["choices"][0]["text"] == good[1].json()["choices"][0]["text"]
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
+
+
+def test_n_above_max_queue_is_a_400_naming_both():
+    """n choices wait in the queue together: more than --max-queue can never be served (a 429 would invite a
+    retry); as many as max_queue are served."""
+    with inprocess_server(small_engine(max_queue=2), MODEL) as url:
+        body = {"model": MODEL, "prompt": "hello", "max_tokens": 2}
+        r = post(url, "/v1/completions", {**body, "n": 3})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "n" and "n=3" in error["message"] and "max_queue=2" in error["message"]
+        r = post(url, "/v1/completions", {**body, "n": 2})
+        assert r.status_code == 200 and len(r.json()["choices"]) == 2
+
+
+def test_a_client_that_abandons_its_body_is_one_info_line(caplog):
+    """A client that sends the headers and part of a body, then closes: one INFO line from the API, nothing at
+    WARNING or above (it was a ClientDisconnect traceback at ERROR), and the server goes on serving."""
+    caplog.set_level(logging.INFO)
+    with inprocess_server(small_engine(), MODEL, log_level="info") as url:
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100000\r\n\r\n" + b'{"model": "k3-tiny", "messages": [' + b" " * 1000)
+            time.sleep(0.2)
+        deadline = time.monotonic() + 20
+        while not [r for r in caplog.records if "disconnected" in r.getMessage()]:
+            assert time.monotonic() < deadline, "the abandoned body was never noticed"
+            time.sleep(0.05)
+        assert post(url, "/v1/completions", {"model": MODEL, "prompt": "still up", "max_tokens": 1}).status_code == 200
+    noted = [r for r in caplog.records if "disconnected" in r.getMessage()]
+    assert len(noted) == 1 and noted[0].levelno == logging.INFO and "\n" not in noted[0].getMessage()
+    assert noted[0].exc_info is None
+    loud = [f"{r.name}: {r.getMessage()}" for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not loud, loud

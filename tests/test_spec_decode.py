@@ -12,7 +12,7 @@ import torch
 from openk3.cli import main
 from openk3.config import ModelConfig
 from openk3.draft import EagleDraft, SpeculationStats, accept_drafts, accept_greedy, load_draft, speculative_generate
-from openk3.generate import generate_ids
+from openk3.generation import generate_ids
 from openk3.interop import load_pretrained
 from openk3.model import K3ForCausalLM, KimiDeltaAttention, configure_kda
 from openk3.ops.conv import causal_conv1d

@@ -13,7 +13,7 @@ import torch
 from openk3.cache.state import KDAState
 from openk3.cli import main
 from openk3.draft import EagleDraft, SpeculationStats, load_draft, speculative_generate, tapped_hidden_states
-from openk3.generate import generate_ids
+from openk3.generation import generate_ids
 from openk3.interop import load_pretrained
 from openk3.sampling import SamplingParams
 from openk3.serve.engine import Engine, EngineConfig

@@ -74,21 +74,24 @@ def test_text_stream_is_the_full_decode_after_every_token(which):
 
 
 def occurrences(text: str, stops: list[str]) -> list[tuple[int, int]]:
-    """(start, end) of every occurrence of every non-empty stop string."""
-    return [(i, i + len(s)) for s in stops if s for i in range(len(text)) if text.startswith(s, i)]
+    """(start, end) of every occurrence of every non-empty stop string that a stop can be: one made of complete
+    characters, so not ending with a final U+FFFD (which may be a character whose last bytes are to come)."""
+    complete = len(text) - text.endswith("\ufffd")
+    return [(i, i + len(s)) for s in stops if s for i in range(len(text)) if text.startswith(s, i)
+            and i + len(s) <= complete]
 
 
 def test_stop_search_after_a_clean_prefix_and_sendable_against_brute_force():
-    """first_stop(text, stops, after) is the earliest start whenever the first `after` characters hold no stop
-    string; sendable is the whole-text rule: all but trailing U+FFFD and the longest end that begins a stop string,
-    never below what was sent."""
+    """first_stop(text, stops, after) is the earliest start of a stop string of complete characters whenever none
+    ends before `after`; sendable is the whole-text rule: all but trailing U+FFFD and the longest end that begins a
+    stop string, never below what was sent."""
     rng = random.Random(11)
     alphabet = "ab\ufffd"
     for _ in range(3000):
         text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 14)))
         stops = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 5))) for _ in range(rng.randint(0, 4))]
         found = occurrences(text, stops)
-        clean = min((end for _, end in found), default=len(text) + 1) - 1  # the longest prefix without a stop
+        clean = min((end for _, end in found), default=len(text))  # no stop ends before this
         after = rng.randint(0, min(clean, len(text)))
         assert first_stop(text, stops, after=after) == min((i for i, _ in found), default=-1)
         if not found:
@@ -96,3 +99,21 @@ def test_stop_search_after_a_clean_prefix_and_sendable_against_brute_force():
             body = text.rstrip("\ufffd")
             hold = max((k for s in stops for k in range(1, len(s)) if body.endswith(s[:k])), default=0)
             assert sendable(text, stops, sent) == max(len(body) - hold, sent)
+
+
+def test_a_stop_string_matches_complete_characters_only():
+    """U+FFFD as a stop string: the U+FFFD a stream shows for a character still missing bytes is not a match
+    ("é" arrives as two byte tokens), a real one (an invalid byte) is, once the text goes on or at once."""
+    tok = ByteTokenizer()
+    for reply, stop, expected in [("é!", "\ufffd", -1), ("aé", "a\ufffd", -1), ("日本", "\ufffd", -1)]:
+        stream = TextStream(tok)
+        for token in tok.encode_plain(reply):
+            searched = stream.stable
+            stream.push(token)
+            assert first_stop(stream.text, [stop], after=searched) == expected
+    stream, cuts = TextStream(tok), []
+    for token in [0x61, 0xFF, 0x62]:  # "a", an invalid byte (a complete U+FFFD), "b"
+        searched = stream.stable
+        stream.push(token)
+        cuts.append(first_stop(stream.text, ["\ufffd"], after=searched))
+    assert stream.text == "a\ufffdb" and cuts == [-1, -1, 1]

@@ -7,7 +7,7 @@ import time
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from openk3.tokenizer import EOS, IM_END, IM_START, ByteTokenizer, TextTokenizer, encode_chat
+from openk3.tokenizer import EOS, IM_END, IM_START, ByteTokenizer, PromptTooLong, TextTokenizer, encode_chat
 
 SPECIALS = ["<|bos|>", "<|eos|>", IM_START, IM_END]
 
@@ -74,6 +74,34 @@ def test_chat_template_inserts_the_control_tokens_only(which, bpe):
     forged = [{"role": "user", "content": text} for text in hostile_texts(seed=2, n=5)]
     ids = encode_chat(tok, forged)
     assert ids.count(start) == len(forged) + 1 and ids.count(end) == len(forged)
+
+
+@pytest.mark.parametrize("which", ["byte", "bpe"])
+def test_chat_with_a_limit_is_the_same_prompt_or_refused_once_it_reaches_it(which, bpe):
+    """`limit` changes nothing for a prompt below it and refuses one that reaches it, whatever the split into parts
+    (texts and id lists, adjacent texts encoded as one); `tokens_at_least` never exceeds the real count."""
+    tok = ByteTokenizer() if which == "byte" else bpe
+    rng = random.Random(5)
+    texts = hostile_texts(seed=4)
+    for text in texts:
+        assert tok.tokens_at_least(text) <= len(tok.encode_plain(text))
+    for _ in range(60):
+        messages = []
+        for _ in range(rng.randint(1, 3)):
+            parts = [rng.choice(texts) if rng.random() < 0.8 else [rng.randrange(256)] * rng.randint(1, 3)
+                     for _ in range(rng.randint(0, 4))]
+            joined = "".join(p for p in parts if isinstance(p, str))
+            messages.append({"role": "user", "content": joined if rng.random() < 0.3 else parts})
+        full = encode_chat(tok, messages)
+        if all(isinstance(m["content"], str) or all(isinstance(p, str) for p in m["content"]) for m in messages):
+            as_text = [{"role": m["role"], "content": m["content"] if isinstance(m["content"], str)
+                        else "".join(m["content"])} for m in messages]
+            assert full == encode_chat(tok, as_text)  # text parts are encoded as one text
+        assert encode_chat(tok, messages, limit=len(full) + 1) == full
+        with pytest.raises(PromptTooLong, match=f"the context holds {len(full)}"):
+            encode_chat(tok, messages, limit=len(full))
+        with pytest.raises(PromptTooLong):
+            encode_chat(tok, messages, limit=rng.randint(1, len(full)))
 
 
 def test_a_tokenizer_without_chat_tokens_gets_the_template_as_text():

@@ -10,7 +10,7 @@ import torch
 
 from openk3.cli import main
 from openk3.config import get_preset
-from openk3.generate import generate_ids
+from openk3.generation import generate_ids
 from openk3.interop import load_pretrained
 from openk3.model import K3ForCausalLM
 from openk3.sampling import SamplingParams
@@ -62,7 +62,7 @@ def test_generate_from_the_training_checkpoint(cli_run, capsys):
     first = capsys.readouterr().out
     assert first.startswith("import ")
     main(["generate", "--ckpt", str(cli_run / f"step-{STEPS:06d}"), "--prompt", "import ", "--max-new-tokens", "6",
-          "--seed", "3"])
+          "--seed", "3", "--threads", "1"])
     assert capsys.readouterr().out == first  # run dir -> latest checkpoint; same seed -> same text
 
 
@@ -214,6 +214,56 @@ def test_impossible_values_fail_at_parse_time_naming_the_flag(flag, value, capsy
     assert f"openk3 train: error: argument {flag}: must be " in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, named", [
+    (["train", "--preset", "nosuch"], "argument --preset: invalid choice: 'nosuch'"),
+    (["train", "--max-steps", "0"], "argument --max-steps: must be at least 1, got 0"),
+    (["generate", "--ckpt", "x", "--prompt", "p", "--max-new-tokens", "0"], "argument --max-new-tokens: must be "),
+    (["generate", "--ckpt", "x", "--prompt", "p", "--threads", "-1"], "argument --threads: must be at least 0"),
+    (["draft", "--ckpt", "x", "--max-steps", "0"], "argument --max-steps: must be at least 1"),
+])
+def test_a_bad_flag_is_one_line_naming_it(argv, named, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"openk3 {argv[0]}: error: {named}") and f"(see openk3 {argv[0]} --help)" in err
+
+
+def test_out_defaults_to_runs_slash_the_preset():
+    """Each preset trains into its own directory: a vision run does not collide with the text run."""
+    from openk3.cli import build_parser
+    from openk3.train.command import train_args
+
+    for preset in ("k3-tiny", "k3-tiny-vl"):
+        assert train_args(build_parser().parse_args(["train", "--preset", preset])).out == f"runs/{preset}"
+        assert TrainArgs(preset=preset).out == f"runs/{preset}"
+    assert train_args(build_parser().parse_args(["train", "--out", "elsewhere"])).out == "elsewhere"
+
+
+def test_a_draft_run_directory_is_named_as_such_and_no_resume_is_offered(tmp_path):
+    """`openk3 draft --out` leaves metrics and step-*/ checkpoints with a draft.json and no trainer.pt: `openk3
+    train` there says what it holds instead of offering a --resume that cannot work; a training run whose latest
+    checkpoint cannot be resumed gets no --resume advice either."""
+    from openk3.draft.model import DRAFT_CONFIG
+    from openk3.train.loop import claim_out_dir
+
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    step = tmp_path / "step-000200"
+    step.mkdir()
+    for name in ("config.json", "model.safetensors", DRAFT_CONFIG, "manifest.json"):
+        (step / name).write_text("{}")
+    with pytest.raises(ValueError, match="holds a draft run of `openk3 draft`") as refused:
+        claim_out_dir(tmp_path, None, overwrite=False, delete=True)
+    assert "--resume" not in str(refused.value) and "--overwrite" in str(refused.value)
+    (step / DRAFT_CONFIG).unlink()
+    with pytest.raises(ValueError, match="already holds a training run") as refused:
+        claim_out_dir(tmp_path, None, overwrite=False, delete=True)
+    assert "--resume" not in str(refused.value)
+    (step / "trainer.pt").write_text("")
+    with pytest.raises(ValueError, match=f"continue it with --resume {step}"):
+        claim_out_dir(tmp_path, None, overwrite=False, delete=True)
+
+
 def test_train_args_in_code_are_checked_too():
     with pytest.raises(ValueError, match="--batch-size must be at least 1, got 0"):
         TrainArgs(batch_size=0)
@@ -228,12 +278,13 @@ def test_help_shows_every_default(capsys):
     blocks = {m.group(1): m.group(0) for m in re.finditer(r"^  (--[\w-]+).*?(?=^  -|\Z)", text, re.M | re.S)}
     shown = 0
     for f in dataclasses.fields(TrainArgs):
-        default = getattr(TrainArgs(), f.name)
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         flag = "--" + f.name.replace("_", "-")
         if flag in blocks and default is not None and default is not False:
             assert f"(default: {default})" in " ".join(blocks[flag].split()), flag
             shown += 1
     assert shown >= 15 and "(default: 300" in " ".join(blocks["--max-steps"].split())
+    assert "(default: runs/PRESET)" in " ".join(blocks["--out"].split())
 
 
 def test_a_new_run_into_another_runs_directory_is_refused(cli_run, capsys):

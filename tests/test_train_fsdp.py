@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from openk3.train.loop import train
+from openk3.train.command import train
 from train_tiny import make_corpus, one_thread, tiny_args
 
 STEPS, SAVE_AT = 5, 3

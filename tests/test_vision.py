@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
+from openk3.accounting import count_parameters
 from openk3.cli import main
 from openk3.config import ModelConfig, get_preset
 from openk3.images import ImageError, decode_image, fit_size, image_token_count, patchify, prepare_image
-from openk3.info import count_parameters
 from openk3.interop import config_from_k3, config_to_hub, config_to_k3, load_pretrained, save_pretrained
 from openk3.interop.files import TensorReader
 from openk3.model import K3ForCausalLM

@@ -26,7 +26,7 @@ from openk3.serve.schema import APIError, ChatBody
 from openk3.serve.vision import RemoteImages, chat_messages, image_from_url
 from openk3.tokenizer import ByteTokenizer, encode_chat
 from random_weights import randomise
-from serve_process import o1_checkpoint, serve_process
+from serve_process import inprocess_server, o1_checkpoint, serve_process
 from train_tiny import one_thread
 
 MODEL = "k3-tiny-vl"
@@ -149,6 +149,32 @@ def test_engine_batches_image_prefills_and_choices_share_the_images(vl_model):
     assert [r.output for r in (first, *others, choice)] == [run(cold, p, im, 3).output for p, im in (a, b, text, a)]
     assert choice.cached_tokens == H * ((len(a[0]) - 1) // H) > a[0].index(vl_model.config.vision.image_token_id)
     assert first.images is None and choice.images is None  # dropped when they finish
+
+
+def test_an_image_alone_is_served_the_prompt_the_captioner_trained_on(vl_model):
+    """`openk3 train --preset k3-tiny-vl` trains on the chat template of a user message holding the image alone
+    (train/shapes.py): a chat request whose content is that image, with no text part, gets exactly that prompt,
+    and at temperature 0 the greedy continuation of it (by full forwards, over the tokenizer's words as the engine
+    samples), token for token."""
+    from openk3.train.shapes import IGNORE, caption_tokenizer, draw, held_out_scenes, make_batch
+
+    tok, scene = caption_tokenizer(), held_out_scenes(1)[0]
+    batch = make_batch([scene], tok, vl_model.config.vision)
+    prompt = batch.inputs[0, :int((batch.targets[0] != IGNORE).nonzero()[0]) + 1].tolist()
+    ids: list[int] = []
+    with torch.no_grad():
+        for _ in range(4):  # a caption's four words
+            logits = vl_model(torch.tensor([prompt + ids]), images=batch.images).logits[0, -1, :tok.vocab_size]
+            ids.append(int(logits.argmax()))
+    with inprocess_server(Engine(vl_model, tok, EngineConfig(hash_block=H)), MODEL) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        image = {"type": "image_url", "image_url": {"url": data_url(draw(scene))}}
+        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": [image]}],
+                                           temperature=0, max_tokens=4, logprobs=True,
+                                           extra_body={"ignore_eos": True})
+    assert r.usage.prompt_tokens == len(prompt)
+    assert [entry.token for entry in r.choices[0].logprobs.content] == [tok.tokenizer.id_to_token(i) for i in ids]
+    assert r.choices[0].message.content == tok.decode_plain(ids)
 
 
 def test_engine_refuses_placeholders_without_their_images(vl_model):

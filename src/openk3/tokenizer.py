@@ -26,10 +26,11 @@ ids inserted as given (an image's run of placeholder ids, openk3.serve.vision).
 from __future__ import annotations
 
 import codecs
+import functools
 import hashlib
 import os
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -113,6 +114,19 @@ class TextTokenizer:
             return bytes(self._byte_level[c] for c in piece)
         return self.tokenizer.decode([token], skip_special_tokens=False).encode("utf-8")
 
+    def tokens_at_least(self, text: str) -> int:
+        """A lower bound on len(encode_plain(text)), in time linear in the text: with no normalizer, every token
+        covers a run of the (pre-tokenized, never shorter) text of at most `longest_piece` bytes; 0 otherwise."""
+        if self.tokenizer.normalizer is not None:
+            return 0
+        return -(-len(text.encode("utf-8", errors="surrogatepass")) // self.longest_piece)
+
+    @functools.cached_property
+    def longest_piece(self) -> int:
+        """The most UTF-8 bytes of any vocabulary entry or added token (a byte-level piece's characters count 1-2
+        bytes each for 1 byte of text: an overestimate, which keeps `tokens_at_least` a lower bound)."""
+        return max(1, *(len(piece.encode("utf-8")) for piece in self.tokenizer.get_vocab(with_added_tokens=True)))
+
     def save(self, path: str | Path) -> None:
         self.tokenizer.save(str(path))
 
@@ -144,6 +158,10 @@ class ByteTokenizer:
 
     def encode_plain(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
+
+    def tokens_at_least(self, text: str) -> int:
+        """len(encode_plain(text)) without building it."""
+        return len(text.encode("utf-8"))
 
     def token_bytes(self, token: int) -> bytes | None:
         return bytes([token]) if 0 <= token < 256 else None
@@ -189,26 +207,56 @@ class TextStream:
         self.text, self.stable = done + partial.decode("utf-8", errors="replace"), len(done)
 
 
-def encode_chat(tokenizer: TextTokenizer | ByteTokenizer, messages: Sequence[dict]) -> list[int]:
+class PromptTooLong(ValueError):
+    """A prompt that reaches the token limit `encode_chat` was given (found while encoding, which then stops)."""
+
+
+def chat_segments(role: str, content: str | Sequence) -> Iterator[str | list[int]]:
+    """One message's body in order: runs of adjacent texts (the role line first) joined into one string each, to be
+    encoded as one text, and id lists as they are. Joined once per run: linear in the number of parts."""
+    run = [f"{role}\n"]
+    for part in [content] if isinstance(content, str) else content:
+        if isinstance(part, str):
+            run.append(part)
+            continue
+        if run:
+            yield "".join(run)
+        run = []
+        yield part
+    if run:
+        yield "".join(run)
+
+
+def encode_chat(tokenizer: TextTokenizer | ByteTokenizer, messages: Sequence[dict],
+                limit: int | None = None) -> list[int]:
     """The chat template (module docstring): control tokens by id, every role and text with `encode_plain`; a
-    content that is a list of parts takes its text parts as text and its id lists as they are."""
+    content that is a list of parts takes its text parts as text and its id lists as they are. `limit`: raise
+    PromptTooLong as soon as the prompt reaches this many tokens, before encoding a text that is sure to reach it
+    (`tokens_at_least`), so an oversized prompt costs little more than reading it."""
     def marker(name: str) -> list[int]:
         token = tokenizer.special_id(name)
         return tokenizer.encode_plain(name) if token is None else [token]
 
     start, end, newline = marker(IM_START), marker(IM_END), tokenizer.encode_plain("\n")
     ids: list[int] = []
+
+    def add(more: Sequence[int] | str) -> None:
+        if isinstance(more, str):
+            if limit is not None and (least := len(ids) + tokenizer.tokens_at_least(more)) >= limit:
+                raise PromptTooLong(f"the prompt has at least {least} tokens; the context holds {limit}")
+            more = tokenizer.encode_plain(more)
+        ids.extend(more)
+        if limit is not None and len(ids) >= limit:
+            raise PromptTooLong(f"the prompt has at least {len(ids)} tokens; the context holds {limit}")
+
     for m in messages:
-        parts = [m["content"]] if isinstance(m["content"], str) else m["content"]
-        segments: list = []  # texts merged where adjacent (encoded as one text), id lists as they are
-        for part in [f"{m['role']}\n", *parts]:
-            if isinstance(part, str) and segments and isinstance(segments[-1], str):
-                segments[-1] += part
-            else:
-                segments.append(part)
-        body = [i for seg in segments for i in (tokenizer.encode_plain(seg) if isinstance(seg, str) else seg)]
-        ids += start + body + end + newline
-    return ids + start + tokenizer.encode_plain("assistant\n")
+        add(start)
+        for segment in chat_segments(m["role"], m["content"]):
+            add(segment)
+        add(end + newline)
+    add(start)
+    add("assistant\n")
+    return ids
 
 
 def load_tokenizer(ckpt_dir: str | Path | None, model_vocab: int) -> TextTokenizer | ByteTokenizer:

@@ -154,10 +154,10 @@ class EagleDraft(nn.Module):
 def save_draft(draft: EagleDraft, directory: str | Path, **training) -> None:
     """Write draft.safetensors (fc) and draft.json (taps, MTP depth, `training` notes) into `directory`; the MTP
     layer itself is saved with the target's weights."""
-    from safetensors.torch import save_file
+    from openk3.interop.files import save_safetensors
 
     directory = Path(directory)
-    save_file({"fc.weight": draft.fc.weight.detach().cpu().contiguous()}, directory / DRAFT_WEIGHTS)
+    save_safetensors({"fc.weight": draft.fc.weight.detach().cpu().contiguous()}, directory / DRAFT_WEIGHTS)
     meta = {"format_version": FORMAT_VERSION, "taps": list(draft.taps), "mtp_depth": draft.depth,
             "training": training}
     (directory / DRAFT_CONFIG).write_text(json.dumps(meta, indent=2) + "\n")

@@ -172,7 +172,7 @@ def speculative_generate(model: nn.Module, draft: EagleDraft, prompt_ids: list[i
                          params: SamplingParams, num_draft: int, stop_ids: set[int] | frozenset = frozenset(),
                          device: torch.device | str = "cpu", stats: SpeculationStats | None = None) -> list[int]:
     """New token ids after `prompt_ids` with `num_draft` drafted tokens per verification (stops early at a stop id,
-    which is not returned). The same contract and sampling as `openk3.generate.generate_ids`."""
+    which is not returned). The same contract and sampling as `openk3.generation.generate_ids`."""
     if not prompt_ids:
         raise ValueError("the prompt must have at least one token")
     if num_draft < 1:

@@ -15,9 +15,17 @@ from typing import Any
 
 import torch
 
+from openk3.checkpoints import latest_checkpoint
 from openk3.config import ModelConfig
 from openk3.interop.configs import config_from_hub, config_from_k3, config_to_hub, config_to_k3
-from openk3.interop.files import TensorReader, check_tensor_set, read_config, write_config, write_tensors
+from openk3.interop.files import (
+    CONFIG_NAME,
+    TensorReader,
+    check_tensor_set,
+    read_config,
+    write_config,
+    write_tensors,
+)
 from openk3.interop.layouts import LAYOUTS, canonical_names, external_plan, from_external, to_external
 from openk3.interop.quantization import (
     QUANTIZATIONS,
@@ -51,7 +59,10 @@ def load_pretrained(path: str | Path, dtype: torch.dtype | None = None) -> K3For
     fp32 (A_log, dt_bias, the router) stay fp32 either way, so an openk3 checkpoint loads back with the dtypes it
     was saved with. MXFP4-packed routed experts are dequantized to that dtype (exactly: every MXFP4 value is a bf16
     value). A missing, unexpected or wrongly shaped tensor raises one ValueError that lists all of them; so does a
-    `quantization_config` whose format openk3 does not read (naming it)."""
+    `quantization_config` whose format openk3 does not read (naming it). `path` may also be a training run
+    directory (`openk3 train --out`): its latest complete checkpoint is read, as the CLI commands do."""
+    if not (Path(path) / CONFIG_NAME).is_file() and (latest := latest_checkpoint(path)) is not None:
+        path = latest
     config = read_config(path)
     cfg, layout = config_from_json(config)
     packed = read_quantization(config) is not None

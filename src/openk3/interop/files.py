@@ -7,6 +7,7 @@ The file conventions are HF's: `model.safetensors`, or `model-0000i-of-0000n.saf
 from __future__ import annotations
 
 import json
+import os
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -68,6 +69,17 @@ class TensorReader:
         return self._files[self._where[key]].get_tensor(key)
 
 
+def save_safetensors(tensors: dict[str, torch.Tensor], file: str | Path,
+                     metadata: dict[str, str] | None = None) -> None:
+    """safetensors' save_file, leaving the file with the mode every other file written here gets (the umask's,
+    e.g. 0644): save_file renames a private temporary file (0600) into place."""
+    file = Path(file)
+    with file.open("ab"):  # created as open() creates files, or an existing file's mode kept
+        mode = file.stat().st_mode & 0o777
+    save_file(tensors, file, metadata=metadata)
+    os.chmod(file, mode)
+
+
 def write_tensors(path: str | Path, tensors: dict[str, torch.Tensor], max_shard_bytes: int | None = None) -> None:
     """One `model.safetensors`, or shards of at most max_shard_bytes (a larger tensor gets a shard of its own)."""
     path = Path(path)
@@ -82,12 +94,12 @@ def write_tensors(path: str | Path, tensors: dict[str, torch.Tensor], max_shard_
         shards[-1][key] = tensors[key]
         size += nbytes
     if len(shards) == 1:
-        save_file(shards[0], path / SINGLE_NAME, metadata={"format": "pt"})
+        save_safetensors(shards[0], path / SINGLE_NAME, metadata={"format": "pt"})
         return
     weight_map = {}
     for i, shard in enumerate(shards):
         name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, path / name, metadata={"format": "pt"})
+        save_safetensors(shard, path / name, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(shard, name))
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}

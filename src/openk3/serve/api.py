@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -36,6 +37,7 @@ from importlib import resources
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from openk3.sampling import choice_seed
 from openk3.serve.engine import Engine, EngineLoop
@@ -44,13 +46,14 @@ from openk3.serve.responses import Reply, TokenNames
 from openk3.serve.scheduler import QueueFull, RequestEvent
 from openk3.serve.schema import APIError, ChatBody, CompletionBody, SamplingFields, parse_body, sampling_params
 from openk3.serve.vision import RemoteImages, chat_messages
-from openk3.tokenizer import encode_chat
+from openk3.tokenizer import PromptTooLong, encode_chat
 
 MAX_BODY_BYTES = 8 << 20
 CHAT_PAGE = resources.files("openk3.serve") / "static" / "chat.html"
 # the page's own inline script and style, requests to this server, and images the user attached (data: URLs)
 CHAT_PAGE_POLICY = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; "
                     "img-src 'self' data:; base-uri 'none'; form-action 'none'")
+log = logging.getLogger(__name__)
 
 
 def create_app(engine: Engine, model_name: str, remote_images: RemoteImages | None = None) -> FastAPI:
@@ -120,7 +123,11 @@ def create_app(engine: Engine, model_name: str, remote_images: RemoteImages | No
     def chat_request(raw: bytes) -> tuple[ChatBody, list[int], list]:
         body = parse_body(raw, ChatBody, model_name)
         messages, images = chat_messages(body, engine.model_config, remote_images)  # image parts -> placeholder runs
-        return body, encode_chat(engine.tokenizer, messages), images
+        try:  # stops encoding once the prompt cannot fit
+            prompt = encode_chat(engine.tokenizer, messages, limit=engine.max_model_len)
+        except PromptTooLong as exc:
+            raise APIError(413, str(exc), "messages", "context_length_exceeded") from None
+        return body, prompt, images
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -137,6 +144,10 @@ def create_app(engine: Engine, model_name: str, remote_images: RemoteImages | No
     async def generate(request: Request, body: SamplingFields, prompt: list[int], arrival: float, chat: bool,
                        images: list | None = None):
         params = sampling_params(body, engine.max_model_len, engine.vocab_limit)
+        max_queue = engine.scheduler.config.max_queue
+        if body.n > max_queue:  # its choices wait in the queue together: never admitted, so a 429 would mislead
+            raise APIError(400, f"n={body.n} choices can never be queued: this server queues at most "
+                                f"max_queue={max_queue} requests (openk3 serve --max-queue)", "n", "invalid_value")
         events = asyncio.Queue()
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         rids = [rid] if body.n == 1 else [f"{rid}-{i}" for i in range(body.n)]  # one engine request per choice
@@ -217,11 +228,16 @@ def deliver(events: list) -> None:
 
 
 async def read_body(request: Request) -> bytes:
-    """The body, refused with 413 as soon as it passes MAX_BODY_BYTES (never held whole beyond that)."""
+    """The body, refused with 413 as soon as it passes MAX_BODY_BYTES (never held whole beyond that). A client that
+    leaves before sending all of it is noted in one line at INFO (nobody is there to read the 499)."""
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise APIError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes", code="request_too_large")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise APIError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes", code="request_too_large")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        log.info("%s %s: the client disconnected after %d bytes of the body", request.method, request.url.path, size)
+        raise APIError(499, "the client closed the connection before sending the whole body") from None
     return b"".join(chunks)

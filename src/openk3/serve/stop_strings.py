@@ -10,9 +10,13 @@ from collections.abc import Sequence
 
 def first_stop(text: str, stops: Sequence[str], after: int = 0) -> int:
     """The index where the earliest occurrence of any stop string begins in `text`, or -1 (the reply is the text
-    before it; the stop string itself is not part of the reply). `after`: the first `after` characters are known to
-    hold no stop string (an earlier call saw them), so only occurrences ending past them are looked for."""
-    found = (text.find(s, max(0, after - len(s) + 1)) for s in stops if s)
+    before it; the stop string itself is not part of the reply). Stop strings match complete characters only: an
+    occurrence that ends with the text's last character when that is U+FFFD does not count, since that may stand
+    for a UTF-8 character whose last bytes are still to come (as openk3.tokenizer.TextStream shows one).
+    `after`: no occurrence ends before the `after`-th character (an earlier call saw the first `after` characters,
+    skipping only a final U+FFFD), so only occurrences ending there or later are looked for."""
+    end = len(text) - (text[-1:] == "\ufffd")
+    found = (text.find(s, max(0, after - len(s)), end) for s in stops if s)
     return min((i for i in found if i >= 0), default=-1)
 
 

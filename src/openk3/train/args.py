@@ -30,14 +30,14 @@ class TrainArgs:
     decay_frac: float = 0.3
     grad_clip: float = 1.0
     seed: int = 0
-    out: str = "runs/k3-tiny"
+    out: str | None = None  # None: runs/<preset>
     overwrite: bool = False  # replace another run's files in `out` (otherwise refused)
     save_every: int = 0  # 0: only at the end
     eval_every: int = 50
     eval_windows: int = 32
     resume: str | None = None
     device: str | None = None
-    threads: int = 0  # torch intra-op threads on CPU; 0: auto (see loop.cpu_threads)
+    threads: int = 0  # torch intra-op threads on CPU; 0: auto (openk3.cli_options.cpu_threads)
     dtype: str = "auto"
     compile: bool = False
     cuda_graphs: bool = False  # replay each step's forward and backward as one CUDA graph (openk3.train.graphs)
@@ -57,6 +57,8 @@ class TrainArgs:
     ep_planner: str = "balanced"  # "balanced" (MoonEP: S x K rows per rank) or "static" (every row to its home rank)
 
     def __post_init__(self) -> None:
+        if self.out is None:
+            self.out = f"runs/{self.preset}"
         for f in fields(self):
             problem = bound_problem(f.name, getattr(self, f.name))
             if problem:

@@ -9,27 +9,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from openk3.cli_options import add_kda_options
+from openk3.cli_options import ShowDefaults, add_kda_options
 from openk3.config import PRESETS
 from openk3.train.args import DEFAULT_STEPS, QAT_FORMATS, TrainArgs, flag_name, flag_type
-
-
-class _ShowDefaults(argparse.HelpFormatter):
-    """Every option's help ends with its default, except flags that are off and options without one."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        unset = action.default is None or action.default is False or action.default is argparse.SUPPRESS
-        if not unset and action.option_strings and "%(default)" not in text:
-            text += " (default: %(default)s)"
-        return text
 
 
 def add_train_parser(subparsers) -> None:
     d = TrainArgs()
     p = subparsers.add_parser(
         "train", help="train a model (default: k3-tiny on the embedded stdlib corpus, a few minutes on CPU)",
-        formatter_class=_ShowDefaults,
+        formatter_class=ShowDefaults,
         description="Train a K3-family model. With no arguments: k3-tiny on the running Python's standard library "
                     "sources, under 10 minutes on 2 CPU cores. Under torchrun: FSDP2 data parallel.")
 
@@ -53,9 +42,9 @@ def add_train_parser(subparsers) -> None:
     number("weight_decay", float, "decoupled weight decay")
     number("grad_clip", float, "gradient-norm clipping threshold")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the initialisation, data order and sampling")
-    p.add_argument("--out", default=d.out, metavar="DIR",
-                   help="run directory; one that holds another run's files is refused unless --resume continues "
-                        "it or --overwrite replaces it")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="run directory (default: runs/PRESET); one that holds another run's files is refused unless "
+                        "--resume continues it or --overwrite replaces it")
     p.add_argument("--overwrite", action="store_true",
                    help="delete another run's files in --out (metrics, checkpoints, sample, plot) before starting")
     number("save_every", int, "checkpoint every N steps (0: only at the end)", metavar="N")
@@ -97,10 +86,20 @@ def add_train_parser(subparsers) -> None:
     p.set_defaults(func=run_train)
 
 
-def run_train(args: argparse.Namespace) -> int:
-    from openk3.train.loop import train
+def train(args: TrainArgs) -> dict:
+    """A text model trains on the corpus (train/loop.py); a model with a vision tower on the embedded shapes task
+    (train/vision_loop.py, a Trainer subclass: deciding here keeps the loop from importing its own subclass)."""
+    from openk3.train.loop import Trainer, model_config
+    from openk3.train.vision_loop import CaptionTrainer
 
+    return (CaptionTrainer if model_config(args).vision is not None else Trainer)(args).run()
+
+
+def train_args(args: argparse.Namespace) -> TrainArgs:
     names = {f.name for f in dataclasses.fields(TrainArgs)}
-    values = {k: v for k, v in vars(args).items() if k in names}
-    train(TrainArgs(**values, progress=not args.no_progress))
+    return TrainArgs(**{k: v for k, v in vars(args).items() if k in names}, progress=not args.no_progress)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    train(train_args(args))
     return 0

@@ -159,13 +159,12 @@ def claim_out(out: Path, overwrite: bool) -> None:
 
 
 def train_draft(args: DraftArgs) -> dict:
+    from openk3.cli_options import cpu_threads
     from openk3.model import configure_kda
-    from openk3.train.distributed import World
-    from openk3.train.loop import cpu_threads
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cpu":
-        torch.set_num_threads(cpu_threads(args.threads, World(rank=0, size=1, local_rank=0)))
+        torch.set_num_threads(cpu_threads(args.threads))
     ckpt = resolve_checkpoint(args.ckpt)
     out = Path(args.out)
     claim_out(out, args.overwrite)

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from openk3.cli_options import add_kda_options, int_at_least
-from openk3.train.command import _ShowDefaults
+from openk3.cli_options import ShowDefaults, add_kda_options, int_at_least
 
 
 def _taps(text: str) -> tuple[int, ...]:
@@ -23,7 +22,7 @@ def add_draft_parser(subparsers) -> None:
 
     p = subparsers.add_parser(
         "draft", help="fine-tune a trained model's MTP layer into an EAGLE-3-style speculative draft",
-        formatter_class=_ShowDefaults,
+        formatter_class=ShowDefaults,
         description="Freeze the target model of a checkpoint and fine-tune its MTP layer into an EAGLE-3-style draft "
                     "reading a fusion of three target hidden states, with training-time test over --draft-tokens "
                     "steps, on the embedded corpus by default. Writes metrics.jsonl (loss; accept_len and "
@@ -56,7 +55,7 @@ def add_draft_parser(subparsers) -> None:
                    help="sampling temperature of the evaluation (1: alpha is the acceptance probability; 0: greedy)")
     p.add_argument("--seed", type=int, default=0, help="data order and evaluation seeds")
     p.add_argument("--device", default=None, help="cpu / cuda (default: cuda when available)")
-    p.add_argument("--threads", type=int, default=0,
+    p.add_argument("--threads", type=int_at_least(0), default=0,
                    help="torch threads on CPU (0: auto: all cores, or 1 when the machine is already busy)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_kda_options(p)

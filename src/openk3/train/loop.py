@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
 import shutil
 import statistics
@@ -26,8 +25,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from openk3.accounting import count_parameters, parameter_summary
 from openk3.checkpoints import CheckpointError, latest_checkpoint
+from openk3.cli_options import cpu_threads
 from openk3.config import ModelConfig, get_preset
+from openk3.draft.model import DRAFT_CONFIG
 from openk3.model import K3ForCausalLM, configure_kda
 from openk3.model.compile import compile_blocks
 from openk3.ops.loss import linear_cross_entropy
@@ -99,21 +101,6 @@ def check_cuda_graphs(device: torch.device, world: World) -> None:
     if world.size > 1:
         raise ValueError(f"--cuda-graphs runs in one process (FSDP2's and the parallel layouts' collectives are not "
                          f"captured); this run has {world.size}")
-
-
-def cpu_threads(requested: int, world: World) -> int:
-    """Intra-op threads for CPU training. 0 = auto: the cores divided among the local processes, or 1 when other
-    processes already keep the cores busy (1-minute load average >= cores - 0.5).
-
-    Why the fallback: with more runnable threads than cores, every parallel region waits for its slowest,
-    descheduled thread. On a shared 2-core machine a k3-tiny step took 10-30x longer with 2 threads than with 1.
-    """
-    if requested > 0:
-        return requested
-    cores = os.cpu_count() or 1
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world.size))
-    busy = hasattr(os, "getloadavg") and os.getloadavg()[0] >= cores - 0.5
-    return 1 if busy else max(1, cores // local)
 
 
 def autocast_dtype(args: TrainArgs, device: torch.device) -> torch.dtype | None:
@@ -206,8 +193,12 @@ def claim_out_dir(out: Path, resume: str | None, overwrite: bool, delete: bool) 
     if not overwrite:
         latest = latest_checkpoint(out)
         names = ", ".join(p.name + ("/" if p.is_dir() else "") for p in found[:4]) + (", ..." if found[4:] else "")
+        if latest is not None and (latest / DRAFT_CONFIG).is_file():  # `openk3 draft --out`: a target and a draft
+            raise ValueError(f"--out {out} holds a draft run of `openk3 draft` ({names}), which `openk3 train` "
+                             "cannot continue; choose another --out, or pass --overwrite to replace it")
+        resumable = latest is not None and (latest / "trainer.pt").is_file()
         raise ValueError(f"--out {out} already holds a training run ({names}); "
-                         + (f"continue it with --resume {latest}, " if latest else "")
+                         + (f"continue it with --resume {latest}, " if resumable else "")
                          + "choose another --out, or pass --overwrite to replace it")
     for path in found if delete else []:
         if path.is_dir():
@@ -237,7 +228,7 @@ class Trainer:
         if args.cuda_graphs:
             check_cuda_graphs(self.device, self.world)
         if self.device.type == "cpu":
-            torch.set_num_threads(cpu_threads(args.threads, self.world))
+            torch.set_num_threads(cpu_threads(args.threads, self.world.size))
         self.amp = autocast_dtype(args, self.device)
         self.dims = ParallelDims(self.world.size, args.cp, args.ep)
         self.dims.check_batch(args.batch_size)
@@ -503,8 +494,8 @@ class Trainer:
 
     # ---- output ----------------------------------------------------------------------------------------------
     def _announce(self) -> None:
-        n = sum(p.numel() for p in self.model.parameters())
-        print(f"openk3 train: {self.cfg.name} ({n / 1e6:.2f}M parameters), {self.train_tokens:,} training tokens, "
+        print(f"openk3 train: {self.cfg.name} ({parameter_summary(count_parameters(self.cfg))}), "
+              f"{self.train_tokens:,} training tokens, "
               f"{self.schedule.total_steps} steps x {self.args.batch_size} x {self.args.seq_len} tokens, "
               f"optimizer={self.args.optimizer}, balance={self.args.balance}, device={self.device}"
               f"{f', qat={self.args.qat} (checkpoints hold the full-precision weights)' if self.args.qat else ''}"
@@ -527,7 +518,7 @@ class Trainer:
         return tqdm(total=self.schedule.total_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
 
     def _sample(self) -> str:
-        from openk3.generate import generate_ids
+        from openk3.generation import generate_ids
         from openk3.sampling import SamplingParams
 
         params = SamplingParams(max_tokens=max(1, self.args.sample_tokens), temperature=0.8, top_k=50,
@@ -545,11 +536,3 @@ class Trainer:
               f"{summary['unigram_loss']:.3f} ({summary['steps']} steps, {summary['train_seconds']:.0f} s)")
         print(f"checkpoint: {summary['checkpoint']}\nsample ({self.out / 'sample.txt'}):\n{sample}", flush=True)
 
-
-def train(args: TrainArgs) -> dict:
-    """A text model trains on the corpus; a model with a vision tower on the embedded shapes task."""
-    if model_config(args).vision is not None:
-        from openk3.train.vision_loop import CaptionTrainer
-
-        return CaptionTrainer(args).run()
-    return Trainer(args).run()

@@ -7,8 +7,11 @@ tokens at patch 14 and merge 2, so a batch packs images of different sizes), wit
 pixels across), positions, shades and background. The attributes are drawn independently and uniformly.
 Caption: "<count> <colour> <shape> <quadrant>", e.g. "2 red circle top-left": four words, one token each in the
 task's word-level tokenizer (`caption_tokenizer`).
-Sequence: <|im_start|> [one placeholder per image token] <|im_end|> caption <|endoftext|>; the loss covers the
-caption and the end token only (targets elsewhere are IGNORE).
+Sequence: the chat template of a user message holding the image alone, then the caption as the assistant's reply:
+<|im_start|> user [one placeholder per image token] <|im_end|> <|im_start|> assistant caption <|endoftext|> (the
+role words are <|unk|> to the word-level tokenizer); the loss covers the caption and the end token only (targets
+elsewhere are IGNORE). Served (`openk3 serve --ckpt`), a chat message whose content is the image alone, with no
+text part, is exactly the training prompt.
 Scenes: training scene i of run seed s is drawn from Random("s:i"), held-out scene j from Random("held-out:j"), so
 no run ever trains on a held-out scene.
 
@@ -32,7 +35,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from openk3.config import VisionConfig
 from openk3.images import prepare_image
 from openk3.model.vision import ImageBatch
-from openk3.tokenizer import EOS, IM_END, IM_START, TextTokenizer
+from openk3.tokenizer import EOS, IM_END, IM_START, TextTokenizer, encode_chat
 
 ATTRIBUTES = {
     "count": ("1", "2", "3"),
@@ -130,8 +133,10 @@ class CaptionBatch:
 
 
 def prompt_ids(tok: TextTokenizer, num_tokens: int, image_token_id: int) -> list[int]:
-    """What precedes the caption: <|im_start|>, the image's placeholders, <|im_end|>."""
-    return [tok.special_id(IM_START)] + [image_token_id] * num_tokens + [tok.special_id(IM_END)]
+    """What precedes the caption: the chat template of one user message holding the image's placeholders alone
+    (openk3.tokenizer.encode_chat), which is the prompt `openk3 serve` builds for a chat request whose content is
+    the image alone, so a served model is prompted exactly as it was trained."""
+    return encode_chat(tok, [{"role": "user", "content": [[image_token_id] * num_tokens]}])
 
 
 def make_batch(scenes: list[Scene], tok: TextTokenizer, vc: VisionConfig) -> CaptionBatch:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from openk3.accounting import count_parameters, parameter_summary
 from openk3.ops.loss import linear_cross_entropy
 from openk3.train.args import TrainArgs
 from openk3.train.loop import Trainer
@@ -159,8 +160,7 @@ class CaptionTrainer(Trainer):
         return "\n".join(lines) + "\n"
 
     def _announce(self) -> None:
-        n = sum(p.numel() for p in self.model.parameters())
-        print(f"openk3 train: {self.cfg.name} ({n / 1e6:.2f}M parameters, vision tower and projector included) on "
+        print(f"openk3 train: {self.cfg.name} ({parameter_summary(count_parameters(self.cfg))}) on "
               f"the shapes task, {self.schedule.total_steps} steps x {self.args.batch_size} captioned images, "
               f"{HELD_OUT_SCENES} held-out scenes, optimizer={self.args.optimizer}, device={self.device}"
               f"{f' ({torch.get_num_threads()} threads)' if self.device.type == 'cpu' else ''}, "

@@ -8,10 +8,9 @@ the chunked WY/UT form in plain PyTorch (fast on CPU, any T), and the Triton ker
 
 from __future__ import annotations
 
-import math
-
 import torch
 
+from openk3.ops.kda.checks import check_kda_inputs, check_kda_options
 from openk3.ops.kda.chunked import CHUNK_SIZE, kda_chunked, kda_chunked_with_states
 from openk3.ops.kda.reference import kda_recurrent
 
@@ -38,55 +37,6 @@ def resolve_backend(backend: str, device: torch.device, num_tokens: int) -> str:
     if torch.device(device).type == "cuda" and _triton_available():
         return "triton"
     return "recurrent" if num_tokens == 1 else "chunked"
-
-
-def check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens) -> None:
-    """Shape/dtype validation shared by every backend; errors name the argument."""
-    if q.dim() != 4:
-        raise ValueError(f"q must be [B,T,H,K], got shape {tuple(q.shape)}")
-    B, T, H, K = q.shape
-    if k.shape != q.shape:
-        raise ValueError(f"k must have q's shape {tuple(q.shape)}, got {tuple(k.shape)}")
-    if g.shape != q.shape:
-        raise ValueError(f"g must have q's shape {tuple(q.shape)}, got {tuple(g.shape)}")
-    if v.dim() != 4 or v.shape[:3] != q.shape[:3]:
-        raise ValueError(f"v must be [B,T,H,V] with B,T,H = {B},{T},{H}, got {tuple(v.shape)}")
-    if beta.shape != q.shape[:3]:
-        raise ValueError(f"beta must be [B,T,H] = {(B, T, H)}, got {tuple(beta.shape)}")
-    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-        if x.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
-            raise ValueError(f"{name} must be a floating tensor (fp32/bf16/fp16/fp64), got {x.dtype}")
-    V = v.shape[-1]
-    n_states = B
-    if cu_seqlens is not None:
-        if B != 1:
-            raise ValueError(f"with cu_seqlens the batch size must be 1, got B={B}")
-        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-            raise ValueError("cu_seqlens must be a 1-D tensor [N+1] of sequence offsets")
-        if cu_seqlens.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
-        offsets = cu_seqlens.tolist()
-        if offsets[0] != 0 or offsets[-1] != T or any(b < a for a, b in zip(offsets, offsets[1:])):
-            raise ValueError(f"cu_seqlens must rise from 0 to T={T}, got {offsets}")
-        n_states = len(offsets) - 1
-    if initial_state is not None and tuple(initial_state.shape) != (n_states, H, K, V):
-        raise ValueError(
-            f"initial_state must be [{n_states},{H},{K},{V}] (one per sequence), got {tuple(initial_state.shape)}"
-        )
-
-
-def _check_options(gate_min, state_offsets, T: int, cu_seqlens) -> tuple[int, ...] | None:
-    if gate_min is not None and not (math.isfinite(gate_min) and gate_min <= 0):
-        raise ValueError(f"gate_min must be a finite log decay <= 0, got {gate_min}")
-    if state_offsets is None:
-        return None
-    offsets = tuple(int(t) for t in state_offsets)
-    if cu_seqlens is not None:
-        raise ValueError("state_offsets cannot be combined with cu_seqlens (offsets are per sequence of a batch)")
-    bad = [t for t in offsets if not 0 < t <= T]
-    if bad:
-        raise ValueError(f"state_offsets must lie in (0, T={T}], got {bad}")
-    return offsets
 
 
 def _split_at(q, k, v, g, beta, offsets, initial_state, **kwargs):
@@ -131,7 +81,7 @@ def kda(
     """
     check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     T = q.shape[1]
-    offsets = _check_options(gate_min, state_offsets, T, cu_seqlens)
+    offsets = check_kda_options(gate_min, state_offsets, T, cu_seqlens)
     name = resolve_backend(backend, q.device, T)
     kwargs = dict(scale=scale, cu_seqlens=cu_seqlens)
     if offsets is not None and any(t % CHUNK_SIZE for t in offsets):

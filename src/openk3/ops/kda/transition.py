@@ -57,7 +57,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from openk3.ops.kda import _check_options, check_kda_inputs, kda, resolve_backend
+from openk3.ops.kda import kda, resolve_backend
+from openk3.ops.kda.checks import check_kda_inputs, check_kda_options
 from openk3.ops.kda.chunked import CHUNK_SIZE
 from openk3.ops.transfer import to_device
 
@@ -280,7 +281,7 @@ def kda_initial_state_grad(
     (fp64 for fp64 inputs off the Triton backend). Not differentiable. On Triton the sequences are cut into
     pieces of `piece` tokens (default `piece_tokens`)."""
     check_kda_inputs(q, k, v, g, beta, None, cu_seqlens)
-    _check_options(gate_min, None, q.shape[1], cu_seqlens)
+    check_kda_options(gate_min, None, q.shape[1], cu_seqlens)
     if do.shape != v.shape:
         raise ValueError(f"do must have v's shape {tuple(v.shape)}, got {tuple(do.shape)}")
     B, T, H, K = k.shape

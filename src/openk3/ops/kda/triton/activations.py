@@ -28,7 +28,12 @@ def gate_activation(f, a, bias, G_MIN: tl.constexpr, KIMI: tl.constexpr):
     if KIMI:
         sp = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))  # softplus
         return -a * sp, -a * tl.sigmoid(x), -a * sp
-    s = tl.fdiv(1.0, 1.0 + tl.exp(-a * x))  # sigmoid with a fast division: the chunk kernels call this often
+    # sigmoid(z) with a fast division (the chunk kernels call this often), from e = exp(-|z|) <= 1 so that no exp
+    # overflows (1 / (1 + exp(-z)) takes exp(-z) = inf for z < -88.7: the same s, but an fp32 overflow)
+    z = a * x
+    e = tl.exp(-tl.abs(z))
+    s = tl.fdiv(1.0, 1.0 + e)
+    s = tl.where(z >= 0, s, e * s)
     slope = G_MIN * s * (1.0 - s)
     return G_MIN * s, slope * a, slope * a * x
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from openk3.ops.kda import _check_options, check_kda_inputs
+from openk3.ops.kda.checks import check_kda_inputs, check_kda_options
 from openk3.ops.kda.triton.activations import GATES, activations_backward
 from openk3.ops.kda.triton.chunk_bwd import chunk_kda_bwd, reverse_pass
 from openk3.ops.kda.triton.chunk_fwd import (
@@ -211,7 +211,7 @@ def kda_final_state_triton(k, v, g, beta, *, initial_state=None, cu_seqlens=None
     than v, [N,H,K,V'] with V' >= V: its columns past V then take zero values, as if v were zero-padded to V'
     (KCP's transition, `openk3.ops.kda.transition`). Not differentiable: raises if asked for a gradient."""
     check_kda_inputs(k, k, v, g, beta, None, cu_seqlens)
-    _check_options(gate_min, None, k.shape[1], cu_seqlens)
+    check_kda_options(gate_min, None, k.shape[1], cu_seqlens)
     B, T, H, K = k.shape
     V = v.shape[-1]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1

@@ -24,7 +24,7 @@ from typing import Protocol
 
 import torch
 
-from openk3.ops.kda import _check_options, check_kda_inputs
+from openk3.ops.kda.checks import check_kda_inputs, check_kda_options
 from openk3.ops.kda.transition import compose_pieces, identity_start, piece_size
 from openk3.ops.kda.triton.chunk_bwd import chunk_kda_bwd, reverse_pass
 from openk3.ops.kda.triton.chunk_fwd import chunk_kda_fwd, gate_spec, state_block, state_pass
@@ -136,7 +136,7 @@ def kda_triton_exchange(q, k, v, g, beta, cu_seqlens: list[int], exchange: State
     dtype. `piece`: tokens per piece of the exchange's passes, a multiple of CHUNK (default `piece_tokens`)."""
     cu = torch.tensor(cu_seqlens)
     check_kda_inputs(q, k, v, g, beta, None, cu)
-    _check_options(gate_min, None, q.shape[1], cu)
+    check_kda_options(gate_min, None, q.shape[1], cu)
     if piece is not None and (piece < CHUNK or piece % CHUNK):
         raise ValueError(f"piece must be a positive multiple of {CHUNK} tokens (whole chunks), got {piece}")
     out_dtype = v.dtype
