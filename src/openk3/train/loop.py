@@ -30,6 +30,7 @@ from openk3.checkpoints import CheckpointError, latest_checkpoint
 from openk3.config import ModelConfig, get_preset
 from openk3.model import K3ForCausalLM, configure_kda
 from openk3.model.compile import compile_blocks
+from openk3.model.documents import Documents, queued, same_document
 from openk3.ops.loss import linear_cross_entropy
 from openk3.parallel import ParallelDims, cp_lm_losses, parallelize
 from openk3.quant.qat import enable_qat
@@ -65,6 +66,7 @@ CLOSING_STEPS = 8  # the final evaluation, save and text sample cost about this 
 FIT_WINDOW = 20  # steps whose median time predicts the rest of the run
 SLOW_RUN_SECONDS = 600  # the default run's budget on 2 CPU cores (README): a longer projection is a warning
 SLOWDOWN_FACTOR = 1.5  # warn once more when the projected duration grows by this factor during the run
+IGNORE_INDEX = -100  # a label the losses do not count
 RUN_FILES = ("metrics.jsonl", "summary.json", "sample.txt", "loss.png", "tokenizer.json")  # besides step-*/
 
 
@@ -142,20 +144,33 @@ def enable_activation_checkpointing(model: K3ForCausalLM) -> None:
         wrap(layer.mlp)
 
 
-def lm_losses(model: nn.Module, batch: torch.Tensor,
-              mtp_weight: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def lm_losses(model: nn.Module, batch: torch.Tensor, mtp_weight: float,
+              segments: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(total loss, next-token CE, MTP CE or None without MTP) for a batch of windows [B, T+1], the last two
     detached (tensors: reading them on the host would stall a GPU step halfway). The LM head is applied inside the loss
     (openk3.ops.loss, chunked: no [tokens, vocab] logits); under FSDP2 the root unit, which holds lm_head, stays
-    unsharded after its forward, so lm_head.weight is the full weight here and its gradient reaches the unit."""
+    unsharded after its forward, so lm_head.weight is the full weight here and its gradient reaches the unit.
+
+    segments [B, T+1] (host; --packing docs): each token's document (openk3.train.data). The model then works
+    within each document (openk3.model.documents), and a prediction counts only when its target lies in the
+    position's own document: the next-token label of a document's last token (its EOS; the next token begins
+    another document) and every MTP label two tokens ahead across a boundary are ignored. Each CE is the mean over
+    the predictions it counts, so the loss is that of the documents (and document pieces) run one by one."""
     inputs, targets = batch[:, :-1], batch[:, 1:]
+    mtp_targets = batch[:, 2:]
+    documents = None
+    if segments is not None:
+        documents = Documents.from_segments(segments[:, :-1]).to(batch.device)
+        targets = torch.where(queued(same_document(segments, 1), batch.device), targets, IGNORE_INDEX)
+        mtp_targets = torch.where(queued(same_document(segments, 2), batch.device), mtp_targets, IGNORE_INDEX)
     want_mtp = mtp_weight > 0 and getattr(model.config, "mtp_layers", 0) > 0
-    out = model(inputs, return_mtp=want_mtp, return_logits=False)
+    out = model(inputs, return_mtp=want_mtp, return_logits=False, documents=documents)
     head = model.lm_head.weight
-    lm = linear_cross_entropy(out.head_inputs.flatten(0, 1), head, targets.flatten())
+    lm = linear_cross_entropy(out.head_inputs.flatten(0, 1), head, targets.flatten(), ignore_index=IGNORE_INDEX)
     if not want_mtp or not out.mtp_head_inputs:
         return lm, lm.detach(), None
-    mtp = linear_cross_entropy(out.mtp_head_inputs[0].flatten(0, 1), head, targets[:, 1:].flatten())
+    mtp = linear_cross_entropy(out.mtp_head_inputs[0].flatten(0, 1), head, mtp_targets.flatten(),
+                               ignore_index=IGNORE_INDEX)
     return lm + mtp_weight * mtp, lm.detach(), mtp.detach()
 
 
