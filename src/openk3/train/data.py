@@ -24,6 +24,7 @@ import sysconfig
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -150,6 +151,25 @@ def unigram_cross_entropy(train: torch.Tensor, targets: torch.Tensor, vocab_size
     counts = torch.bincount(train, minlength=vocab_size).double() + 1.0
     logp = counts.log() - counts.sum().log()
     return float(-logp[targets].mean())
+
+
+def resolve_packing(packing: str, num_documents: int, cp: int = 1) -> str:
+    """--packing as the run uses it: "auto" is "docs" when the data has more than one document (and the run has
+    no context parallelism, whose packed stream has its own layout), else "concat"."""
+    if packing == "docs" and cp > 1:
+        raise ValueError(f"--packing docs is not supported with --cp {cp} yet (context parallelism packs the "
+                         "windows itself); use --packing concat")
+    if packing == "auto":
+        return "docs" if num_documents > 1 and cp == 1 else "concat"
+    return packing
+
+
+class PackedRows(NamedTuple):
+    """A batch with its document boundaries (--packing docs): tokens [B, T+1] on the device, segment ids
+    [B, T+1] on the host (each token's document index)."""
+
+    tokens: torch.Tensor
+    segments: torch.Tensor
 
 
 class BatchStream:
