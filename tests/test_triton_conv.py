@@ -196,3 +196,26 @@ def test_conv_silu_triton_resets_at_document_starts(T, W, groups, monkeypatch):
     assert_close_rel(got, ref, 1e-5)
     with pytest.raises(ValueError, match="without a state"):
         triton_conv.conv_silu_triton(x, w, torch.zeros(B, C, W - 1), starts=starts)
+
+
+def test_causal_conv1d_passes_document_starts_to_the_triton_kernels(monkeypatch):
+    """`causal_conv1d(..., starts=)` on the Triton path (forced for CPU tensors) == on `_ConvSiLU`: the q|k|v
+    thirds, the gradients and the new state (the last document's inputs only)."""
+    B, T, C, W = 2, 11, 6, 4
+    x, w, _, dy = (t if t is None else t.to(DEV) for t in conv_inputs(B, T, C, W, 1.0, seed=5, with_state=False))
+    starts = torch.tensor([[0, 0, 0, 3, 3, 3, 3, 3, 3, 9, 10], [0] * 6 + [6] * 5], device=DEV)
+    dys = list(dy.split(C // 3, dim=-1))
+
+    def run(a, b):
+        ys, new_state = conv.causal_conv1d(a, b.view(C, 1, W), None, groups=3, starts=starts)
+        run.grad_fn = type(ys[0].grad_fn).__name__
+        return (*ys, new_state)
+
+    ds = torch.randn(B, C, W - 1, device=DEV)
+    monkeypatch.setattr(conv, "use_triton", lambda t: True)
+    got = grads(run, [x, w], dys + [ds])
+    assert run.grad_fn == "_ConvSiLUTritonBackward"
+    monkeypatch.setattr(conv, "use_triton", lambda t: False)
+    want = grads(run, [x, w], dys + [ds])
+    assert run.grad_fn != "_ConvSiLUTritonBackward"  # views of _ConvSiLU's one output
+    assert_close_rel(got, want, 1e-5)
