@@ -88,7 +88,7 @@ class K3Model(nn.Module):
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if self.block_size is None:
             for layer in self.layers:
-                h = layer(h, cache, documents) if documents is not None else layer(h, cache)
+                h = layer(h, cache, documents)
             return h
         epochs = attn_res_epochs(self.layers, (self.output_res_proj, self.output_res_norm), self.block_size)
         stream = BlockStream(h, self.block_size, epochs, self.attn_res_phases)

@@ -77,8 +77,7 @@ def _conv_silu_with_state(x, weight, state, groups: int = 1, starts=None):
     if use_triton(x) and groups in (1, 3):
         from openk3.ops.triton_conv import conv_silu_triton  # triton is an optional dependency
 
-        # no state: its kernels read none
-        y = conv_silu_triton(x, w, state, compute_dtype(x, w.dtype), groups, starts=starts)
+        y = conv_silu_triton(x, w, state, compute_dtype(x, w.dtype), groups, starts)  # state None: none is read
     else:
         y = _ConvSiLU.apply(x, w, past, compute_dtype(x, w.dtype), starts)
     return y, _final_state(x, past, W, starts)
