@@ -170,14 +170,14 @@ def _glu_forward_reference(g2, u2, n_cols, out_shape, dtype, b1, b2):
     return situ_glu(g2[:, :n_cols], u2[:, :n_cols], b1, b2).to(dtype).reshape(out_shape)
 
 
-def _conv_forward_reference(x, w, state, dtype, tile=None, groups=1):
+def _conv_forward_reference(x, w, state, dtype, tile=None, groups=1, starts=None):
     """What `ops.triton_conv._forward`'s kernel writes (one contiguous tensor per channel group), computed with
     `ops.conv._conv_silu`."""
     from openk3.ops.conv import _conv_silu
 
     B, _, C = x.shape
     state = x.new_zeros(B, C, w.shape[-1] - 1) if state is None else state
-    return [y.contiguous() for y in _conv_silu(x, w, state, dtype).split(C // groups, dim=-1)]
+    return [y.contiguous() for y in _conv_silu(x, w, state, dtype, starts).split(C // groups, dim=-1)]
 
 
 class _KDAActivationsKernel:

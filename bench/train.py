@@ -66,6 +66,7 @@ from openk3.ops.attention import causal_sdpa, fused_sdpa_choice, padded_v_for_fl
 from openk3.ops.loss import linear_cross_entropy
 from openk3.train.graphs import GraphedForwardBackward
 from openk3.train.loop import enable_activation_checkpointing, lm_losses
+from openk3.train.mfu import flops_per_token
 from openk3.train.optim import build_optimizer
 
 HERE = Path(__file__).parent
@@ -121,18 +122,6 @@ def dense_like(cfg: ModelConfig) -> tuple[DenseLM, dict]:
 
 
 # ---- FLOPs ------------------------------------------------------------------------------------------------------
-
-def k3_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    counts = count_parameters(cfg)
-    matmul = counts["active_params"] + counts["mtp_active_params"] - cfg.vocab_size * cfg.hidden_size
-    matmul += cfg.mtp_layers * cfg.vocab_size * cfg.hidden_size  # the shared LM head runs once more per MTP layer
-    m = cfg.mla
-    mla_layers = len(cfg.mla_layers) + cfg.mtp_layers
-    attn = 6 * (seq_len / 2) * m.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) * mla_layers
-    K = cfg.kda_head_dim
-    kda = 6 * cfg.kda.num_heads * 2 * K * K * len(cfg.kda_layers)
-    return 6 * matmul + attn + kda
-
 
 def dense_flops_per_token(model: DenseLM, seq_len: int) -> float:
     matmul = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("embed"))
@@ -222,7 +211,7 @@ def k3_result(cfg: ModelConfig, variant: str, optimizer: str, args: argparse.Nam
     graphed = forward_backward if isinstance(forward_backward, GraphedForwardBackward) else None
     warmup = max(args.warmup, graphed.warmup + 1) if graphed else args.warmup  # the timed steps replay
     seconds, warmup_s = time_steps(k3_train_step(model, opt, batch, forward_backward), args.steps, warmup)
-    row = result_row(cfg.name, optimizer, variant, seconds, warmup_s, k3_flops_per_token(cfg, args.seq_len), args)
+    row = result_row(cfg.name, optimizer, variant, seconds, warmup_s, flops_per_token(cfg, args.seq_len), args)
     if graphed is not None and graphed.failed:  # the step ran eagerly: say so beside its time
         row["graph_error"] = graphed.failed
     return row

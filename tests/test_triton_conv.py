@@ -169,3 +169,53 @@ def test_conv_silu_triton_groups_are_the_channel_thirds(B, T, C, W, with_state, 
     assert all(torch.equal(a, b) for a, b in zip(got[n_out:], want[1:]))
     with pytest.raises(ValueError, match="groups must be"):
         triton_conv.conv_silu_triton(x[..., :C - 1], w[:C - 1], groups=3)
+
+
+@pytest.mark.parametrize(("T", "W", "groups"), [(37, 4, 1), (37, 4, 3), (16, 3, 1), (5, 2, 3)])
+def test_conv_silu_triton_resets_at_document_starts(T, W, groups, monkeypatch):
+    """With `starts` (packed documents), y and the gradients of x and the kernel equal the fp64 reference's masked
+    sum (`ops.conv`), which equals each document alone (tests/test_packing.py): documents of 1, odd and more than
+    a tile of tokens, boundaries inside and at the edges of the small tiles, extreme values."""
+    for name, value in [("BLOCK_T", 8), ("BLOCK_C", 32), ("BWD_BLOCK_T", 8), ("BWD_BLOCK_C", 32),
+                        ("BWD_G_BLOCK_T", 4), ("BWD_G_BLOCK_C", 32), ("BWD_G_ROWS", 10), ("BWD_G_WARPS", 1)]:
+        monkeypatch.setattr(triton_conv, name, value)
+    B, C = 2, 66
+    x, w, _, dy = conv_inputs(B, T, C, W, 1e3 if T == 5 else 1.0, seed=T * W + groups, with_state=False)
+    g = torch.Generator().manual_seed(T)
+    cuts = [sorted({0, *torch.randint(1, T, (T // 4,), generator=g).tolist()}) for _ in range(B)]
+    cuts[0] = sorted({0, 1, 2, 8, *cuts[0]} & set(range(T)))  # a one-token document, a start on a tile edge
+    starts = torch.stack([torch.tensor([max(c for c in row if c <= t) for t in range(T)]) for row in cuts])
+
+    def triton_fn(a, b):
+        ys = triton_conv.conv_silu_triton(a, b, None, torch.float32, groups, starts=starts.to(DEV))
+        return torch.cat(ys, -1) if groups == 3 else ys
+
+    got = [t.cpu() for t in grads(triton_fn, [x.to(DEV), w.to(DEV)], [dy.to(DEV)])]
+    ref = grads(lambda a, b: conv.causal_conv1d_reference(a, b, starts=starts)[0], [x.double(), w.double()],
+                [dy.double()])
+    assert_close_rel(got, ref, 1e-5)
+    with pytest.raises(ValueError, match="without a state"):
+        triton_conv.conv_silu_triton(x, w, torch.zeros(B, C, W - 1), starts=starts)
+
+
+def test_causal_conv1d_passes_document_starts_to_the_triton_kernels(monkeypatch):
+    """`causal_conv1d(..., starts=)` on the Triton path (forced for CPU tensors) == on `_ConvSiLU`: the q|k|v
+    thirds, the gradients and the new state (the last document's inputs only)."""
+    B, T, C, W = 2, 11, 6, 4
+    x, w, _, dy = (t if t is None else t.to(DEV) for t in conv_inputs(B, T, C, W, 1.0, seed=5, with_state=False))
+    starts = torch.tensor([[0, 0, 0, 3, 3, 3, 3, 3, 3, 9, 10], [0] * 6 + [6] * 5], device=DEV)
+    dys = list(dy.split(C // 3, dim=-1))
+
+    def run(a, b):
+        ys, new_state = conv.causal_conv1d(a, b.view(C, 1, W), None, groups=3, starts=starts)
+        run.grad_fn = type(ys[0].grad_fn).__name__
+        return (*ys, new_state)
+
+    ds = torch.randn(B, C, W - 1, device=DEV)
+    monkeypatch.setattr(conv, "use_triton", lambda t: True)
+    got = grads(run, [x, w], dys + [ds])
+    assert run.grad_fn == "_ConvSiLUTritonBackward"
+    monkeypatch.setattr(conv, "use_triton", lambda t: False)
+    want = grads(run, [x, w], dys + [ds])
+    assert run.grad_fn != "_ConvSiLUTritonBackward"  # views of _ConvSiLU's one output
+    assert_close_rel(got, want, 1e-5)

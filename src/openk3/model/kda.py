@@ -10,6 +10,7 @@ from torch import nn
 
 from openk3.config import ModelConfig
 from openk3.model.common import KeepFp32, RMSNorm, ShortConv, linear, linear_concat, linear_split, out_std, shared_cast
+from openk3.model.documents import Documents
 from openk3.ops.conv import causal_conv1d, causal_conv1d_step, conv_windows
 from openk3.ops.fused import use_triton
 from openk3.ops.gates import k3_gate, kimi_gate
@@ -188,10 +189,31 @@ class KimiDeltaAttention(KeepFp32, nn.Module):
             cache.record_checkpoint(end, self.layer_idx, history[..., end:end + window], s)
         return o, state
 
-    def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
-        """x [B,T,D] -> [B,T,D]. With a HybridCache, starts from and updates this layer's conv/recurrent state."""
+    def _documents_kda(self, q, k, v, g, beta, documents: Documents, backend: str) -> torch.Tensor:
+        """KDA over a packed batch [B,T,...], the state zero at every document start. The Triton kernels run the
+        flattened batch varlen (documents.cu_seqlens); the PyTorch backends keep their layout and set the decay to
+        exp(-inf) = 0 at each document's first token, which is the same reset: S_t = (I - beta k k^T) Diag(0)
+        S_{t-1} + beta k v^T = beta k v^T, what the recurrence gives from a zero state (SPEC-K3 §2), the gate's
+        gradient there 0 as it is from a zero state. (`gate_min` is not passed then: it would clamp the -inf; the
+        gate is bounded already.)"""
+        B, T, H, _ = q.shape
+        if backend == "triton":
+            flat = [t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, g, beta)]
+            o, _ = kda(*flat, cu_seqlens=documents.cu_seqlens, backend=backend, gate_min=self.gate_min())
+            return o.view(B, T, H, -1)
+        g = torch.where(documents.resets.view(B, T, 1, 1), float("-inf"), g)
+        return kda(q, k, v, g, beta, backend=backend)[0]
+
+    def forward(self, x: torch.Tensor, cache=None, documents: Documents | None = None) -> torch.Tensor:
+        """x [B,T,D] -> [B,T,D]. With a HybridCache, starts from and updates this layer's conv/recurrent state. With
+        `documents` (a packed batch, no cache), the conv window and the recurrent state reset at every document
+        start (`_documents_kda`)."""
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
+        if documents is not None:
+            if cache is not None:
+                raise ValueError("packed documents are a training input: pass documents or a cache, not both")
+            documents.check(B, T)
         layer_cache = cache.layers[self.layer_idx] if cache is not None else None
         # two products read x (q|k|v, whose output is the conv's input as it stands, and the gates'): under autocast,
         # views of one bf16 copy (each would keep its own for backward). Both run before the first kernel call:
@@ -207,7 +229,7 @@ class KimiDeltaAttention(KeepFp32, nn.Module):
             qkv = y.unsqueeze(1).split(H * K, dim=-1)
         else:  # q, k, v as tensors of their own on CUDA (no copy of each out of q|k|v, nor of their gradients in)
             qkv, conv_state = causal_conv1d(qkv, w, layer_cache.conv_state if layer_cache is not None else None,
-                                            groups=3)
+                                            groups=3, starts=documents.starts if documents is not None else None)
         q, k, v = (t.reshape(B, T, H, K) for t in qkv)
         backend = resolve_backend(self.kda_backend, x.device, T)
         q, k, g, beta = self.activate_logits(q, k, f, b, backend)
@@ -219,7 +241,9 @@ class KimiDeltaAttention(KeepFp32, nn.Module):
             conv_state = conv_windows(layer_cache.conv_state, qkv_in, ragged)
         initial = layer_cache.recurrent_state if layer_cache is not None else None
         offsets = [t for t in cache.checkpoint_offsets if 0 < t < T] if cache is not None else []
-        if offsets:
+        if documents is not None:
+            o, state = self._documents_kda(q, k, v, g, beta, documents, backend), None
+        elif offsets:
             o, state = self._kda_with_checkpoints(q, k, v, g, beta, initial, layer_cache.conv_state, qkv_in,
                                                   offsets, cache, backend)
         else:

@@ -7,6 +7,7 @@ from torch import nn
 
 from openk3.config import ModelConfig
 from openk3.model.common import RMSNorm, linear, linear_split, out_std
+from openk3.model.documents import Documents
 from openk3.ops.attention import NO_CUDNN, mla_attention_absorbed, mla_attention_expanded
 from openk3.ops.norms import acc_dtype
 
@@ -82,15 +83,21 @@ class GatedMLA(nn.Module):
     def _latent_from(self, c: torch.Tensor) -> torch.Tensor:
         return torch.cat([self.kv_a_layernorm(c[..., : self.kv_lora_rank]), c[..., self.kv_lora_rank :]], dim=-1)
 
-    def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache=None, documents: Documents | None = None) -> torch.Tensor:
+        """x [B,T,D] -> [B,T,D]; with `documents` (a packed batch, no cache) each token attends its own document."""
         B, T, _ = x.shape
+        if documents is not None:
+            if cache is not None:
+                raise ValueError("packed documents are a training input: pass documents or a cache, not both")
+            documents.check(B, T)
         # the products that read x (the query's first, the latent's, the output gate's) as one (`linear_split`)
         first = [self.q_proj if self.q_lora_rank is None else self.q_a_proj, self.kv_a_proj_with_mqa]
         q, c, *gate = linear_split(x, first + ([self.g_proj] if self.g_proj is not None else []))
         q, kv = self._query_from(q), self._latent_from(c)
         kw = dict(nope_dim=self.nope_dim, v_dim=self.v_head_dim, scale=self.scale)
         if cache is None:
-            o = mla_attention_expanded(q, kv, self.kv_b_proj.weight, **kw)
+            doc_ids = documents.doc_ids if documents is not None else None
+            o = mla_attention_expanded(q, kv, self.kv_b_proj.weight, doc_ids=doc_ids, **kw)
         else:
             lengths = cache.lengths
             kv_all = cache.layers[self.layer_idx].append(kv, lengths, cache.max_length + T)

@@ -14,6 +14,7 @@ from openk3.cache import HybridCache
 from openk3.config import ModelConfig
 from openk3.model.attnres import EAGER_PHASES, BlockStream, attn_res_epochs, pseudo_query
 from openk3.model.common import RMSNorm
+from openk3.model.documents import Documents
 from openk3.model.kda import KimiDeltaAttention
 from openk3.model.mla import GatedMLA
 from openk3.model.moe import GLUMLP, MoE, TopkRouter
@@ -42,18 +43,26 @@ class DecoderLayer(nn.Module):
                 self.attn_res_proj, self.attn_res_norm = pseudo_query(D), RMSNorm(D, eps=cfg.rms_eps)
             self.mlp_res_proj, self.mlp_res_norm = pseudo_query(D), RMSNorm(D, eps=cfg.rms_eps)
 
-    def forward(self, h: torch.Tensor, cache: HybridCache | None = None) -> torch.Tensor:
-        """Plain pre-norm residual (Kimi Linear, the MTP block); the second residual add fused into the norm."""
-        x, h = self.post_attention_layernorm.add_forward(self.self_attn(self.input_layernorm(h), cache), h)
+    def forward(self, h: torch.Tensor, cache: HybridCache | None = None, documents: Documents | None = None
+                ) -> torch.Tensor:
+        """Plain pre-norm residual (Kimi Linear, the MTP block); the second residual add fused into the norm.
+        `documents`: a packed batch's boundaries, for the token mixer (the FFN and norms are per token)."""
+        x, h = self.post_attention_layernorm.add_forward(self._mix(self.input_layernorm(h), cache, documents), h)
         return h + self.mlp(x)
 
-    def forward_block(self, stream: BlockStream, cache: HybridCache | None = None) -> None:
-        """Block AttnRes: reads and updates `stream` (SPEC §4)."""
+    def forward_block(self, stream: BlockStream, cache: HybridCache | None = None,
+                      documents: Documents | None = None) -> None:
+        """Block AttnRes: reads and updates `stream` (SPEC §4). AttnRes mixes over depth, token by token, so it
+        needs nothing of `documents`; the token mixer does."""
         x = stream.attn_input(self.layer_idx, getattr(self, "attn_res_proj", None),
                               getattr(self, "attn_res_norm", None), then=self.input_layernorm)
-        stream.add_attn(self.self_attn(x, cache))
+        stream.add_attn(self._mix(x, cache, documents))
         x = stream.mlp_input(self.mlp_res_proj, self.mlp_res_norm, then=self.post_attention_layernorm)
         stream.add_mlp(self.mlp(x))
+
+    def _mix(self, x: torch.Tensor, cache: HybridCache | None, documents: Documents | None) -> torch.Tensor:
+        """The token mixer, called as before without documents (wrappers that take (x, cache) keep working)."""
+        return self.self_attn(x, cache) if documents is None else self.self_attn(x, cache, documents=documents)
 
 
 class K3Model(nn.Module):
@@ -73,18 +82,18 @@ class K3Model(nn.Module):
         self.norm = RMSNorm(D, eps=cfg.rms_eps)
 
     def forward(self, input_ids: torch.Tensor, cache: HybridCache | None = None,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+                inputs_embeds: torch.Tensor | None = None, documents: Documents | None = None) -> torch.Tensor:
         """input_ids [B,T] (or their embeddings, inputs_embeds [B,T,D]) -> the hidden state before the final norm
-        [B,T,D]."""
+        [B,T,D]. `documents`: the document boundaries of a packed batch (training; openk3.model.documents)."""
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if self.block_size is None:
             for layer in self.layers:
-                h = layer(h, cache)
+                h = layer(h, cache, documents)
             return h
         epochs = attn_res_epochs(self.layers, (self.output_res_proj, self.output_res_norm), self.block_size)
         stream = BlockStream(h, self.block_size, epochs, self.attn_res_phases)
         for layer in self.layers:
-            layer.forward_block(stream, cache)
+            layer.forward_block(stream, cache, documents)
         return stream.output(self.output_res_proj, self.output_res_norm)
 
 
@@ -108,9 +117,11 @@ class MTPLayer(nn.Module):
                                   ffn_kind="moe" if cfg.moe is not None else "dense", attn_res=False)
         self.norm = RMSNorm(D, eps=cfg.rms_eps)
 
-    def forward(self, hidden: torch.Tensor, next_embed: torch.Tensor) -> torch.Tensor:
-        """hidden [B,T,D] (h_t), next_embed [B,T,D] (embedding of the token k positions ahead) -> [B,T,D]."""
-        return self.block(self.combine(hidden, next_embed))
+    def forward(self, hidden: torch.Tensor, next_embed: torch.Tensor, documents: Documents | None = None
+                ) -> torch.Tensor:
+        """hidden [B,T,D] (h_t), next_embed [B,T,D] (embedding of the token k positions ahead) -> [B,T,D];
+        `documents`: the boundaries of these T positions in a packed batch (the block attends within them)."""
+        return self.block(self.combine(hidden, next_embed), None, documents)
 
     def combine(self, hidden: torch.Tensor, next_embed: torch.Tensor) -> torch.Tensor:
         """The block's input h' (the class docstring); `compile_blocks` compiles it, so the norms, the concatenation
@@ -187,15 +198,20 @@ class K3ForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, cache: HybridCache | None = None, *, logits_to_keep: int = 0,
                 return_mtp: bool = True, return_logits: bool = True, images: ImageBatch | None = None,
-                image_embeds: torch.Tensor | None = None) -> K3Output:
+                image_embeds: torch.Tensor | None = None, documents: Documents | None = None) -> K3Output:
         """input_ids [B,T]. logits_to_keep > 0 computes logits for the last that many positions only.
         return_logits=False leaves the logits None and returns the LM head's inputs (K3Output.head_inputs,
-        mtp_head_inputs), for a loss that applies the head itself without [B,T,vocab] logits."""
+        mtp_head_inputs), for a loss that applies the head itself without [B,T,vocab] logits. `documents`: the
+        document boundaries of a packed batch (openk3.model.documents; no cache): every token mixer works within
+        each document, the MTP blocks too (an MTP position whose target lies in the next document is computed
+        all the same; the loss leaves it out, openk3.train.loop.lm_losses)."""
         B, T = input_ids.shape
         if cache is not None and cache.batch_size != B:
             raise ValueError(f"cache holds {cache.batch_size} sequences but input_ids has batch size {B}")
+        if documents is not None and cache is not None:
+            raise ValueError("packed documents are a training input: pass documents or a cache, not both")
         embeds = self.embed_inputs(input_ids, images, image_embeds)
-        hidden = self.model(input_ids, cache, inputs_embeds=embeds)
+        hidden = self.model(input_ids, cache, inputs_embeds=embeds, documents=documents)
         if cache is not None:
             cache.advance(T)
         kept = hidden[:, -logits_to_keep:] if logits_to_keep > 0 else hidden
@@ -206,7 +222,7 @@ class K3ForCausalLM(nn.Module):
             for k, layer in enumerate(self.mtp, start=1):
                 if T - k < 1:
                     break
-                h = layer(h[:, : T - k], embeds[:, k:])
+                h = layer(h[:, : T - k], embeds[:, k:], None if documents is None else documents.prefix(T - k))
                 mtp_heads.append(layer.norm(h))
         return self.head_output(hidden, self.model.norm(kept), mtp_heads, return_logits)
 

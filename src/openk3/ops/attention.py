@@ -46,6 +46,13 @@ def mla_mask(lengths: torch.Tensor, T: int, L: int) -> torch.Tensor:
     return (j.view(1, 1, L) <= limit).unsqueeze(1)
 
 
+def document_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    """Boolean [B,1,T,T] for a packed batch: query i may attend key j <= i of its own document (doc_ids [B,T])."""
+    T = doc_ids.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
+    return ((doc_ids.unsqueeze(2) == doc_ids.unsqueeze(1)) & causal).unsqueeze(1)
+
+
 def _split_kv_b(kv_b: torch.Tensor, num_heads: int, nope_dim: int, v_dim: int):
     w = kv_b.view(num_heads, nope_dim + v_dim, -1)
     return w[:, :nope_dim], w[:, nope_dim:]  # W_UK [H,n,R], W_UV [H,v,R]
@@ -113,15 +120,23 @@ def mla_attention_expanded(
     scale: float | None = None,
     lengths: torch.Tensor | None = None,
     backends: list[SDPBackend] | None = None,
+    doc_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Expanded-K/V MLA through torch SDPA (the prefill / training path; `backends` as in `causal_sdpa`). Returns
-    [B,T,H,v]."""
+    [B,T,H,v]. doc_ids [B,T] (a packed batch, no past: L == T): each query attends its own document only
+    (`document_mask`, SDPA's masked kernels)."""
     B, T, H, _ = q.shape
     L = kv_cache.shape[1]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     k, v = mla_expand_kv(kv_cache, kv_b, H, nope_dim, v_dim)
     qh = q.transpose(1, 2)  # [B,H,T,n+r]
-    if lengths is None:
+    if doc_ids is not None:
+        if lengths is not None or L != T or tuple(doc_ids.shape) != (B, T):
+            raise ValueError(f"doc_ids [B,T] = {(B, T)} take no past (L == T, no lengths), got doc_ids "
+                             f"{tuple(doc_ids.shape)}, L={L}")
+        with sdpa_kernel(backends) if backends else contextlib.nullcontext():
+            o = F.scaled_dot_product_attention(qh, k, v, attn_mask=document_mask(doc_ids), scale=scale)
+    elif lengths is None:
         if L < T:
             raise ValueError(f"the cache must hold the T={T} new tokens, got L={L}")
         o = causal_sdpa(qh, k, v, scale, backends=backends)

@@ -18,6 +18,10 @@ dtype (the rounding autograd's SiLU backward applies in `_ConvSiLU`) and sums dw
 in registers, one partial per program, summed after (as `ops.triton_norm` does). The second, a program per tile,
 reads g at W shifted positions for dx and, in the first tile of a sequence, for dstate. The references are
 `ops.conv.causal_conv1d_reference` and `_ConvSiLU`.
+
+Packed documents (`starts` [B, T], each token's document start; no state): tap i of output t reads x[t - (W-1) + i]
+only from starts[t] on, zero before (`ops.conv`'s document reset), in the forward, in pass 1's taps (so pre, g and
+dw) and in pass 2, where d_full[u] takes g[u - i] only for the outputs whose tap i is live.
 """
 
 from __future__ import annotations
@@ -53,12 +57,14 @@ BWD_WARPS = 4
 
 @triton.jit
 def _load_full(x_ptr, s_ptr, w_ptr, b, pos, p0, c, T, C, s_sb, s_sc, s_sj, W: tl.constexpr,
-               HAS_STATE: tl.constexpr):
+               HAS_STATE: tl.constexpr, lo):
     """full[b, pos, c] for positions `pos` (the least p0) and channels `c` broadcast against each other (e.g. pos
-    [R, 1] and c [1, BC]), rounded to the compute dtype (w's), in fp32; zero outside [0, W-1+T) and past C."""
+    [R, 1] and c [1, BC]), rounded to the compute dtype (w's), in fp32; zero outside [0, W-1+T), past C and before
+    x's time index `lo` (a document start, broadcast like pos)."""
     mc = c < C
     src = pos - (W - 1)  # x's time index
-    x = tl.load(x_ptr + b * T * C + src.to(tl.int64) * C + c, mask=(src >= 0) & (src < T) & mc, other=0.0)
+    x = tl.load(x_ptr + b * T * C + src.to(tl.int64) * C + c, mask=(src >= lo) & (src >= 0) & (src < T) & mc,
+                other=0.0)
     v = x.to(w_ptr.dtype.element_ty).to(tl.float32)
     if HAS_STATE:
         if p0 < W - 1:  # only a sequence's first tile reaches the state (masked loads elsewhere still cost issue slots)
@@ -69,14 +75,23 @@ def _load_full(x_ptr, s_ptr, w_ptr, b, pos, p0, c, T, C, s_sb, s_sc, s_sj, W: tl
 
 
 @triton.jit
-def _pre(x_ptr, s_ptr, w_ptr, b, pos, p0, c, T, C, s_sb, s_sc, s_sj, W: tl.constexpr, HAS_STATE: tl.constexpr):
-    """pre[b, pos, c] = sum_i w[c, i] full[pos + i] (p0: the least of pos), fp32 sums rounded to the compute dtype
-    (the conv's output)."""
+def _doc_starts(st_ptr, b, t, T, HAS_DOCS: tl.constexpr):
+    """The document start of each time index t (0 without documents; t outside [0, T) reads 0)."""
+    if HAS_DOCS:
+        return tl.load(st_ptr + b * T + t, mask=(t >= 0) & (t < T), other=0)
+    return tl.zeros(t.shape, dtype=tl.int32)
+
+
+@triton.jit
+def _pre(x_ptr, s_ptr, w_ptr, b, pos, p0, c, T, C, s_sb, s_sc, s_sj, W: tl.constexpr, HAS_STATE: tl.constexpr,
+         lo):
+    """pre[b, pos, c] = sum_i w[c, i] full[pos + i] (p0: the least of pos; full read from x's index lo[pos] on), fp32
+    sums rounded to the compute dtype (the conv's output)."""
     acc = tl.zeros([pos.shape[0], c.shape[0]], dtype=tl.float32)
     for i in tl.static_range(W):
         w_i = tl.load(w_ptr + c * W + i, mask=c < C, other=0.0).to(tl.float32)
         acc += w_i[None, :] * _load_full(x_ptr, s_ptr, w_ptr, b, (pos + i)[:, None], p0 + i, c[None, :], T,
-                                         C, s_sb, s_sc, s_sj, W, HAS_STATE)
+                                         C, s_sb, s_sc, s_sj, W, HAS_STATE, lo[:, None])
     return acc.to(w_ptr.dtype.element_ty).to(tl.float32)
 
 
@@ -99,22 +114,23 @@ def _grouped(p0, p1, p2, b, t, c, c0, T, C, G, GROUPS: tl.constexpr):
 # along time, and the compiler added layout conversions for them to every tile (an sm_90 compile of pass 1: 9
 # barriers and 2 KB of shared memory against 5 and 1 KB)
 @triton.jit(do_not_specialize=["T", "s_sb", "s_sc", "s_sj"])  # T: one compile for every prompt length (serving)
-def _conv_fwd_kernel(x_ptr, s_ptr, w_ptr, y_ptr, y1_ptr, y2_ptr, T, C, G, s_sb, s_sc, s_sj,
-                     W: tl.constexpr, HAS_STATE: tl.constexpr, GROUPS: tl.constexpr, BLOCK_T: tl.constexpr,
-                     BLOCK_C: tl.constexpr):
+def _conv_fwd_kernel(x_ptr, s_ptr, w_ptr, st_ptr, y_ptr, y1_ptr, y2_ptr, T, C, G, s_sb, s_sc, s_sj,
+                     W: tl.constexpr, HAS_STATE: tl.constexpr, HAS_DOCS: tl.constexpr, GROUPS: tl.constexpr,
+                     BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     b = tl.program_id(2).to(tl.int64)
-    pre = _pre(x_ptr, s_ptr, w_ptr, b, t, tl.program_id(0) * BLOCK_T, c, T, C, s_sb, s_sc, s_sj, W, HAS_STATE)
+    lo = _doc_starts(st_ptr, b, t, T, HAS_DOCS)
+    pre = _pre(x_ptr, s_ptr, w_ptr, b, t, tl.program_id(0) * BLOCK_T, c, T, C, s_sb, s_sc, s_sj, W, HAS_STATE, lo)
     y = pre * tl.sigmoid(pre)
     tl.store(_grouped(y_ptr, y1_ptr, y2_ptr, b, t[:, None], c[None, :], tl.program_id(1) * BLOCK_C, T, C, G,
                       GROUPS), y.to(y_ptr.dtype.element_ty), mask=(t < T)[:, None] & (c < C)[None, :])
 
 
 @triton.jit(do_not_specialize=["s_sb", "s_sc", "s_sj"])
-def _conv_bwd_g_kernel(x_ptr, s_ptr, w_ptr, dy_ptr, dy1_ptr, dy2_ptr, g_ptr, dw_part_ptr, T, C, G, s_sb, s_sc, s_sj,
-                       ROWS, W: tl.constexpr, WP: tl.constexpr, HAS_STATE: tl.constexpr, GROUPS: tl.constexpr,
-                       BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+def _conv_bwd_g_kernel(x_ptr, s_ptr, w_ptr, st_ptr, dy_ptr, dy1_ptr, dy2_ptr, g_ptr, dw_part_ptr, T, C, G, s_sb, s_sc,
+                       s_sj, ROWS, W: tl.constexpr, WP: tl.constexpr, HAS_STATE: tl.constexpr,
+                       HAS_DOCS: tl.constexpr, GROUPS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     """Backward pass 1, one program per ROWS time steps of a sequence and BLOCK_C channels, [BLOCK_T, BLOCK_C] tiles
     at a time: g (stored in g's dtype) and the program's share of dw, dw_part[b, split, c, i] = sum_t g[t] full[t + i]
     from the fp32 g. Each tile's taps are one [BLOCK_T, WP, BLOCK_C] load (WP = W rounded up to a power of 2) that
@@ -129,8 +145,9 @@ def _conv_bwd_g_kernel(x_ptr, s_ptr, w_ptr, dy_ptr, dy1_ptr, dy2_ptr, g_ptr, dw_
     dw = tl.zeros([WP, BLOCK_C], dtype=tl.float32)
     for t0 in range(split * ROWS, tl.minimum(split * ROWS + ROWS, T), BLOCK_T):
         t = t0 + tl.arange(0, BLOCK_T)
+        lo = _doc_starts(st_ptr, b, t, T, HAS_DOCS)
         taps = _load_full(x_ptr, s_ptr, w_ptr, b, (t[:, None] + i[None, :])[:, :, None], t0, c[None, None, :], T, C,
-                          s_sb, s_sc, s_sj, W, HAS_STATE)  # [BLOCK_T, WP, BLOCK_C]: full[t + i]
+                          s_sb, s_sc, s_sj, W, HAS_STATE, lo[:, None, None])  # [BLOCK_T, WP, BLOCK_C]: full[t + i]
         pre = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
         for j in tl.static_range(W):  # tap by tap in `_pre`'s order: the forward's pre to the bit
             w_j = tl.load(w_ptr + c * W + j, mask=mc, other=0.0).to(tl.float32)
@@ -149,22 +166,25 @@ def _conv_bwd_g_kernel(x_ptr, s_ptr, w_ptr, dy_ptr, dy1_ptr, dy2_ptr, g_ptr, dw_
 
 
 @triton.jit
-def _d_full(g_ptr, w_ptr, b, pos, c, T, C, W: tl.constexpr):
+def _d_full(g_ptr, w_ptr, st_ptr, b, pos, c, T, C, W: tl.constexpr, HAS_DOCS: tl.constexpr):
     """d_full[b, pos, c] = sum_i w[c, i] g[pos - i] for a [R] tile of positions of [state | x], g zero outside
-    [0, T), fp32."""
+    [0, T) and where output pos - i's tap i lies before its document start, fp32."""
     mc = c < C
     acc = tl.zeros([pos.shape[0], c.shape[0]], dtype=tl.float32)
     for i in tl.static_range(W):
         src = pos - i  # g's time index
+        live = (src >= 0) & (src < T)
+        if HAS_DOCS:  # x's index pos - (W-1), read by output src's tap i, lies in that output's document
+            live = live & (pos - (W - 1) >= _doc_starts(st_ptr, b, src, T, HAS_DOCS))
         g = tl.load(g_ptr + b * T * C + src.to(tl.int64)[:, None] * C + c[None, :],
-                    mask=((src >= 0) & (src < T))[:, None] & mc[None, :], other=0.0)
+                    mask=live[:, None] & mc[None, :], other=0.0)
         acc += tl.load(w_ptr + c * W + i, mask=mc, other=0.0).to(tl.float32)[None, :] * g.to(tl.float32)
     return acc
 
 
 @triton.jit
-def _conv_bwd_dx_kernel(g_ptr, w_ptr, dx_ptr, ds_ptr, T, C, W: tl.constexpr, HAS_STATE: tl.constexpr,
-                        BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
+def _conv_bwd_dx_kernel(g_ptr, w_ptr, st_ptr, dx_ptr, ds_ptr, T, C, W: tl.constexpr, HAS_STATE: tl.constexpr,
+                        HAS_DOCS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
     """Backward pass 2, one program per [BLOCK_T, BLOCK_C] tile of dx = d_full[t + W-1]; the first tile of each
     sequence also writes dstate = d_full[:W-1] ([BLOCK_S] positions) when there is a state."""
     pid_t = tl.program_id(0)
@@ -172,13 +192,13 @@ def _conv_bwd_dx_kernel(g_ptr, w_ptr, dx_ptr, ds_ptr, T, C, W: tl.constexpr, HAS
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     b = tl.program_id(2).to(tl.int64)
     mc = c < C
-    dx = _d_full(g_ptr, w_ptr, b, t + (W - 1), c, T, C, W)
+    dx = _d_full(g_ptr, w_ptr, st_ptr, b, t + (W - 1), c, T, C, W, HAS_DOCS)
     tl.store(dx_ptr + b * T * C + t.to(tl.int64)[:, None] * C + c[None, :], dx.to(dx_ptr.dtype.element_ty),
              mask=(t < T)[:, None] & mc[None, :])
     if HAS_STATE:
         if pid_t == 0:
             j = tl.arange(0, BLOCK_S)
-            ds = _d_full(g_ptr, w_ptr, b, j, c, T, C, W)
+            ds = _d_full(g_ptr, w_ptr, st_ptr, b, j, c, T, C, W, HAS_DOCS)
             tl.store(ds_ptr + b * C * (W - 1) + c.to(tl.int64)[None, :] * (W - 1) + j[:, None],
                      ds.to(ds_ptr.dtype.element_ty), mask=(j < W - 1)[:, None] & mc[None, :])
 
@@ -202,7 +222,8 @@ def _state_args(state: torch.Tensor | None) -> tuple:
 
 
 def _forward(x: torch.Tensor, w: torch.Tensor, state: torch.Tensor | None, dtype: torch.dtype,
-             tile: tuple[int, int, int] | None = None, groups: int = 1) -> list[torch.Tensor]:
+             tile: tuple[int, int, int] | None = None, groups: int = 1,
+             starts: torch.Tensor | None = None) -> list[torch.Tensor]:
     """silu(conv([state | x])) [B, T, C] in `dtype` for contiguous x [B, T, C] and w [C, W] in `dtype`, as `groups`
     (1 or 3) contiguous tensors [B, T, C / groups] of consecutive channels; `tile`: (block_t, block_c, warps),
     default the module's (bench/conv_bwd.py --sweep tries others)."""
@@ -215,8 +236,9 @@ def _forward(x: torch.Tensor, w: torch.Tensor, state: torch.Tensor | None, dtype
     kw = _tiles(block_t, C, block_t, block_c, groups)
     if y.numel():
         grid = (triton.cdiv(T, kw["BLOCK_T"]), triton.cdiv(C, kw["BLOCK_C"]), B)
-        _conv_fwd_kernel[grid](x, s if has_state else x, w, *_three(ys), T, C, C // groups, *strides, W=w.shape[-1],
-                               HAS_STATE=has_state, GROUPS=groups, num_warps=warps, **kw)
+        _conv_fwd_kernel[grid](x, s if has_state else x, w, x if starts is None else starts, *_three(ys), T, C,
+                               C // groups, *strides, W=w.shape[-1], HAS_STATE=has_state,
+                               HAS_DOCS=starts is not None, GROUPS=groups, num_warps=warps, **kw)
     return ys
 
 
@@ -226,7 +248,7 @@ def _three(ts: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _backward(x, w, state, dy, tile: tuple[int, int, int] | None = None,
-              g_tile: tuple[int, int, int, int] | None = None):
+              g_tile: tuple[int, int, int, int] | None = None, starts: torch.Tensor | None = None):
     """(dx in x's dtype, d of the kernel [C, W] in fp32, dstate in the state's dtype or None) for contiguous x, w
     [C, W] in the compute dtype and dy, the output's gradient as contiguous tensors (one [B, T, C], or one per
     channel group as `_forward` wrote them); `tile`: (block_t, block_c, warps) of pass 2, `g_tile`: (block_t,
@@ -243,16 +265,18 @@ def _backward(x, w, state, dy, tile: tuple[int, int, int] | None = None,
     g_grid = (triton.cdiv(T, rows), triton.cdiv(C, gkw["BLOCK_C"]), B)
     g = torch.empty(x.shape, dtype=w.dtype, device=x.device)  # in the compute dtype, as autograd's SiLU backward
     dw_part = torch.empty(B * g_grid[0], C, W, dtype=torch.float32, device=x.device)
-    _conv_bwd_g_kernel[g_grid](x, s if has_state else x, w, *_three(dy), g, dw_part, T, C, C // len(dy), *strides,
-                               rows, W=W, WP=triton.next_power_of_2(W), HAS_STATE=has_state, GROUPS=len(dy),
-                               num_warps=g_warps, **gkw)
+    st = x if starts is None else starts
+    _conv_bwd_g_kernel[g_grid](x, s if has_state else x, w, st, *_three(dy), g, dw_part, T, C, C // len(dy),
+                               *strides, rows, W=W, WP=triton.next_power_of_2(W), HAS_STATE=has_state,
+                               HAS_DOCS=starts is not None, GROUPS=len(dy), num_warps=g_warps, **gkw)
     block_t, block_c, warps = tile or (BWD_BLOCK_T, BWD_BLOCK_C, BWD_WARPS)
     kw = _tiles(T, C, block_t, block_c)
     grid = (triton.cdiv(T, kw["BLOCK_T"]), triton.cdiv(C, kw["BLOCK_C"]), B)
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     dstate = torch.empty(state.shape, dtype=state.dtype, device=x.device) if state is not None else None
-    _conv_bwd_dx_kernel[grid](g, w, dx, dstate if has_state else dx, T, C, W=W, HAS_STATE=has_state,
-                              BLOCK_S=triton.next_power_of_2(max(W - 1, 1)), num_warps=warps, **kw)
+    _conv_bwd_dx_kernel[grid](g, w, st, dx, dstate if has_state else dx, T, C, W=W, HAS_STATE=has_state,
+                              HAS_DOCS=starts is not None, BLOCK_S=triton.next_power_of_2(max(W - 1, 1)),
+                              num_warps=warps, **kw)
     return dx, dw_part.sum(0), dstate
 
 
@@ -261,27 +285,30 @@ class _ConvSiLUTriton(torch.autograd.Function):
     outputs (`_forward`) as they are when x's dtype is the compute dtype."""
 
     @staticmethod
-    def forward(ctx, x, w, state, dtype, groups):
+    def forward(ctx, x, w, state, dtype, groups, starts):
         ctx.dtype = dtype
-        ctx.save_for_backward(x, w, state)
-        ys = _forward(x.contiguous(), w.to(dtype).contiguous(), state, dtype, groups=groups)
+        ctx.save_for_backward(x, w, state, starts)
+        ys = _forward(x.contiguous(), w.to(dtype).contiguous(), state, dtype, groups=groups, starts=starts)
         return tuple(y.to(x.dtype) for y in ys)
 
     @staticmethod
     def backward(ctx, *dys):  # (an output the loss does not use has a zero gradient here, autograd's default)
-        x, w, state = ctx.saved_tensors
-        dx, dw, dstate = _backward(x.contiguous(), w.to(ctx.dtype).contiguous(), state, [dy.contiguous() for dy in dys])
+        x, w, state, starts = ctx.saved_tensors
+        dx, dw, dstate = _backward(x.contiguous(), w.to(ctx.dtype).contiguous(), state, [dy.contiguous() for dy in dys],
+                                   starts=starts)
         need_x, need_w, need_state = ctx.needs_input_grad[:3]
         return (dx if need_x else None, dw.to(w.dtype) if need_w else None,
-                dstate if need_state and dstate is not None else None, None, None)
+                dstate if need_state and dstate is not None else None, None, None, None)
 
 
 def conv_silu_triton(x: torch.Tensor, w: torch.Tensor, state: torch.Tensor | None = None,
-                     dtype: torch.dtype | None = None, groups: int = 1) -> torch.Tensor | tuple[torch.Tensor, ...]:
+                     dtype: torch.dtype | None = None, groups: int = 1,
+                     starts: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """silu(depthwise causal conv) of x [B, T, C] with the kernel w [C, W] after `state` [B, C, W-1] (the W-1
     inputs before x, oldest first; zeros when None), computed in `dtype` (default w's) -> [B, T, C] in x's dtype;
     with groups=3, the three channel thirds as contiguous tensors [B, T, C/3] (the KDA layer's q, k, v); differentiable
-    in x, w and the state. The new state is the caller's (`ops.conv.causal_conv1d`)."""
+    in x, w and the state. The new state is the caller's (`ops.conv.causal_conv1d`). `starts` [B, T]: each token's
+    document start, the window resetting there (module docstring; no state then)."""
     if x.dim() != 3 or w.dim() != 2 or w.shape[0] != x.shape[-1]:
         raise ValueError(f"need x [B, T, C] and w [C, W], got x {tuple(x.shape)} and w {tuple(w.shape)}")
     B, _, C = x.shape
@@ -289,5 +316,10 @@ def conv_silu_triton(x: torch.Tensor, w: torch.Tensor, state: torch.Tensor | Non
         raise ValueError(f"state must be [{B}, {C}, {w.shape[-1] - 1}], got {tuple(state.shape)}")
     if groups not in (1, 3) or C % groups:
         raise ValueError(f"groups must be 1 or 3 and divide the {C} channels, got {groups}")
-    ys = _ConvSiLUTriton.apply(x, w, state, w.dtype if dtype is None else dtype, groups)
+    if starts is not None:
+        if state is not None or starts.shape != x.shape[:2]:
+            raise ValueError(f"starts must be [B, T] = {tuple(x.shape[:2])} and come without a state, got "
+                             f"{tuple(starts.shape)}{' and a state' if state is not None else ''}")
+        starts = starts.to(torch.int32).contiguous()
+    ys = _ConvSiLUTriton.apply(x, w, state, w.dtype if dtype is None else dtype, groups, starts)
     return ys if groups > 1 else ys[0]

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 
 DEFAULT_STEPS = 300
 QAT_FORMATS = ("mxfp4",)  # openk3.quant.qat.enable_qat's formats (not imported: this module stays light)
+PACKINGS = ("auto", "docs", "concat")
 
 
 @dataclass
@@ -39,8 +40,11 @@ class TrainArgs:
     device: str | None = None
     threads: int = 0  # torch intra-op threads on CPU; 0: auto (openk3.cli_options.cpu_threads)
     dtype: str = "auto"
-    compile: bool = False
-    cuda_graphs: bool = False  # replay each step's forward and backward as one CUDA graph (openk3.train.graphs)
+    compile: bool | None = None  # None: by device (`resolve_fast_path`): on with CUDA, off on CPU
+    cuda_graphs: bool | None = None  # forward and backward replayed as one CUDA graph (openk3.train.graphs); None: by
+    # device, as compile, and off where shapes vary (`resolve_fast_path`)
+    packing: str = "auto"  # "docs" | "concat" | "auto" (docs when the data has more than one document)
+    tensorboard: str | None = None  # a directory for TensorBoard event files of the metrics
     activation_checkpointing: bool = False
     optimizer: str = "muon"
     balance: str = "quantile"
@@ -65,6 +69,8 @@ class TrainArgs:
                 raise ValueError(f"{flag_name(f.name)} {problem}")
         if self.qat not in (None, *QAT_FORMATS):
             raise ValueError(f"--qat must be one of {QAT_FORMATS}, got {self.qat!r}")
+        if self.packing not in PACKINGS:
+            raise ValueError(f"--packing must be one of {PACKINGS}, got {self.packing!r}")
 
 
 @dataclass(frozen=True)
@@ -115,3 +121,32 @@ def flag_type(name: str, kind: type):
         return value
 
     return parse
+
+
+@dataclass(frozen=True)
+class FastPath:
+    """What a run compiles and captures (`resolve_fast_path`), and the line that says why graphs are off (or
+    None)."""
+
+    compile: bool
+    cuda_graphs: bool
+    note: str | None = None
+
+
+def resolve_fast_path(compile: bool | None, cuda_graphs: bool | None, device_type: str, processes: int = 1,
+                      varying: str | None = None) -> FastPath:
+    """--compile / --cuda-graphs as the run uses them. Unset (None), both follow the device: on with CUDA (the
+    fast path; bench/RESULTS.md measures it), off on CPU (eager: compiling costs more than it gains on the short
+    CPU runs). Automatic CUDA graphs stay off, with a note, when the run has several processes or when `varying`
+    names what changes the step's shapes or layout from batch to batch. Asked for explicitly, --cuda-graphs where
+    it cannot work (not CUDA, several processes, `varying`) is refused with the reason."""
+    cuda = device_type == "cuda"
+    why_not = (f"this run is on {device_type}" if not cuda
+               else f"this run has {processes} processes (FSDP2's and the parallel layouts' collectives are not "
+                    "captured)" if processes > 1 else varying)
+    if cuda_graphs and why_not:
+        need = "a CUDA device" if not cuda else "one process and batches of one layout"
+        raise ValueError(f"--cuda-graphs needs {need}; {why_not}")
+    graphs = cuda and why_not is None if cuda_graphs is None else cuda_graphs
+    note = f"CUDA graphs off: {why_not}" if cuda and cuda_graphs is None and why_not else None
+    return FastPath(cuda if compile is None else compile, graphs, note)

@@ -11,7 +11,7 @@ import dataclasses
 
 from openk3.cli_options import ShowDefaults, add_kda_options
 from openk3.config import PRESETS
-from openk3.train.args import DEFAULT_STEPS, QAT_FORMATS, TrainArgs, flag_name, flag_type
+from openk3.train.args import DEFAULT_STEPS, PACKINGS, QAT_FORMATS, TrainArgs, flag_name, flag_type
 
 
 def add_train_parser(subparsers) -> None:
@@ -54,11 +54,22 @@ def add_train_parser(subparsers) -> None:
     number("threads", int, "torch threads on CPU (0: auto: all cores, or 1 when the machine is already busy)")
     p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16"],
                    help="autocast dtype (auto: bf16 on GPU, fp32 on CPU); parameters stay fp32")
-    p.add_argument("--compile", action="store_true", help="torch.compile the model")
-    p.add_argument("--cuda-graphs", action="store_true",
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile the model block by block (default: on with CUDA, off on CPU)")
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="after two eager warm-up steps, replay each step's forward and backward as one CUDA graph "
                         "(one CUDA device, one process, fixed batch shapes; the optimizer, clipping and balancing "
-                        "run outside it); combine with --compile on a GPU, where the host's launches are the limit")
+                        "run outside it). Default: on with CUDA in one process, with --compile (the host's launches "
+                        "are the limit there), except where the batches' shapes or layout vary (the captioning task, "
+                        "--packing docs: a line says so); off on CPU")
+    p.add_argument("--packing", default=d.packing, choices=list(PACKINGS),
+                   help="docs: each window is a packed row of whole or cut documents, the model working within each "
+                        "document (KDA state and conv window reset, MLA attends within it, no loss across a "
+                        "boundary); concat: windows of the concatenated documents; auto: docs when the data has "
+                        "more than one document")
+    p.add_argument("--tensorboard", default=None, metavar="DIR",
+                   help="also write the metrics (loss, eval loss, lr, grad norm, tokens/s, MFU, MaxVio per MoE "
+                        "layer) as TensorBoard event files in DIR (`tensorboard --logdir DIR`)")
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="recompute each token mixer and FFN in backward")
     p.add_argument("--optimizer", default=d.optimizer, choices=["muon", "adamw"],

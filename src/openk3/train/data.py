@@ -7,6 +7,14 @@ code suits a coding-flavoured model. `--data PATH` takes a text file, a JSONL fi
 
 Held-out split: a document is held out when crc32(its name) % 20 == 0 (about 5%, stable across runs and
 machines); with fewer than 20 documents the last 5% of the token stream is held out instead.
+
+Batches: the documents' tokens, each document followed by EOS, make one stream; a batch is random windows of
+seq_len + 1 tokens of it (`BatchStream`). With `--packing concat` a window is just tokens, documents running into
+each other. With `--packing docs` (the default when the data has more than one document) each token also carries
+its document's index in the stream (its segment id), so a window is a packed row of whole documents and pieces
+of the documents cut at its ends: the model then works within each document (openk3.model.documents) and the
+loss counts no prediction across a boundary (openk3.train.loop.lm_losses). The piece of a document that a
+window's end cuts off starts the next window from a fresh state.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import sysconfig
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -102,22 +111,39 @@ def split_documents(docs: list[Document]) -> tuple[list[Document], list[Document
     return train, held
 
 
-def tokenize(docs: list[Document], tok: TextTokenizer) -> torch.Tensor:
-    """One int64 stream: each document's tokens followed by EOS."""
+def tokenize_documents(docs: list[Document], tok: TextTokenizer) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens, segments): one int64 stream, each document's tokens followed by EOS, and each token's document
+    index (EOS included in its document)."""
     ids: list[int] = []
-    for doc_ids in tok.encode_batch([d.text for d in docs]):
+    segments: list[int] = []
+    for index, doc_ids in enumerate(tok.encode_batch([d.text for d in docs])):
         ids.extend(doc_ids)
         ids.append(tok.eos_id)
-    return torch.tensor(ids, dtype=torch.long)
+        segments.extend([index] * (len(doc_ids) + 1))
+    return torch.tensor(ids, dtype=torch.long), torch.tensor(segments, dtype=torch.long)
+
+
+def tokenize(docs: list[Document], tok: TextTokenizer) -> torch.Tensor:
+    """One int64 stream: each document's tokens followed by EOS."""
+    return tokenize_documents(docs, tok)[0]
+
+
+Split = tuple[torch.Tensor, torch.Tensor]  # (tokens, segments) of one stream
+
+
+def train_and_heldout_documents(docs: list[Document], tok: TextTokenizer) -> tuple[Split, Split]:
+    """((train tokens, segments), (held-out tokens, segments)) by the held-out rule of the module docstring."""
+    train_docs, held_docs = split_documents(docs)
+    if held_docs:
+        return tokenize_documents(train_docs, tok), tokenize_documents(held_docs, tok)
+    tokens, segments = tokenize_documents(train_docs, tok)
+    cut = len(tokens) - max(2, len(tokens) // HELD_OUT_MODULUS)
+    return (tokens[:cut], segments[:cut]), (tokens[cut:], segments[cut:])
 
 
 def train_and_heldout_streams(docs: list[Document], tok: TextTokenizer) -> tuple[torch.Tensor, torch.Tensor]:
-    train_docs, held_docs = split_documents(docs)
-    if held_docs:
-        return tokenize(train_docs, tok), tokenize(held_docs, tok)
-    stream = tokenize(train_docs, tok)
-    cut = len(stream) - max(2, len(stream) // HELD_OUT_MODULUS)
-    return stream[:cut], stream[cut:]
+    (train, _), (held, _) = train_and_heldout_documents(docs, tok)
+    return train, held
 
 
 def unigram_cross_entropy(train: torch.Tensor, targets: torch.Tensor, vocab_size: int) -> float:
@@ -127,16 +153,42 @@ def unigram_cross_entropy(train: torch.Tensor, targets: torch.Tensor, vocab_size
     return float(-logp[targets].mean())
 
 
+def resolve_packing(packing: str, num_documents: int, cp: int = 1) -> str:
+    """--packing as the run uses it: "auto" is "docs" when the data has more than one document (and the run has
+    no context parallelism, whose packed stream has its own layout), else "concat"."""
+    if packing == "docs" and cp > 1:
+        raise ValueError(f"--packing docs is not supported with --cp {cp} yet (context parallelism packs the "
+                         "windows itself); use --packing concat")
+    if packing == "auto":
+        return "docs" if num_documents > 1 and cp == 1 else "concat"
+    return packing
+
+
+class PackedRows(NamedTuple):
+    """A batch with its document boundaries (--packing docs): tokens [B, T+1] on the device, segment ids
+    [B, T+1] on the host (each token's document index)."""
+
+    tokens: torch.Tensor
+    segments: torch.Tensor
+
+
 class BatchStream:
     """Resumable random batches of non-overlapping windows of `seq_len + 1` tokens.
 
     Each epoch is a permutation of all windows drawn from its own generator seeded by (seed, epoch), so the
     position (epoch, cursor) is the whole state: `state_dict` / `load_state_dict` resume exactly. `next()`
-    returns the global batch [batch_size, seq_len + 1]; data-parallel ranks each take a contiguous slice.
+    returns the global batch [batch_size, seq_len + 1]; data-parallel ranks each take a contiguous slice. Given
+    the stream's `segments` (its tokens' document indices), `next_packed()` returns the same windows with their
+    segment ids (--packing docs).
     """
 
-    def __init__(self, tokens: torch.Tensor, seq_len: int, batch_size: int, seed: int):
+    def __init__(self, tokens: torch.Tensor, seq_len: int, batch_size: int, seed: int,
+                 segments: torch.Tensor | None = None):
+        if segments is not None and segments.shape != tokens.shape:
+            raise ValueError(f"segments must match the tokens' shape {tuple(tokens.shape)}, got "
+                             f"{tuple(segments.shape)}")
         self.tokens, self.seq_len, self.batch_size, self.seed = tokens, seq_len, batch_size, seed
+        self.segments = segments
         self.num_windows = (len(tokens) - 1) // seq_len
         if self.num_windows < batch_size:
             raise ValueError(f"{len(tokens)} training tokens give {self.num_windows} windows of seq_len={seq_len}, "
@@ -148,7 +200,7 @@ class BatchStream:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         return torch.randperm(self.num_windows, generator=g)
 
-    def next(self) -> torch.Tensor:
+    def _next_starts(self) -> list[int]:
         starts = []
         while len(starts) < self.batch_size:
             if self.cursor == self.num_windows:
@@ -156,7 +208,17 @@ class BatchStream:
                 self._order = self._permutation(self.epoch)
             starts.append(int(self._order[self.cursor]) * self.seq_len)
             self.cursor += 1
-        return torch.stack([self.tokens[s:s + self.seq_len + 1] for s in starts])
+        return starts
+
+    def next(self) -> torch.Tensor:
+        return torch.stack([self.tokens[s:s + self.seq_len + 1] for s in self._next_starts()])
+
+    def next_packed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens, segment ids), both [batch_size, seq_len + 1]: the next batch with its document boundaries."""
+        if self.segments is None:
+            raise ValueError("this BatchStream was built without segments")
+        starts = self._next_starts()
+        return tuple(torch.stack([t[s:s + self.seq_len + 1] for s in starts]) for t in (self.tokens, self.segments))
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed, "seq_len": self.seq_len,

@@ -32,19 +32,22 @@ from openk3.config import ModelConfig, get_preset
 from openk3.draft.model import DRAFT_CONFIG
 from openk3.model import K3ForCausalLM, configure_kda
 from openk3.model.compile import compile_blocks
+from openk3.model.documents import Documents, queued, same_document
 from openk3.ops.loss import linear_cross_entropy
 from openk3.parallel import ParallelDims, cp_lm_losses, parallelize
 from openk3.quant.qat import enable_qat
 from openk3.tokenizer import TextTokenizer, load_or_train
 from openk3.train import checkpoint as ckpt
-from openk3.train.args import DEFAULT_STEPS, TrainArgs
+from openk3.train.args import DEFAULT_STEPS, TrainArgs, resolve_fast_path
 from openk3.train.balance import RouterBalancer
 from openk3.train.data import (
     BatchStream,
+    PackedRows,
     heldout_windows,
     load_documents,
+    resolve_packing,
     split_documents,
-    train_and_heldout_streams,
+    train_and_heldout_documents,
     unigram_cross_entropy,
 )
 from openk3.train.distributed import (
@@ -59,14 +62,17 @@ from openk3.train.distributed import (
     mean_across,
 )
 from openk3.train.graphs import GraphedForwardBackward
+from openk3.train.mfu import flops_per_token, peak_flops
 from openk3.train.optim import build_optimizer
 from openk3.train.schedule import WSDSchedule
+from openk3.train.tensorboard import open_writer, write_scalars
 
 SAMPLE_PROMPT = "def "
 CLOSING_STEPS = 8  # the final evaluation, save and text sample cost about this many training steps
 FIT_WINDOW = 20  # steps whose median time predicts the rest of the run
 SLOW_RUN_SECONDS = 600  # the default run's budget on 2 CPU cores (README): a longer projection is a warning
 SLOWDOWN_FACTOR = 1.5  # warn once more when the projected duration grows by this factor during the run
+IGNORE_INDEX = -100  # a label the losses do not count
 RUN_FILES = ("metrics.jsonl", "summary.json", "sample.txt", "loss.png", "tokenizer.json")  # besides step-*/
 
 
@@ -94,13 +100,6 @@ def resolve_device(args: TrainArgs, world: World) -> torch.device:
     return device
 
 
-def check_cuda_graphs(device: torch.device, world: World) -> None:
-    """--cuda-graphs (openk3.train.graphs) needs one CUDA device and one process."""
-    if device.type != "cuda":
-        raise ValueError(f"--cuda-graphs needs a CUDA device; this run is on {device.type}")
-    if world.size > 1:
-        raise ValueError(f"--cuda-graphs runs in one process (FSDP2's and the parallel layouts' collectives are not "
-                         f"captured); this run has {world.size}")
 
 
 def autocast_dtype(args: TrainArgs, device: torch.device) -> torch.dtype | None:
@@ -129,44 +128,66 @@ def enable_activation_checkpointing(model: K3ForCausalLM) -> None:
         wrap(layer.mlp)
 
 
-def lm_losses(model: nn.Module, batch: torch.Tensor,
-              mtp_weight: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def lm_losses(model: nn.Module, batch: torch.Tensor, mtp_weight: float,
+              segments: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(total loss, next-token CE, MTP CE or None without MTP) for a batch of windows [B, T+1], the last two
     detached (tensors: reading them on the host would stall a GPU step halfway). The LM head is applied inside the loss
     (openk3.ops.loss, chunked: no [tokens, vocab] logits); under FSDP2 the root unit, which holds lm_head, stays
-    unsharded after its forward, so lm_head.weight is the full weight here and its gradient reaches the unit."""
+    unsharded after its forward, so lm_head.weight is the full weight here and its gradient reaches the unit.
+
+    segments [B, T+1] (host; --packing docs): each token's document (openk3.train.data). The model then works
+    within each document (openk3.model.documents), and a prediction counts only when its target lies in the
+    position's own document: the next-token label of a document's last token (its EOS; the next token begins
+    another document) and every MTP label two tokens ahead across a boundary are ignored. Each CE is the mean over
+    the predictions it counts, so the loss is that of the documents (and document pieces) run one by one."""
     inputs, targets = batch[:, :-1], batch[:, 1:]
+    mtp_targets = batch[:, 2:]
+    documents = None
+    if segments is not None:
+        documents = Documents.from_segments(segments[:, :-1]).to(batch.device)
+        targets = torch.where(queued(same_document(segments, 1), batch.device), targets, IGNORE_INDEX)
+        mtp_targets = torch.where(queued(same_document(segments, 2), batch.device), mtp_targets, IGNORE_INDEX)
     want_mtp = mtp_weight > 0 and getattr(model.config, "mtp_layers", 0) > 0
-    out = model(inputs, return_mtp=want_mtp, return_logits=False)
+    out = model(inputs, return_mtp=want_mtp, return_logits=False, documents=documents)
     head = model.lm_head.weight
-    lm = linear_cross_entropy(out.head_inputs.flatten(0, 1), head, targets.flatten())
+    lm = linear_cross_entropy(out.head_inputs.flatten(0, 1), head, targets.flatten(), ignore_index=IGNORE_INDEX)
     if not want_mtp or not out.mtp_head_inputs:
         return lm, lm.detach(), None
-    mtp = linear_cross_entropy(out.mtp_head_inputs[0].flatten(0, 1), head, targets[:, 1:].flatten())
+    mtp = linear_cross_entropy(out.mtp_head_inputs[0].flatten(0, 1), head, mtp_targets.flatten(),
+                               ignore_index=IGNORE_INDEX)
     return lm + mtp_weight * mtp, lm.detach(), mtp.detach()
 
 
 @torch.no_grad()
 def heldout_loss(model: nn.Module, windows: torch.Tensor, batch_size: int, device: torch.device,
-                 amp: torch.dtype | None, world: World) -> float:
-    """Mean next-token CE over the fixed held-out windows (eval mode: router biases frozen, nothing recorded)."""
+                 amp: torch.dtype | None, world: World, segments: torch.Tensor | None = None) -> float:
+    """Mean next-token CE over the fixed held-out windows (eval mode: router biases frozen, nothing recorded);
+    with their `segments` (--packing docs) within documents, as `lm_losses` counts."""
     model.eval()
     total, count = 0.0, 0
     # every rank runs the same number of forwards (FSDP gathers collectively): equal shares, the short ones padded
     # with a repeated window that is not counted
     share = -(-len(windows) // world.size)
-    mine = windows[world.rank * share:(world.rank + 1) * share]
-    counted = len(mine)
-    if counted < share:
-        mine = torch.cat([mine, windows[-1:].expand(share - counted, -1)])
+
+    def my_share(rows: torch.Tensor) -> torch.Tensor:
+        mine = rows[world.rank * share:(world.rank + 1) * share]
+        return torch.cat([mine, rows[-1:].expand(share - len(mine), -1)]) if len(mine) < share else mine
+
+    counted = len(windows[world.rank * share:(world.rank + 1) * share])
+    mine, my_segments = my_share(windows), None if segments is None else my_share(segments)
     for i in range(0, share, batch_size):
         batch = mine[i:i + batch_size].to(device)
         keep = max(0, min(batch_size, counted - i))
+        targets, documents = batch[:keep, 1:], None
+        if my_segments is not None:
+            seg = my_segments[i:i + batch_size]
+            documents = Documents.from_segments(seg[:, :-1]).to(device)
+            targets = torch.where(queued(same_document(seg[:keep], 1), device), targets, IGNORE_INDEX)
         with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
-            normed = model(batch[:, :-1], return_mtp=False, return_logits=False).head_inputs
-            total += float(linear_cross_entropy(normed[:keep].flatten(0, 1), model.lm_head.weight,
-                                                batch[:keep, 1:].flatten(), reduction="sum")) if keep else 0.0
-        count += batch[:keep, 1:].numel()
+            normed = model(batch[:, :-1], return_mtp=False, return_logits=False, documents=documents).head_inputs
+            total += float(linear_cross_entropy(normed[:keep].flatten(0, 1), model.lm_head.weight, targets.flatten(),
+                                                ignore_index=IGNORE_INDEX, reduction="sum")) if keep else 0.0
+        count += targets.numel() if my_segments is None else int(same_document(my_segments[i:i + keep], 1).sum())
     model.train()
     if world.distributed:
         t = torch.tensor([total, count], dtype=torch.float64, device=device)
@@ -225,8 +246,7 @@ class Trainer:
         self.world = init_world("cuda" if device_name.startswith("cuda") else "cpu")
         claim_out_dir(self.out, args.resume, args.overwrite, delete=self.world.is_main)
         self.device = resolve_device(args, self.world)
-        if args.cuda_graphs:
-            check_cuda_graphs(self.device, self.world)
+        resolve_fast_path(args.compile, args.cuda_graphs, self.device.type, self.world.size)  # refusals, early
         if self.device.type == "cpu":
             torch.set_num_threads(cpu_threads(args.threads, self.world.size))
         self.amp = autocast_dtype(args, self.device)
@@ -235,6 +255,12 @@ class Trainer:
         self.cfg = model_config(args)
         self._seed(args.seed)
         self._setup_data()
+        fast = resolve_fast_path(args.compile, args.cuda_graphs, self.device.type, self.world.size,
+                                 self._varying_layout())
+        args = self.args = replace(args, compile=fast.compile, cuda_graphs=fast.cuda_graphs)
+        self.fast_path_note = fast.note
+        self.peak_flops = peak_flops(self.device)  # MFU on the GPUs openk3.train.mfu knows
+        self.flops_per_token = flops_per_token(self.cfg, args.seq_len) if self.peak_flops else None
         self.model = K3ForCausalLM(self.cfg).to(self.device)
         configure_kda(self.model, backend=args.kda_backend)
         if args.qat:  # before checkpointing, sharding and compile; checkpoints keep the fp32 master weights
@@ -270,6 +296,7 @@ class Trainer:
     def _setup_data(self) -> None:
         args = self.args
         docs = load_documents(args.data)
+        self.packing = resolve_packing(args.packing, len(docs), args.cp)
         resume_tok = Path(args.resume) / "tokenizer.json" if args.resume else None
         if resume_tok is not None and resume_tok.is_file():
             self.tokenizer = TextTokenizer.from_file(resume_tok)
@@ -280,10 +307,17 @@ class Trainer:
             barrier(self.world)
             if not self.world.is_main:
                 self.tokenizer = load_or_train([d.text for d in train_docs], self.cfg.vocab_size, args.tokenizer)
-        train_tokens, held_tokens = train_and_heldout_streams(docs, self.tokenizer)
-        self.stream = BatchStream(train_tokens, args.seq_len, args.batch_size, args.seed)
+        (train_tokens, train_segments), (held_tokens, held_segments) = train_and_heldout_documents(docs,
+                                                                                                    self.tokenizer)
+        packed = self.packing == "docs"
+        self.stream = BatchStream(train_tokens, args.seq_len, args.batch_size, args.seed,
+                                  segments=train_segments if packed else None)
         self.eval_windows = heldout_windows(held_tokens, args.seq_len, args.eval_windows)
-        self.unigram = unigram_cross_entropy(train_tokens, self.eval_windows[:, 1:].flatten(), self.cfg.vocab_size)
+        self.eval_segments = heldout_windows(held_segments, args.seq_len, args.eval_windows) if packed else None
+        targets = self.eval_windows[:, 1:]
+        if packed:  # the labels the held-out loss counts (none across a document boundary)
+            targets = targets[same_document(self.eval_segments, 1)]
+        self.unigram = unigram_cross_entropy(train_tokens, targets.flatten(), self.cfg.vocab_size)
         self.train_tokens = len(train_tokens)
 
     def _resume(self, path: str) -> None:
@@ -325,11 +359,28 @@ class Trainer:
     # ---- what the data decides (openk3.train.vision_loop.CaptionTrainer overrides these) -------------------------
     BASELINE = "unigram baseline"  # the plot's name for self.unigram
 
-    def _next_batch(self) -> torch.Tensor:
-        """This rank's share of the next global batch (its data-parallel index's rows), on the device."""
+    packing = "concat"  # what _setup_data chose (a task without documents keeps this)
+
+    def _varying_layout(self) -> str | None:
+        """What changes the step's shapes or layout from batch to batch (automatic CUDA graphs stay off), or None."""
+        if self.cfg.vision is not None:
+            return "the shapes task's prompts change length with the image's canvas"
+        if self.packing == "docs":
+            return ("--packing docs gives every batch its own document boundaries (the KDA kernels' varlen chunk "
+                    "tables); --packing concat keeps one layout")
+        return None
+
+    def _next_batch(self) -> torch.Tensor | PackedRows:
+        """This rank's share of the next global batch (its data-parallel index's rows), on the device; with
+        --packing docs with its rows' segment ids, which stay on the host (openk3.model.documents)."""
+        if self.packing == "docs":
+            tokens, segments = (self.parallel.data_rows(t) for t in self.stream.next_packed())
+            return PackedRows(tokens.to(self.device), segments)
         return self.parallel.data_rows(self.stream.next()).to(self.device)
 
-    def _losses(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _losses(self, batch: torch.Tensor | PackedRows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        if isinstance(batch, PackedRows):
+            return lm_losses(self.model, batch.tokens, self.args.mtp_weight, batch.segments)
         if self.parallel.cp is not None:
             return cp_lm_losses(self.model, batch, self.args.mtp_weight, self.parallel.cp)
         return lm_losses(self.model, batch, self.args.mtp_weight)
@@ -340,7 +391,7 @@ class Trainer:
 
     def _heldout(self) -> float:
         return heldout_loss(self.model, self.eval_windows, max(1, self.args.batch_size // self.world.size),
-                            self.device, self.amp, self.world)
+                            self.device, self.amp, self.world, self.eval_segments)
 
     def _baseline_metrics(self) -> dict:
         """summary.json's numbers to read the held-out loss against."""
@@ -373,6 +424,8 @@ class Trainer:
         self.step += 1
         record = {"step": self.step, "loss": mean_across(self.world, float(lm), self.device), "lr": lr,
                   "grad_norm": grad_norm, "tokens_per_s": self._batch_tokens(batch) / elapsed, "maxvio": maxvio}
+        if self.peak_flops:  # per GPU: the global batch's tokens over all of them
+            record["mfu"] = record["tokens_per_s"] * self.flops_per_token / (self.peak_flops * self.world.size)
         if mtp is not None:  # None when the model has no MTP layer or --mtp-weight is 0
             record["mtp_loss"] = mean_across(self.world, float(mtp), self.device)
         return record
@@ -387,10 +440,18 @@ class Trainer:
         bar = self._progress()
         started = time.perf_counter()
         log = metrics_path.open("a") if world.is_main else None
+        board = open_writer(args.tensorboard, self.step) if args.tensorboard and world.is_main else None
         last_eval = None
+        steps_run = 0
         while self.step < self.schedule.total_steps:
             step_started = time.perf_counter()
+            phase = self._phase(steps_run)
+            if bar is not None and phase:
+                bar.set_description_str(f"train [{phase}]", refresh=True)
             record = self.train_step()
+            steps_run += 1
+            if bar is not None and phase:
+                bar.set_description_str("train", refresh=False)
             if args.eval_every and (self.step % args.eval_every == 0 or self.step == self.schedule.total_steps):
                 last_eval = record["eval_loss"] = self._heldout()
             if not math.isfinite(record["loss"]):
@@ -399,9 +460,12 @@ class Trainer:
                 log.write(json.dumps(record) + "\n")
                 log.flush()
                 history.append(record)
+            if board is not None:
+                write_scalars(board, record)
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+                mfu = {"mfu": f"{record['mfu']:.1%}"} if "mfu" in record else {}
+                bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}", **mfu)
             if args.save_every and self.step % args.save_every == 0 and self.step < self.schedule.total_steps:
                 self.save()
             self._recent.append(time.perf_counter() - step_started)
@@ -411,6 +475,8 @@ class Trainer:
             bar.close()
         if log is not None:
             log.close()
+        if board is not None:
+            board.close()
         if last_eval is None:
             last_eval = self._heldout()
         saved = self.save()
@@ -427,6 +493,15 @@ class Trainer:
             self._report(summary, sample)
         close_world(world)
         return summary
+
+    def _phase(self, steps_run: int) -> str | None:
+        """What the next step spends its time on besides training, for the progress line: compiling (the first
+        two steps a compiled run takes in this process, a recompilation when the second batch differs) or
+        capturing the CUDA graph (the call after the graph's warm-up)."""
+        graphed = self.graphed
+        if graphed is not None and graphed.graph is None and graphed.failed is None and graphed.calls == graphed.warmup:
+            return "capturing the CUDA graph"
+        return "compiling" if self.args.compile and steps_run < 2 else None
 
     def _fit_time_limit(self, bar) -> None:
         """Fit the schedule's length to --time-limit (opt-in) while its decay has not begun.
@@ -500,7 +575,11 @@ class Trainer:
               f"optimizer={self.args.optimizer}, balance={self.args.balance}, device={self.device}"
               f"{f', qat={self.args.qat} (checkpoints hold the full-precision weights)' if self.args.qat else ''}"
               f"{f' ({torch.get_num_threads()} threads)' if self.device.type == 'cpu' else ''}, "
-              f"processes={self.world.size}, out={self.out}", flush=True)
+              f"processes={self.world.size}, packing={self.packing}"
+              f"{', compiled' if self.args.compile else ''}{', CUDA graphs' if self.args.cuda_graphs else ''}, "
+              f"out={self.out}", flush=True)
+        if self.fast_path_note:
+            print(self.fast_path_note, flush=True)
 
     def _metrics_history(self, path: Path) -> list[dict]:
         """Earlier lines of metrics.jsonl up to the current step (a resumed run drops the ones it will redo)."""

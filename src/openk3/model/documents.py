@@ -1,0 +1,82 @@
+"""Document boundaries of a packed batch (`openk3 train --packing docs`).
+
+A packed batch [B,T] holds whole or cut documents back to back in each row. `Documents` says where they start,
+in the forms the layers read:
+  cu_seqlens  host int64 [N+1]: document offsets in the flattened batch (B*T tokens); every row starts a document.
+              The KDA layers run varlen on it (Triton kernels), the recurrent state starting at zero per document.
+  doc_ids     [B,T] int64 on the model's device: each token's document, numbered across the whole batch. MLA
+              attends where the query's and the key's documents are equal (and causally).
+  starts      [B,T] int64 on the model's device: the row index of the first token of each token's document. The
+              short conv of token t reads inputs from starts[t] on (zeros before: its window resets), and the
+              torch KDA paths reset the state at the tokens where starts[t] == t.
+Everything is built on the host from per-token segment ids (any integers, equal within a document and changing
+at each boundary, e.g. each token's document index in the data stream), so nothing reads the GPU back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def queued(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor on `device`, copied from pinned memory on a GPU (queued like a kernel: the host does not
+    wait; ops.transfer explains why that matters)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def same_document(segments: torch.Tensor, k: int) -> torch.Tensor:
+    """Bool [B, T-k] for segment ids [B,T] (host): token t and token t+k lie in one document (ids never recur
+    within a row once they change, as the data stream's document indices)."""
+    return segments[:, k:] == segments[:, :-k]
+
+
+@dataclass(frozen=True)
+class Documents:
+    segments: torch.Tensor  # host [B,T]: the segment ids it was built from
+    cu_seqlens: torch.Tensor
+    doc_ids: torch.Tensor
+    starts: torch.Tensor
+
+    @classmethod
+    def from_segments(cls, segments: torch.Tensor) -> Documents:
+        """Documents of a batch whose tokens carry segment ids [B,T] (host): a document ends where the id changes
+        and at every row end."""
+        if segments.dim() != 2 or segments.shape[1] == 0:
+            raise ValueError(f"segments must be [B,T] with T >= 1, got shape {tuple(segments.shape)}")
+        segments = segments.detach().cpu()
+        B, T = segments.shape
+        first = torch.ones(B, T, dtype=torch.bool)
+        first[:, 1:] = segments[:, 1:] != segments[:, :-1]
+        flat = first.flatten()
+        index = torch.arange(B * T)
+        offsets = index[flat]
+        cu = torch.cat([offsets, torch.tensor([B * T])])
+        doc_ids = (flat.long().cumsum(0) - 1).view(B, T)
+        starts = offsets[doc_ids].view(B, T) - torch.arange(B).unsqueeze(1) * T
+        return cls(segments, cu, doc_ids, starts)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.doc_ids.shape)
+
+    @property
+    def resets(self) -> torch.Tensor:
+        """Bool [B,T]: the tokens that begin a document."""
+        return self.starts == torch.arange(self.shape[1], device=self.starts.device)
+
+    def to(self, device: torch.device | str) -> Documents:
+        """The device tensors on `device` (`queued`); cu_seqlens stays on the host."""
+        return Documents(self.segments, self.cu_seqlens, queued(self.doc_ids, device), queued(self.starts, device))
+
+    def prefix(self, length: int) -> Documents:
+        """The documents of the first `length` positions of every row (an MTP layer's positions)."""
+        return Documents.from_segments(self.segments[:, :length]).to(self.doc_ids.device)
+
+    def check(self, batch: int, seq_len: int) -> None:
+        if self.shape != (batch, seq_len):
+            raise ValueError(f"documents describe a batch of {self.shape}, the input is {(batch, seq_len)}")

@@ -1,0 +1,217 @@
+"""Document-aware packing (`openk3 train --packing docs`): a packed batch trains as its documents run one by one.
+
+The model-level test holds the packed loss (next-token + MTP) and every parameter's gradient to those of the
+documents, and the pieces of documents cut at a row's end, each run alone through the unpacked model (fp32, CPU,
+odd lengths, one document cut across two rows). The component tests hold each piece that sees more than one token
+to its per-document form: the KDA layer (state reset; the PyTorch backends and the Triton kernels), the short conv
+(window reset), MLA (document mask), and the loss's label masks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from openk3.config import ModelConfig, get_preset
+from openk3.model import K3ForCausalLM
+from openk3.model.documents import Documents, same_document
+from openk3.model.kda import KimiDeltaAttention
+from openk3.model.mla import GatedMLA
+from openk3.ops.attention import document_mask, mla_attention_expanded
+from openk3.ops.conv import causal_conv1d, causal_conv1d_reference
+from openk3.train.loop import lm_losses
+from train_tiny import TINY
+
+# three rows of 18 inputs (+1 target): odd document lengths, a one-token document, and document 3 cut by row 0's
+# end and continued at row 1's start (each row starts afresh: the two pieces run separately)
+SEGMENTS = torch.tensor([
+    [0] * 5 + [1] * 1 + [2] * 7 + [3] * 6,
+    [3] * 3 + [4] * 11 + [5] * 5,
+    [6] * 19,
+])
+
+
+def tiny_config() -> ModelConfig:
+    return get_preset("k3-tiny").with_overrides(TINY)
+
+
+def pieces(segments: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(row, start, end) of every document piece among a batch's T = segments.shape[1] - 1 input positions."""
+    T = segments.shape[1] - 1
+    out = []
+    for r in range(segments.shape[0]):
+        start = 0
+        for t in range(1, T + 1):
+            if t == T or segments[r, t] != segments[r, t - 1]:
+                out.append((r, start, t))
+                start = t
+    return out
+
+
+def per_document_losses(model, batch, segments, mtp_weight):
+    """The loss `lm_losses` must give, from each piece run alone: CE sums over the labels inside the piece's
+    document (the next token; the token after next for MTP), divided by the counts of such labels."""
+    head = model.lm_head.weight
+    sums, counts = [0.0, 0.0], [0, 0]
+    for r, a, e in pieces(segments):
+        out = model(batch[r:r + 1, a:e], return_logits=False)
+        for depth, hidden in enumerate([out.head_inputs] + list(out.mtp_head_inputs or [])):
+            n = e - a - depth  # positions that predict token t + 1 + depth
+            keep = segments[r, a + 1 + depth:a + n + 1 + depth] == segments[r, a:a + n]
+            if keep.any():
+                logits = hidden[0, :n][keep] @ head.T
+                sums[depth] = sums[depth] + torch.nn.functional.cross_entropy(
+                    logits, batch[r, a + 1 + depth:a + n + 1 + depth][keep], reduction="sum")
+                counts[depth] += int(keep.sum())
+    return sums[0] / counts[0] + mtp_weight * sums[1] / counts[1]
+
+
+def test_packed_loss_and_gradients_equal_the_documents_run_one_by_one():
+    torch.manual_seed(0)
+    model = K3ForCausalLM(tiny_config()).train()
+    B, T1 = SEGMENTS.shape
+    batch = torch.randint(0, model.config.vocab_size, (B, T1))
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    packed, _, _ = lm_losses(model, batch, 0.3, SEGMENTS)
+    got = torch.autograd.grad(packed, params, allow_unused=True)
+    reference = per_document_losses(model, batch, SEGMENTS, 0.3)
+    want = torch.autograd.grad(reference, params, allow_unused=True)
+
+    torch.testing.assert_close(packed, reference, rtol=1e-5, atol=1e-5)
+    compared = 0
+    for g, w in zip(got, want):
+        if w is None:  # e.g. the router bias (balanced outside the loss)
+            assert g is None or not g.any()
+            continue
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+        compared += 1
+    assert compared > len(params) // 2
+    # and it is not the concatenated loss: the boundaries change the numbers
+    assert abs(float(lm_losses(model, batch, 0.3)[0].detach()) - float(packed.detach())) > 1e-3
+
+
+def row_pieces(documents: Documents) -> list[tuple[int, int, int]]:
+    """(row, start, end) of every document of a packed [B,T] batch."""
+    B, T = documents.shape
+    cu = documents.cu_seqlens.tolist()
+    return [(a // T, a % T, a % T + b - a) for a, b in zip(cu, cu[1:])]
+
+
+INPUT_SEGMENTS = SEGMENTS[:, :-1]  # the documents of the 18 input positions
+
+
+def per_piece(fn, x: torch.Tensor, documents: Documents) -> torch.Tensor:
+    """fn applied to each document of x [B,T,...] alone, put back in place."""
+    rows = [[] for _ in range(x.shape[0])]
+    for r, a, e in row_pieces(documents):
+        rows[r].append(fn(x[r:r + 1, a:e]))
+    return torch.cat([torch.cat(parts, dim=1) for parts in rows])
+
+
+def test_documents_from_segments():
+    d = Documents.from_segments(INPUT_SEGMENTS)
+    assert d.cu_seqlens.tolist() == [0, 5, 6, 13, 18, 21, 32, 36, 54]  # row starts (18, 36) start documents
+    assert d.starts[0].tolist() == [0] * 5 + [5] + [6] * 7 + [13] * 5
+    assert d.doc_ids[1].tolist() == [4] * 3 + [5] * 11 + [6] * 4
+    assert d.resets.sum().item() == len(d.cu_seqlens) - 1
+    assert same_document(SEGMENTS, 1)[0, 4].item() is False and same_document(SEGMENTS, 1)[0, 17].item() is True
+    with pytest.raises(ValueError, match="segments must be"):
+        Documents.from_segments(torch.zeros(3, dtype=torch.long))
+
+
+@pytest.mark.parametrize("width", [2, 4])
+def test_conv_window_resets_at_document_starts(width):
+    """causal_conv1d (the recomputing Function) and its reference with `starts` equal the conv of each document
+    alone, values and gradients (x, the kernel), at scales where SiLU saturates."""
+    d = Documents.from_segments(INPUT_SEGMENTS)
+    g = torch.Generator().manual_seed(width)
+    x = (torch.randn(3, 18, 6, generator=g, dtype=torch.float64) * 30).requires_grad_()
+    w = torch.randn(6, width, generator=g, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn(3, 18, 6, generator=g, dtype=torch.float64)
+    want = per_piece(lambda p: causal_conv1d_reference(p, w)[0], x, d)
+    for fn in (causal_conv1d, causal_conv1d_reference):
+        y = fn(x, w, starts=d.starts)[0]
+        torch.testing.assert_close(y, want, rtol=1e-12, atol=1e-12)
+        for got, ref in zip(torch.autograd.grad(y, [x, w], dy),
+                            torch.autograd.grad(want, [x, w], dy, retain_graph=True)):
+            torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+    # the state after the batch: the last W-1 inputs of each row's last document, zeros before it
+    state = causal_conv1d(x, w, starts=d.starts)[1]
+    torch.testing.assert_close(state, torch.stack([causal_conv1d(x[r:r + 1, a:e], w)[1][0]
+                                                   for r, a, e in row_pieces(d) if e == 18]))
+    with pytest.raises(ValueError, match="a state or document starts"):
+        causal_conv1d(x, w, torch.zeros(3, 6, width - 1, dtype=torch.float64), starts=d.starts)
+
+
+def layer_inputs(seed):
+    """A packed batch's hidden states x [3, 18, D] (to differentiate) and an output gradient."""
+    torch.manual_seed(seed)
+    D = tiny_config().hidden_size
+    return torch.randn(3, 18, D, requires_grad=True), torch.randn(3, 18, D)
+
+
+def assert_layer_matches_per_document(layer, seed):
+    d = Documents.from_segments(INPUT_SEGMENTS)
+    x, dy = layer_inputs(seed)
+    y = layer(x, documents=d)
+    want = per_piece(lambda p: layer(p), x, d)
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+    params = [x] + list(layer.parameters())
+    for got, ref in zip(torch.autograd.grad(y, params, dy, allow_unused=True),
+                        torch.autograd.grad(want, params, dy, allow_unused=True)):
+        if ref is not None:
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["chunked", "recurrent"])
+def test_kda_layer_resets_its_state_at_document_starts(backend):
+    """Packed KDA (conv window and recurrent state reset) == each document through the layer alone."""
+    torch.manual_seed(1)
+    layer = KimiDeltaAttention(tiny_config(), 0)
+    layer.kda_backend = backend
+    assert_layer_matches_per_document(layer, seed=2)
+
+
+def test_kda_layer_varlen_triton_matches_per_document():
+    """The Triton route (the flattened batch varlen on cu_seqlens; under TRITON_INTERPRET=1 on CPU) == the
+    documents alone through the PyTorch form."""
+    pytest.importorskip("triton")
+    torch.manual_seed(3)
+    layer = KimiDeltaAttention(tiny_config(), 0)
+    d = Documents.from_segments(INPUT_SEGMENTS)
+    x, dy = layer_inputs(seed=4)
+    layer.kda_backend = "triton"
+    y = layer(x, documents=d)
+    layer.kda_backend = "recurrent"
+    want = per_piece(lambda p: layer(p), x, d)
+    torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-5)
+    gx = torch.autograd.grad(y, x, dy)[0]
+    torch.testing.assert_close(gx, torch.autograd.grad(want, x, dy)[0], rtol=1e-4, atol=1e-5)
+
+
+def test_mla_layer_attends_within_each_document():
+    torch.manual_seed(5)
+    assert_layer_matches_per_document(GatedMLA(tiny_config(), 3), seed=6)
+
+
+def test_document_mask_attention_equals_a_plain_masked_softmax():
+    """mla_attention_expanded with doc_ids (SDPA with `document_mask`) == softmax over scores with -inf outside
+    the query's document and its future, written out."""
+    g = torch.Generator().manual_seed(7)
+    B, T, H, n, r, v, R = 3, 18, 2, 8, 4, 8, 16
+    q = torch.randn(B, T, H, n + r, generator=g, dtype=torch.float64) * 3
+    kv = torch.randn(B, T, R + r, generator=g, dtype=torch.float64)
+    kv_b = torch.randn(H * (n + v), R, generator=g, dtype=torch.float64)
+    doc_ids = Documents.from_segments(INPUT_SEGMENTS).doc_ids
+    got = mla_attention_expanded(q, kv, kv_b, nope_dim=n, v_dim=v, doc_ids=doc_ids)
+    w = kv_b.view(H, n + v, R)
+    k = torch.cat([torch.einsum("btr,hnr->bthn", kv[..., :R], w[:, :n]),
+                   kv[..., R:].unsqueeze(2).expand(B, T, H, r)], -1)
+    val = torch.einsum("btr,hvr->bthv", kv[..., :R], w[:, n:])
+    scores = torch.einsum("bihd,bjhd->bhij", q, k) * (n + r) ** -0.5
+    allowed = torch.tensor([[[doc_ids[b, i] == doc_ids[b, j] and j <= i for j in range(T)] for i in range(T)]
+                            for b in range(B)])
+    assert torch.equal(document_mask(doc_ids)[:, 0], allowed)
+    want = torch.einsum("bhij,bjhv->bihv", scores.masked_fill(~allowed[:, None], float("-inf")).softmax(-1), val)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
