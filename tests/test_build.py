@@ -89,12 +89,22 @@ def test_estimate_is_what_the_build_holds():
 
 def test_startup_errors(monkeypatch):
     dense = get_preset("k3-tiny").with_overrides({"name": "dense-tiny", "moe": None})
-    with pytest.raises(ValueError, match=r"^quantization 'mxfp4' keeps routed MoE experts packed, but model "
+    with pytest.raises(ValueError, match=r"^--quantization mxfp4 keeps routed MoE experts packed, but model "
                                          r"'dense-tiny' has none \(config field 'moe' is None\)$"):
         build_model(dense, "cpu", quantization="mxfp4")
-    with pytest.raises(ValueError, match="quantization must be one of"):
+    with pytest.raises(ValueError, match=r"^--quantization must be one of none, mxfp4 \(or unset: as stored\), "
+                                         r"got 'int4'$"):
         build_model(dense, "cpu", quantization="int4")
     monkeypatch.setattr(build, "free_bytes", lambda device: 3 << 20)
-    with pytest.raises(ValueError, match=r"^the weights do not fit: they need 11\.\d MiB and cpu has 3\.0 MiB free$"):
+    with pytest.raises(ValueError, match=r"^the weights do not fit: they need 11\.\d MiB and cpu has 3\.0 MiB free "
+                                         r"\(with --quantization mxfp4: 9\.\d MiB\)$"):
         build_model(get_preset("k3-tiny"), "cpu")
+    small = dense.with_overrides({"vocab_size": 256})
+    with torch.device("meta"):
+        need = weight_bytes(K3ForCausalLM(small))[0]
+    monkeypatch.setattr(build, "free_bytes", lambda device: need + (1 << 19))
+    build_model(small, "cpu")  # the weights alone fit, with the reserve they do not:
+    with pytest.raises(ValueError, match=r"^the weights and 1\.0 MiB reserved do not fit: they need "
+                                         f"{(need + (1 << 20)) / (1 << 20):.1f} MiB and cpu has"):
+        build_model(small, "cpu", reserve_bytes=1 << 20)
     check_fits(2 << 20, "cpu")  # fits

@@ -52,6 +52,7 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> N
     ([0, 0, 40], 70, 160),  # every row in the last expert (three row tiles), K with a partial step
     ([1] * 9, 33, 32),  # decode: one row per expert, one scale group
     ([5], 64, 256),  # one expert, whole tiles
+    ([150, 0, 7], 40, 96),  # prefill-sized groups: 64-row tiles, 64 inputs a step
 ])
 def test_kernel_matches_dequantize_then_matmul(counts, N, K, method):
     counts = torch.tensor(counts)

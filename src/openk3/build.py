@@ -83,11 +83,21 @@ def free_bytes(device: torch.device | str) -> int | None:
     return None
 
 
-def check_fits(need_bytes: int, device: torch.device | str, what: str = "the weights") -> None:
+def check_fits(need_bytes: int, device: torch.device | str, what: str = "the weights", hint: str = "") -> None:
     """ValueError, one line, when `need_bytes` exceed what `device` has free (no check where that is unknown)."""
     free = free_bytes(device)
     if free is not None and need_bytes > free:
-        raise ValueError(f"{what} do not fit: they need {size(need_bytes)} and {device} has {size(free)} free")
+        raise ValueError(f"{what} do not fit: they need {size(need_bytes)} and {device} has {size(free)} free{hint}")
+
+
+def _check_weights(model: nn.Module, packed: bool, device: torch.device, reserve_bytes: int) -> None:
+    """check_fits for `model`'s weights (meta), plus reserve_bytes; the MXFP4 size as a hint when it would help."""
+    need = weight_bytes(model, packed)[0]
+    hint = ""
+    if not packed and any(isinstance(m, Experts) for m in model.modules()):
+        hint = f" (with --quantization mxfp4: {size(weight_bytes(model, True)[0] + reserve_bytes)})"
+    what = "the weights" + (f" and {size(reserve_bytes)} reserved" if reserve_bytes else "")
+    check_fits(need + reserve_bytes, device, what, hint)
 
 
 def _timed(phases: dict[str, float], name: str, device: torch.device, start: float) -> float:
@@ -99,12 +109,12 @@ def _timed(phases: dict[str, float], name: str, device: torch.device, start: flo
 
 def build_model(cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype | None = None,
                 quantization: str | None = None, method: str = "dequant", check: bool = True,
-                ) -> tuple[K3ForCausalLM, BuildReport]:
+                reserve_bytes: int = 0) -> tuple[K3ForCausalLM, BuildReport]:
     """The random-init model of `cfg` on `device` in `dtype` (None: fp32), in eval mode, the same weights as
     `K3ForCausalLM(cfg).to(dtype)` built on that device under the same seed; quantization "mxfp4" keeps the routed
     experts MXFP4 (each layer's packed as soon as it is built; `method`: the packed experts' kernel), None or
-    "none" plain. Phases: plan (the weights' size on the meta device, `check_fits` when `check`), construct,
-    quantize."""
+    "none" plain. Phases: plan (the weights' size on the meta device; when `check`, `check_fits` of that plus
+    reserve_bytes, what the caller will need beside them), construct, quantize."""
     device = torch.device(device)
     check_quantization(quantization, cfg.moe is not None, cfg.name)
     packed = quantization == "mxfp4"
@@ -113,7 +123,7 @@ def build_model(cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype
     with torch.device("meta"):
         meta = K3ForCausalLM(cfg).to(dtype or torch.float32)
     if check:
-        check_fits(weight_bytes(meta, packed)[0], device)
+        _check_weights(meta, packed, device, reserve_bytes)
     start = _timed(report.phases, "plan", device, start)
     quantize_seconds = []
 
@@ -134,16 +144,16 @@ def build_model(cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype
 
 def load_model(path: str | Path, device: torch.device | str, dtype: torch.dtype | None = None,
                quantization: str | None = None, method: str = "dequant", check: bool = True,
-               ) -> tuple[K3ForCausalLM, BuildReport]:
+               reserve_bytes: int = 0) -> tuple[K3ForCausalLM, BuildReport]:
     """A checkpoint directory's model on `device`, in eval mode: `load_pretrained(path, dtype)` moved there, read
     shard by shard without a host copy; quantization None keeps MXFP4-stored experts packed (automatic for an MXFP4
-    checkpoint), "none" dequantizes them, "mxfp4" packs plain ones. Phases: plan (config and headers checked,
-    `check_fits` when `check`), read, quantize."""
+    checkpoint), "none" dequantizes them, "mxfp4" packs plain ones. Phases: plan (config and headers checked;
+    `check_fits` as in build_model), read, quantize."""
     device = torch.device(device)
 
     def fits(plan, packed: bool) -> None:
         if check:
-            check_fits(weight_bytes(plan.model, packed)[0], device)
+            _check_weights(plan.model, packed, device, reserve_bytes)
 
     model, phases = load_to_device(path, device, dtype, quantization, method, before_read=fits)
     return model, _measured(BuildReport(str(device), phases), model, model.model.embed_tokens.weight.dtype)

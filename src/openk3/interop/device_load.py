@@ -28,19 +28,19 @@ from openk3.interop.files import weight_map
 from openk3.model import K3ForCausalLM
 from openk3.model.moe import Experts
 from openk3.quant.mx import unpack_mxfp4
-from openk3.quant.packed_experts import PackedExperts, pack_experts_in
+from openk3.quant.packed_experts import PackedExperts, no_experts, pack_experts_in
 
 QUANTIZATIONS = ("none", "mxfp4")
 _PAIR = ("_packed", "_scale")  # an MXFP4 weight's file tensors: name + suffix (interop.quantization)
 
 
 def check_quantization(quantization: str | None, has_experts: bool, model_name: str) -> None:
-    """ValueError naming the flag's value when it is not one of QUANTIZATIONS or when MXFP4 has no experts."""
+    """ValueError naming the flag when its value is not one of QUANTIZATIONS or when MXFP4 has no experts."""
     if quantization not in (None, *QUANTIZATIONS):
-        raise ValueError(f"quantization must be one of {QUANTIZATIONS} (or None: as stored), got {quantization!r}")
+        raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)} (or unset: as stored), got "
+                         f"{quantization!r}")
     if quantization == "mxfp4" and not has_experts:
-        raise ValueError(f"quantization 'mxfp4' keeps routed MoE experts packed, but model {model_name!r} has none "
-                         "(config field 'moe' is None)")
+        raise no_experts(model_name)
 
 
 def synchronize(device: torch.device) -> None:

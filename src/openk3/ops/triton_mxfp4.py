@@ -30,7 +30,9 @@ import triton.language as tl
 
 METHODS = ("dequant", "dot_scaled")
 BLOCK_N = 64
-BLOCK_K = 128  # inputs per step: 64 packed bytes, 4 scales
+# rows per tile -> (inputs per step, warps): the tiles that compile for sm_90 without register spills (both methods,
+# triton 3.9, cuobjdump -res-usage); timings on a GPU may pick others
+TILES = {16: (128, 8), 32: (128, 8), 64: (64, 8), 128: (64, 8)}
 
 
 @triton.jit
@@ -122,7 +124,7 @@ def dot_dtype(x: torch.Tensor) -> tl.dtype:
 def block_m(rows: int, experts: int) -> int:
     """Rows per tile from the mean rows per expert (shapes only): 16 for decode, up to 128 for long prefills."""
     mean = rows / max(experts, 1)
-    return 16 if mean <= 16 else 32 if mean <= 32 else 64 if mean <= 64 else 128
+    return next((m for m in TILES if mean <= m), max(TILES))
 
 
 def check_mxfp4_operands(x_sorted: torch.Tensor, counts: torch.Tensor, packed: torch.Tensor,
@@ -159,13 +161,14 @@ def mxfp4_grouped_matmul_triton(x_sorted: torch.Tensor, counts: torch.Tensor, pa
     if M == 0 or N == 0:
         return out
     bm = block_m(M, E)
+    block_k, warps = TILES[bm]
     dot = dot_dtype(x_sorted)
     # tiles: at most ceil(M / bm) full ones plus one partial tile per expert that has rows (at most min(E, M))
     grid = (triton.cdiv(M, bm) + min(E, M), triton.cdiv(N, BLOCK_N))
     _mxfp4_grouped_matmul_kernel[grid](
         x_sorted.contiguous(), counts.contiguous(), packed.contiguous(), scales.contiguous(), out, N, K, E,
-        BLOCK_M=bm, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_E=triton.next_power_of_2(E), DOT=dot,
-        PRECISION="ieee" if dot == tl.float32 else "tf32", SCALED_FORMAT=scaled)
+        BLOCK_M=bm, BLOCK_N=BLOCK_N, BLOCK_K=block_k, BLOCK_E=triton.next_power_of_2(E), DOT=dot,
+        PRECISION="ieee" if dot == tl.float32 else "tf32", SCALED_FORMAT=scaled, num_warps=warps)
     return out
 
 

@@ -125,10 +125,13 @@ def pack_experts_in(module: nn.Module, method: str = "dequant") -> ExpertsMemory
     return ExpertsMemory(len(found), before, after)
 
 
+def no_experts(model_name: str) -> ValueError:
+    return ValueError(f"--quantization mxfp4 keeps routed MoE experts packed, but model {model_name!r} has none "
+                      "(config field 'moe' is None)")
+
+
 def quantize_experts_(model: nn.Module, method: str = "dequant") -> ExpertsMemory:
     """Keep `model`'s routed experts MXFP4 (in place); ValueError naming the config field when it has none."""
     if not any(isinstance(m, (Experts, PackedExperts)) for m in model.modules()):
-        name = getattr(getattr(model, "config", None), "name", type(model).__name__)
-        raise ValueError(f"MXFP4 quantization keeps routed MoE experts packed, but model {name!r} has none "
-                         "(config field 'moe' is None)")
+        raise no_experts(getattr(getattr(model, "config", None), "name", type(model).__name__))
     return pack_experts_in(model, method)
