@@ -41,6 +41,7 @@ def construct(cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype |
         for child in module.children():  # `module`'s constructor has returned: its children are final
             complete(child)
 
+    # a global hook for the constructor's duration: modules another thread registers meanwhile would be cast too
     handle = nn.modules.module.register_module_module_registration_hook(registered)
     try:
         with torch.device(device):
