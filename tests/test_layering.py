@@ -25,7 +25,7 @@ FLOORS = {  # top-level module or package -> floor
     "model": 2,
     "quant": 2.5,
     "interop": 3, "cli_options": 3, "parallel": 3, "images": 3, "generation": 3, "accounting": 3,
-    "draft": 3.5,
+    "draft": 3.5, "build": 3.5,
     "generate": 4, "info": 4, "export": 4,
     "train": 5, "serve": 5,
     "cli": 6, "__main__": 7,

@@ -10,6 +10,7 @@ writes them.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ from openk3.interop.files import (
     write_config,
     write_tensors,
 )
-from openk3.interop.layouts import LAYOUTS, canonical_names, external_plan, from_external, to_external
+from openk3.interop.layouts import LAYOUTS, Entry, canonical_names, external_plan, from_external, to_external
 from openk3.interop.quantization import (
     QUANTIZATIONS,
     PackedExpertsReader,
@@ -52,6 +53,40 @@ def config_from_json(config: dict[str, Any]) -> tuple[ModelConfig, str]:
     return (config_from_k3(config) if layout == "k3" else config_from_hub(config)), layout
 
 
+@dataclass
+class CheckpointPlan:
+    """A checkpoint directory checked against the model its config describes, before any weight is read."""
+
+    cfg: ModelConfig
+    layout: str
+    mxfp4: bool  # routed experts stored MXFP4-packed
+    model: K3ForCausalLM  # on the meta device, each tensor in the dtype it is loaded in
+    plan: dict[str, Entry]  # openk3 key -> the file tensors it is joined from (`layouts.external_plan`)
+    names: dict[str, str]  # plan's file names -> names as stored (an MXFP4 pair: the weight it reads as)
+
+
+def plan_checkpoint(path: str | Path, dtype: torch.dtype | None = None) -> CheckpointPlan:
+    """Read config.json and the shard headers; ValueError listing every missing, unexpected or wrongly shaped
+    tensor (and for a `quantization_config` openk3 does not read). The model takes `dtype`, or when None the stored
+    dtype of the token embedding (the KeepFp32 tensors stay fp32 either way)."""
+    config = read_config(path)
+    cfg, layout = config_from_json(config)
+    mxfp4 = read_quantization(config) is not None
+    with torch.device("meta"):
+        model = K3ForCausalLM(cfg)
+    meta_state = model.state_dict()
+    plan = external_plan(meta_state, cfg, layout)
+    expected = {k: tuple(t.shape) for k, t in to_external(meta_state, plan).items()}
+    with TensorReader(path) as files:
+        stored = (PackedExpertsReader(files) if mxfp4 else files).shapes()
+        names = canonical_names(list(stored), layout)
+        read_shape = {key: entry.read_shape for entry in plan.values() for key in entry.keys}
+        found = {canon: read_shape.get(canon, tuple)(stored[name]) for canon, name in names.items()}
+        check_tensor_set(expected, found, where=str(path))
+        model.to(dtype or files.dtype(names[plan["model.embed_tokens.weight"].keys[0]]))  # on meta: target dtypes
+    return CheckpointPlan(cfg, layout, mxfp4, model, plan, names)
+
+
 def load_pretrained(path: str | Path, dtype: torch.dtype | None = None) -> K3ForCausalLM:
     """Build the model a checkpoint directory describes and load its weights; returned in eval mode.
 
@@ -60,32 +95,26 @@ def load_pretrained(path: str | Path, dtype: torch.dtype | None = None) -> K3For
     was saved with. MXFP4-packed routed experts are dequantized to that dtype (exactly: every MXFP4 value is a bf16
     value). A missing, unexpected or wrongly shaped tensor raises one ValueError that lists all of them; so does a
     `quantization_config` whose format openk3 does not read (naming it). `path` may also be a training run
-    directory (`openk3 train --out`): its latest complete checkpoint is read, as the CLI commands do."""
+    directory (`openk3 train --out`): its latest complete checkpoint is read, as the CLI commands do.
+    `openk3.interop.device_load` loads straight onto a GPU instead (and can keep MXFP4 experts packed)."""
     if not (Path(path) / CONFIG_NAME).is_file() and (latest := latest_checkpoint(path)) is not None:
         path = latest
-    config = read_config(path)
-    cfg, layout = config_from_json(config)
-    packed = read_quantization(config) is not None
-    with torch.device("meta"):
-        model = K3ForCausalLM(cfg)
-    meta_state = model.state_dict()
-    plan = external_plan(meta_state, cfg, layout)
-    expected = {k: tuple(t.shape) for k, t in to_external(meta_state, plan).items()}
+    p = plan_checkpoint(path, dtype)
     with TensorReader(path) as files:
-        reader = PackedExpertsReader(files) if packed else files
-        stored = reader.shapes()
-        names = canonical_names(list(stored), layout)
-        read_shape = {key: entry.read_shape for entry in plan.values() for key in entry.keys}
-        found = {canon: read_shape.get(canon, tuple)(stored[name]) for canon, name in names.items()}
-        check_tensor_set(expected, found, where=str(path))
-        embed = plan["model.embed_tokens.weight"].keys[0]
-        model.to(dtype or reader.get(names[embed]).dtype)  # on meta: fixes each tensor's target dtype
+        reader = PackedExpertsReader(files) if p.mxfp4 else files
+        reader.shapes()  # (a PackedExpertsReader finds its MXFP4 pairs in the headers)
+        model = p.model
         targets = {k: t.dtype for k, t in model.state_dict().items()}
-        state = {k: t.to(targets[k]) for k, t in from_external(lambda canon: reader.get(names[canon]), plan)}
-    if cfg.tie_embeddings:
+        state = {k: t.to(targets[k]) for k, t in from_external(lambda canon: reader.get(p.names[canon]), p.plan)}
+    if p.cfg.tie_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict(state, strict=True, assign=True)
-    if cfg.tie_embeddings:
+    return finish_loading(model)
+
+
+def finish_loading(model: K3ForCausalLM) -> K3ForCausalLM:
+    """Re-tie a tied LM head and check that every tensor was loaded; the model in eval mode."""
+    if model.config.tie_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     unset = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if unset:  # a tensor the model creates but does not save (a non-persistent buffer) has no data to load

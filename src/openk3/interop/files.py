@@ -19,6 +19,8 @@ from safetensors.torch import save_file
 CONFIG_NAME = "config.json"
 SINGLE_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+                      "U8": torch.uint8, "I8": torch.int8, "I32": torch.int32, "I64": torch.int64, "BOOL": torch.bool}
 
 
 def read_config(path: str | Path) -> dict[str, Any]:
@@ -32,8 +34,9 @@ def write_config(path: str | Path, config: dict[str, Any]) -> None:
     (Path(path) / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def _weight_map(path: Path) -> dict[str, Path]:
+def weight_map(path: str | Path) -> dict[str, Path]:
     """Tensor name -> the file that holds it."""
+    path = Path(path)
     index = path / INDEX_NAME
     if index.is_file():
         return {key: path / name for key, name in json.loads(index.read_text())["weight_map"].items()}
@@ -52,7 +55,7 @@ class TensorReader:
     load holds at most the model plus the tensors being converted, never a second copy of the checkpoint)."""
 
     def __init__(self, path: str | Path):
-        self._where = _weight_map(Path(path))
+        self._where = weight_map(path)
         self._stack = ExitStack()
         self._files = {file: self._stack.enter_context(safe_open(file, "pt")) for file in set(self._where.values())}
 
@@ -67,6 +70,11 @@ class TensorReader:
 
     def get(self, key: str) -> torch.Tensor:
         return self._files[self._where[key]].get_tensor(key)
+
+    def dtype(self, key: str) -> torch.dtype:
+        """A tensor's stored dtype, from the header (no data read)."""
+        name = self._files[self._where[key]].get_slice(key).get_dtype()
+        return SAFETENSORS_DTYPES[name]
 
 
 def save_safetensors(tensors: dict[str, torch.Tensor], file: str | Path,

@@ -10,7 +10,8 @@ Expert weights are 3-D tensors, one slice per expert, in nn.Linear's [out, in] l
 `experts_forward` permutes tokens into expert-contiguous groups once and calls `grouped_glu_mlp` on them, which
 runs one grouped GEMM per projection (`torch._grouped_mm`, SPEC §14) on a Hopper-class GPU in bf16 and a loop over
 the experts elsewhere (the loop is the reference). Neither the dispatch nor the grouped path reads a tensor's
-values on the host, so a CUDA step has no host-device sync here.
+values on the host, so a CUDA step has no host-device sync here. Experts kept MXFP4 (SPEC §13) take
+`experts_forward_mxfp4`: the same sorted dispatch around grouped W4A16 Triton GEMMs (`ops.triton_mxfp4`).
 """
 
 from __future__ import annotations
@@ -233,11 +234,43 @@ def experts_forward(
             return experts_forward_gathered(x, routing_indices, routing_weights, gate_up, down, act)
         if N <= DENSE_MAX_TOKENS and N * k >= E and E * N * gate_up.shape[1] <= DENSE_MAX_ELEMENTS:
             return experts_forward_dense(x, routing_indices, routing_weights, gate_up, down, act)
-    order, counts = group_by_expert(routing_indices, E)
+    return experts_forward_sorted(x, routing_indices, routing_weights, E,
+                                  lambda x_sorted, counts: grouped_glu_mlp(x_sorted, counts, gate_up, down, act))
+
+
+def experts_forward_sorted(x: torch.Tensor, routing_indices: torch.Tensor, routing_weights: torch.Tensor,
+                           num_experts: int, mlp: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """`experts_forward` with the rows sorted by expert: mlp(x_sorted [N*k, Din], counts [E]) -> [N*k, Dout] runs
+    the experts on the groups, whose outputs are combined per token in fp32. No host sync."""
+    N, k = routing_indices.shape
+    order, counts = group_by_expert(routing_indices, num_experts)
     token_of = order // k  # which token each sorted row came from
-    y_sorted = grouped_glu_mlp(x[token_of], counts, gate_up, down, act)
+    y_sorted = mlp(x[token_of], counts)
     w_sorted = routing_weights.reshape(-1)[order].unsqueeze(-1)
     return combine_rows(y_sorted, w_sorted, token_of, N, acc_dtype(x.dtype)).to(x.dtype)
+
+
+def grouped_matmul_loop(x_sorted: torch.Tensor, counts: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x_sorted [M, K] grouped by expert (counts [E]) -> [M, N]: each group times its expert's w [E, N, K]
+    transposed, one product per expert (a reference for one grouped GEMM; reads counts on the host)."""
+    return torch.cat([F.linear(xe, we) for xe, we in zip(x_sorted.split(counts.tolist()), w.unbind(0))])
+
+
+def experts_forward_mxfp4(x: torch.Tensor, routing_indices: torch.Tensor, routing_weights: torch.Tensor,
+                          gate_up: tuple[torch.Tensor, torch.Tensor], down: tuple[torch.Tensor, torch.Tensor],
+                          act: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                          method: str = "dequant") -> torch.Tensor:
+    """`experts_forward` with each projection's weights MXFP4 (packed codes, E8M0 scales: `ops.triton_mxfp4`'s
+    layout), dequantized inside two grouped W4A16 Triton GEMMs over the sorted rows, the GLU between them: the
+    weights are read at 4.25 bits each and never expanded in memory. Forward only; no host sync."""
+    from openk3.ops.triton_mxfp4 import mxfp4_grouped_matmul_triton  # triton is an optional dependency
+
+    def mlp(x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        h = mxfp4_grouped_matmul_triton(x_sorted, counts, *gate_up, method)
+        return mxfp4_grouped_matmul_triton(apply_glu(act, h), counts, *down, method)
+
+    return experts_forward_sorted(x.to(compute_dtype(x)), routing_indices, routing_weights, gate_up[0].shape[0],
+                                  mlp).to(x.dtype)
 
 
 # Weights a single token's experts may gather (`experts_forward_gathered`): the k experts read three times (the

@@ -1,0 +1,126 @@
+"""One MoE layer's routed experts on a GPU, bf16 against MXFP4 kept packed, and the start-up of a 48B model.
+
+    python bench/mxfp4_experts.py [--batches 1 16 64 256 4096] [--startup]
+
+Experts of kimi-linear-48b by default (256 experts, top 8, hidden 2304, expert width 1024). For each batch of
+tokens (random routing, bf16 activations), each replayed as a CUDA graph and timed with triton's do_bench (median):
+  bf16         `ops.moe.experts_forward` on bf16 weights (what `Experts` runs: gathered / dense / grouped GEMM)
+  mxfp4        `ops.moe.experts_forward_mxfp4`, the W4A16 kernel with its explicit dequantization
+  mxfp4-scaled the same with tl.dot_scaled
+with the weight bytes the batch's experts hold (the floor a step must read) and the bandwidth that makes, and the
+MXFP4 outputs' relative error against bf16 experts holding the dequantized values. --startup also builds
+kimi-linear-48b in bf16 and with MXFP4 experts (`openk3.build.build_model`, random init) and prints the phases.
+Writes bench/mxfp4_experts.json. `--device cpu --tiny` runs a small case under TRITON_INTERPRET=1 (a smoke test:
+no timings worth reading).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from openk3.config import get_preset
+from openk3.ops.activations import glu_activation
+from openk3.ops.moe import experts_forward, experts_forward_mxfp4
+from openk3.quant.mx import unpack_mxfp4
+from openk3.quant.packed_experts import pack_mxfp4_chunked
+
+HERE = Path(__file__).parent
+
+
+def timed(fn, device: torch.device) -> float:
+    """Milliseconds per call: a CUDA graph's replay (median of triton's do_bench); one eager call on CPU."""
+    if device.type != "cuda":
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+    import triton.testing
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return triton.testing.do_bench(graph.replay, warmup=10, rep=200, return_mode="median")
+
+
+def formats(x, indices, weights, dense, packed, act) -> dict:
+    """format -> the call that runs the batch's experts in it."""
+    return {"bf16": lambda: experts_forward(x, indices, weights, *dense, act),
+            "mxfp4": lambda: experts_forward_mxfp4(x, indices, weights, *packed, act, "dequant"),
+            "mxfp4-scaled": lambda: experts_forward_mxfp4(x, indices, weights, *packed, act, "dot_scaled")}
+
+
+def bench_experts(E: int, k: int, dim: int, inter: int, batches: list[int], device: torch.device) -> list[dict]:
+    g = torch.Generator(device=device).manual_seed(0)
+    gate_up = torch.randn(E, 2 * inter, dim, generator=g, device=device, dtype=torch.bfloat16) * 0.02
+    down = torch.randn(E, dim, inter, generator=g, device=device, dtype=torch.bfloat16) * 0.02
+    packed = pack_mxfp4_chunked(gate_up), pack_mxfp4_chunked(down)
+    del gate_up, down
+    dense = unpack_mxfp4(*packed[0], torch.bfloat16), unpack_mxfp4(*packed[1], torch.bfloat16)  # the same values
+    act = glu_activation("swiglu")
+    rows = []
+    for n in batches:
+        x = torch.randn(n, dim, generator=g, device=device, dtype=torch.bfloat16)
+        indices = torch.rand(n, E, generator=g, device=device).topk(k, dim=-1).indices
+        weights = torch.rand(n, k, generator=g, device=device)
+        touched = int(torch.unique(indices).numel())
+        values = touched * 3 * dim * inter
+        runs = formats(x, indices, weights, dense, packed, act)
+        with torch.no_grad():
+            want = runs["bf16"]().float()
+            for name, fn in runs.items():
+                err = float((fn().float() - want).norm() / want.norm())
+                ms = timed(fn, device)
+                read = values * (2 if name == "bf16" else 0.5 + 1 / 32)
+                rows.append({"format": name, "tokens": n, "experts_touched": touched, "ms": ms,
+                             "weight_gb": read / 1e9, "gb_per_s": read / ms / 1e6, "rel_err_vs_bf16": err})
+                print(f"{name:13s} tokens {n:5d}  experts {touched:3d}  {ms * 1e3:9.1f} us  "
+                      f"{read / 1e9:6.3f} GB  {read / ms / 1e6:7.0f} GB/s  rel err {err:.1e}", flush=True)
+    return rows
+
+
+def bench_startup(device: torch.device) -> list[dict]:
+    from openk3.build import build_model
+
+    rows = []
+    for quantization in (None, "mxfp4"):
+        torch.manual_seed(0)
+        model, report = build_model(get_preset("kimi-linear-48b"), device, torch.bfloat16, quantization)
+        print(report.line(), flush=True)
+        rows.append({"format": quantization or "bf16", "phases_s": report.phases,
+                     "startup_s": sum(report.phases.values()), "weights_gib": report.weights_bytes / (1 << 30)})
+        del model
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256, 4096])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="16 experts, top 4, width 64 (CPU smoke test)")
+    parser.add_argument("--startup", action="store_true", help="also time building kimi-linear-48b (CUDA)")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    moe = get_preset("kimi-linear-48b").moe
+    shape = (16, 4, 64, 32) if args.tiny else (moe.num_experts, moe.top_k, 2304, moe.expert_hidden)
+    result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "experts": dict(zip(("num", "top_k", "dim", "hidden"), shape)),
+              "rows": bench_experts(*shape, args.batches, device)}
+    if args.startup:
+        result["startup"] = bench_startup(device)
+    if not args.tiny:
+        (HERE / "mxfp4_experts.json").write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""Grouped W4A16 GEMM over MXFP4 experts (SPEC §13): y[r] = x_sorted[r] @ W[e(r)]^T for rows grouped by expert,
+with the weights kept 4-bit in memory and dequantized in registers inside the kernel.
+
+Weights, one matrix per expert in nn.Linear's [out, in] = [N, K] layout, as the released files store them
+(compressed-tensors' `mxfp4-pack-quantized`, openk3.quant.mx):
+  packed  uint8 [E, N, K / 2]   two E2M1 codes per byte, input 2j in the low nibble, 2j + 1 in the high one
+  scales  uint8 [E, N, K / 32]  one E8M0 exponent per 32 inputs: 2^(s - 127), s = 0xFF is NaN
+Rows: x_sorted [M, K] (bf16 / fp16 / fp32) grouped by expert, counts [E] rows per expert (`ops.moe.group_by_expert`,
+empty experts allowed). The reference is the dequantize-then-matmul loop, `ops.moe.grouped_matmul_loop` on the
+weights `quant.mx.unpack_mxfp4` gives; the values the kernel multiplies are the same (E2M1 times a power of two is
+exact in bf16), so the two differ by the order of the fp32 sums only.
+
+Each program computes a [BLOCK_M, BLOCK_N] tile of one expert's rows: program m of the grid's first axis finds its
+expert and row tile from `counts` alone (the running sum of each expert's ceil(count / BLOCK_M) tiles), so the grid
+is sized from M and E only (no host sync: CUDA graphs hold) and programs past the last tile return at once. A
+decode step's few rows per expert take BLOCK_M = 16. Inside, the even and odd inputs are two products of half
+width (the low and the high nibbles against x's even and odd columns), so the codes are never interleaved.
+E2M1 -> value: the 3 magnitude bits placed at the bottom of an fp16 exponent and the top of its mantissa give
+2^-14 times the E2M1 value, exactly, subnormal 0.5 included (fp16 arithmetic and conversions keep subnormals).
+
+`method="dot_scaled"` hands the packed codes and scales to `tl.dot_scaled` instead (bf16 / fp16 rows), which Triton
+lowers to its own upcast on Hopper and to native MX instructions on Blackwell.
+
+Cost, read from the sm_90 code (triton 3.9's ptxas, no GPU run): a decode tile (16 rows, 64 outputs, 128 inputs a
+step, 8 warps) spends ~400 instructions a step per thread on 32 weights, both methods alike: ~13 per weight for
+unpacking, scaling and the operand shuffle. At batch 1 that is of the order of the weights' read time at HBM speed,
+so whether MXFP4 beats bf16 there is for the GPU to say (bench/mxfp4_experts.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+METHODS = ("dequant", "dot_scaled")
+BLOCK_N = 64
+# rows per tile -> (inputs per step, warps): the tiles that compile for sm_90 without register spills (both methods,
+# triton 3.9, cuobjdump -res-usage); timings on a GPU may pick others
+TILES = {16: (128, 8), 32: (128, 8), 64: (64, 8), 128: (64, 8)}
+
+
+@triton.jit
+def _e8m0(s):
+    """E8M0 bytes -> fp32 2^(s - 127): the bit pattern s << 23, except 0 (2^-127, an fp32 subnormal) and 0xFF (NaN)."""
+    s = s.to(tl.int32)
+    value = (s << 23).to(tl.float32, bitcast=True)
+    value = tl.where(s == 0, 5.877471754111438e-39, value)
+    return tl.where(s == 255, float("nan"), value)
+
+
+@triton.jit
+def _e2m1(code):
+    """4-bit E2M1 codes (sign in bit 3) -> fp32 values: bits 0-2 to fp16 bits 9-11, the sign to bit 15, times 2^14
+    (in fp16, two values an instruction on a GPU; exact)."""
+    c = code.to(tl.uint16)
+    half = (((c & 7) << 9) | ((c & 8) << 12)).to(tl.float16, bitcast=True)
+    return (half * 16384.0).to(tl.float32)
+
+
+@triton.jit
+def _dot_codes(x, codes, scale, acc, GROUPS: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr):
+    """acc + x [BLOCK_M, HALF] @ the weights of codes [HALF, BLOCK_N] (4-bit, one input of each byte) with their
+    block scales [GROUPS, BLOCK_N] (fp32; HALF / GROUPS = 16 codes of a column share one), operands in DOT."""
+    HALF: tl.constexpr = codes.shape[0]
+    BLOCK_N: tl.constexpr = codes.shape[1]
+    w = tl.reshape(_e2m1(codes), (GROUPS, HALF // GROUPS, BLOCK_N)) * scale[:, None, :]
+    return tl.dot(x.to(DOT), tl.reshape(w, (HALF, BLOCK_N)).to(DOT), acc, input_precision=PRECISION)
+
+
+@triton.jit
+def _mxfp4_grouped_matmul_kernel(x_ptr, counts_ptr, w_ptr, s_ptr, out_ptr, N, K, E,
+                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                 BLOCK_E: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+                                 SCALED_FORMAT: tl.constexpr):
+    """One [BLOCK_M, BLOCK_N] output tile; SCALED_FORMAT ("bf16" / "fp16") takes tl.dot_scaled, "" the explicit
+    dequantization."""
+    e_idx = tl.arange(0, BLOCK_E)
+    counts = tl.load(counts_ptr + e_idx, mask=e_idx < E, other=0).to(tl.int32)
+    tiles = (counts + BLOCK_M - 1) // BLOCK_M
+    pid_m = tl.program_id(0)
+    e = tl.sum((tl.cumsum(tiles, axis=0) <= pid_m).to(tl.int32), axis=0)  # the expert whose tiles hold pid_m
+    if e < E:
+        before = e_idx < e
+        tile = pid_m - tl.sum(tl.where(before, tiles, 0), axis=0)
+        row0 = tl.sum(tl.where(before, counts, 0), axis=0) + tile * BLOCK_M
+        rows_left = tl.sum(tl.where(e_idx == e, counts, 0), axis=0) - tile * BLOCK_M
+        rm = tl.arange(0, BLOCK_M)
+        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_ok, n_ok = rm < rows_left, rn < N
+        HALF: tl.constexpr = BLOCK_K // 2
+        GROUPS: tl.constexpr = BLOCK_K // 32
+        j = tl.arange(0, HALF)  # packed byte of the step
+        g = tl.arange(0, GROUPS)  # scale of the step
+        x_rows = x_ptr + (row0 + rm).to(tl.int64)[:, None] * K
+        w_row = e.to(tl.int64) * N + rn  # the expert's output rows: [HALF, BLOCK_N] tiles of codes, K down
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            j_ok = k0 // 2 + j < K // 2
+            g_ok = k0 // 32 + g < K // 32
+            packed = tl.load(w_ptr + w_row[None, :] * (K // 2) + (k0 // 2 + j)[:, None],
+                             mask=j_ok[:, None] & n_ok[None, :], other=0)
+            if SCALED_FORMAT == "":
+                scale = tl.load(s_ptr + w_row[None, :] * (K // 32) + (k0 // 32 + g)[:, None],
+                                mask=g_ok[:, None] & n_ok[None, :], other=127)
+                x_mask = m_ok[:, None] & j_ok[None, :]
+                x_even = tl.load(x_rows + k0 + 2 * j[None, :], mask=x_mask, other=0.0)
+                x_odd = tl.load(x_rows + k0 + 2 * j[None, :] + 1, mask=x_mask, other=0.0)
+                acc = _dot_codes(x_even, packed & 0xF, _e8m0(scale), acc, GROUPS, DOT, PRECISION)
+                acc = _dot_codes(x_odd, packed >> 4, _e8m0(scale), acc, GROUPS, DOT, PRECISION)
+            else:
+                k = k0 + tl.arange(0, BLOCK_K)
+                x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
+                scale = tl.load(s_ptr + w_row[:, None] * (K // 32) + (k0 // 32 + g)[None, :],
+                                mask=n_ok[:, None] & g_ok[None, :], other=127)
+                acc = tl.dot_scaled(x, None, SCALED_FORMAT, packed, scale, "e2m1", acc)
+        out = out_ptr + (row0 + rm).to(tl.int64)[:, None] * N + rn[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def dot_dtype(x: torch.Tensor) -> tl.dtype:
+    """The product's operand type: x's 16-bit type on a GPU; fp32 for fp32 rows and for CPU tensors, which the kernel
+    sees only under the Triton interpreter (whose 16-bit dot products are broken). Exact either way: the dequantized
+    weights are 16-bit values."""
+    if x.device.type == "cpu" or x.dtype == torch.float32:
+        return tl.float32
+    return tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16
+
+
+def block_m(rows: int, experts: int) -> int:
+    """Rows per tile from the mean rows per expert (shapes only): 16 for decode, up to 128 for long prefills."""
+    mean = rows / max(experts, 1)
+    return next((m for m in TILES if mean <= m), max(TILES))
+
+
+def check_mxfp4_operands(x_sorted: torch.Tensor, counts: torch.Tensor, packed: torch.Tensor,
+                         scales: torch.Tensor) -> None:
+    """ValueError naming the operand whose shape or dtype does not fit the others."""
+    if packed.dim() != 3 or packed.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise ValueError(f"MXFP4 experts: packed must be uint8 [E, N, K/2] and scales uint8 [E, N, K/32], got "
+                         f"{packed.dtype} {list(packed.shape)} and {scales.dtype} {list(scales.shape)}")
+    E, N, half = packed.shape
+    K = x_sorted.shape[-1]
+    if x_sorted.dim() != 2 or 2 * half != K or K % 32 or tuple(scales.shape) != (E, N, K // 32):
+        raise ValueError(f"MXFP4 experts: rows {list(x_sorted.shape)} need packed [E, N, K/2] and scales "
+                         f"[E, N, K/32] with K a multiple of 32, got {list(packed.shape)} and {list(scales.shape)}")
+    if counts.shape != (E,):
+        raise ValueError(f"MXFP4 experts: counts must hold one row count per expert ({E}), got {list(counts.shape)}")
+
+
+# A torch custom op, so that torch.compile (the compiled decode step) keeps the launch whole
+@torch.library.custom_op("openk3::mxfp4_grouped_matmul", mutates_args=())
+def mxfp4_grouped_matmul_triton(x_sorted: torch.Tensor, counts: torch.Tensor, packed: torch.Tensor,
+                                scales: torch.Tensor, method: str = "dequant") -> torch.Tensor:
+    """x_sorted [M, K] grouped by expert (counts [E], summing to M) times each expert's MXFP4 weight (packed
+    [E, N, K/2], scales [E, N, K/32]) transposed -> [M, N] in x_sorted's dtype. method: "dequant" (explicit, any
+    float rows) or "dot_scaled" (16-bit rows)."""
+    check_mxfp4_operands(x_sorted, counts, packed, scales)
+    if method not in METHODS:
+        raise ValueError(f"MXFP4 grouped matmul method must be one of {METHODS}, got {method!r}")
+    scaled = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(x_sorted.dtype) if method == "dot_scaled" else ""
+    if scaled is None:
+        raise ValueError(f"method 'dot_scaled' takes bf16 or fp16 rows, got {x_sorted.dtype}")
+    M, K = x_sorted.shape
+    E, N, _ = packed.shape
+    out = torch.empty(M, N, dtype=x_sorted.dtype, device=x_sorted.device)
+    if M == 0 or N == 0:
+        return out
+    bm = block_m(M, E)
+    block_k, warps = TILES[bm]
+    dot = dot_dtype(x_sorted)
+    # tiles: at most ceil(M / bm) full ones plus one partial tile per expert that has rows (at most min(E, M))
+    grid = (triton.cdiv(M, bm) + min(E, M), triton.cdiv(N, BLOCK_N))
+    _mxfp4_grouped_matmul_kernel[grid](
+        x_sorted.contiguous(), counts.contiguous(), packed.contiguous(), scales.contiguous(), out, N, K, E,
+        BLOCK_M=bm, BLOCK_N=BLOCK_N, BLOCK_K=block_k, BLOCK_E=triton.next_power_of_2(E), DOT=dot,
+        PRECISION="ieee" if dot == tl.float32 else "tf32", SCALED_FORMAT=scaled, num_warps=warps)
+    return out
+
+
+@mxfp4_grouped_matmul_triton.register_fake
+def _(x_sorted, counts, packed, scales, method="dequant"):
+    return x_sorted.new_empty(x_sorted.shape[0], packed.shape[1])

@@ -1,0 +1,160 @@
+"""The grouped W4A16 GEMM over MXFP4 experts (`ops.triton_mxfp4`, both methods) against dequantize-then-matmul
+(`quant.mx.unpack_mxfp4`, then `ops.moe.grouped_matmul_loop`): odd sizes, experts without rows (first, middle,
+last), every row in one expert, no rows at all, one to several row tiles per expert, extreme block scales (the
+smallest E8M0, the largest, NaN) and every E2M1 code; and `ops.moe.experts_forward_mxfp4` (sort, two kernels, GLU,
+combine) against `experts_forward` on the dequantized weights, eagerly and inside torch.compile. On CPU the kernel
+runs under TRITON_INTERPRET=1 (tests/conftest.py), its output NaN-poisoned."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from openk3.ops import moe as moe_ops
+from openk3.ops import triton_mxfp4
+from openk3.ops.activations import glu_activation
+from openk3.quant.mx import pack_mxfp4, unpack_mxfp4
+from test_ops_fused import DEV, _Poisoned
+
+
+@pytest.fixture(autouse=True)
+def poison(monkeypatch):
+    monkeypatch.setattr(triton_mxfp4, "torch", _Poisoned())
+
+
+def weights(E: int, N: int, K: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP4 weights [E, N, K] over many magnitudes: rows scaled from 1e-3 to 1e2."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(E, N, K, generator=g) * torch.logspace(-3, 2, N).unsqueeze(-1)
+    return pack_mxfp4(w)
+
+
+def reference(x: torch.Tensor, counts: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Dequantize to x's dtype, then one product per expert in fp32."""
+    w = unpack_mxfp4(packed, scales, x.dtype).float()
+    return moe_ops.grouped_matmul_loop(x.float(), counts, w)
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    """Within the output dtype's rounding (the kernel's sums run in another order): elementwise, relative to the
+    row's size."""
+    assert got.dtype == dtype and got.shape == want.shape
+    assert torch.isfinite(got).all(), "non-finite values (an unwritten element?)"
+    eps = torch.finfo(dtype).eps if dtype != torch.float32 else 1e-5
+    scale = want.abs().amax(-1, keepdim=True).clamp_min(1e-30)
+    err = ((got.float() - want) / scale).abs().max()
+    assert err <= 2 * eps, float(err)
+
+
+@pytest.mark.parametrize("method", ["dequant", "dot_scaled"])
+@pytest.mark.parametrize(("counts", "N", "K"), [
+    ([3, 0, 17, 1, 0], 45, 96),  # empty experts in the middle and last, N not a multiple of the tile
+    ([0, 0, 40], 70, 160),  # every row in the last expert (three row tiles), K with a partial step
+    ([1] * 9, 33, 32),  # decode: one row per expert, one scale group
+    ([5], 64, 256),  # one expert, whole tiles
+    ([150, 0, 7], 40, 96),  # prefill-sized groups: 64-row tiles, 64 inputs a step
+])
+def test_kernel_matches_dequantize_then_matmul(counts, N, K, method):
+    counts = torch.tensor(counts)
+    E, M = counts.numel(), int(counts.sum())
+    packed, scales = weights(E, N, K, seed=M + N + K)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(K)).to(torch.bfloat16)
+    want = reference(x, counts, packed, scales)
+    got = triton_mxfp4.mxfp4_grouped_matmul_triton(x.to(DEV), counts.to(DEV), packed.to(DEV), scales.to(DEV),
+                                                   method)
+    assert_close(got.cpu(), want, torch.bfloat16)
+
+
+def test_kernel_takes_fp32_rows_exactly():
+    """fp32 rows: fp32 products (to fp32 rounding of the sums)."""
+    counts = torch.tensor([2, 0, 7])
+    packed, scales = weights(3, 19, 64, seed=5)
+    x = torch.randn(9, 64, generator=torch.Generator().manual_seed(6))
+    got = triton_mxfp4.mxfp4_grouped_matmul_triton(x.to(DEV), counts.to(DEV), packed.to(DEV), scales.to(DEV))
+    assert_close(got.cpu(), reference(x, counts, packed, scales), torch.float32)
+
+
+@pytest.mark.parametrize(("method", "dtype"), [("dequant", torch.float32), ("dequant", torch.bfloat16),
+                                               ("dot_scaled", torch.bfloat16)])
+def test_extreme_scales_and_every_code(method, dtype):
+    """Every E2M1 code under block scales from 2^-127 (the E8M0 byte 0: fp32 subnormal weights) to 2^123, read
+    one weight at a time (one-hot rows: each output is a single weight, so the comparison is exact); a NaN scale
+    (0xFF) makes its column NaN, as in the reference."""
+    N, K = 5, 64
+    codes = (torch.arange(K) % 16).to(torch.uint8).repeat(N, 1)  # [N, K]: codes 0-15 at inputs 0-15, 32-47
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).unsqueeze(0)
+    scales = torch.tensor([[0, 1], [127, 127], [227, 27], [30, 250], [255, 127]], dtype=torch.uint8).unsqueeze(0)
+    picks = torch.cat([torch.arange(16), torch.arange(32, 48)])
+    x = torch.zeros(picks.numel(), K, dtype=dtype)
+    x[torch.arange(picks.numel()), picks] = 1.0
+    counts = torch.tensor([picks.numel()])
+    want = reference(x, counts, packed, scales)
+    got = triton_mxfp4.mxfp4_grouped_matmul_triton(x.to(DEV), counts.to(DEV), packed.to(DEV), scales.to(DEV),
+                                                   method).cpu().float()
+    assert torch.isnan(got[:, 4]).all() and torch.isnan(want[:, 4]).all()
+    assert (want[:, 0] != 0).sum() == 28 and want[:, 3].abs().max() == 6 * 2.0**123  # subnormals, no overflow
+    got, want = got[:, :4], want[:, :4]
+    if dtype == torch.bfloat16 and DEV == "cpu":  # the interpreter's fp32 -> bf16 cast flushes subnormals to zero
+        kept = (want == 0) | (want.abs() >= torch.finfo(torch.float32).tiny)
+        got, want = got[kept], want[kept]
+    assert torch.equal(got, want)
+
+
+def test_no_rows_and_bad_operands():
+    packed, scales = weights(4, 8, 64, seed=1)
+    x = torch.empty(0, 64, dtype=torch.bfloat16)
+    out = triton_mxfp4.mxfp4_grouped_matmul_triton(x.to(DEV), torch.zeros(4, dtype=torch.long).to(DEV),
+                                                   packed.to(DEV), scales.to(DEV))
+    assert out.shape == (0, 8)
+    rows = torch.randn(3, 64).to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"scales \[E, N, K/32\]"):
+        triton_mxfp4.check_mxfp4_operands(rows, torch.tensor([3, 0, 0, 0]), packed, scales[..., :1])
+    with pytest.raises(ValueError, match="one row count per expert"):
+        triton_mxfp4.check_mxfp4_operands(rows, torch.tensor([3]), packed, scales)
+    with pytest.raises(ValueError, match="uint8"):
+        triton_mxfp4.check_mxfp4_operands(rows, torch.tensor([3, 0, 0, 0]), packed.float(), scales)
+    with pytest.raises(ValueError, match="bf16 or fp16 rows"):
+        triton_mxfp4.mxfp4_grouped_matmul_triton(rows.float(), torch.tensor([3, 0, 0, 0]), packed, scales,
+                                                 "dot_scaled")
+
+
+def experts(E: int, inter: int, dim: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    gate_up = pack_mxfp4(torch.randn(E, 2 * inter, dim, generator=g) * 0.1)
+    down = pack_mxfp4(torch.randn(E, dim, inter, generator=g) * 0.1)
+    return gate_up, down
+
+
+@pytest.mark.parametrize(("N", "E", "k"), [(1, 8, 2), (13, 6, 3)])  # decode (most experts empty), a prefill
+def test_experts_forward_mxfp4_matches_dequantized_experts(N, E, k):
+    gate_up, down = experts(E, 32, 64, seed=N)
+    g = torch.Generator().manual_seed(E)
+    x = torch.randn(N, 64, generator=g).to(torch.bfloat16)
+    indices = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(N)])
+    w = torch.rand(N, k, generator=g)
+    act = glu_activation("swiglu")
+    want = moe_ops.experts_forward(x, indices, w, unpack_mxfp4(*gate_up, torch.bfloat16),
+                                   unpack_mxfp4(*down, torch.bfloat16), act)
+    dev = [t.to(DEV) for t in (*gate_up, *down)]
+    got = moe_ops.experts_forward_mxfp4(x.to(DEV), indices.to(DEV), w.to(DEV), dev[:2], dev[2:], act)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.cpu().float(), want.float(), rtol=0.02, atol=0.02 * want.abs().max().item())
+
+
+def test_kernel_stays_whole_in_compiled_code():
+    """Inside torch.compile (Dynamo with aot_eager here; the compiled decode step on a GPU) the kernel is a custom
+    op: no graph break."""
+    gate_up, down = experts(5, 32, 64, seed=3)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 64, generator=g).to(torch.bfloat16).to(DEV)
+    indices = torch.tensor([[0, 4], [4, 1], [2, 0]]).to(DEV)
+    w = torch.rand(3, 2, generator=g).to(DEV)
+    dev = [t.to(DEV) for t in (*gate_up, *down)]
+    act = glu_activation("swiglu")
+    want = moe_ops.experts_forward_mxfp4(x, indices, w, dev[:2], dev[2:], act)
+    torch._dynamo.reset()
+    step = torch.compile(lambda x: moe_ops.experts_forward_mxfp4(x, indices, w, dev[:2], dev[2:], act),
+                         backend="aot_eager", fullgraph=True)
+    with torch.no_grad():
+        got = step(x)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
