@@ -94,7 +94,7 @@ def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     128 forward and backward on sm90 (cuDNN >= 9.11), and torch tries it first on an H200 when its cuDNN is newer
     than 9.15; otherwise torch takes memory-efficient attention (fused too, slower than flash) on a GPU and its
     math fallback (T x T scores) on a CPU. pad_v=None (auto, eager mode): `padded_v_for_flash` (GPU: flash at 20%
-    more attention FLOPs for 192 / 128; CPU: its flash kernel, 3x faster than the math fallback at T 1024); the
+    more attention FLOPs for 192 / 128; CPU: its flash kernel, faster than the math fallback); the
     padded output columns are dropped. pad_v=True / False forces it. `python bench/train.py gpu` prints the
     choice and times both."""
     dv = v.shape[-1]

@@ -7,8 +7,8 @@ autocast, as F.linear would), the log-sum-exp and the loss in fp32, and right th
     d loss_i / d logits_i = softmax(logits_i) - onehot(target_i)      (times 1/count for the mean, 0 if ignored)
     grad_hidden[chunk] = g @ W          grad_weight += g^T @ hidden[chunk]   (accumulated in fp32)
 On a GPU the softmax part runs as one Triton program per row (`ops.triton_loss`) on the matmul's own bf16 logits,
-which it overwrites with their gradient, and the weight gradient accumulates in the GEMM's epilogue (k3-debug's
-loss on an H200: 33.8 -> 12.7 ms, bench/RESULTS.md). Backward only scales the stored gradients by grad_output.
+which it overwrites with their gradient, and the weight gradient accumulates in the GEMM's epilogue. Backward
+only scales the stored gradients by grad_output.
 What stays alive between forward and backward is grad_hidden [N, D] and grad_weight [V, D] instead of fp32
 log-probabilities [N, V] plus the CE backward's buffers.
 """

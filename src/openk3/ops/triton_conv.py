@@ -101,7 +101,7 @@ def _grouped(p0, p1, p2, b, t, c, c0, T, C, G, GROUPS: tl.constexpr):
     or 3) equal channel groups of G channels: p0 [B, T, C], or p0 / p1 / p2 [B, T, G] for channels [0, G),
     [G, 2G), [2G, C). A tile lies in one group (its width divides G: `_group_tile`), so the group is chosen once
     per tile and the addresses stay contiguous along the channels (chosen per element, they cost the accesses
-    their width: 5x the forward's time on an H200); G is an argument, not C / 3 computed here, so the compiler
+    their width, several times the forward's time); G is an argument, not C / 3 computed here, so the compiler
     knows its divisibility, and so each row's alignment, which 16-byte accesses need."""
     if GROUPS == 1:
         return p0 + b * T * C + t.to(tl.int64) * C + c

@@ -6,9 +6,8 @@
 
 Each launch covers every tensor of a list: a program takes BLOCK consecutive elements of one tensor, found
 through a table of (tensor, chunk) pairs, and the tensors' addresses come in a table too (so one launch serves 196
-parameters of different shapes). With PyTorch's multi-tensor operations the same work took six passes over the
-parameters and a cast-on-copy into the batches; a k3-debug Muon step on an H200 spent 9.5 of its 20.6 ms of
-kernel time there (bench/RESULTS.md).
+parameters of different shapes). With PyTorch's multi-tensor operations the same work takes six passes over the
+parameters and a cast-on-copy into the batches (the reference; timings: bench/RESULTS.md, `bench/train.py optim`).
 
 Block layout (`optim.to_blocks`): element k of a parameter [out, H*d] split "cols:H" is element (h, o, j) of its
 blocks [H, out, d], at h*out*d + o*d + j in a contiguous batch; every other split keeps the parameter's own order.

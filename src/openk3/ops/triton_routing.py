@@ -20,7 +20,7 @@ import triton.language as tl
 def _routing_kernel(logits_ptr, bias_ptr, scores_ptr, weights_ptr, indices_ptr, N, E, scaling,
                     TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
-    """BLOCK_N tokens a program (one token a program took 47 us for k3-debug's 32k tokens on an H200)."""
+    """BLOCK_N tokens a program (one token a program was slower at training's token counts: bench/RESULTS.md)."""
     row = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)[:, None]
     e = tl.arange(0, BLOCK_E)[None, :]
     mn = row < N

@@ -6,7 +6,7 @@ over the ranks and keeps this rank's rows) gives every rank the whole stream's e
 p of document d attends the keys of d up to p: for each local piece of a document, the keys from the document's
 start to the piece's last token, with a bottom-right-aligned causal mask (`ops.attention.causal_sdpa`: the fused
 SDPA kernels take the mask without materialising it), never through cuDNN (`ops.attention.NO_CUDNN`: its backward
-was wrong on these tensors on an H200).
+gave wrong gradients on these strided tensors on a GPU, bench/RESULTS.md).
 """
 
 from __future__ import annotations

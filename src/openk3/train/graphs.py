@@ -1,8 +1,8 @@
 """A training step's forward and backward replayed as one CUDA graph (`openk3 train --cuda-graphs`).
 
-A compiled k3-debug step issues ~2,300 kernels, and on an H200 the host's Python (Dynamo's frames, Inductor's and
-Triton's launchers, AOT autograd's wrappers) takes about as long to issue the forward as the GPU takes to run it,
-so the GPU waits for it (bench/RESULTS.md). Captured once, the forward's and backward's launches replay from one
+A compiled step issues thousands of kernels, and the host's Python (Dynamo's frames, Inductor's and Triton's
+launchers, AOT autograd's wrappers) can take as long to issue the forward as the GPU takes to run it, so the GPU
+waits for it (docs/training.md). Captured once, the forward's and backward's launches replay from one
 call. The optimizer, gradient clipping and the router balancer stay outside and run eagerly between replays, so
 learning-rate schedules, clipping and Quantile Balancing need nothing graph-safe.
 

@@ -281,8 +281,8 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def _adamw_group(self, group: dict) -> None:
         """AdamW through torch's own implementation: its fused kernels when every parameter is a plain CUDA tensor
-        (one pass over each parameter's four tensors), multi-tensor otherwise (a loop over the parameters took 8% of
-        a k3-debug step on an H200, bench/RESULTS.md). Fused, the step counters live on the device."""
+        (one pass over each parameter's four tensors), multi-tensor otherwise (never a loop over the parameters).
+        Fused, the step counters live on the device."""
         params = [p for p in group["params"] if p.grad is not None]
         fused = bool(params) and all(p.is_cuda and type(p.data) is torch.Tensor for p in params)  # not DTensors
         for p in params:

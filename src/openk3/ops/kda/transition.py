@@ -37,7 +37,7 @@ quickly in bf16 (fla #740).
 
 A state pass is a chain over the chunks, one program per (sequence, head, V block): for one long sequence and few
 heads (KCP's case: a rank's whole piece of one document) the GPU runs a handful of programs one chunk after
-another (3.3 ms for 65,536 tokens of 8 heads on an H200, the same at V + K columns as at V). On Triton the span is
+another, and the chain's latency, not its width (V or V + K columns), sets the time. On Triton the span is
 therefore cut into pieces (`piece_tokens`) that run side by side in one pass (a batch of equal pieces, else varlen
 pieces), each from [0 | I], and the pieces' maps (M_p, b_p) are composed with `compose_maps` (fp64, log2(pieces)
 batched steps).
@@ -75,8 +75,8 @@ def piece_tokens(lengths: list[int], H: int) -> int | None:
     """Tokens per piece for the Triton state passes over sequences of these lengths with H heads (module
     docstring): for fewer than FEW_CHAINS (sequence, head) chains, a power of two of pieces, enough for
     PARALLEL_CHAINS chains but at most longest / MIN_PIECE, in whole 64-token chunks (so a power-of-two length is
-    cut evenly); None otherwise (on an H200, 65,536 tokens x 8 heads: transition 3.15 -> 1.28 ms, initial-state
-    gradient 3.74 -> 1.61 ms; 4 x 16,384 x 8 heads: 1.25 -> 1.26 and 1.38 -> 1.59 ms, so not cut)."""
+    cut evenly); None otherwise (with enough chains the pieces win nothing: timings in bench/RESULTS.md, Scale-out,
+    2026-12-03)."""
     longest = max(lengths, default=0)
     chains = max(1, len(lengths) * H)
     if chains >= FEW_CHAINS:  # the pieces' extra K columns and composition cost more than they win

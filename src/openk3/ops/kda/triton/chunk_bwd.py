@@ -8,8 +8,7 @@ after each chunk) beside the forward's saved S (the state before it):
     dS  = Qd^T dO + Diag(gc) dS' - W^T dpv
 
 The chunk terms (W, Qd, kg, Aqk, gc) are the forward's prepare kernel's, saved: 3 K + 16 values a token and
-head beside the states' K V / 16, where recomputing them took a second prepare kernel (fwd+bwd 3.69 ms
-against 4.05 at B8 T4096 H8 on an H200).
+head beside the states' K V / 16, where recomputing them would take a second prepare kernel (docs/kernels.md).
 
 Everything else is token-parallel, one program per chunk and head with all of V, so nothing is summed across
 programs (T = (I + A)^-1, W = T Diag(beta) Kd, U = T Diag(beta) V, A = StrictTril(Diag(beta) Kd Ki^T),
@@ -26,8 +25,8 @@ channels), so the only products with the states are those of the gradients:
 
 The pair products (P, Aqk) are formed per gate mode as in the forward (chunk_fwd.py: one anchor, or
 block-local anchors on four levels), and Aqk's diagonal, which has no decay, apart: its dG terms cancel
-exactly, so it takes no part in dG (through the e^+-G-scaled products the cancellation was only as good as
-their rounding, which at the gate floor lost dg entirely: rel. error 0.15 in tf32 on an H200).
+exactly, so it takes no part in dG (through the e^+-G-scaled products the cancellation is only as good as
+their rounding, which at the gate floor, with e^+-75 scalings in tf32, swamps the true dg).
 
 With fused activations the token-parallel kernel recomputes them from the raw inputs as the forward does and
 returns gradients with respect to the activated q, k, g and beta; `activations_backward` takes them the rest

@@ -319,8 +319,8 @@ def slice_width(K: int, V: int) -> int:
 
 def precision(dtype: torch.dtype) -> str:
     """The fp32 intra-chunk products, the triangular inverse's included: fp32 for fp32 inputs, one tf32 pass for
-    16-bit inputs (for the inverse 6% faster than 3 tf32 passes on an H200, with the same errors in the GPU
-    sweep: bench/NOTES-kda.md run 13)."""
+    16-bit inputs (three tf32 passes gave the same errors in the GPU sweep, more slowly: bench/NOTES-kda.md run
+    13)."""
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
