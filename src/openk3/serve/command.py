@@ -34,8 +34,9 @@ def build_engine(args: argparse.Namespace):
     """The model, tokenizer and engine the arguments describe; returns (engine, model name)."""
     import torch
 
+    from openk3.build import build_model, load_model
     from openk3.config import get_preset
-    from openk3.model import K3ForCausalLM, configure_kda
+    from openk3.model import configure_kda
     from openk3.serve.engine import Engine, EngineConfig
     from openk3.serve.scheduler import SchedulerConfig
     from openk3.tokenizer import load_tokenizer
@@ -44,20 +45,18 @@ def build_engine(args: argparse.Namespace):
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if args.ckpt:
+    dtype = serving_dtype(args.dtype, device)
+    if args.ckpt:  # straight onto the device, shard by shard; MXFP4-stored experts stay packed unless told
         from openk3.checkpoints import resolve_checkpoint
-        from openk3.interop import load_pretrained
 
         ckpt = resolve_checkpoint(args.ckpt)
-        model = load_pretrained(ckpt).to(device)
+        model, report = load_model(ckpt, device, dtype, quantization=args.quantization)
         name, ckpt_dir = args.model_name or Path(args.ckpt).name, str(ckpt)
-    else:
-        model = K3ForCausalLM(get_preset(args.preset)).to(device)
+    else:  # constructed on the device in its dtype (no host copy)
+        model, report = build_model(get_preset(args.preset), device, dtype, quantization=args.quantization)
         name, ckpt_dir = args.model_name or args.preset, None
+    print(f"openk3 serve: {report.line()}", file=sys.stderr, flush=True)
     configure_kda(model, backend=args.kda_backend)
-    dtype = serving_dtype(args.dtype, device)
-    if dtype is not None:
-        model = model.to(dtype)
     tokenizer = load_tokenizer(ckpt_dir, model.config.vocab_size)
     draft = None
     if args.speculative:
@@ -163,6 +162,17 @@ def run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def memory_fraction(value: str) -> float:
+    """An argparse `type`: a fraction in (0, 1] (argparse names the flag in the error)."""
+    try:
+        fraction = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {value!r}") from None
+    if not 0 < fraction <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return fraction
+
+
 def tcp_port(value: str) -> int:
     if not value.isdigit() or int(value) > 65535:
         raise argparse.ArgumentTypeError(f"{value} is not a TCP port (0-65535; 0 picks a free one)")
@@ -199,6 +209,10 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="weights and caches (auto: bfloat16 on a GPU, as built or stored on a CPU)")
+    p.add_argument("--quantization", choices=["none", "mxfp4"], default=None,
+                   help="routed experts kept MXFP4 in memory (4-bit values and a scale per 32, dequantized inside "
+                        "the expert GEMMs); none: plain. Default: as stored (an MXFP4 checkpoint stays packed, a "
+                        "preset is plain)")
     p.add_argument("--no-prefix-cache", action="store_true", help="disable the hybrid prefix cache")
     p.add_argument("--hash-block", type=int, default=None, help="tokens per hash block h (default: by context)")
     p.add_argument("--page-size", type=int, default=None, help="tokens per physical page P (default 12 h)")
@@ -219,7 +233,7 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--max-model-len", type=int_at_least(2), default=None, metavar="N",
                    help="tokens of one sequence (prompt + reply) at most (default: the model's max_seq_len; the "
                         "MLA layers are NoPE, so a longer context only needs memory)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="F",
+    p.add_argument("--gpu-memory-utilization", type=memory_fraction, default=0.9, metavar="F",
                    help="fraction of the GPU's memory for weights, activations and the caches: the latent cache "
                         "gets what is left (default 0.9)")
     p.add_argument("--max-queue", type=int, default=1024, help="waiting requests before 429s")
