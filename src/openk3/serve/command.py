@@ -137,7 +137,8 @@ def ready_line(sock: socket.socket, name: str, engine) -> str:
     cap = engine.capacity
     capacity = (f"capacity {cap.tokens:,} tokens, {engine.config.scheduler.max_running} sequences, "
                 f"{engine.max_model_len:,} tokens a sequence")
-    return f"openk3 serve: ready at {url} (model {name!r} on {device}, {dtype}, {graphs}; {capacity}; {settings})"
+    return (f"openk3 serve: ready at {url} (model {name!r} on {device}, {dtype}, {graphs}; {capacity}; {settings}); "
+            f"chat page at {url.removesuffix('/v1')}/")
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -288,7 +288,15 @@ class Engine:
         del warm
         self.pages = PagePool(n_mla, self.capacity.pages, P, width, dtype=dtype, device=device)
         self.runner.attach_pages(self.pages)
+        reserved = torch.cuda.memory_reserved(device) if gpu else 0
         self.runner.capture()
+        nbytes = lambda tensors: sum(t.numel() * t.element_size() for t in tensors)
+        self.memory = {  # bytes on the device by part (/metrics: openk3_memory_bytes)
+            "weights": nbytes({id(t): t for t in (*model.parameters(), *model.buffers())}.values()),
+            "latent_pages": nbytes([self.pages.pages]),
+            "kda_states": nbytes([self.states.conv, self.states.recurrent]),
+            "cuda_graphs": torch.cuda.memory_reserved(device) - reserved if gpu else 0,
+        }
 
         self.prefix_cache = PrefixCache(PrefixCacheConfig(
             hash_block=h, page_size=P, page_bytes=page_bytes,

@@ -5,7 +5,7 @@ openk3_requests_finished_total{reason} (engine requests: one per choice), openk3
 openk3_generation_tokens_total, openk3_engine_steps_total, openk3_engine_step_seconds_total (wall time inside the
 engine's steps), openk3_engine_slowest_step_seconds, openk3_engine_prefill_forwards_total (batched prefill
 forwards), openk3_engine_preemptions_total (sequences preempted for want of latent pages), openk3_queue_requests,
-openk3_running_requests,
+openk3_running_requests, openk3_memory_bytes{part} (weights, latent_pages, kda_states, cuda_graphs),
 openk3_prefix_cache_queried_tokens_total, openk3_prefix_cache_hit_tokens_total, openk3_prefix_cache_utilisation,
 and with --speculative (0 otherwise) openk3_spec_decode_drafts_total (verifications, one per sequence and round),
 openk3_spec_decode_draft_tokens_total and openk3_spec_decode_accepted_tokens_total (vLLM's acceptance length is
@@ -70,6 +70,11 @@ class EngineCollector(Collector):
         ]
         for name, text, value in counters:
             yield CounterMetricFamily(f"openk3_{name}", text, value=value)
+        memory = GaugeMetricFamily("openk3_memory_bytes", "Device memory held by the engine, by part.",
+                                   labels=["part"])
+        for part, nbytes in engine.memory.items():
+            memory.add_metric([part], nbytes)
+        yield memory
         for name, text, value in gauges:
             yield GaugeMetricFamily(f"openk3_{name}", text, value=value)
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from openk3.accounting import count_parameters
 from openk3.config import ModelConfig
-from openk3.info import count_parameters
 
 # dense bf16 peaks (TFLOP/s, SXM parts) by the name torch.cuda.get_device_name reports; others print no MFU
 PEAK_BF16_TFLOPS = {"B200": 2250.0, "H200": 989.0, "H100": 989.0, "A100": 312.0}
