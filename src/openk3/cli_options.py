@@ -58,8 +58,7 @@ def cpu_threads(requested: int, processes: int = 1) -> int:
     (1-minute load average >= cores - 0.5).
 
     Why the fallback: with more runnable threads than cores, every parallel region waits for its slowest,
-    descheduled thread. On a shared 2-core machine a k3-tiny step took 10-30x longer with 2 threads than with 1,
-    and `openk3 generate` 20-25 s for 40 tokens against 4.4 s.
+    descheduled thread: on a shared 2-core machine a step with 2 threads took many times as long as with 1.
     """
     if requested > 0:
         return requested

@@ -155,8 +155,8 @@ class BlockStream:
 
     def _add(self, h: torch.Tensor) -> None:
         """partial += h, deferred to the next merge: a compiled merge_norm adds it in its own fused pass (an add of
-        its own, and in backward the sum of the partial sum's gradients and their cast for h, took 2.0 ms of
-        k3-debug's step on an H200); other merges add it first."""
+        its own, and in backward the sum of the partial sum's gradients and their cast for h: docs/training.md);
+        other merges add it first."""
         self._settle()
         self._pending = h
 

@@ -135,8 +135,7 @@ class KimiDeltaAttention(KeepFp32, nn.Module):
 
     def activate_logits(self, q, k, f, b, backend: str):
         """`activate` from the projections of x: the forget gate's logits f [B,T,H,K] and beta's b [B,T,H]. When the
-        Triton kernels will run, one Triton pass does all four (forward and backward; on an H200 it took 0.13 ms
-        where PyTorch's elementwise ops took ~1.1 ms at 8192 tokens x 32 heads, bench/NOTES-kda.md run 6)."""
+        Triton kernels will run, one Triton pass does all four, forward and backward (bench/NOTES-kda.md run 6)."""
         b = b.to(acc_dtype(f.dtype))
         if backend == "triton":
             from openk3.ops.kda.triton import kda_activations  # triton is an optional dependency

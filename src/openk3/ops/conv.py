@@ -35,7 +35,7 @@ def causal_conv1d(
     backward: on CUDA tensors (`ops.fused.use_triton`) the Triton kernels of `ops.triton_conv`, elsewhere
     `_ConvSiLU`; `causal_conv1d_reference` is the plain composition it must equal. While torch.compile traces,
     CUDA tensors still take the Triton kernels (the compiled graph breaks around them: Inductor's own depthwise
-    conv took ~1 ms more per KDA layer of k3-debug's training step, bench/RESULTS.md) and others the reference.
+    conv was slower per KDA layer, docs/kernels.md) and others the reference.
     `starts` [B,T] (int64, x's device): each token's document start, the window resetting there (module docstring;
     no state then)."""
     _check_starts(x, state, starts)

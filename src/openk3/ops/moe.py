@@ -49,7 +49,7 @@ def sigmoid_topk_routing(
     """logits [N,E] -> Routing. Selection on sigmoid(logits) + bias; weights from the unbiased scores. fp32 logits
     on a GPU take one Triton pass (`ops.triton_routing`, a custom op: compiled code too): all of the routing without
     autograd; with it the kernel's picks only (no gradient flows through them), the weights then differentiable from
-    the scores, where torch.topk costs two sort kernels a layer (1 ms of k3-debug's training step on an H200)."""
+    the scores, where torch.topk costs two sort kernels a layer."""
     kernel = logits.dtype == torch.float32 and use_triton(logits, compiled=True) and top_k <= logits.shape[-1]
     if kernel:
         from openk3.ops.triton_routing import sigmoid_topk_routing_triton  # triton is an optional dependency
@@ -172,7 +172,7 @@ def _gather_rows(x: torch.Tensor, index: torch.Tensor, zero_row: bool) -> torch.
 class _MoveRows(torch.autograd.Function):
     """Rows moved between the sorted order and the grouped GEMM's padded buffer (`GroupedLayout`'s source / dest
     maps): each row lands in one place, so the gradient is the gather by the inverse map, where index_select's
-    backward is an index_add (atomic adds: 0.58 ms a call for k3-debug's bf16 rows on an H200, bench/RESULTS.md).
+    backward is an index_add (atomic adds, slow for bf16 rows: bench/RESULTS.md).
     Exact: every gradient row is one incoming row or zero, as index_add into zeros gives it."""
 
     @staticmethod

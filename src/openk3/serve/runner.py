@@ -19,7 +19,7 @@ Short prefills (`short_prefill` S > 0): prompt chunks of at most S tokens, of an
 static-shape step instead of the model's forward: `decode_forward` over S tokens per row, each row padded at its end
 (`DecodeBatch.num_tokens`: the padding leaves the KDA states alone; its latents land past the row's end, rewritten
 before anything reads them), captured like the draft passes (uncompiled, in graphs). A short prefill forward costs
-the model's whole eager launch sequence (~50-90 ms on an H200 for 16-token prompts, bench/RESULTS.md) and stalls
+the model's whole eager launch sequence (host-bound however short: docs/serving.md) and stalls
 every running sequence; its graph replay does not.
 
 Speculative decoding (SPEC §11, with an `EagleDraft` and K drafts per round): three more static-shape steps, captured
@@ -266,7 +266,7 @@ class ModelRunner:
         """Prefill chunks on the padding slot (its KDA state and the null page are scratch) of 1, 2 and `max_batch`
         sequences, with and without a KDA checkpoint, and `long` = (tokens, checkpoint offsets) of one sequence (the
         engine's longest prefill forward), so that what compiles on first use compiles now rather than inside a
-        request's step (1-2 s each on an H200, bench/RESULTS.md): the Triton kernels' variants (block sizes chosen by
+        request's step (seconds each on a GPU): the Triton kernels' variants (block sizes chosen by
         the batch or the length, the checkpoint path) and, with compiled prefill units, their graphs (dynamic shapes:
         one for one sequence, one for several). If compiling the units fails, they go back to eager (logged).
         Returns the seconds."""

@@ -70,7 +70,7 @@ from openk3.train.tensorboard import open_writer, write_scalars
 SAMPLE_PROMPT = "def "
 CLOSING_STEPS = 8  # the final evaluation, save and text sample cost about this many training steps
 FIT_WINDOW = 20  # steps whose median time predicts the rest of the run
-SLOW_RUN_SECONDS = 600  # the default run's budget on 2 CPU cores (README): a longer projection is a warning
+SLOW_RUN_SECONDS = 600  # the default run's budget on 2 CPU cores: a longer projection is a warning
 SLOWDOWN_FACTOR = 1.5  # warn once more when the projected duration grows by this factor during the run
 IGNORE_INDEX = -100  # a label the losses do not count
 RUN_FILES = ("metrics.jsonl", "summary.json", "sample.txt", "loss.png", "tokenizer.json")  # besides step-*/
