@@ -123,7 +123,7 @@ def test_failures_are_counted_by_http_status(server):
     assert report["completed"] == 0 and report["failures"] == {"413": 2}
     # the calibrating probe, first of about 5000 characters, was shortened into k3-tiny's 4096-token context
     assert 2048 <= report["probe_usage"][1]["prompt_tokens"] < 4096
-    assert "context holds" in report["failure_examples"]["413"]
+    assert "--max-model-len" in report["failure_examples"]["413"]
     assert report["ttft_s"] is None and report["request_throughput"] == 0
     assert "2 x 413" in serve_load.format_report(report)
 

@@ -124,12 +124,14 @@ def _wrap_root(model, cp: ContextParallel) -> None:
     local = model.forward
 
     def wrapped(input_ids, cache=None, *, logits_to_keep: int = 0, return_mtp: bool = True,
-                return_logits: bool = True):
+                return_logits: bool = True, documents=None):
         if cp.batch is None or cache is not None:
             return local(input_ids, cache, logits_to_keep=logits_to_keep, return_mtp=return_mtp,
-                         return_logits=return_logits)
+                         return_logits=return_logits, documents=documents)
         if logits_to_keep:
             raise ValueError("logits_to_keep is not supported under context parallelism")
+        if documents is not None:
+            raise ValueError("packed documents are not supported under context parallelism (--packing concat)")
         return _root_forward(model, input_ids, cp.batch, cp.rank, return_mtp, return_logits)
 
     model.forward = wrapped

@@ -40,7 +40,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from openk3.sampling import choice_seed
-from openk3.serve.engine import Engine, EngineLoop
+from openk3.serve.core import LocalCore, ProcessCore
+from openk3.serve.engine import Engine
 from openk3.serve.metrics import RequestTimer, ServerMetrics
 from openk3.serve.responses import Reply, TokenNames
 from openk3.serve.scheduler import QueueFull, RequestEvent
@@ -56,23 +57,26 @@ CHAT_PAGE_POLICY = ("default-src 'none'; script-src 'unsafe-inline'; style-src '
 log = logging.getLogger(__name__)
 
 
-def create_app(engine: Engine, model_name: str, remote_images: RemoteImages | None = None) -> FastAPI:
+def create_app(engine: Engine | LocalCore | ProcessCore, model_name: str,
+               remote_images: RemoteImages | None = None) -> FastAPI:
+    """The app over an engine: an `Engine` (run on a thread of this process) or a core (openk3.serve.core)."""
+    core = LocalCore(engine) if isinstance(engine, Engine) else engine
+    info, tokenizer = core.info, core.tokenizer
     state = {"ready": False, "created": int(time.time())}
-    metrics = ServerMetrics(engine)
-    names = TokenNames(engine.tokenizer, engine.stop_ids)
+    metrics = ServerMetrics(core)
+    names = TokenNames(tokenizer, set(info.stop_ids))
     chat_page = CHAT_PAGE.read_text(encoding="utf-8")
-    modalities = ["text"] if engine.model_config.vision is None else ["text", "image"]
+    modalities = ["text"] if info.model_config.vision is None else ["text", "image"]
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
         event_loop = asyncio.get_running_loop()
         # each engine step's events reach the event loop in one hand-over (a wake-up per step, not per token)
-        engine.event_sink = lambda events: event_loop.call_soon_threadsafe(deliver, events)
-        loop = EngineLoop(engine).start()
+        core.start(lambda events: event_loop.call_soon_threadsafe(deliver, events))
         state["ready"] = True
         yield
         state["ready"] = False
-        loop.stop()
+        core.stop()
 
     app = FastAPI(title="openk3", lifespan=lifespan)
 
@@ -113,18 +117,18 @@ def create_app(engine: Engine, model_name: str, remote_images: RemoteImages | No
     def completion_request(raw: bytes) -> tuple[CompletionBody, list[int]]:
         body = parse_body(raw, CompletionBody, model_name)
         if isinstance(body.prompt, str):
-            return body, engine.tokenizer.encode_plain(body.prompt)
+            return body, tokenizer.encode_plain(body.prompt)
         if body.prompt and all(isinstance(p, str) for p in body.prompt):
             if len(body.prompt) != 1:
                 raise APIError(400, "only one prompt per request is supported", "prompt")
-            return body, engine.tokenizer.encode_plain(body.prompt[0])
+            return body, tokenizer.encode_plain(body.prompt[0])
         return body, list(body.prompt)
 
     def chat_request(raw: bytes) -> tuple[ChatBody, list[int], list]:
         body = parse_body(raw, ChatBody, model_name)
-        messages, images = chat_messages(body, engine.model_config, remote_images)  # image parts -> placeholder runs
+        messages, images = chat_messages(body, info.model_config, remote_images)  # image parts -> placeholder runs
         try:  # stops encoding once the prompt cannot fit
-            prompt = encode_chat(engine.tokenizer, messages, limit=engine.max_model_len)
+            prompt = encode_chat(tokenizer, messages, limit=info.max_model_len)
         except PromptTooLong as exc:
             raise APIError(413, str(exc), "messages", "context_length_exceeded") from None
         return body, prompt, images
@@ -143,27 +147,25 @@ def create_app(engine: Engine, model_name: str, remote_images: RemoteImages | No
 
     async def generate(request: Request, body: SamplingFields, prompt: list[int], arrival: float, chat: bool,
                        images: list | None = None):
-        params = sampling_params(body, engine.max_model_len, engine.vocab_limit)
-        max_queue = engine.scheduler.config.max_queue
+        params = sampling_params(body, info.max_model_len, info.vocab_limit)
+        max_queue = info.max_queue
         if body.n > max_queue:  # its choices wait in the queue together: never admitted, so a 429 would mislead
             raise APIError(400, f"n={body.n} choices can never be queued: this server queues at most "
                                 f"max_queue={max_queue} requests (openk3 serve --max-queue)", "n", "invalid_value")
         events = asyncio.Queue()
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         rids = [rid] if body.n == 1 else [f"{rid}-{i}" for i in range(body.n)]  # one engine request per choice
-        leader = None
         try:
             for i, sub in enumerate(rids):
                 seed = params.seed if params.seed is None else choice_seed(params.seed, i)
                 submit = lambda event, i=i: events.put_nowait((i, event))  # on the event loop (`deliver`)
-                r = engine.add_request(prompt, replace(params, seed=seed), rid=sub, on_event=submit, after=leader,
-                                       images=images, every_token=body.stream)
-                leader = leader or r
+                core.add_request(prompt, replace(params, seed=seed), rid=sub, on_event=submit,
+                                 after=rids[0] if i else None, images=images, every_token=body.stream)
         except QueueFull as exc:
             cancel(rids)
             raise APIError(429, str(exc), code="queue_full", kind="rate_limit_error") from exc
         except ValueError as exc:
-            too_long = len(prompt) >= engine.max_model_len
+            too_long = len(prompt) >= info.max_model_len
             raise APIError(413 if too_long else 400, str(exc), "messages" if chat else "prompt",
                            "context_length_exceeded" if too_long else None) from exc
         reply = Reply(rid, model_name, chat, body.n, body.include_usage, names, params.logprobs is not None)
@@ -174,7 +176,7 @@ def create_app(engine: Engine, model_name: str, remote_images: RemoteImages | No
 
     def cancel(rids: list[str]) -> None:
         for rid in rids:
-            engine.cancel(rid)
+            core.cancel(rid)
 
     async def next_event(events: asyncio.Queue, timer: RequestTimer) -> tuple[int, RequestEvent]:
         index, event = await events.get()

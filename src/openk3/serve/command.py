@@ -120,10 +120,8 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def ready_line(sock: socket.socket, name: str, engine) -> str:
-    """One line for the operator once the server accepts requests: the URL, the model and the cache settings."""
-    host, port = sock.getsockname()[:2]
-    url = f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
+def engine_description(engine) -> str:
+    """The engine as the ready line states it: device, dtype, CUDA graphs, capacity, the prefix cache's settings."""
     device = next(engine.model.parameters()).device
     cache = engine.prefix_cache
     if cache is None:
@@ -137,8 +135,14 @@ def ready_line(sock: socket.socket, name: str, engine) -> str:
     cap = engine.capacity
     capacity = (f"capacity {cap.tokens:,} tokens, {engine.config.scheduler.max_running} sequences, "
                 f"{engine.max_model_len:,} tokens a sequence")
-    return (f"openk3 serve: ready at {url} (model {name!r} on {device}, {dtype}, {graphs}; {capacity}; {settings}); "
-            f"chat page at {url.removesuffix('/v1')}/")
+    return f"on {device}, {dtype}, {graphs}; {capacity}; {settings}"
+
+
+def ready_line(sock: socket.socket, name: str, description: str) -> str:
+    """One line for the operator once the server accepts requests: the URL, the model, `engine_description`."""
+    host, port = sock.getsockname()[:2]
+    url = f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
+    return f"openk3 serve: ready at {url} (model {name!r} {description}); chat page at {url.removesuffix('/v1')}/"
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -149,16 +153,23 @@ def run_serve(args: argparse.Namespace) -> int:
 
     sock = listen_socket(args.host, args.port)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine, name = build_engine(args)
+    if args.engine_process:
+        from openk3.serve.core import ProcessCore
+
+        core, name = ProcessCore.start_process(args, build_engine, engine_description)
+        description = core.info.ready
+    else:
+        engine, name = build_engine(args)
+        core, description = engine, engine_description(engine)
 
     class Server(uvicorn.Server):
         async def startup(self, sockets=None) -> None:
             await super().startup(sockets)
             if not self.should_exit:
-                print(ready_line(sock, name, engine), flush=True)
+                print(ready_line(sock, name, description), flush=True)
 
     remote = RemoteImages() if args.allow_remote_images else None
-    config = uvicorn.Config(create_app(engine, name, remote), host=args.host, port=args.port, log_level=args.log_level)
+    config = uvicorn.Config(create_app(core, name, remote), host=args.host, port=args.port, log_level=args.log_level)
     Server(config).run(sockets=[sock])
     return 0
 
@@ -264,6 +275,9 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--speculative", type=int_at_least(0), default=0, metavar="K",
                    help="speculative decoding with the checkpoint's draft (`openk3 draft`): K drafted tokens per "
                         "verification, the target's distribution kept exactly (default 0: off)")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the engine in a process of its own (the default), so that the HTTP server's Python work "
+                        "overlaps the engine's steps instead of taking turns with them on one GIL")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     add_kda_options(p)
     p.set_defaults(func=run_serve)

@@ -51,7 +51,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -63,7 +63,8 @@ from openk3.draft import EagleDraft, accept_drafts, accept_drafts_on_logits, acc
 from openk3.ops.transfer import host_list, to_device
 from openk3.sampling import SamplingParams, request_rng, sample_tokens, token_logprobs
 from openk3.serve.capacity import Capacity, check_utilization, fixed_capacity, gpu_capacity
-from openk3.serve.prefix_cache import PrefixCache, PrefixCacheConfig, image_keyed_tokens
+from openk3.serve.prefix_cache import PrefixCache, PrefixCacheConfig
+from openk3.serve.prompts import PromptImages, check_prompt
 from openk3.serve.runner import ModelRunner
 from openk3.serve.scheduler import Request, RequestEvent, Scheduler, SchedulerConfig
 from openk3.serve.stop_strings import first_stop, sendable
@@ -130,44 +131,6 @@ class EngineConfig:
             raise ValueError(f"engine field 'speculative' must be >= 0, got {self.speculative}")
         if self.short_prefill_tokens is not None and self.short_prefill_tokens < 0:
             raise ValueError(f"engine field 'short_prefill_tokens' must be >= 0, got {self.short_prefill_tokens}")
-
-
-@dataclass
-class PromptImages:
-    """A request's images: prepared (openk3.images.PreparedImage, prompt order), where each one's placeholder run
-    starts in the prompt, the prompt as the prefix cache keys it, and each image's tokens [n, hidden] once the
-    prefill first needs them (an image inside the prefix hit is never encoded)."""
-
-    prepared: list
-    starts: list[int]
-    cache_prompt: list[int]
-    embeds: list[torch.Tensor | None]
-
-    @classmethod
-    def locate(cls, prompt: list[int], image_token_id: int, prepared: list) -> PromptImages:
-        """ValueError unless the prompt holds, in order, one contiguous run of placeholders per image."""
-        cache_prompt = image_keyed_tokens(prompt, image_token_id, [(im.num_tokens, im.digest) for im in prepared])
-        slots = [i for i, t in enumerate(prompt) if t == image_token_id]
-        starts, seen = [], 0
-        for k, im in enumerate(prepared):
-            run = slots[seen:seen + im.num_tokens]
-            if run[-1] - run[0] != im.num_tokens - 1:
-                raise ValueError(f"the {im.num_tokens} placeholders of image {k} are not contiguous in the prompt")
-            starts.append(run[0])
-            seen += im.num_tokens
-        return cls(list(prepared), starts, cache_prompt, [None] * len(prepared))
-
-    def chunk_embeds(self, start: int, end: int, model: torch.nn.Module) -> list[torch.Tensor]:
-        """The image tokens of the placeholders in prompt positions [start, end), in order (`model` encodes an
-        image the first time a chunk reaches it)."""
-        out = []
-        for k, (s, im) in enumerate(zip(self.starts, self.prepared)):
-            lo, hi = max(start, s), min(end, s + im.num_tokens)
-            if lo < hi:
-                if self.embeds[k] is None:
-                    self.embeds[k] = model.encode_images(im.batch.to(next(model.parameters()).device))
-                out.append(self.embeds[k][lo - s:hi - s])
-        return out
 
 
 @dataclass
@@ -344,16 +307,8 @@ class Engine:
         prefilling them again. `images`: prepared images (openk3.images.PreparedImage) whose placeholder runs the
         prompt holds, in order. `every_token`: an event per token (a stream); False: only the first token's (its
         time to first token) and the last, which carries everything not yet sent (a reply sent whole)."""
-        limit = self.max_model_len
-        if not prompt:
-            raise ValueError("the prompt is empty")
-        if len(prompt) >= limit:
-            raise ValueError(f"the prompt has {len(prompt)} tokens; a sequence holds {limit} (--max-model-len)")
-        if max(prompt) >= self.model_config.vocab_size or min(prompt) < 0:
-            raise ValueError(f"token ids must be in [0, {self.model_config.vocab_size})")
+        check_prompt(prompt, self.max_model_len, self.model_config, images)
         vision = self.model_config.vision
-        if images and vision is None:
-            raise ValueError(f"the model {self.model_config.name!r} has no vision tower: it cannot take images")
         located = PromptImages.locate(list(prompt), vision.image_token_id, images or []) if vision is not None else None
         number = next(self._ids)
         seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + number
@@ -372,6 +327,15 @@ class Engine:
         with self._lock:
             self._cancels.add(rid)
         self.wake.set()
+
+    def snapshot(self) -> dict:
+        """Copies of what /metrics reports (openk3.serve.metrics): the counters, the queue, the prefix cache's
+        statistics and utilisation, the memory by part; small and picklable (an engine process sends one a step)."""
+        m, cache = self.metrics, self.prefix_cache
+        return {"metrics": replace(m, requests_finished=dict(m.requests_finished)),
+                "waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running),
+                "cache_stats": replace(cache.stats) if cache is not None else None,
+                "cache_utilisation": cache.utilisation if cache is not None else 0.0, "memory": dict(self.memory)}
 
     def has_work(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running or self._cancels)

@@ -30,15 +30,15 @@ E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300
 
 
 class EngineCollector(Collector):
-    """The engine's counters and gauges, read when /metrics is scraped."""
+    """The engine's counters and gauges, read when /metrics is scraped (from its snapshot: `Engine.snapshot`, through
+    openk3.serve.core)."""
 
-    def __init__(self, engine):
-        self.engine = engine
+    def __init__(self, core):
+        self.core = core
 
     def collect(self):
-        engine, m = self.engine, self.engine.metrics
-        cache = engine.prefix_cache
-        stats = cache.stats if cache is not None else None
+        snap = self.core.snapshot()
+        m, stats = snap["metrics"], snap["cache_stats"]
         finished = CounterMetricFamily("openk3_requests_finished", "Engine requests finished, by reason.",
                                        labels=["reason"])
         for reason, count in sorted(m.requests_finished.items()):
@@ -63,16 +63,15 @@ class EngineCollector(Collector):
         ]
         gauges = [
             ("engine_slowest_step_seconds", "The longest engine step so far.", m.slowest_step_seconds),
-            ("queue_requests", "Requests waiting for admission.", len(engine.scheduler.waiting)),
-            ("running_requests", "Requests being prefilled or decoded.", len(engine.scheduler.running)),
-            ("prefix_cache_utilisation", "Used fraction of the prefix cache's device tier.",
-             cache.utilisation if cache is not None else 0.0),
+            ("queue_requests", "Requests waiting for admission.", snap["waiting"]),
+            ("running_requests", "Requests being prefilled or decoded.", snap["running"]),
+            ("prefix_cache_utilisation", "Used fraction of the prefix cache's device tier.", snap["cache_utilisation"]),
         ]
         for name, text, value in counters:
             yield CounterMetricFamily(f"openk3_{name}", text, value=value)
         memory = GaugeMetricFamily("openk3_memory_bytes", "Device memory held by the engine, by part.",
                                    labels=["part"])
-        for part, nbytes in engine.memory.items():
+        for part, nbytes in snap["memory"].items():
             memory.add_metric([part], nbytes)
         yield memory
         for name, text, value in gauges:
@@ -82,9 +81,9 @@ class EngineCollector(Collector):
 class ServerMetrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, engine):
+    def __init__(self, core):
         self.registry = CollectorRegistry()
-        self.registry.register(EngineCollector(engine))
+        self.registry.register(EngineCollector(core))
         self.ttft = Histogram("openk3_time_to_first_token_seconds", "From a request's arrival to its first token.",
                               buckets=TTFT_BUCKETS, registry=self.registry)
         self.itl = Histogram("openk3_inter_token_latency_seconds", "Between consecutive tokens of one choice.",

@@ -68,7 +68,7 @@ class Request:
     first_token_at: float | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)  # sampled since the last event, not yet sent
     after: Request | None = None  # admitted only once this request (same prompt) has prefilled
-    images: Any = None  # the prompt's images (openk3.serve.engine.PromptImages), None for a text prompt
+    images: Any = None  # the prompt's images (openk3.serve.prompts.PromptImages), None for a text prompt
     every_token: bool = True  # an event per token; False: the first token's and the last (Engine.add_request)
 
     preemptions: int = 0
