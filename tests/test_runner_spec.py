@@ -1,7 +1,7 @@
 """The runner's speculative steps against its plain ones (PyTorch ops, and the GPU path's Triton kernels under
-TRITON_INTERPRET=1): a verification over K + 1 tokens equals K + 1 decode steps (logits, the draft's features, pools,
-and the KDA states recorded after each token), `roll_back` restores each sequence's states after its kept tokens, and a draft pass over
-the paged pools equals the draft's step on gathered latents."""
+TRITON_INTERPRET=1): a verification over K + 1 tokens equals K + 1 decode steps (logits, the draft's features,
+pools, and the KDA states recorded after each token), `roll_back` restores each sequence's states after its kept
+tokens, and a draft pass over the paged pools equals the draft's step on gathered latents."""
 
 import pytest
 import torch
