@@ -194,7 +194,7 @@ class EngineMetrics:
     spec_drafts: int = 0  # speculative verifications (one per sequence and round)
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
-    # with a draft: decode steps by the drafts per round they ran (0: a plain step), and the speculation policy's
+    # with a draft: decode steps by the drafts per round chosen for them (0: plain steps), and the speculation policy's
     # moving average of accepted drafts per verification (None: no policy, or nothing verified yet)
     spec_steps: dict[int, int] = field(default_factory=dict)
     spec_accepted_average: float | None = None
@@ -659,7 +659,8 @@ class Engine:
 
     def _pending(self, r: Request) -> torch.Tensor:
         """The target features [n, D] of the last n tokens the target consumed, whose draft latents are pending
-        (one row of zeros when none is known: a prefix hit on a checkpoint without one)."""
+        (one row of zeros when none is known: before the first token, or after a prefix hit on a checkpoint without
+        one)."""
         if r in self.features:
             return self.features[r]
         return self.model.model.embed_tokens.weight.new_zeros(1, self.model_config.hidden_size)
