@@ -1,7 +1,7 @@
 """The runner's speculative steps against its plain ones (PyTorch ops, and the GPU path's Triton kernels under
-TRITON_INTERPRET=1): a verification over K + 1 tokens equals K + 1 decode steps (logits, pools, and the KDA states
-recorded after each token), `roll_back` restores each sequence's states after its kept tokens, and a draft pass over
-the paged pools equals the draft's step on gathered latents."""
+TRITON_INTERPRET=1): a verification over K + 1 tokens equals K + 1 decode steps (logits, the draft's features,
+pools, and the KDA states recorded after each token), `roll_back` restores each sequence's states after its kept
+tokens, and a draft pass over the paged pools equals the draft's step on gathered latents."""
 
 import pytest
 import torch
@@ -65,12 +65,19 @@ def test_verification_equals_decode_steps_and_rolls_back(kernels, compile_backen
         conv_out, recurrent_out = runner.conv_out[:, :3].clone(), runner.recurrent_out[:, :3].clone()
         verified = pools(runner)
         restore(runner, before)
-        steps, after = [], []  # the same tokens one decode step at a time, and the slots' states after each
+        steps, step_features, after = [], [], []  # the same tokens one decode step at a time, the states after each
         for t in range(K + 1):
-            steps.append(runner.decode([r[t] for r in rows], SLOTS, [n + t for n in PROMPTS]).clone())
+            if t % 2:  # `decode` and `decode_with_features` alike
+                step_logits, step_feature = runner.decode_with_features([r[t] for r in rows], SLOTS,
+                                                                        [n + t for n in PROMPTS])
+                step_features.append(step_feature.clone())
+            else:
+                step_logits = runner.decode([r[t] for r in rows], SLOTS, [n + t for n in PROMPTS])
+            steps.append(step_logits.clone())
             after.append((runner.states.conv[:, SLOTS].clone(), runner.states.recurrent[:, SLOTS].clone()))
     assert logits.shape == (3, K + 1, runner.model.config.vocab_size) and features.shape[:2] == (3, K + 1)
     torch.testing.assert_close(logits, torch.stack(steps, dim=1), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(features[:, 1::2], torch.stack(step_features, dim=1), rtol=1e-4, atol=1e-4)
     # the pools alike, but for a padding row's scratch: the padding slot (last) and the null page (first)
     for got, want, real in zip(verified, pools(runner), (slice(0, -1), slice(0, -1), slice(1, None))):
         torch.testing.assert_close(got[:, real], want[:, real], rtol=1e-5, atol=1e-5)
@@ -121,3 +128,15 @@ def test_speculative_steps_never_wait_for_the_host(monkeypatch):
             out = runner._run(name, 2)
         assert syncs.seen == [], name
         assert all(torch.isfinite(t).all() for t in (out if isinstance(out, tuple) else (out,))), name
+
+
+def test_round_costs_cover_every_bucket():
+    """The policy's cost table (openk3.serve.speculation), timed eagerly here: one positive ratio per graph bucket,
+    the pools' real rows untouched (the steps run on the padding slot and the null page)."""
+    runner = spec_runner("k3-tiny", "torch")
+    prefilled(runner)
+    before = pools(runner)
+    costs = runner.round_costs(repeats=1)
+    assert sorted(costs) == runner.buckets and all(c > 0 for c in costs.values())
+    for got, want, real in zip(pools(runner), before, (slice(0, -1), slice(0, -1), slice(1, None))):
+        assert torch.equal(got[:, real], want[:, real])

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from openk3.cli_options import add_kda_options, int_at_least
 from openk3.serve.capacity import GPU_BATCHED_TOKENS
+from openk3.serve.speculation import DEFAULT_K
 
 
 def build_engine(args: argparse.Namespace):
@@ -58,8 +59,13 @@ def build_engine(args: argparse.Namespace):
     print(f"openk3 serve: {report.line()}", file=sys.stderr, flush=True)
     configure_kda(model, backend=args.kda_backend)
     tokenizer = load_tokenizer(ckpt_dir, model.config.vocab_size)
-    draft = None
-    if args.speculative:
+    draft, speculative = None, args.speculative
+    if speculative is None:  # the default: auto when the checkpoint holds a draft, else off
+        from openk3.draft import has_draft
+
+        speculative = "auto" if ckpt_dir is not None and has_draft(ckpt_dir) else 0
+    drafts = DEFAULT_K if speculative == "auto" else speculative
+    if drafts:
         from openk3.draft import load_draft
 
         if ckpt_dir is None:
@@ -75,7 +81,7 @@ def build_engine(args: argparse.Namespace):
         gpu_memory_utilization=args.gpu_memory_utilization, kernels=args.kernels, cuda_graphs=not args.no_cuda_graphs,
         compile_decode=not args.no_compile, compile_prefill=args.compile_prefill, seed=args.seed,
         short_prefill_tokens=args.short_prefill,
-        speculative=args.speculative,
+        speculative=drafts, auto_speculation=speculative == "auto",
         scheduler=SchedulerConfig(
             max_running=args.max_num_seqs, max_queue=args.max_queue,
             prefill_tokens_per_step=args.max_num_batched_tokens or (
@@ -90,6 +96,10 @@ def build_engine(args: argparse.Namespace):
               f"{runner.capture_seconds:.2f} s", file=sys.stderr, flush=True)
     elif runner.graph_error:
         print(f"openk3 serve: decoding eagerly, CUDA graphs off ({runner.graph_error})", file=sys.stderr, flush=True)
+    if drafts:
+        chosen = "chosen per step (--speculative auto)" if engine.policy is not None else "every step"
+        print(f"openk3 serve: speculative decoding with the checkpoint's draft: rounds of {drafts} drafts, {chosen}",
+              file=sys.stderr, flush=True)
     return engine, name
 
 
@@ -185,6 +195,15 @@ def memory_fraction(value: str) -> float:
     return fraction
 
 
+def speculative_drafts(value: str) -> int | str:
+    """--speculative: auto, or K >= 0 drafts per round (0: off)."""
+    if value == "auto":
+        return value
+    if not value.isdigit():
+        raise argparse.ArgumentTypeError(f"must be auto or a number of drafts K >= 0, got {value!r}")
+    return int(value)
+
+
 def tcp_port(value: str) -> int:
     if not value.isdigit() or int(value) > 65535:
         raise argparse.ArgumentTypeError(f"{value} is not a TCP port (0-65535; 0 picks a free one)")
@@ -268,13 +287,15 @@ def add_serve_parser(subparsers) -> None:
                         "bench/RESULTS.md)")
     p.add_argument("--short-prefill", type=int_at_least(0), default=None, metavar="N",
                    help="prompt chunks of at most N tokens prefill together in one CUDA-graph step (default 16 on a "
-                        "GPU with CUDA graphs and without --speculative; 0: off)")
+                        "GPU with CUDA graphs and without speculative decoding; 0: off)")
     p.add_argument("--allow-remote-images", action="store_true",
                    help="fetch http(s) image URLs in chat requests (10 s and 20 MiB at most each, no redirects); "
                         "by default only inline data: URLs are accepted")
-    p.add_argument("--speculative", type=int_at_least(0), default=0, metavar="K",
-                   help="speculative decoding with the checkpoint's draft (`openk3 draft`): K drafted tokens per "
-                        "verification, the target's distribution kept exactly (default 0: off)")
+    p.add_argument("--speculative", type=speculative_drafts, default=None, metavar="K|auto",
+                   help="speculative decoding with the checkpoint's draft (`openk3 draft`), the target's distribution "
+                        "kept exactly: K drafted tokens per verification at every step, or auto: rounds of "
+                        f"{DEFAULT_K} drafts or plain decoding, chosen per step from the measured acceptance and the "
+                        "batch size (default: auto when the checkpoint holds a draft, else off; 0: off)")
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine in a process of its own (the default), so that the HTTP server's Python work "
                         "overlaps the engine's steps instead of taking turns with them on one GIL")

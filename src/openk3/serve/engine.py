@@ -40,7 +40,12 @@ pool's last layer and end up written for a position only from target features (a
 rewritten by the next round's first pass), so a page that reaches the prefix cache holds the same draft latents
 whatever drafted them, and hash blocks are registered only up to the accepted tokens, each KDA checkpoint carrying
 the draft feature of its boundary ("feature") for a sequence resuming there.
-A sequence within K + 1 tokens of the context limit decodes one token per step.
+A sequence within K + 1 tokens of the context limit decodes one token per step. With `auto_speculation` the engine
+chooses per step between rounds of K drafts and one plain decode step for every sequence (`SpecPolicy`, from the
+measured acceptance and the batch size: openk3.serve.speculation). A plain step with a draft keeps the decoded
+token's target feature as one more pending position, so the draft's latents end up the same whichever steps
+decoded the sequence: when a sequence's pending positions fill a first draft pass (K + 1), a draft pass writes them
+before its next plain step (`_write_pending`), keeping the last, which the next pass rewrites alike.
 """
 
 from __future__ import annotations
@@ -67,6 +72,7 @@ from openk3.serve.prefix_cache import PrefixCache, PrefixCacheConfig
 from openk3.serve.prompts import PromptImages, check_prompt
 from openk3.serve.runner import ModelRunner
 from openk3.serve.scheduler import Request, RequestEvent, Scheduler, SchedulerConfig
+from openk3.serve.speculation import SpecPolicy
 from openk3.serve.stop_strings import first_stop, sendable
 from openk3.tokenizer import TextStream
 
@@ -112,6 +118,9 @@ class EngineConfig:
     # `model.compile.compile_blocks` without the token mixers). Off: prefills of new shapes recompile
     compile_prefill: bool = False
     speculative: int = 0  # draft tokens per verification (needs the engine's draft model); 0: off
+    # choose per step between rounds of `speculative` drafts and plain decoding (openk3.serve.speculation); off: every
+    # step speculates (but near the context limit)
+    auto_speculation: bool = False
     # prompt chunks of at most this many tokens prefill in one static step of the runner, captured as CUDA graphs
     # (`ModelRunner.prefill_short`); None: SHORT_PREFILL_TOKENS on a GPU with CUDA graphs and no draft, else 0 (off)
     short_prefill_tokens: int | None = None
@@ -129,6 +138,8 @@ class EngineConfig:
             raise ValueError(f"engine field 'kernels' must be auto, triton or torch, got {self.kernels!r}")
         if self.speculative < 0:
             raise ValueError(f"engine field 'speculative' must be >= 0, got {self.speculative}")
+        if self.auto_speculation and not self.speculative:
+            raise ValueError("engine field 'auto_speculation' needs 'speculative' > 0 (the drafts of a round)")
         if self.short_prefill_tokens is not None and self.short_prefill_tokens < 0:
             raise ValueError(f"engine field 'short_prefill_tokens' must be >= 0, got {self.short_prefill_tokens}")
 
@@ -146,6 +157,10 @@ class EngineMetrics:
     spec_drafts: int = 0  # speculative verifications (one per sequence and round)
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    # with a draft: decode steps by the drafts per round chosen for them (0: plain steps), and the speculation policy's
+    # moving average of accepted drafts per verification (None: no policy, or nothing verified yet)
+    spec_steps: dict[int, int] = field(default_factory=dict)
+    spec_accepted_average: float | None = None
     preemptions: int = 0  # running sequences sent back to the queue for want of pages (resumed by recompute)
 
 
@@ -260,6 +275,9 @@ class Engine:
             "kda_states": nbytes([self.states.conv, self.states.recurrent]),
             "cuda_graphs": torch.cuda.memory_reserved(device) - reserved if gpu else 0,
         }
+        # dynamic speculation: a round's cost against a plain step's, timed per batch bucket on a GPU
+        self.policy = (SpecPolicy(config.speculative, self.runner.round_costs() if gpu else None)
+                       if config.auto_speculation and self.draft is not None else None)
 
         self.prefix_cache = PrefixCache(PrefixCacheConfig(
             hash_block=h, page_size=P, page_bytes=page_bytes,
@@ -332,7 +350,7 @@ class Engine:
         """Copies of what /metrics reports (openk3.serve.metrics): the counters, the queue, the prefix cache's
         statistics and utilisation, the memory by part; small and picklable (an engine process sends one a step)."""
         m, cache = self.metrics, self.prefix_cache
-        return {"metrics": replace(m, requests_finished=dict(m.requests_finished)),
+        return {"metrics": replace(m, requests_finished=dict(m.requests_finished), spec_steps=dict(m.spec_steps)),
                 "waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running),
                 "cache_stats": replace(cache.stats) if cache is not None else None,
                 "cache_utilisation": cache.utilisation if cache is not None else 0.0, "memory": dict(self.memory)}
@@ -376,10 +394,11 @@ class Engine:
         for r in admitted:
             with self._isolated([r]):
                 self._start(r)
-        K, limit = self.config.speculative, self.max_model_len
+        ready = [r for r in self.scheduler.running if not r.prefilling]
+        K, limit = self._drafts_per_round(len(ready)), self.max_model_len
         speculating, decoding = [], []
-        for r in [r for r in self.scheduler.running if not r.prefilling]:
-            if self.draft is not None and r.fed + K + 1 <= limit and self._has_pages(r, r.fed + K + 1):
+        for r in ready:
+            if K and r.fed + K + 1 <= limit and self._has_pages(r, r.fed + K + 1):
                 speculating.append(r)
             elif self._has_pages(r, r.fed + 1):
                 decoding.append(r)
@@ -402,6 +421,14 @@ class Engine:
                     with self._isolated([r for r, _ in group]):
                         self._prefill(group, offsets, short)
         self.metrics.steps += 1
+
+    def _drafts_per_round(self, batch: int) -> int:
+        """The step's K for `batch` decoding sequences: the configured one, the policy's choice, or 0 (no draft)."""
+        if self.draft is None or not batch:
+            return 0
+        k = self.policy.choose(batch) if self.policy is not None else self.config.speculative
+        self.metrics.spec_steps[k] = self.metrics.spec_steps.get(k, 0) + 1
+        return k
 
     def _prefill_groups(self, chunks: list[tuple[Request, int]]):
         """A round's prefill chunks (request, end) as forwards: (chunks, checkpoint offsets, short). Chunks of at most
@@ -570,21 +597,42 @@ class Engine:
 
     # ---- forwards -----------------------------------------------------------------------------------------
     def _decode(self, requests: list[Request]) -> None:
-        """One token for every decoding sequence (their pages are in place)."""
-        logits = self.runner.decode([r.output[-1] for r in requests], [r.slot for r in requests],
-                                    [r.fed for r in requests])
+        """One token for every decoding sequence (their pages are in place); with a draft, each one's feature of
+        the token joins its pending positions (module docstring)."""
+        ids, slots, lengths = [r.output[-1] for r in requests], [r.slot for r in requests], [r.fed for r in requests]
+        features = None
+        if self.draft is None:
+            logits = self.runner.decode(ids, slots, lengths)
+        else:
+            self._write_pending(requests)
+            logits, features = self.runner.decode_with_features(ids, slots, lengths)
         sample = self._sampler(requests, logits)
         for row, r in enumerate(requests):
             with self._isolated([r]):
                 token = sample(row)
                 r.fed += 1
-                self.features.pop(r, None)  # this path computes no draft feature: none is cached for the token
+                if features is not None:
+                    self.features[r] = torch.cat([self._pending(r), features[row : row + 1]])
                 self._register_blocks(r, r.fed - 1)
                 self._accept(r, token)
 
+    def _write_pending(self, requests: list[Request]) -> None:
+        """Before a plain step: the draft's latents of the sequences whose pending positions fill a first draft
+        pass (K + 1), in one such pass; each keeps its last pending position (its latent rewritten alike by the
+        next pass, which reads the draft's hidden state there)."""
+        K = self.config.speculative
+        full = [r for r in requests if len(self._pending(r)) == K + 1]
+        if full:
+            self.runner.draft_pass(torch.stack([self.features[r] for r in full]),
+                                   [r.output[-(K + 1):] for r in full], [r.slot for r in full],
+                                   [r.fed - K for r in full], [K] * len(full))
+            for r in full:
+                self.features[r] = self.features[r][-1:]
+
     def _pending(self, r: Request) -> torch.Tensor:
         """The target features [n, D] of the last n tokens the target consumed, whose draft latents are pending
-        (one row of zeros before the first token or after a plain decode step, which computes no feature)."""
+        (one row of zeros when none is known: before the first token, or after a prefix hit on a checkpoint without
+        one)."""
         if r in self.features:
             return self.features[r]
         return self.model.model.embed_tokens.weight.new_zeros(1, self.model_config.hidden_size)
@@ -612,6 +660,9 @@ class Engine:
         logits = logits[..., : self.vocab_limit]
         kept = self._verify(drafts, logits)
         runner.roll_back(slots, [len(tokens) for tokens in kept])
+        if self.policy is not None:
+            self.policy.observe([len(tokens) - 1 for tokens in kept])
+            self.metrics.spec_accepted_average = self.policy.accepted
         checkpoints = {o: {"conv": runner.conv_out[:, :, o - 1], "recurrent": runner.recurrent_out[:, :, o - 1]}
                        for o in range(1, K + 1)}
         for row, (r, tokens) in enumerate(zip(requests, kept)):

@@ -9,7 +9,9 @@ openk3_running_requests, openk3_memory_bytes{part} (weights, latent_pages, kda_s
 openk3_prefix_cache_queried_tokens_total, openk3_prefix_cache_hit_tokens_total, openk3_prefix_cache_utilisation,
 and with --speculative (0 otherwise) openk3_spec_decode_drafts_total (verifications, one per sequence and round),
 openk3_spec_decode_draft_tokens_total and openk3_spec_decode_accepted_tokens_total (vLLM's acceptance length is
-1 + accepted / drafts).
+1 + accepted / drafts), openk3_spec_decode_steps_total{k} (decode steps by the drafts per round chosen for them,
+k="0": plain steps) and, with --speculative auto, openk3_spec_decode_accepted_average (the policy's moving average of
+accepted drafts per verification; 0 until measured).
 Observed per request from the engine's event times (histograms): openk3_time_to_first_token_seconds (from the
 request's arrival at the API to its first token, of any choice), openk3_inter_token_latency_seconds (between
 consecutive tokens of one choice) and openk3_e2e_request_latency_seconds (arrival to the last choice's end, for
@@ -44,6 +46,11 @@ class EngineCollector(Collector):
         for reason, count in sorted(m.requests_finished.items()):
             finished.add_metric([reason], count)
         yield finished
+        steps = CounterMetricFamily("openk3_spec_decode_steps", "Decode steps by the drafts per round chosen for them "
+                                    "(0: plain decoding).", labels=["k"])
+        for k, count in sorted(m.spec_steps.items()):
+            steps.add_metric([str(k)], count)
+        yield steps
         counters = [
             ("requests_received", "Engine requests accepted (one per choice).", m.requests_received),
             ("prompt_tokens", "Prompt tokens of admitted requests.", m.prompt_tokens),
@@ -66,6 +73,8 @@ class EngineCollector(Collector):
             ("queue_requests", "Requests waiting for admission.", snap["waiting"]),
             ("running_requests", "Requests being prefilled or decoded.", snap["running"]),
             ("prefix_cache_utilisation", "Used fraction of the prefix cache's device tier.", snap["cache_utilisation"]),
+            ("spec_decode_accepted_average", "The speculation policy's moving average of accepted drafts per "
+             "verification.", m.spec_accepted_average or 0.0),
         ]
         for name, text, value in counters:
             yield CounterMetricFamily(f"openk3_{name}", text, value=value)

@@ -29,7 +29,11 @@ logits and draft features, with the KDA states after each of the first K tokens 
 (`roll_back` puts a sequence's states back to its last accepted token); `draft_pass` runs the draft over T = 1 or K + 1
 positions per sequence (`EagleDraft.decode`), its latents in the page pool's last layer beside the target's MLA
 latents (so the prefix cache shares them with the pages), and returns the hidden state and logits at each row's
-`last` position. `draft_step` (gathered latents, any length) writes the draft's latents of prefill chunks.
+`last` position. `draft_step` (gathered latents, any length) writes the draft's latents of prefill chunks. With a
+draft the plain decode step returns the draft's features too (`decode_with_features`: the engine keeps the draft's
+inputs of a plainly decoded token, so that a later round's draft reads the same latents as after rounds), and it is
+compiled as without a draft: the engine's dynamic speculation (openk3.serve.speculation) runs it at large batches.
+`round_costs` times a round's steps against the plain one at every bucket, for that policy.
 """
 
 from __future__ import annotations
@@ -64,6 +68,13 @@ def verify_forward(model, draft: EagleDraft, ids: torch.Tensor, batch: DecodeBat
     """The target over T tokens per sequence: (logits [B,T,vocab], the draft's features [B,T,D])."""
     logits, tapped = decode_forward(model, ids, batch, draft.taps)
     return logits, draft.fuse(dict(zip(draft.taps, tapped)))
+
+
+def features_forward(model, draft: EagleDraft, ids: torch.Tensor, batch: DecodeBatch):
+    """One token per sequence, ids [B]: (logits [B, vocab], the draft's features [B, D]); the pools advance by it.
+    (Not `verify_forward` at T = 1: a function of its own keeps torch.compile's graphs of the two apart.)"""
+    logits, tapped = decode_forward(model, ids.unsqueeze(1), batch, draft.taps)
+    return logits[:, 0], draft.fuse(dict(zip(draft.taps, tapped)))[:, 0]
 
 
 def draft_forward(draft: EagleDraft, prev: torch.Tensor, ids: torch.Tensor, last: torch.Tensor, batch: DecodeBatch):
@@ -141,10 +152,9 @@ class ModelRunner:
         return out
 
     def _compile(self) -> None:
-        """The compiled steps: decode, or when speculating the verification (the plain step, which then runs only
-        near the context limit, is captured uncompiled: one Inductor compile less at start-up)."""
+        """The compiled steps: decode (with the draft's features when speculating) and the verification."""
         compile_ = (lambda fn: torch.compile(fn, backend=self.compile_backend)) if self.compiled else (lambda fn: fn)
-        self.step = decode_logits if self.speculative else compile_(decode_logits)
+        self.step = compile_(features_forward if self.speculative else decode_logits)
         self.verify_step = compile_(verify_forward)
 
     # ---- decode steps: plain, speculative verification, draft ------------------------------------------------
@@ -159,9 +169,9 @@ class ModelRunner:
 
     def _steps(self) -> dict:
         """step name -> (function of the batch size running it on the static inputs, compiled or not)."""
-        steps = {"decode": (lambda size: self.step(self.model, self.inputs[0, :size], self._batch(size)),
-                            self.compiled and not self.speculative)}
         S, K = self.short_prefill, self.speculative
+        model = (self.model, self.draft) if K else (self.model,)
+        steps = {"decode": (lambda size: self.step(*model, self.inputs[0, :size], self._batch(size)), self.compiled)}
         if S:
             steps["prefill"] = (lambda size: short_prefill_forward(
                 self.model, self.short_ids[:size], self._batch(size, ragged=True)), False)
@@ -296,9 +306,54 @@ class ModelRunner:
     def decode(self, ids: list[int], slots: list[int], lengths: list[int]) -> torch.Tensor:
         """One token for each of n sequences: ids, slots, lengths (tokens before it) -> logits [n, vocab]. With CUDA
         graphs the logits are a view of the graph's static output: valid until the next decode (copy to keep)."""
+        out = self._decode(ids, slots, lengths)
+        return out[0] if self.speculative else out
+
+    def decode_with_features(self, ids: list[int], slots: list[int], lengths: list[int]):
+        """`decode` with a draft: (logits [n, vocab], the draft's features of the n tokens [n, D]), views as
+        `decode`'s."""
+        if not self.speculative:
+            raise ValueError("the draft's features need a runner with a draft (speculative > 0)")
+        return self._decode(ids, slots, lengths)
+
+    def _decode(self, ids: list[int], slots: list[int], lengths: list[int]):
         size = self._size(len(ids))
         self._set_inputs(ids, slots, lengths, size)
-        return self._run("decode", size)[: len(ids)]
+        out = self._run("decode", size)
+        return tuple(t[: len(ids)] for t in out) if self.speculative else out[: len(ids)]
+
+    @torch.no_grad()
+    def round_costs(self, repeats: int = 5) -> dict[int, float]:
+        """Batch bucket -> a speculative round's time (the verification, the first draft pass over K + 1 positions
+        and K - 1 one-position passes) over a plain decode step's, the step including its share of the draft pass
+        over K + 1 positions that writes the draft's latents of K plainly decoded tokens (the engine's
+        `_write_pending`). Each step runs as it serves (its graph's replay, or eagerly) on the padding slot, the
+        median of `repeats` after one warm-up run."""
+        K = self.speculative
+        if not K:
+            raise ValueError("round costs need a runner with a draft (speculative > 0)")
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        self.inputs.zero_()
+        self.inputs[1].fill_(self.states.padding_slot)  # the steps touch only the padding slot and the null page
+
+        def seconds(name: str, size: int) -> float:
+            self._run(name, size)
+            times = []
+            for _ in range(repeats):
+                sync()
+                start = time.perf_counter()
+                self._run(name, size)
+                sync()
+                times.append(time.perf_counter() - start)
+            return sorted(times)[len(times) // 2]
+
+        costs = {}
+        for size in self.buckets:
+            first = seconds(f"draft{K + 1}", size)
+            rest = seconds("draft1", size) if K > 1 else 0.0
+            plain = seconds("decode", size) + first / K
+            costs[size] = (seconds("verify", size) + first + (K - 1) * rest) / plain
+        return costs
 
     def verify(self, ids: list[list[int]], slots: list[int], lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The target over K + 1 tokens per sequence (its last token and K drafts) from position lengths[b]:
