@@ -70,7 +70,7 @@ def _kda_decode_kernel(q, k, v, g, beta, pool, slots, o, states_out, num_tokens,
         S = tl.load(s_ptr, mask=smask, other=0.0)  # loaded once, carried through the T steps in registers
         if HAS_NUM_TOKENS:
             n_real = tl.load(num_tokens + n)
-        for t in tl.static_range(T):
+        for t in range(T):  # a loop at run time: a T-token step (a short prefill) compiles as fast as T = 1
             x = (n * T + t) * H + h
             mkt, mvt = mk, mv
             if HAS_NUM_TOKENS:  # a padding token reads zeros: g = k = v = beta = 0 leave S as it is, q = 0 gives o = 0
@@ -93,7 +93,7 @@ def _kda_decode_kernel(q, k, v, g, beta, pool, slots, o, states_out, num_tokens,
                     tl.store(states_out + snap + tile, S, mask=smask)
         tl.store(s_ptr, S, mask=smask)
     else:
-        for t in tl.static_range(T):
+        for t in range(T):
             tl.store(o + ((n * T + t) * H + h) * V + cv, tl.zeros([BV], dtype=tl.float32).to(o.dtype.element_ty),
                      mask=mv)
 
@@ -185,17 +185,18 @@ def kda_decode_reference(q, k, v, g, beta, state_pool, slots, scale: float | Non
 
 
 @triton.jit
-def _conv_window(x, conv_state, n, slot, cd, md, cw, D, t: tl.constexpr, T: tl.constexpr, W: tl.constexpr):
+def _conv_window(x, conv_state, n, slot, cd, md, cw, D, t, T: tl.constexpr, W: tl.constexpr):
     """[BD, BW] taps of sequence n's window after its tokens < t, in fp32 holding conv_state's precision (as the
-    window in memory after t one-token steps): old taps t..W-2, then tokens max(0, t-W+1)..t-1."""
-    j = t + cw
-    win = tl.load(conv_state + (slot * D + cd[:, None]) * (W - 1) + j[None, :], mask=md[:, None] & (j[None, :] < W - 1),
-                  other=0.0).to(tl.float32)
-    for s in tl.static_range(t):
-        if s >= t - (W - 1):  # token s sits in tap s - t + W - 1
-            xs = tl.load(x + (n * T + s) * D + cd, mask=md, other=0.0).to(conv_state.dtype.element_ty)
-            win = tl.where(cw[None, :] == s - t + W - 1, xs.to(tl.float32)[:, None], win)
-    return win
+    window in memory after t one-token steps): tap c holds position p = t - (W-1) + c, token p when p >= 0, else
+    the old tap t + c. One gather each way, whatever t (a run-time value: the loops over tokens are not unrolled)."""
+    p = t - (W - 1) + cw
+    tap = cw < W - 1
+    old = tap & (p < 0)
+    new = tap & (p >= 0)
+    win = tl.load(conv_state + (slot * D + cd[:, None]) * (W - 1) + (p + W - 1)[None, :],
+                  mask=md[:, None] & old[None, :], other=0.0).to(tl.float32)
+    xs = tl.load(x + (n * T + p)[None, :] * D + cd[:, None], mask=md[:, None] & new[None, :], other=0.0)
+    return tl.where(new[None, :], xs.to(conv_state.dtype.element_ty).to(tl.float32), win)
 
 
 @triton.jit
@@ -214,7 +215,7 @@ def _conv_step_kernel(x, conv_state, slots, weight, bias, y, states_out, num_tok
         if HAS_NUM_TOKENS:  # the final window is the one after the row's n_real tokens: the loop's window n_real
             n_real = tl.minimum(tl.maximum(tl.load(num_tokens + n), 0), T)  # out of range: as 0 or T (as KDA's)
             real_last = tl.zeros([BD, BW], dtype=tl.float32)
-        for t in tl.static_range(T):
+        for t in range(T):  # at run time, as in the KDA step
             window = _conv_window(x, conv_state, n, slot, cd, md, cw, D, t, T, W)
             acc = tl.sum(window * wt, axis=1)
             acc += tl.load(x + (n * T + t) * D + cd, mask=md, other=0.0).to(tl.float32) * w_last
@@ -238,7 +239,7 @@ def _conv_step_kernel(x, conv_state, slots, weight, bias, y, states_out, num_tok
         tl.store(conv_state + (slot * D + cd[:, None]) * (W - 1) + cw[None, :], last.to(conv_state.dtype.element_ty),
                  mask=taps)
     else:
-        for t in tl.static_range(T):
+        for t in range(T):
             tl.store(y + (n * T + t) * D + cd, tl.zeros([BD], dtype=tl.float32).to(y.dtype.element_ty), mask=md)
 
 
