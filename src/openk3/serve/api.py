@@ -99,6 +99,8 @@ def create_app(engine: Engine | LocalCore | ProcessCore, model_name: str,
     async def health():
         if not state["ready"]:
             return JSONResponse({"status": "starting"}, status_code=503)
+        if not core.alive():
+            return JSONResponse({"status": "engine stopped"}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/v1/models")

@@ -88,6 +88,9 @@ class LocalCore:
     def snapshot(self) -> dict:
         return self.engine.snapshot()
 
+    def alive(self) -> bool:
+        return self._loop is None or self._loop.thread.is_alive()
+
 
 class ProcessCore:
     """The engine in a child process, started from the `openk3 serve` arguments (`start_process`)."""
@@ -167,6 +170,8 @@ class ProcessCore:
     def add_request(self, prompt: list[int], params: SamplingParams, rid: str, on_event, after: str | None = None,
                     images: list | None = None, every_token: bool = True) -> None:
         check_prompt(prompt, self.info.max_model_len, self.info.model_config, images)
+        if not self.process.is_alive():
+            raise RuntimeError(f"the engine process has ended (exit code {self.process.exitcode})")
         if len(self._handlers) >= self.info.max_queue + self.info.max_running:
             raise QueueFull(f"the engine holds {len(self._handlers)} requests (max_queue={self.info.max_queue} "
                             f"waiting + {self.info.max_running} running)")
@@ -178,6 +183,9 @@ class ProcessCore:
 
     def snapshot(self) -> dict:
         return self._snapshot
+
+    def alive(self) -> bool:
+        return self.process.is_alive()
 
     def stop(self) -> None:
         self._stopping = True
