@@ -1,203 +1,444 @@
-"""Speculative decoding in the GPU engine (issue 15): k3-debug with its MTP layer fitted as an EAGLE-style draft to
-the target's own distribution; decode tokens/s with `speculative` K against without, at 1 and 32 clients.
+"""Speculative decoding on a trained target with trained drafts (issue 43): decode tokens/s with and without drafts,
+accepted drafts per verification, and acceptance by context length with the prefix cache on and off.
 
-    python bench/spec_gpu.py [--preset k3-debug] [--k 3] [--fit-steps 300] [--clients 1 32] [--new-tokens 128]
-                             [--compile-prefill] [--smoke] [--json bench/spec_gpu.json]
+    python bench/spec_gpu.py                                   # all of it: train, then measure (one H200)
+    python bench/spec_gpu.py --train-only                      # 1st call: the target and its drafts
+    python bench/spec_gpu.py --target runs/spec_gpu/target \\
+        --drafts runs/spec_gpu/draft-lk runs/spec_gpu/draft-kl runs/spec_gpu/draft-hybrid   # 2nd call: measure
+    python bench/spec_gpu.py --smoke                           # k3-tiny on the CPU, toy sizes: checks the script
 
-1. The target: the preset with random weights. A random target's text has no structure of its own, so the draft
-   (`openk3.draft.EagleDraft` on the target's MTP layer) is fitted to what acceptance measures, the target's
-   distribution: --fit-steps steps of the LK loss over 3 unrolled steps (`openk3.train.draft.draft_losses`, fp32
-   weights under bf16 autocast) on windows the target sampled itself (the engine, temperature 1, 16-token random
-   prompts), fresh windows every 50 steps.
-2. Held-out alpha (the mean of sum_x min(p, q) per unrolled step) on windows sampled apart.
-3. Two engines in bf16 as `openk3 serve` runs them (one without speculation: compiled decode in CUDA graphs; one
-   with speculative K: the compiled verification of K + 1 positions and the draft passes in CUDA graphs), each
-   started once for the largest client count, with C requests of --new-tokens tokens each from 16-token prompts,
-   at temperature 1 (speculation keeps the target's distribution exactly) and greedy: generated tokens per second
-   of wall time, and accepted drafts per verification; then the verification step against K + 1 decode steps.
-Prints a table and writes JSON. `--smoke`: k3-tiny on the CPU, a few steps, to check the script.
+1. The recipe (skipped for what --target / --drafts name): `openk3 train --preset k3-debug --device cuda` on the
+   embedded corpus (the Python stdlib sources; a few minutes), then `openk3 draft --loss L` from it for each of
+   --losses (lk, kl, hybrid; a minute or two each). Both run as subprocesses, their output appended to
+   WORKDIR/recipe.log; the target's held-out loss (its summary.json) and each draft's last training loss and
+   evaluated acceptance (theirs) go to the JSON.
+2. Throughput, in-process on `openk3.serve.engine.Engine` in bf16 as `openk3 serve` runs it (prefix cache off, so
+   repeated prompts are prefilled alike): for --clients x --temperatures, C requests of --new-tokens tokens from
+   --prompt-tokens-token prompts cut from the corpus's held-out documents (`openk3.train.data`: the target never
+   trained on them), one warm-up batch then one timed batch. Plain decoding (an engine without a draft) once; then
+   one engine with K = --k drafts per round whose draft weights are swapped in place for each draft (the target is
+   frozen in `openk3 draft`, so only the draft's fc and MTP layer differ; the captured graphs read the same
+   tensors), timed with K fixed and with the dynamic policy (`openk3.serve.speculation.SpecPolicy`, as
+   `--speculative auto`). A row: {clients, temperature, loss, k (K or "auto"), tok_per_s (plain), spec_tok_per_s,
+   speedup, accepted_per_verify (engine.metrics spec_accepted_tokens / spec_drafts)}.
+3. Acceptance by context (`acceptance_by_context`): --sessions multi-turn sessions, each turn appending
+   --turn-tokens held-out tokens to the conversation so far (its earlier prompts and replies) and asking for
+   --answer-tokens greedy tokens, until the context passes --context-max (> 64k; max_model_len is raised to fit),
+   one request at a time with the --context-loss draft and K fixed; each step's verifications are counted in the
+   bucket of the request's context length (0-16k, 16-64k, 64k+), once with the prefix cache on (each turn hits the
+   one before) and once off.
+Prints the tables and writes JSON (--json; default $OUT/spec_gpu.json when $OUT is set, else bench/spec_gpu.json).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import os
+import subprocess
+import sys
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from openk3.config import get_preset
-from openk3.draft import EagleDraft
-from openk3.model import K3ForCausalLM
-from openk3.model.moe import decisive_routing
+import openk3
+from openk3.build import load_model
+from openk3.checkpoints import resolve_checkpoint
+from openk3.draft import has_draft, load_draft
+from openk3.interop import load_pretrained
 from openk3.sampling import SamplingParams
 from openk3.serve.engine import Engine, EngineConfig
 from openk3.serve.scheduler import SchedulerConfig
-from openk3.tokenizer import ByteTokenizer
-from openk3.train.draft import draft_losses
+from openk3.serve.speculation import SpecPolicy
+from openk3.tokenizer import load_tokenizer
+from openk3.train.data import load_documents, train_and_heldout_streams
 
-PROMPT_TOKENS = 16
+LOSSES = ("lk", "kl", "hybrid")
+BUCKETS = ((0, 16_384, "0-16k"), (16_384, 65_536, "16-64k"), (65_536, None, "64k+"))
 
 
-def engine_for(model, draft, k: int, clients: int, compile_decode: bool, compile_prefill: bool) -> Engine:
-    config = EngineConfig(prefix_cache=False, speculative=k, compile_decode=compile_decode,
-                          compile_prefill=compile_prefill,
+@dataclass(frozen=True)
+class Sizes:
+    """What differs between the H200 run and --smoke."""
+    preset: str
+    train: tuple[str, ...]  # extra `openk3 train` flags
+    draft: tuple[str, ...]  # extra `openk3 draft` flags
+    clients: tuple[int, ...]
+    new_tokens: int
+    prompt_tokens: int
+    turn_tokens: int
+    answer_tokens: int
+    context_max: int
+
+
+FULL = Sizes("k3-debug",
+             ("--max-steps", "1500", "--batch-size", "16", "--seq-len", "1024", "--time-limit", "240"),
+             ("--max-steps", "300", "--batch-size", "16", "--seq-len", "512", "--eval-prompts", "16"),
+             (1, 8, 64), 128, 128, 4096, 128, 80_000)
+SMOKE = Sizes("k3-tiny",
+              ("--max-steps", "3", "--batch-size", "2", "--seq-len", "64", "--sample-tokens", "8"),
+              ("--max-steps", "2", "--batch-size", "2", "--seq-len", "64", "--eval-prompts", "2",
+               "--eval-tokens", "8"),
+              (1, 2), 8, 32, 48, 8, 200)
+
+
+# ---- 1. the recipe ---------------------------------------------------------------------------------------------
+
+def run_logged(cmd: list[str], log: Path) -> None:
+    """Run an `openk3` command (the openk3 this script imports), its output appended to `log`; a failure ends the
+    script with one line."""
+    src = str(Path(openk3.__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (src, os.environ.get("PYTHONPATH"))))}
+    with log.open("a") as fh:
+        fh.write(f"\n$ {' '.join(cmd)}\n")
+        fh.flush()
+        started = time.perf_counter()
+        code = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env).returncode
+    print(f"  {' '.join(cmd[2:5])}: {time.perf_counter() - started:.0f} s (exit {code})", flush=True)
+    if code:
+        raise SystemExit(f"bench/spec_gpu.py: `{' '.join(cmd[2:])}` failed (exit {code}); see {log}")
+
+
+def train_target(args, sizes: Sizes, out: Path, log: Path) -> Path:
+    run_logged([sys.executable, "-m", "openk3", "train", "--preset", sizes.preset, "--device", args.device,
+                "--out", str(out), "--overwrite", "--eval-every", "0", "--no-progress", *sizes.train], log)
+    return out
+
+
+def train_draft(args, sizes: Sizes, target: Path, loss: str, out: Path, log: Path) -> Path:
+    run_logged([sys.executable, "-m", "openk3", "draft", "--ckpt", str(target), "--loss", loss, "--device",
+                args.device, "--draft-tokens", str(args.k), "--out", str(out), "--overwrite", "--eval-every", "0",
+                "--no-progress", *sizes.draft], log)
+    return out
+
+
+def summary(run_dir: Path) -> dict:
+    path = run_dir / "summary.json"
+    if not path.is_file():
+        raise SystemExit(f"bench/spec_gpu.py: {run_dir} has no summary.json (not an `openk3 train`/`draft` run)")
+    return json.loads(path.read_text())
+
+
+def draft_loss_name(ckpt: Path) -> str:
+    """The loss a draft checkpoint was trained with (its draft.json's training notes)."""
+    if not has_draft(ckpt):
+        raise SystemExit(f"bench/spec_gpu.py: --drafts {ckpt} holds no draft (draft.json); pass `openk3 draft` runs")
+    return json.loads((ckpt / "draft.json").read_text())["training"].get("loss", "?")
+
+
+def build_runs(args, sizes: Sizes) -> tuple[Path, dict[str, Path]]:
+    """The target run directory and {loss: draft checkpoint}, trained where not given."""
+    work = Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    log = work / "recipe.log"
+    target = Path(args.target) if args.target else train_target(args, sizes, work / "target", log)
+    runs = [Path(d) for d in args.drafts] if args.drafts else [
+        train_draft(args, sizes, target, loss, work / f"draft-{loss}", log) for loss in args.losses]
+    drafts = {}
+    for run in runs:
+        ckpt = resolve_checkpoint(run)
+        drafts[draft_loss_name(ckpt)] = ckpt
+    return target, drafts
+
+
+def recipe_record(target: Path, drafts: dict[str, Path]) -> dict:
+    t = summary(target)
+    record = {"target": {k: t.get(k) for k in ("steps", "heldout_loss", "unigram_loss", "train_seconds")},
+              "drafts": {}}
+    for loss, ckpt in drafts.items():
+        run = ckpt.parent if (ckpt.parent / "summary.json").is_file() else ckpt
+        d = summary(run)
+        record["drafts"][loss] = {"train_loss": d.get("loss"), "steps": d.get("steps"),
+                                  "eval_accept_len": d.get("accept_len"), "checkpoint": str(ckpt)}
+    return record
+
+
+# ---- prompts ---------------------------------------------------------------------------------------------------
+
+def heldout_stream(tokenizer) -> list[int]:
+    """The embedded corpus's held-out token stream under the target's tokenizer (openk3.train.data's split)."""
+    return train_and_heldout_streams(load_documents(None), tokenizer)[1].tolist()
+
+
+def cut(stream: list[int], start: int, n: int) -> list[int]:
+    """n tokens of the stream from `start`, wrapping around at its end."""
+    return [stream[(start + i) % len(stream)] for i in range(n)]
+
+
+def prompts_for(stream: list[int], clients: int, length: int) -> list[list[int]]:
+    step = max(1, len(stream) // clients)
+    return [cut(stream, i * step, length) for i in range(clients)]
+
+
+# ---- engines ---------------------------------------------------------------------------------------------------
+
+def make_engine(model, tokenizer, args, draft=None, clients: int = 2, prefix_cache: bool = False,
+                max_model_len: int | None = None) -> Engine:
+    gpu = args.device == "cuda"
+    k = args.k if draft is not None else 0
+    config = EngineConfig(prefix_cache=prefix_cache, speculative=k, auto_speculation=bool(k),
+                          compile_decode=gpu and not args.no_compile, max_model_len=max_model_len,
                           scheduler=SchedulerConfig(max_running=max(clients, 2)))
     started = time.perf_counter()
-    engine = Engine(model, ByteTokenizer(), config, draft=draft if k else None)
-    print(f"engine with K={k} started in {time.perf_counter() - started:.0f} s (graphs: "
-          f"{engine.runner.captured() or engine.runner.graph_error})", flush=True)
+    engine = Engine(model, tokenizer, config, draft=draft)
+    print(f"engine (K={k}, prefix cache {'on' if prefix_cache else 'off'}) started in "
+          f"{time.perf_counter() - started:.0f} s", flush=True)
     return engine
 
 
-def generate(engine: Engine, clients: int, new_tokens: int, seed: int, temperature: float = 1.0,
-             ) -> tuple[list[list[int]], float]:
-    """`clients` requests at once (random prompts inside the tokenizer's ids, at `temperature`): each one's prompt +
-    output, and the wall seconds until all finished."""
-    gen = torch.Generator().manual_seed(seed)
-    params = [SamplingParams(max_tokens=new_tokens, temperature=temperature, ignore_eos=True, seed=seed * 1000 + i)
-              for i in range(clients)]
-    prompts = torch.randint(0, engine.vocab_limit, (clients, PROMPT_TOKENS), generator=gen).tolist()
+def free_memory() -> None:
+    """Give a deleted engine's pools back before the next one sizes its own."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def set_policy(engine: Engine, mode, costs: dict[int, float] | None) -> None:
+    """K fixed (mode an int: every step a round) or the dynamic policy (mode "auto": a fresh SpecPolicy with the
+    engine's measured round costs, as `--speculative auto` builds it)."""
+    engine.policy = SpecPolicy(engine.config.speculative, costs) if mode == "auto" else None
+
+
+def swap_draft(engine: Engine, ckpt: Path) -> None:
+    """The draft of checkpoint `ckpt` in place of the engine's (same taps; only the trainable weights differ)."""
+    other = load_draft(load_pretrained(ckpt), ckpt)
+    if tuple(other.taps) != tuple(engine.draft.taps) or other.depth != engine.draft.depth:
+        raise SystemExit(f"bench/spec_gpu.py: the draft in {ckpt} reads taps {list(other.taps)}, the first one "
+                         f"{list(engine.draft.taps)}: train the drafts alike")
+    with torch.no_grad():
+        for mine, theirs in zip(engine.draft.trainable_parameters(), other.trainable_parameters(), strict=True):
+            mine.copy_(theirs)
+
+
+def spec_counts(engine: Engine) -> tuple[int, int]:
+    return engine.metrics.spec_drafts, engine.metrics.spec_accepted_tokens
+
+
+def run_batch(engine: Engine, prompts: list[list[int]], temperature: float, new_tokens: int, seed: int) -> dict:
+    """All prompts at once until done: generated tokens per second and accepted drafts per verification."""
+    before = spec_counts(engine)
     start = time.perf_counter()
-    requests = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    requests = [engine.add_request(p, SamplingParams(max_tokens=new_tokens, temperature=temperature, ignore_eos=True,
+                                                     seed=seed * 1000 + i)) for i, p in enumerate(prompts)]
     while engine.has_work():
         engine.step()
-    return [r.prompt + r.output for r in requests], time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    drafts, accepted = (now - then for now, then in zip(spec_counts(engine), before))
+    return {"tok_per_s": sum(len(r.output) for r in requests) / seconds,
+            "accepted_per_verify": accepted / drafts if drafts else None}
 
 
-def verify_vs_decode(engine: Engine, batch: int = 3, prompt: int = 40) -> dict:
-    """The engine's verification step against K + 1 of its plain decode steps on the same tokens after the same
-    prompts (each as captured), with decisive routing (a random router's near-ties flip experts between two
-    correct bf16 runs: `openk3.model.moe.decisive_routing`): max |logits difference| / max |logits| and the share
-    of argmaxes that agree."""
-    with decisive_routing(engine.model):
-        return _verify_vs_decode(engine, batch, prompt)
+def timed(engine: Engine, prompts: list[list[int]], temperature: float, new_tokens: int) -> dict:
+    run_batch(engine, prompts, temperature, new_tokens, seed=1)  # warm-up: the allocator, this batch's shapes
+    return run_batch(engine, prompts, temperature, new_tokens, seed=2)
 
 
-def _verify_vs_decode(engine: Engine, batch: int, prompt: int) -> dict:
-    runner, K, V = engine.runner, engine.config.speculative, engine.vocab_limit
-    gen = torch.Generator().manual_seed(5)
-    slots = [engine.states.alloc() for _ in range(batch)]
-    for slot in slots:
-        engine.tables.set(slot, [engine.pages.alloc() for _ in range(-(-(prompt + K + 1) // engine.page_size))])
-    with torch.no_grad():
-        for slot in slots:
-            runner.prefill([torch.randint(0, V, (prompt,), generator=gen).tolist()], [slot], [0])
-        rows = torch.randint(0, V, (batch, K + 1), generator=gen).tolist()
-        saved = engine.states.conv[:, slots].clone(), engine.states.recurrent[:, slots].clone()
-        got = runner.verify(rows, slots, [prompt] * batch)[0].float().clone()
-        engine.states.conv[:, slots], engine.states.recurrent[:, slots] = saved  # (the latents are rewritten alike)
-        want = torch.stack([runner.decode([r[t] for r in rows], slots, [prompt + t] * batch).float().clone()
-                            for t in range(K + 1)], dim=1)
-    for slot in slots:
-        for pid in engine.tables.clear(slot):
-            engine.pages.release(pid)
-        engine.states.free(slot)
-    return {"max_rel_diff": ((got - want).abs().max() / want.abs().max()).item(),
-            "argmax_agree": (got.argmax(-1) == want.argmax(-1)).float().mean().item()}
+# ---- 2. throughput ---------------------------------------------------------------------------------------------
+
+def plain_rates(model, tokenizer, stream, args, sizes: Sizes) -> dict[tuple[int, float], float]:
+    engine = make_engine(model, tokenizer, args, clients=max(sizes.clients))
+    rates = {}
+    for clients in sizes.clients:
+        for t in args.temperatures:
+            rates[clients, t] = timed(engine, prompts_for(stream, clients, sizes.prompt_tokens), t,
+                                      sizes.new_tokens)["tok_per_s"]
+            print(f"plain, {clients} clients, temperature {t:g}: {rates[clients, t]:,.0f} tok/s", flush=True)
+    del engine
+    free_memory()
+    return rates
 
 
-def fit_draft(model, draft, sampler: Engine, args, device) -> list[float]:
-    """The draft's LK fit on windows the target sampled (fresh ones every 50 steps); the losses per step."""
-    opt = torch.optim.AdamW(draft.trainable_parameters(), lr=1e-3)
-    losses, windows = [], None
-    for step in range(args.fit_steps):
-        if step % 50 == 0:
-            with torch.no_grad():
-                windows = torch.tensor(generate(sampler, args.fit_batch, args.new_tokens, seed=step)[0], device=device)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            loss, _ = draft_losses(model, draft, windows, "lk", steps=args.k)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(float(loss.detach()))
-    return losses
+def draft_engine(model, tokenizer, ckpt: Path, args, **engine_fields) -> Engine:
+    """An engine with checkpoint `ckpt`'s draft (its fc and MTP layer: earlier swaps rewrote the model's)."""
+    engine = make_engine(model, tokenizer, args, draft=load_draft(model, ckpt), **engine_fields)
+    swap_draft(engine, ckpt)
+    return engine
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--preset", default=None, help="target preset (default k3-debug; k3-tiny with --smoke)")
-    ap.add_argument("--k", type=int, default=3, help="drafted tokens per verification")
-    ap.add_argument("--fit-steps", type=int, default=None, help="draft fitting steps (default 300; 4 with --smoke)")
-    ap.add_argument("--fit-batch", type=int, default=16, help="sampled windows per fitting step")
-    ap.add_argument("--clients", type=int, nargs="+", default=None, help="concurrent requests (default 1 32)")
-    ap.add_argument("--new-tokens", type=int, default=None, help="tokens per request (default 128; 8 with --smoke)")
-    ap.add_argument("--temperatures", type=float, nargs="+", default=[1.0, 0.0],
-                    help="sampling temperatures of the timed requests (0: greedy; default 1 0)")
-    ap.add_argument("--smoke", action="store_true", help="k3-tiny on the CPU, a few steps")
-    ap.add_argument("--compile-prefill", action="store_true",
-                    help="the engines compile the units that the verification forward runs (EngineConfig)")
+def spec_rows(model, tokenizer, stream, drafts: dict[str, Path], plain: dict, args,
+              sizes: Sizes) -> tuple[list[dict], dict | None]:
+    """The rows of every draft, K fixed and auto; and the round costs the policy was given."""
+    engine = draft_engine(model, tokenizer, next(iter(drafts.values())), args, clients=max(sizes.clients))
+    costs = dict(zip(engine.policy.buckets, engine.policy.costs)) or None
+    rows = []
+    for loss, ckpt in drafts.items():
+        swap_draft(engine, ckpt)
+        for mode in (args.k, "auto"):
+            for clients in sizes.clients:
+                for t in args.temperatures:
+                    set_policy(engine, mode, costs)  # auto: a fresh policy, which learns from the warm-up batch
+                    got = timed(engine, prompts_for(stream, clients, sizes.prompt_tokens), t, sizes.new_tokens)
+                    base = plain[clients, t]
+                    rows.append({"clients": clients, "temperature": t, "loss": loss, "k": mode, "tok_per_s": base,
+                                 "spec_tok_per_s": got["tok_per_s"], "speedup": got["tok_per_s"] / base,
+                                 "accepted_per_verify": got["accepted_per_verify"]})
+                    print(row_line(rows[-1]), flush=True)
+    del engine
+    free_memory()
+    return rows, costs
+
+
+# ---- 3. acceptance by context ----------------------------------------------------------------------------------
+
+def bucket_of(context: int) -> str:
+    return next(name for lo, hi, name in BUCKETS if context >= lo and (hi is None or context < hi))
+
+
+def session_turns(engine: Engine, stream: list[int], start: int, sizes: Sizes, tally: dict) -> None:
+    """One multi-turn session, one request at a time; each step's verifications go to its context's bucket."""
+    history: list[int] = []
+    while len(history) < sizes.context_max:
+        history += cut(stream, start + len(history), sizes.turn_tokens)
+        request = engine.add_request(list(history), SamplingParams(max_tokens=sizes.answer_tokens, temperature=0.0,
+                                                                   ignore_eos=True))
+        while engine.has_work():
+            before, context = spec_counts(engine), len(request.prompt) + len(request.output)
+            engine.step()
+            drafts, accepted = (now - then for now, then in zip(spec_counts(engine), before))
+            counts = tally[bucket_of(context)]
+            counts[0] += drafts
+            counts[1] += accepted
+        history += request.output
+
+
+def context_acceptance(model, tokenizer, stream, ckpt: Path, args, sizes: Sizes, prefix_cache: bool) -> dict:
+    max_len = sizes.context_max + sizes.turn_tokens + sizes.answer_tokens + 2 * args.k + 64
+    engine = draft_engine(model, tokenizer, ckpt, args, prefix_cache=prefix_cache, max_model_len=max_len)
+    set_policy(engine, args.k, None)
+    tally = {name: [0, 0] for *_, name in BUCKETS}
+    for s in range(args.sessions):
+        session_turns(engine, stream, s * len(stream) // args.sessions, sizes, tally)
+    hit = engine.prefix_cache.stats.hit_tokens if engine.prefix_cache is not None else 0
+    del engine
+    free_memory()
+    return {"hit_tokens": hit, "buckets": {name: {"verifications": d, "accepted_per_verify": a / d if d else None}
+                                           for name, (d, a) in tally.items()}}
+
+
+def acceptance_by_context(model, tokenizer, stream, drafts: dict[str, Path], args, sizes: Sizes) -> dict:
+    loss = args.context_loss if args.context_loss in drafts else next(iter(drafts))
+    result = {"loss": loss, "k": args.k, "sessions": args.sessions, "turn_tokens": sizes.turn_tokens,
+              "answer_tokens": sizes.answer_tokens, "context_max": sizes.context_max}
+    for on in (True, False):
+        result["cache_on" if on else "cache_off"] = context_acceptance(model, tokenizer, stream, drafts[loss], args,
+                                                                       sizes, prefix_cache=on)
+    return result
+
+
+# ---- report ----------------------------------------------------------------------------------------------------
+
+def fmt(x, spec: str = ".2f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def row_line(r: dict) -> str:
+    return (f"| {r['loss']} | {r['k']} | {r['clients']} | {r['temperature']:g} | {r['tok_per_s']:,.0f} | "
+            f"{r['spec_tok_per_s']:,.0f} | {r['speedup']:.2f}x | {fmt(r['accepted_per_verify'])} |")
+
+
+def print_tables(result: dict) -> None:
+    recipe = result.get("recipe", {})
+    if recipe:
+        print(f"\ntarget: held-out loss {fmt(recipe['target']['heldout_loss'], '.3f')} nats/token "
+              f"({recipe['target']['steps']} steps); drafts' last training loss: "
+              + ", ".join(f"{k} {fmt(v['train_loss'], '.3f')}" for k, v in recipe["drafts"].items()))
+    if result.get("rows"):
+        print("\n| loss | k | clients | temperature | tok/s | spec tok/s | speedup | accepted per verification |\n"
+              "|---|---|---|---|---|---|---|---|")
+        for r in result["rows"]:
+            print(row_line(r))
+    ctx = result.get("acceptance_by_context")
+    if ctx:
+        print(f"\nacceptance by context ({ctx['loss']} draft, K = {ctx['k']}, greedy)\n"
+              "| context | verifications (cache on / off) | accepted per verification, cache on | cache off |\n"
+              "|---|---|---|---|")
+        for *_, name in BUCKETS:
+            on, off = ctx["cache_on"]["buckets"][name], ctx["cache_off"]["buckets"][name]
+            print(f"| {name} | {on['verifications']} / {off['verifications']} | {fmt(on['accepted_per_verify'])} | "
+                  f"{fmt(off['accepted_per_verify'])} |")
+
+
+def default_json() -> str:
+    return os.path.join(os.environ["OUT"], "spec_gpu.json") if os.environ.get("OUT") else "bench/spec_gpu.json"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 2)[2],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help="k3-tiny on the CPU at toy sizes (checks the script)")
+    ap.add_argument("--workdir", default=None, help="where the recipe writes its runs and recipe.log "
+                    "(default runs/spec_gpu, runs/spec_gpu_smoke with --smoke)")
+    ap.add_argument("--target", default=None, metavar="DIR", help="an `openk3 train` run to reuse (no training)")
+    ap.add_argument("--drafts", nargs="+", default=None, metavar="DIR",
+                    help="`openk3 draft` runs (or checkpoints) to reuse instead of training --losses")
+    ap.add_argument("--losses", nargs="+", default=list(LOSSES), choices=LOSSES, help="draft losses to train")
+    ap.add_argument("--train-only", action="store_true", help="build the target and drafts, measure nothing")
+    ap.add_argument("--parts", nargs="+", default=["throughput", "context"], choices=("throughput", "context"),
+                    help="what to measure (default both)")
+    ap.add_argument("--k", type=int, default=3, help="drafts per round (trained with, and fixed K)")
+    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0], help="0: greedy (default 0 1)")
+    ap.add_argument("--clients", type=int, nargs="+", default=None, help="concurrent requests (default 1 8 64)")
+    ap.add_argument("--sessions", type=int, default=1, help="multi-turn sessions of the context trace")
+    ap.add_argument("--context-max", type=int, default=None, help="a session ends past this many tokens (80000)")
+    ap.add_argument("--context-loss", default="lk", choices=LOSSES, help="the draft of the context trace")
     ap.add_argument("--no-compile", action="store_true",
-                    help="the engines' steps uncompiled (still in CUDA graphs): each engine starts in well under a "
-                         "minute instead of ~3")
-    ap.add_argument("--json", default="bench/spec_gpu.json")
-    args = ap.parse_args()
-    for key, full, small in (("preset", "k3-debug", "k3-tiny"), ("fit_steps", 300, 4), ("clients", [1, 32], [1, 4]),
-                             ("new_tokens", 128, 8)):
-        if getattr(args, key) is None:
-            setattr(args, key, small if args.smoke else full)
+                    help="engines' steps uncompiled (still CUDA graphs): faster start, slower steps")
+    ap.add_argument("--json", default=None, help="output (default $OUT/spec_gpu.json, else bench/spec_gpu.json)")
+    args = ap.parse_args(argv)
+    if args.k < 1:
+        ap.error(f"--k must be >= 1, got {args.k}")
+    if args.sessions < 1:
+        ap.error(f"--sessions must be >= 1, got {args.sessions}")
+    args.device = "cpu" if args.smoke else "cuda"
+    args.workdir = args.workdir or ("runs/spec_gpu_smoke" if args.smoke else "runs/spec_gpu")
+    args.json = args.json or default_json()
+    return args
+
+
+def sizes_for(args) -> Sizes:
+    base = SMOKE if args.smoke else FULL
+    return Sizes(base.preset, base.train, base.draft, tuple(args.clients or base.clients), base.new_tokens,
+                 base.prompt_tokens, base.turn_tokens, base.answer_tokens, args.context_max or base.context_max)
+
+
+def measure(args, sizes: Sizes, drafts: dict[str, Path]) -> dict:
+    """Throughput rows and acceptance by context on the target (from the first draft's checkpoint, which holds it)."""
+    ckpt = next(iter(drafts.values()))
+    dtype = torch.bfloat16 if args.device == "cuda" else None
+    model, _ = load_model(ckpt, args.device, dtype)
+    tokenizer = load_tokenizer(str(ckpt), model.config.vocab_size)
+    stream = heldout_stream(tokenizer)
+    print(f"held-out corpus: {len(stream):,} tokens", flush=True)
+    result: dict = {"heldout_tokens": len(stream)}
+    if "throughput" in args.parts:
+        plain = plain_rates(model, tokenizer, stream, args, sizes)
+        result["rows"], result["round_costs"] = spec_rows(model, tokenizer, stream, drafts, plain, args, sizes)
+    if "context" in args.parts:
+        result["acceptance_by_context"] = acceptance_by_context(model, tokenizer, stream, drafts, args, sizes)
+    return result
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
     if not args.smoke and not torch.cuda.is_available():
         raise SystemExit("bench/spec_gpu.py: needs a CUDA GPU (torch sees none); --smoke runs it on the CPU")
-    device = torch.device("cpu" if args.smoke else "cuda")
-    gpu = device.type == "cuda"
+    if args.smoke:
+        torch.set_num_threads(1)
+    sizes = sizes_for(args)
     torch.manual_seed(0)
-    model = K3ForCausalLM(get_preset(args.preset)).to(device).eval()
-    model.requires_grad_(False)
-    draft = EagleDraft(model)
-    draft.train()
-    for p in draft.trainable_parameters():
-        p.requires_grad_(True)
-    started = time.perf_counter()
-    # sampling windows for the fit: an fp32 engine without speculation, no compile (a few dozen steps)
-    sampler = Engine(model, ByteTokenizer(), EngineConfig(prefix_cache=False, compile_decode=False,
-                                                          scheduler=SchedulerConfig(max_running=args.fit_batch)))
-    losses = fit_draft(model, draft, sampler, args, device)
-    with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=gpu):
-        held_out = torch.tensor(generate(sampler, args.fit_batch, args.new_tokens, seed=99_999)[0], device=device)
-        _, alphas = draft_losses(model, draft, held_out, "lk", steps=args.k)
-    del sampler
-    fit_s = time.perf_counter() - started
-    print(f"draft fitted in {fit_s:.0f} s: LK loss {losses[0]:.3f} -> {losses[-1]:.3f}; held-out alpha per "
-          f"unrolled step {[round(a, 3) for a in alphas]}", flush=True)
-
-    draft.eval()
-    if gpu:
-        model.to(torch.bfloat16)
-        draft.to(torch.bfloat16)
-    rows = [{"clients": clients, "temperature": t} for t in args.temperatures for clients in args.clients]
-    checks = {}
-    for k in (0, args.k):
-        engine = engine_for(model, draft, k, max(args.clients), gpu and not args.no_compile, args.compile_prefill)
-        for row in rows:
-            clients, temperature = row["clients"], row["temperature"]
-            generate(engine, clients, args.new_tokens, 1, temperature)  # warm-up: the allocator, this batch's shapes
-            before = (engine.metrics.spec_drafts, engine.metrics.spec_accepted_tokens)
-            outputs, seconds = generate(engine, clients, args.new_tokens, 2, temperature)
-            tokens = sum(len(o) - PROMPT_TOKENS for o in outputs)
-            row[f"tok_per_s_k{k}"] = tokens / seconds
-            if k:
-                rounds = engine.metrics.spec_drafts - before[0]
-                row["accepted_per_verification"] = (engine.metrics.spec_accepted_tokens - before[1]) / max(1, rounds)
-            print(f"K={k}, {clients} clients, temperature {temperature:g}: {tokens / seconds:,.0f} tok/s", flush=True)
-        if k:
-            checks = verify_vs_decode(engine)
-            print(f"verification vs {k + 1} decode steps: {checks}", flush=True)
-        del engine
-    for row in rows:
-        row["speedup"] = row[f"tok_per_s_k{args.k}"] / row["tok_per_s_k0"]
-    print(f"\n| clients | temperature | tok/s | tok/s, K={args.k} | speedup | accepted per verification |\n"
-          "|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['clients']} | {r['temperature']:g} | {r['tok_per_s_k0']:,.0f} | {r[f'tok_per_s_k{args.k}']:,.0f} "
-              f"| {r['speedup']:.2f}x | {r['accepted_per_verification']:.2f} |")
-    result = {"device": torch.cuda.get_device_name() if gpu else "cpu", "torch": torch.__version__,
-              "date": time.strftime("%Y-%m-%d"), "preset": args.preset, "k": args.k, "new_tokens": args.new_tokens,
-              "fit": {"steps": args.fit_steps, "seconds": fit_s, "loss_first": losses[0], "loss_last": losses[-1],
-                      "alpha_held_out": alphas},
-              "compile_prefill": args.compile_prefill, "compile_decode": gpu and not args.no_compile, "rows": rows,
-              "verify_vs_decode": checks, "smoke": args.smoke}
-    with open(args.json, "w") as fh:
-        json.dump(result, fh, indent=1)
+    target, drafts = build_runs(args, sizes)
+    result = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__,
+              "date": time.strftime("%Y-%m-%d"), "preset": sizes.preset, "k": args.k, "new_tokens": sizes.new_tokens,
+              "prompt_tokens": sizes.prompt_tokens, "compile_decode": args.device == "cuda" and not args.no_compile,
+              "smoke": args.smoke, "recipe": recipe_record(target, drafts)}
+    if not args.train_only:
+        result.update(measure(args, sizes, drafts))
+    print_tables(result)
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.json}")
 
 

@@ -1,0 +1,87 @@
+"""bench/spec_gpu.py: --smoke trains k3-tiny and two drafts on the CPU and measures them end to end (the recipe's
+subprocesses, the in-place draft swap, K fixed and auto, acceptance by context with the prefix cache on and off);
+without CUDA and without --smoke it stops with one line."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "bench" / "spec_gpu.py"
+ROW_KEYS = {"clients", "temperature", "loss", "k", "tok_per_s", "spec_tok_per_s", "speedup", "accepted_per_verify"}
+
+
+def run_script(*args, timeout=120):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT / "src"), os.environ.get("PYTHONPATH"))))}
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=env,
+                          timeout=timeout, cwd=ROOT)
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("spec_gpu")
+    out = tmp / "spec.json"
+    proc = run_script("--smoke", "--losses", "lk", "kl", "--clients", "2", "--workdir", str(tmp / "runs"),
+                      "--json", str(out))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return json.loads(out.read_text()), proc.stdout, tmp
+
+
+def test_smoke_rows(smoke):
+    result, stdout, _ = smoke
+    rows = result["rows"]
+    assert {(r["loss"], r["k"], r["temperature"]) for r in rows} == {
+        (loss, k, t) for loss in ("lk", "kl") for k in (3, "auto") for t in (0.0, 1.0)}
+    for r in rows:
+        assert set(r) == ROW_KEYS
+        assert r["clients"] == 2 and r["tok_per_s"] > 0 and r["spec_tok_per_s"] > 0
+        assert math.isclose(r["speedup"], r["spec_tok_per_s"] / r["tok_per_s"])
+        if r["k"] == 3:  # every step a round: verifications happened, each accepting 0 to K drafts
+            assert 0.0 <= r["accepted_per_verify"] <= 3.0
+    assert "| loss | k | clients |" in stdout
+
+
+def test_smoke_recipe_and_context(smoke):
+    result, stdout, tmp = smoke
+    recipe = result["recipe"]
+    assert math.isfinite(recipe["target"]["heldout_loss"])
+    assert set(recipe["drafts"]) == {"lk", "kl"}
+    assert all(math.isfinite(d["train_loss"]) for d in recipe["drafts"].values())
+    log = (tmp / "runs" / "recipe.log").read_text().splitlines()
+    assert sum(line.startswith("$ ") for line in log) == 3  # one train, two drafts
+    ctx = result["acceptance_by_context"]
+    assert ctx["loss"] == "lk"
+    assert ctx["cache_on"]["hit_tokens"] > 0 and ctx["cache_off"]["hit_tokens"] == 0  # later turns hit earlier ones
+    for side in ("cache_on", "cache_off"):
+        short = ctx[side]["buckets"]["0-16k"]
+        assert short["verifications"] > 0 and 0.0 <= short["accepted_per_verify"] <= 3.0
+    assert "acceptance by context" in stdout
+
+
+def test_reuses_given_runs(smoke, tmp_path):
+    """--target / --drafts skip the recipe (no new log) and --train-only measures nothing."""
+    _, _, tmp = smoke
+    runs = tmp / "runs"
+    out = tmp_path / "again.json"
+    proc = run_script("--smoke", "--train-only", "--target", str(runs / "target"), "--drafts", str(runs / "draft-kl"),
+                      "--workdir", str(tmp_path / "w"), "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert set(result["recipe"]["drafts"]) == {"kl"} and "rows" not in result
+    assert not (tmp_path / "w" / "recipe.log").exists()
+
+
+def test_needs_cuda_without_smoke():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    proc = run_script("--json", os.devnull, timeout=60)
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines() == [
+        "bench/spec_gpu.py: needs a CUDA GPU (torch sees none); --smoke runs it on the CPU"]
