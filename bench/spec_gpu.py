@@ -8,26 +8,32 @@ accepted drafts per verification, and acceptance by context length with the pref
     python bench/spec_gpu.py --smoke                           # k3-tiny on the CPU, toy sizes: checks the script
 
 1. The recipe (skipped for what --target / --drafts name): `openk3 train --preset k3-debug --device cuda` on the
-   embedded corpus (the Python stdlib sources; a few minutes), then `openk3 draft --loss L` from it for each of
-   --losses (lk, kl, hybrid; a minute or two each). Both run as subprocesses, their output appended to
-   WORKDIR/recipe.log; the target's held-out loss (its summary.json) and each draft's last training loss and
-   evaluated acceptance (theirs) go to the JSON.
+   embedded corpus (the Python stdlib sources; --train-steps of 16 x 1024 tokens within --train-seconds, about
+   3.5 minutes), then `openk3 draft --loss L` from it for each of --losses (lk, kl, hybrid; --draft-steps of
+   16 x 512 tokens, a minute or two each). Both run as subprocesses, their output appended to WORKDIR/recipe.log;
+   the target's held-out loss (its summary.json, and every 100 steps from its metrics.jsonl) and each draft's last
+   training loss and evaluated acceptance length go to the JSON ("recipe").
 2. Throughput, in-process on `openk3.serve.engine.Engine` in bf16 as `openk3 serve` runs it (prefix cache off, so
-   repeated prompts are prefilled alike): for --clients x --temperatures, C requests of --new-tokens tokens from
-   --prompt-tokens-token prompts cut from the corpus's held-out documents (`openk3.train.data`: the target never
-   trained on them), one warm-up batch then one timed batch. Plain decoding (an engine without a draft) once; then
+   repeated prompts are prefilled alike): for --clients x --temperatures, C requests of 128 tokens from 128-token
+   prompts cut from the corpus's held-out documents (`openk3.train.data`'s split: the target never trained on
+   them), one warm-up batch then one timed batch. Plain decoding (an engine without a draft) once; then
    one engine with K = --k drafts per round whose draft weights are swapped in place for each draft (the target is
    frozen in `openk3 draft`, so only the draft's fc and MTP layer differ; the captured graphs read the same
-   tensors), timed with K fixed and with the dynamic policy (`openk3.serve.speculation.SpecPolicy`, as
-   `--speculative auto`). A row: {clients, temperature, loss, k (K or "auto"), tok_per_s (plain), spec_tok_per_s,
-   speedup, accepted_per_verify (engine.metrics spec_accepted_tokens / spec_drafts)}.
-3. Acceptance by context (`acceptance_by_context`): --sessions multi-turn sessions, each turn appending
-   --turn-tokens held-out tokens to the conversation so far (its earlier prompts and replies) and asking for
-   --answer-tokens greedy tokens, until the context passes --context-max (> 64k; max_model_len is raised to fit),
+   tensors), timed with K fixed and with the dynamic policy (`openk3.serve.speculation.SpecPolicy` with the
+   engine's measured round costs, as `--speculative auto`; a fresh one per row, learning from its warm-up batch).
+   A row: {clients, temperature, loss, k (K or "auto"), tok_per_s (plain), spec_tok_per_s,
+   speedup, accepted_per_verify (engine.metrics spec_accepted_tokens / spec_drafts; null where no round ran)};
+   beside them "round_costs" (the policy's measured round / plain step times by batch) and "auto_steps" (the engine
+   steps of each auto row by the K chosen, "0" for plain ones).
+3. Acceptance by context (`acceptance_by_context`): --sessions multi-turn sessions, each turn appending 4096
+   held-out tokens (the ~90k-token held-out stream, wrapping around) to the conversation so far (its earlier
+   prompts and replies) and asking for 128 greedy tokens, until the context passes --context-max (default 80000,
+   past 64k; the engine's max_model_len is raised to fit),
    one request at a time with the --context-loss draft and K fixed; each step's verifications are counted in the
    bucket of the request's context length (0-16k, 16-64k, 64k+), once with the prefix cache on (each turn hits the
    one before) and once off.
 Prints the tables and writes JSON (--json; default $OUT/spec_gpu.json when $OUT is set, else bench/spec_gpu.json).
+Split over calls, the runs under --workdir (default runs/spec_gpu) must still be there for --target / --drafts.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -50,6 +56,7 @@ from openk3.checkpoints import resolve_checkpoint
 from openk3.draft import has_draft, load_draft
 from openk3.interop import load_pretrained
 from openk3.sampling import SamplingParams
+from openk3.serve.capacity import GPU_BATCHED_TOKENS
 from openk3.serve.engine import Engine, EngineConfig
 from openk3.serve.scheduler import SchedulerConfig
 from openk3.serve.speculation import SpecPolicy
@@ -64,8 +71,16 @@ BUCKETS = ((0, 16_384, "0-16k"), (16_384, 65_536, "16-64k"), (65_536, None, "64k
 class Sizes:
     """What differs between the H200 run and --smoke."""
     preset: str
-    train: tuple[str, ...]  # extra `openk3 train` flags
-    draft: tuple[str, ...]  # extra `openk3 draft` flags
+    train_steps: int  # `openk3 train`: --max-steps, --batch-size, --seq-len, --time-limit (a guard), --eval-every
+    train_batch: int
+    train_seq: int
+    train_seconds: int
+    train_eval_every: int
+    draft_steps: int  # `openk3 draft`: --max-steps, --batch-size, --seq-len, --eval-prompts, --eval-tokens
+    draft_batch: int
+    draft_seq: int
+    draft_eval_prompts: int
+    draft_eval_tokens: int
     clients: tuple[int, ...]
     new_tokens: int
     prompt_tokens: int
@@ -74,15 +89,12 @@ class Sizes:
     context_max: int
 
 
-FULL = Sizes("k3-debug",
-             ("--max-steps", "1500", "--batch-size", "16", "--seq-len", "1024", "--time-limit", "240"),
-             ("--max-steps", "300", "--batch-size", "16", "--seq-len", "512", "--eval-prompts", "16"),
+# the corpus's training split is ~1.2M tokens under k3-debug's 32k BPE: 1200 x 16 x 1024 tokens is ~16 epochs (the
+# held-out loss every 100 steps shows where it overfits); --time-limit keeps the run within ~3.5 minutes
+FULL = Sizes("k3-debug", 1200, 16, 1024, 210, 100, 300, 16, 512, 16, 48,
              (1, 8, 64), 128, 128, 4096, 128, 80_000)
-SMOKE = Sizes("k3-tiny",
-              ("--max-steps", "3", "--batch-size", "2", "--seq-len", "64", "--sample-tokens", "8"),
-              ("--max-steps", "2", "--batch-size", "2", "--seq-len", "64", "--eval-prompts", "2",
-               "--eval-tokens", "8"),
-              (1, 2), 8, 32, 48, 8, 200)
+SMOKE = Sizes("k3-tiny", 3, 2, 64, 0, 0, 2, 2, 64, 2, 8,
+              (1, 2), 6, 32, 48, 8, 150)
 
 
 # ---- 1. the recipe ---------------------------------------------------------------------------------------------
@@ -104,14 +116,19 @@ def run_logged(cmd: list[str], log: Path) -> None:
 
 def train_target(args, sizes: Sizes, out: Path, log: Path) -> Path:
     run_logged([sys.executable, "-m", "openk3", "train", "--preset", sizes.preset, "--device", args.device,
-                "--out", str(out), "--overwrite", "--eval-every", "0", "--no-progress", *sizes.train], log)
+                "--out", str(out), "--overwrite", "--no-progress", "--max-steps", str(sizes.train_steps),
+                "--batch-size", str(sizes.train_batch), "--seq-len", str(sizes.train_seq),
+                "--time-limit", str(sizes.train_seconds), "--eval-every", str(sizes.train_eval_every),
+                "--sample-tokens", "16"], log)
     return out
 
 
 def train_draft(args, sizes: Sizes, target: Path, loss: str, out: Path, log: Path) -> Path:
     run_logged([sys.executable, "-m", "openk3", "draft", "--ckpt", str(target), "--loss", loss, "--device",
-                args.device, "--draft-tokens", str(args.k), "--out", str(out), "--overwrite", "--eval-every", "0",
-                "--no-progress", *sizes.draft], log)
+                args.device, "--draft-tokens", str(args.k), "--out", str(out), "--overwrite", "--no-progress",
+                "--eval-every", "0", "--max-steps", str(sizes.draft_steps), "--batch-size", str(sizes.draft_batch),
+                "--seq-len", str(sizes.draft_seq), "--eval-prompts", str(sizes.draft_eval_prompts),
+                "--eval-tokens", str(sizes.draft_eval_tokens)], log)
     return out
 
 
@@ -144,9 +161,17 @@ def build_runs(args, sizes: Sizes) -> tuple[Path, dict[str, Path]]:
     return target, drafts
 
 
+def heldout_curve(run_dir: Path) -> list[list[float]]:
+    """[step, held-out loss] at each evaluation of an `openk3 train` run (its metrics.jsonl)."""
+    path = run_dir / "metrics.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    return [[r["step"], r["eval_loss"]] for r in records if "eval_loss" in r]
+
+
 def recipe_record(target: Path, drafts: dict[str, Path]) -> dict:
     t = summary(target)
-    record = {"target": {k: t.get(k) for k in ("steps", "heldout_loss", "unigram_loss", "train_seconds")},
+    record = {"target": {**{k: t.get(k) for k in ("steps", "heldout_loss", "unigram_loss", "train_seconds")},
+                         "heldout_curve": heldout_curve(target)},
               "drafts": {}}
     for loss, ckpt in drafts.items():
         run = ckpt.parent if (ckpt.parent / "summary.json").is_file() else ckpt
@@ -177,15 +202,19 @@ def prompts_for(stream: list[int], clients: int, length: int) -> list[list[int]]
 
 def make_engine(model, tokenizer, args, draft=None, clients: int = 2, prefix_cache: bool = False,
                 max_model_len: int | None = None) -> Engine:
+    """An engine as `openk3 serve` builds one (bf16 weights, CUDA graphs, compiled steps unless --no-compile); with a
+    draft, K = --k and the dynamic policy on, so that it times its round costs (`set_policy` picks per row)."""
     gpu = args.device == "cuda"
     k = args.k if draft is not None else 0
     config = EngineConfig(prefix_cache=prefix_cache, speculative=k, auto_speculation=bool(k),
                           compile_decode=gpu and not args.no_compile, max_model_len=max_model_len,
-                          scheduler=SchedulerConfig(max_running=max(clients, 2)))
+                          scheduler=SchedulerConfig(max_running=max(clients, 2),  # `openk3 serve`'s prefill budget
+                                                    prefill_tokens_per_step=GPU_BATCHED_TOKENS if gpu else 256))
     started = time.perf_counter()
     engine = Engine(model, tokenizer, config, draft=draft)
+    graphs = engine.runner.captured() or engine.runner.graph_error
     print(f"engine (K={k}, prefix cache {'on' if prefix_cache else 'off'}) started in "
-          f"{time.perf_counter() - started:.0f} s", flush=True)
+          f"{time.perf_counter() - started:.0f} s (graphs: {graphs})", flush=True)
     return engine
 
 
@@ -218,8 +247,9 @@ def spec_counts(engine: Engine) -> tuple[int, int]:
 
 
 def run_batch(engine: Engine, prompts: list[list[int]], temperature: float, new_tokens: int, seed: int) -> dict:
-    """All prompts at once until done: generated tokens per second and accepted drafts per verification."""
-    before = spec_counts(engine)
+    """All prompts at once until done: generated tokens per second, accepted drafts per verification, and the
+    engine steps by the K chosen for them ("0": plain steps)."""
+    before, steps_before = spec_counts(engine), dict(engine.metrics.spec_steps)
     start = time.perf_counter()
     requests = [engine.add_request(p, SamplingParams(max_tokens=new_tokens, temperature=temperature, ignore_eos=True,
                                                      seed=seed * 1000 + i)) for i, p in enumerate(prompts)]
@@ -227,8 +257,10 @@ def run_batch(engine: Engine, prompts: list[list[int]], temperature: float, new_
         engine.step()
     seconds = time.perf_counter() - start
     drafts, accepted = (now - then for now, then in zip(spec_counts(engine), before))
+    steps = {str(k): n - steps_before.get(k, 0) for k, n in engine.metrics.spec_steps.items()}
     return {"tok_per_s": sum(len(r.output) for r in requests) / seconds,
-            "accepted_per_verify": accepted / drafts if drafts else None}
+            "accepted_per_verify": accepted / drafts if drafts else None,
+            "steps_by_k": {k: n for k, n in steps.items() if n}}
 
 
 def timed(engine: Engine, prompts: list[list[int]], temperature: float, new_tokens: int) -> dict:
@@ -258,12 +290,11 @@ def draft_engine(model, tokenizer, ckpt: Path, args, **engine_fields) -> Engine:
     return engine
 
 
-def spec_rows(model, tokenizer, stream, drafts: dict[str, Path], plain: dict, args,
-              sizes: Sizes) -> tuple[list[dict], dict | None]:
-    """The rows of every draft, K fixed and auto; and the round costs the policy was given."""
+def spec_rows(model, tokenizer, stream, drafts: dict[str, Path], plain: dict, args, sizes: Sizes) -> dict:
+    """The rows of every draft, K fixed and auto; the round costs the policy was given, and what it chose."""
     engine = draft_engine(model, tokenizer, next(iter(drafts.values())), args, clients=max(sizes.clients))
     costs = dict(zip(engine.policy.buckets, engine.policy.costs)) or None
-    rows = []
+    rows, choices = [], []
     for loss, ckpt in drafts.items():
         swap_draft(engine, ckpt)
         for mode in (args.k, "auto"):
@@ -275,10 +306,13 @@ def spec_rows(model, tokenizer, stream, drafts: dict[str, Path], plain: dict, ar
                     rows.append({"clients": clients, "temperature": t, "loss": loss, "k": mode, "tok_per_s": base,
                                  "spec_tok_per_s": got["tok_per_s"], "speedup": got["tok_per_s"] / base,
                                  "accepted_per_verify": got["accepted_per_verify"]})
+                    if mode == "auto":
+                        choices.append({"clients": clients, "temperature": t, "loss": loss,
+                                        "steps_by_k": got["steps_by_k"]})
                     print(row_line(rows[-1]), flush=True)
     del engine
     free_memory()
-    return rows, costs
+    return {"rows": rows, "round_costs": costs, "auto_steps": choices}
 
 
 # ---- 3. acceptance by context ----------------------------------------------------------------------------------
@@ -376,6 +410,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="`openk3 draft` runs (or checkpoints) to reuse instead of training --losses")
     ap.add_argument("--losses", nargs="+", default=list(LOSSES), choices=LOSSES, help="draft losses to train")
     ap.add_argument("--train-only", action="store_true", help="build the target and drafts, measure nothing")
+    ap.add_argument("--train-steps", type=int, default=None, help=f"target steps (default {FULL.train_steps})")
+    ap.add_argument("--train-seconds", type=int, default=None,
+                    help=f"the target run's --time-limit (default {FULL.train_seconds}; 0: off)")
+    ap.add_argument("--draft-steps", type=int, default=None, help=f"steps of each draft (default {FULL.draft_steps})")
     ap.add_argument("--parts", nargs="+", default=["throughput", "context"], choices=("throughput", "context"),
                     help="what to measure (default both)")
     ap.add_argument("--k", type=int, default=3, help="drafts per round (trained with, and fixed K)")
@@ -388,10 +426,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="engines' steps uncompiled (still CUDA graphs): faster start, slower steps")
     ap.add_argument("--json", default=None, help="output (default $OUT/spec_gpu.json, else bench/spec_gpu.json)")
     args = ap.parse_args(argv)
-    if args.k < 1:
-        ap.error(f"--k must be >= 1, got {args.k}")
-    if args.sessions < 1:
-        ap.error(f"--sessions must be >= 1, got {args.sessions}")
+    for flag, value in (("--k", args.k), ("--sessions", args.sessions), ("--train-steps", args.train_steps),
+                        ("--draft-steps", args.draft_steps), ("--context-max", args.context_max),
+                        *(("--clients", c) for c in args.clients or [])):
+        if value is not None and value < 1:
+            ap.error(f"{flag} must be >= 1, got {value}")
+    if args.train_seconds is not None and args.train_seconds < 0:
+        ap.error(f"--train-seconds must be >= 0, got {args.train_seconds}")
     args.device = "cpu" if args.smoke else "cuda"
     args.workdir = args.workdir or ("runs/spec_gpu_smoke" if args.smoke else "runs/spec_gpu")
     args.json = args.json or default_json()
@@ -399,9 +440,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def sizes_for(args) -> Sizes:
+    """The run's sizes: --smoke's or the H200's, with what the flags override."""
     base = SMOKE if args.smoke else FULL
-    return Sizes(base.preset, base.train, base.draft, tuple(args.clients or base.clients), base.new_tokens,
-                 base.prompt_tokens, base.turn_tokens, base.answer_tokens, args.context_max or base.context_max)
+    flags = {"clients": args.clients and tuple(args.clients), "context_max": args.context_max,
+             "train_steps": args.train_steps, "train_seconds": args.train_seconds, "draft_steps": args.draft_steps}
+    return replace(base, **{k: v for k, v in flags.items() if v is not None})
 
 
 def measure(args, sizes: Sizes, drafts: dict[str, Path]) -> dict:
@@ -415,7 +458,7 @@ def measure(args, sizes: Sizes, drafts: dict[str, Path]) -> dict:
     result: dict = {"heldout_tokens": len(stream)}
     if "throughput" in args.parts:
         plain = plain_rates(model, tokenizer, stream, args, sizes)
-        result["rows"], result["round_costs"] = spec_rows(model, tokenizer, stream, drafts, plain, args, sizes)
+        result.update(spec_rows(model, tokenizer, stream, drafts, plain, args, sizes))
     if "context" in args.parts:
         result["acceptance_by_context"] = acceptance_by_context(model, tokenizer, stream, drafts, args, sizes)
     return result

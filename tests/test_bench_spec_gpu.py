@@ -43,6 +43,9 @@ def test_smoke_rows(smoke):
         assert math.isclose(r["speedup"], r["spec_tok_per_s"] / r["tok_per_s"])
         if r["k"] == 3:  # every step a round: verifications happened, each accepting 0 to K drafts
             assert 0.0 <= r["accepted_per_verify"] <= 3.0
+    assert len(result["auto_steps"]) == 4  # the auto rows: each step a round of K = 3 or a plain step
+    for choice in result["auto_steps"]:
+        assert set(choice["steps_by_k"]) <= {"0", "3"} and sum(choice["steps_by_k"].values()) > 0
     assert "| loss | k | clients |" in stdout
 
 
