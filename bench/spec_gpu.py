@@ -157,7 +157,10 @@ def build_runs(args, sizes: Sizes) -> tuple[Path, dict[str, Path]]:
     drafts = {}
     for run in runs:
         ckpt = resolve_checkpoint(run)
-        drafts[draft_loss_name(ckpt)] = ckpt
+        loss = draft_loss_name(ckpt)
+        if loss in drafts:
+            raise SystemExit(f"bench/spec_gpu.py: --drafts {drafts[loss]} and {ckpt} both hold a {loss} draft")
+        drafts[loss] = ckpt
     return target, drafts
 
 
@@ -321,9 +324,11 @@ def bucket_of(context: int) -> str:
     return next(name for lo, hi, name in BUCKETS if context >= lo and (hi is None or context < hi))
 
 
-def session_turns(engine: Engine, stream: list[int], start: int, sizes: Sizes, tally: dict) -> None:
-    """One multi-turn session, one request at a time; each step's verifications go to its context's bucket."""
+def session_turns(engine: Engine, stream: list[int], start: int, sizes: Sizes, tally: dict) -> list[list[int]]:
+    """One multi-turn session, one request at a time; each step's verifications go to its context's bucket.
+    Returns the replies."""
     history: list[int] = []
+    replies = []
     while len(history) < sizes.context_max:
         history += cut(stream, start + len(history), sizes.turn_tokens)
         request = engine.add_request(list(history), SamplingParams(max_tokens=sizes.answer_tokens, temperature=0.0,
@@ -336,6 +341,8 @@ def session_turns(engine: Engine, stream: list[int], start: int, sizes: Sizes, t
             counts[0] += drafts
             counts[1] += accepted
         history += request.output
+        replies.append(list(request.output))
+    return replies
 
 
 def context_acceptance(model, tokenizer, stream, ckpt: Path, args, sizes: Sizes, prefix_cache: bool) -> dict:
@@ -343,13 +350,14 @@ def context_acceptance(model, tokenizer, stream, ckpt: Path, args, sizes: Sizes,
     engine = draft_engine(model, tokenizer, ckpt, args, prefix_cache=prefix_cache, max_model_len=max_len)
     set_policy(engine, args.k, None)
     tally = {name: [0, 0] for *_, name in BUCKETS}
-    for s in range(args.sessions):
-        session_turns(engine, stream, s * len(stream) // args.sessions, sizes, tally)
+    replies = [reply for s in range(args.sessions)
+               for reply in session_turns(engine, stream, s * len(stream) // args.sessions, sizes, tally)]
     hit = engine.prefix_cache.stats.hit_tokens if engine.prefix_cache is not None else 0
     del engine
     free_memory()
-    return {"hit_tokens": hit, "buckets": {name: {"verifications": d, "accepted_per_verify": a / d if d else None}
-                                           for name, (d, a) in tally.items()}}
+    return {"hit_tokens": hit, "replies": replies,
+            "buckets": {name: {"verifications": d, "accepted_per_verify": a / d if d else None}
+                        for name, (d, a) in tally.items()}}
 
 
 def acceptance_by_context(model, tokenizer, stream, drafts: dict[str, Path], args, sizes: Sizes) -> dict:
@@ -359,6 +367,10 @@ def acceptance_by_context(model, tokenizer, stream, drafts: dict[str, Path], arg
     for on in (True, False):
         result["cache_on" if on else "cache_off"] = context_acceptance(model, tokenizer, stream, drafts[loss], args,
                                                                        sizes, prefix_cache=on)
+    # greedy replies with and without prefix-cache hits (equal up to bf16 near-ties, as speculation keeps the text)
+    on, off = (result[side].pop("replies") for side in ("cache_on", "cache_off"))
+    result["turns"] = len(on)
+    result["same_replies"] = sum(a == b for a, b in zip(on, off)) / max(1, len(on))
     return result
 
 
@@ -386,7 +398,9 @@ def print_tables(result: dict) -> None:
             print(row_line(r))
     ctx = result.get("acceptance_by_context")
     if ctx:
-        print(f"\nacceptance by context ({ctx['loss']} draft, K = {ctx['k']}, greedy)\n"
+        print(f"\nacceptance by context ({ctx['loss']} draft, K = {ctx['k']}, greedy; {ctx['turns']} turns, "
+              f"{ctx['cache_on']['hit_tokens']:,} tokens hit the prefix cache, replies equal on and off: "
+              f"{ctx['same_replies']:.0%})\n"
               "| context | verifications (cache on / off) | accepted per verification, cache on | cache off |\n"
               "|---|---|---|---|")
         for *_, name in BUCKETS:

@@ -63,6 +63,7 @@ def test_smoke_recipe_and_context(smoke):
     for side in ("cache_on", "cache_off"):
         short = ctx[side]["buckets"]["0-16k"]
         assert short["verifications"] > 0 and 0.0 <= short["accepted_per_verify"] <= 3.0
+    assert ctx["turns"] > 1 and 0.0 <= ctx["same_replies"] <= 1.0
     assert "acceptance by context" in stdout
 
 
