@@ -5,6 +5,7 @@ accepted drafts per verification, and acceptance by context length with the pref
     python bench/spec_gpu.py --train-only                      # 1st call: the target and its drafts
     python bench/spec_gpu.py --target runs/spec_gpu/target \\
         --drafts runs/spec_gpu/draft-lk runs/spec_gpu/draft-kl runs/spec_gpu/draft-hybrid   # 2nd call: measure
+        [--parts throughput | --parts context --update --json FILE]                        # (or in two calls)
     python bench/spec_gpu.py --smoke                           # k3-tiny on the CPU, toy sizes: checks the script
 
 1. The recipe (skipped for what --target / --drafts name): `openk3 train --preset k3-debug --device cuda` on the
@@ -439,6 +440,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--no-compile", action="store_true",
                     help="engines' steps uncompiled (still CUDA graphs): faster start, slower steps")
     ap.add_argument("--json", default=None, help="output (default $OUT/spec_gpu.json, else bench/spec_gpu.json)")
+    ap.add_argument("--update", action="store_true",
+                    help="keep what an earlier run wrote to --json and this one did not measure (a split run: "
+                         "--parts throughput, then --parts context --update)")
     args = ap.parse_args(argv)
     for flag, value in (("--k", args.k), ("--sessions", args.sessions), ("--train-steps", args.train_steps),
                         ("--draft-steps", args.draft_steps), ("--context-max", args.context_max),
@@ -493,9 +497,12 @@ def main(argv=None) -> None:
               "smoke": args.smoke, "recipe": recipe_record(target, drafts)}
     if not args.train_only:
         result.update(measure(args, sizes, drafts))
+    out = Path(args.json)
+    if args.update and out.is_file():
+        result = {**json.loads(out.read_text()), **result}
     print_tables(result)
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.json}")
 
 

@@ -68,15 +68,18 @@ def test_smoke_recipe_and_context(smoke):
 
 
 def test_reuses_given_runs(smoke, tmp_path):
-    """--target / --drafts skip the recipe (no new log) and --train-only measures nothing."""
-    _, _, tmp = smoke
+    """--target / --drafts skip the recipe (no new log), --train-only measures nothing, and --update keeps what an
+    earlier run wrote."""
+    first, _, tmp = smoke
     runs = tmp / "runs"
     out = tmp_path / "again.json"
-    proc = run_script("--smoke", "--train-only", "--target", str(runs / "target"), "--drafts", str(runs / "draft-kl"),
-                      "--workdir", str(tmp_path / "w"), "--json", str(out))
+    out.write_text(json.dumps({"rows": first["rows"], "recipe": None}))
+    proc = run_script("--smoke", "--train-only", "--update", "--target", str(runs / "target"),
+                      "--drafts", str(runs / "draft-kl"), "--workdir", str(tmp_path / "w"), "--json", str(out))
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(out.read_text())
-    assert set(result["recipe"]["drafts"]) == {"kl"} and "rows" not in result
+    assert set(result["recipe"]["drafts"]) == {"kl"} and result["rows"] == first["rows"]
+    assert "acceptance_by_context" not in result
     assert not (tmp_path / "w" / "recipe.log").exists()
 
 
