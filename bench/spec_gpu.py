@@ -140,11 +140,11 @@ def summary(run_dir: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def draft_loss_name(ckpt: Path) -> str:
-    """The loss a draft checkpoint was trained with (its draft.json's training notes)."""
+def draft_notes(ckpt: Path) -> dict:
+    """How a draft checkpoint was trained (its draft.json's training notes: loss, ckpt of the target, ...)."""
     if not has_draft(ckpt):
         raise SystemExit(f"bench/spec_gpu.py: --drafts {ckpt} holds no draft (draft.json); pass `openk3 draft` runs")
-    return json.loads((ckpt / "draft.json").read_text())["training"].get("loss", "?")
+    return json.loads((ckpt / "draft.json").read_text())["training"]
 
 
 def build_runs(args, sizes: Sizes) -> tuple[Path, dict[str, Path]]:
@@ -152,13 +152,18 @@ def build_runs(args, sizes: Sizes) -> tuple[Path, dict[str, Path]]:
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
     log = work / "recipe.log"
-    target = Path(args.target) if args.target else train_target(args, sizes, work / "target", log)
+    if args.target:
+        target = Path(args.target)
+    elif args.drafts:  # the run the drafts were fine-tuned from (their draft.json's training notes)
+        target = Path(draft_notes(resolve_checkpoint(args.drafts[0]))["ckpt"])
+    else:
+        target = train_target(args, sizes, work / "target", log)
     runs = [Path(d) for d in args.drafts] if args.drafts else [
         train_draft(args, sizes, target, loss, work / f"draft-{loss}", log) for loss in args.losses]
     drafts = {}
     for run in runs:
         ckpt = resolve_checkpoint(run)
-        loss = draft_loss_name(ckpt)
+        loss = draft_notes(ckpt).get("loss", "?")
         if loss in drafts:
             raise SystemExit(f"bench/spec_gpu.py: --drafts {drafts[loss]} and {ckpt} both hold a {loss} draft")
         drafts[loss] = ckpt
@@ -420,7 +425,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--smoke", action="store_true", help="k3-tiny on the CPU at toy sizes (checks the script)")
     ap.add_argument("--workdir", default=None, help="where the recipe writes its runs and recipe.log "
                     "(default runs/spec_gpu, runs/spec_gpu_smoke with --smoke)")
-    ap.add_argument("--target", default=None, metavar="DIR", help="an `openk3 train` run to reuse (no training)")
+    ap.add_argument("--target", default=None, metavar="DIR",
+                    help="an `openk3 train` run to reuse (no training; default with --drafts: the one they came from)")
     ap.add_argument("--drafts", nargs="+", default=None, metavar="DIR",
                     help="`openk3 draft` runs (or checkpoints) to reuse instead of training --losses")
     ap.add_argument("--losses", nargs="+", default=list(LOSSES), choices=LOSSES, help="draft losses to train")

@@ -74,11 +74,12 @@ def test_reuses_given_runs(smoke, tmp_path):
     runs = tmp / "runs"
     out = tmp_path / "again.json"
     out.write_text(json.dumps({"rows": first["rows"], "recipe": None}))
-    proc = run_script("--smoke", "--train-only", "--update", "--target", str(runs / "target"),
-                      "--drafts", str(runs / "draft-kl"), "--workdir", str(tmp_path / "w"), "--json", str(out))
+    proc = run_script("--smoke", "--train-only", "--update", "--drafts", str(runs / "draft-kl"),
+                      "--workdir", str(tmp_path / "w"), "--json", str(out))  # the target: the drafts' own
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(out.read_text())
     assert set(result["recipe"]["drafts"]) == {"kl"} and result["rows"] == first["rows"]
+    assert result["recipe"]["target"] == first["recipe"]["target"]
     assert "acceptance_by_context" not in result
     assert not (tmp_path / "w" / "recipe.log").exists()
 
