@@ -57,18 +57,17 @@ class LocalCore:
     """The engine on a thread of this process."""
 
     def __init__(self, engine, info: CoreInfo | None = None):
-        from openk3.serve.engine import EngineLoop
-
         self.engine = engine
         self.info = info or CoreInfo.of(engine, None, "")
         self.tokenizer = engine.tokenizer
-        self._loop_type = EngineLoop
         self._loop = None
         self._leaders: dict = {}  # rid -> the engine's Request, while it may lead another choice (`after`)
 
     def start(self, sink: Sink) -> None:
+        from openk3.serve.engine import EngineLoop  # (the engine imports this package's prompts, not this module)
+
         self.engine.event_sink = sink
-        self._loop = self._loop_type(self.engine).start()
+        self._loop = EngineLoop(self.engine).start()
 
     def stop(self) -> None:
         if self._loop is not None:

@@ -83,8 +83,8 @@ SLOW_STEP_S = 0.25  # an engine step longer than this is logged (INFO) with what
 # A prefill forward costs ~25-30 ms of host time on an H200 whatever its length (k3-debug: ~1,500 eager ops), so a
 # long prompt goes in few, long forwards: 12k tokens took 141-151 ms in three of 4096 (bench/RESULTS.md, 2026-12-01).
 GPU_PREFILL_CHUNK_TOKENS = 16384  # tokens per prefill forward on a GPU, rounded to hash blocks
-# GPU default of EngineConfig.short_prefill_tokens (the decode kernels unroll their token loop: T = 256 did not compile
-# within minutes on an H200, 2026-12-04)
+# GPU default of EngineConfig.short_prefill_tokens. Ordinary prompts (hundreds of tokens) as graph replays would
+# save the eager forward's host time, but 256-token steps are not yet timed on a GPU (bench/RESULTS.md, 2026-12-04)
 SHORT_PREFILL_TOKENS = 16
 CHECKPOINT_SPACING_TOKENS = 512  # K3's prefill checkpoint spacing on a GPU (SPEC §7: every 512 tokens)
 
