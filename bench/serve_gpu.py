@@ -32,6 +32,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import signal
 import socket
 import subprocess
@@ -291,6 +292,9 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, nargs="+", default=None, help="step 4's contexts (default 64k 256k 1M)")
     ap.add_argument("--smoke", action="store_true", help="run on the CPU at toy sizes")
     ap.add_argument("--server-log", default=None, help="keep the servers' logs here (and PATH.long)")
+    ap.add_argument("--server-flags", default="", metavar="FLAGS",
+                    help="more `openk3 serve` flags for every server, one string (e.g. '--short-prefill 256'): "
+                         "an A/B against the defaults")
     out_dir = os.environ.get("OUT", str(BENCH))
     ap.add_argument("--json", default=os.path.join(out_dir, "serve_gpu.json"))
     args = ap.parse_args()
@@ -306,9 +310,12 @@ def main() -> None:
              mixed_requests=96, mixed_prompt="1000:11000", mixed_reply="32:256", contexts=[65536, 262144, 1 << 20],
              short_context=128, long_model_len=1 << 20, server_flags=[], peer_tokens=128,
              peer_long_batches=[1, 16])
+    extra = shlex.split(args.server_flags)
+    del args.server_flags
     for key, value in sizes.items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
+    args.server_flags = [*args.server_flags, *extra]
     kept = {}
     if args.only and os.path.exists(args.json):
         with open(args.json) as fh:
@@ -335,7 +342,8 @@ def main() -> None:
 def report(result: dict, path: str) -> None:
     fmt = lambda v, spec: format(v, spec) if v is not None else "-"  # noqa: E731
     fla = result.get("peer", {}).get("fla")
-    print(f"\nopenk3 serve ({result['info']['preset']}, {result['info']['device']}), default flags, text prompts "
+    flags = " ".join(result.get("server_default", {}).get("flags", [])) or "default flags"
+    print(f"\nopenk3 serve ({result['info']['preset']}, {result['info']['device']}), {flags}, text prompts "
           f"60-200 tokens, 256-token replies, temperature 0.8; peer: HF generate() (fla {fla})")
     print(f"{'clients':>7} {'openk3 tok/s':>13} {'HF tok/s':>10} {'speedup':>8}")
     for row in result["rows"]:
