@@ -428,8 +428,9 @@ def test_a_failing_prefill_forward_fails_its_group_alone(model):
     poison = 7  # a byte no other prompt has
 
     decoding, short = tok.encode("already decoding"), tok.encode("a short prompt")
+    longer = tok.encode("a longer prompt that fills most of a right-padded forward; " * 2)
     alone = make_engine(model)
-    expected = [alone.add_request(p, SamplingParams(**params)) for p in (decoding, short)]
+    expected = [alone.add_request(p, SamplingParams(**params)) for p in (decoding, longer, short)]
     drain(alone)
     engine = make_engine(model)
     prefill = engine.runner.prefill
@@ -442,12 +443,14 @@ def test_a_failing_prefill_forward_fails_its_group_alone(model):
     engine.runner.prefill = fails_on_poison
     first = engine.add_request(decoding, SamplingParams(**params))
     engine.step()
-    bad = engine.add_request(tok.encode("a much longer prompt \x07 than the other"), SamplingParams(**params))
-    second = engine.add_request(short, SamplingParams(**params))
+    # (right-padded together, the longer and the short prompt fill their forward: the poisoned one, as short, pads
+    # too much to join them and goes alone; see ragged_groups)
+    others = [engine.add_request(p, SamplingParams(**params)) for p in (longer, short)]
+    bad = engine.add_request(tok.encode("a bad \x07 prompt"), SamplingParams(**params))
     drain(engine)
     assert bad.finish_reason == "error" and bad.lease.released
-    assert [first.output, second.output] == [r.output for r in expected]
-    assert all(r.finish_reason == "length" for r in (first, second))
+    assert [r.output for r in (first, *others)] == [r.output for r in expected]
+    assert all(r.finish_reason == "length" for r in (first, *others))
 
 
 @pytest.mark.parametrize("prefix_cache", [True, False])

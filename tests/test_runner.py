@@ -87,13 +87,15 @@ def test_prefill_chunks_then_decode_steps_equal_one_forward(name, kernels):
 @pytest.mark.parametrize("name", ["k3-small-mla-first", "kimi-tiny"])
 def test_right_padded_prefill_of_different_lengths_equals_each_chunk_alone(name):
     """Chunks of 9, 2, 14 and 1 tokens (two continuing a prompt) in one right-padded forward give each chunk's
-    logits, KDA conv windows and recurrent states and MLA latents of the chunk prefilled alone; the padding writes
+    logits, KDA conv windows and recurrent states and MLA latents of the chunk prefilled alone, and, at the union
+    of checkpoint offsets, each row's checkpoints within its chunk those of the chunk alone; the padding writes
     only the null page (K3's bounded gates and Kimi's unbounded ones)."""
     torch.manual_seed(0)
     model = randomize(K3ForCausalLM(CONFIGS[name]()), seed=21)
     runner = make_runner(model, "torch", slots=5, pages=60)
     rng = torch.Generator().manual_seed(22)
     slots, starts, lengths = [3, 0, 4, 1], [0, 6, 3, 0], [9, 2, 14, 1]
+    offsets = (1, 5, 8, 13)  # their union: within some chunks, past others' ends
     ids = [torch.randint(0, model.config.vocab_size, (s + n,), generator=rng).tolist()
            for s, n in zip(starts, lengths)]
     for slot, s, n in zip(slots, starts, lengths):
@@ -104,20 +106,26 @@ def test_right_padded_prefill_of_different_lengths_equals_each_chunk_alone(name)
             if s:
                 runner.prefill([ids[b][:s]], [slots[b]], [0])
         before = [t.clone() for t in pools]
-        alone = []
+        alone, alone_ckpts = [], []
         for b, s in enumerate(starts):
-            alone.append(runner.prefill([ids[b][s:]], [slots[b]], [s])[0][0])
+            inside = tuple(o for o in offsets if o < lengths[b])
+            logits, ckpt = runner.prefill([ids[b][s:]], [slots[b]], [s], checkpoint_offsets=inside)
+            alone.append(logits[0])
+            alone_ckpts.append(ckpt)
         want = [t.clone() for t in pools]
         for t, b in zip(pools, before):
             t.copy_(b)
-        got, ckpts = runner.prefill([x[s:] for x, s in zip(ids, starts)], slots, starts)
-    assert not ckpts
+        got, ckpts = runner.prefill([x[s:] for x, s in zip(ids, starts)], slots, starts, checkpoint_offsets=offsets)
+    assert sorted(ckpts) == list(offsets)
+    for b, ckpt in enumerate(alone_ckpts):
+        assert sorted(ckpt) == [o for o in offsets if o < lengths[b]]
+        for o, states in ckpt.items():
+            for name, t in states.items():
+                torch.testing.assert_close(ckpts[o][name][:, b], t[:, 0], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(got, torch.stack(alone), rtol=1e-4, atol=1e-4)
     for t, w in zip(pools[:2], want[:2]):
         torch.testing.assert_close(t, w, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(runner.pages.pages[:, 1:], want[2][:, 1:], rtol=1e-4, atol=1e-5)
-    with pytest.raises(ValueError, match="different lengths take no checkpoint"):
-        runner.prefill([ids[0][:3], ids[0][:2]], slots[:2], [0, 0], checkpoint_offsets=(1,))
 
 
 @pytest.mark.parametrize("kernels,compile_backend", [("torch", None), ("triton", None), ("torch", "eager")])

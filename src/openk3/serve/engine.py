@@ -168,21 +168,19 @@ class PoolExhausted(RuntimeError):
     pass
 
 
-RAGGED_FREE_TOKENS = 2048  # a right-padded prefill forward this small costs its launches, whatever the padding
-
-
-def ragged_groups(chunks: list[tuple[Request, int]]) -> list[list[tuple[Request, int]]]:
-    """Chunks (request, end) of different lengths as forwards of right-padded rows: longest first, each forward
-    growing while its padded size stays within twice its real tokens (or RAGGED_FREE_TOKENS)."""
+def ragged_groups(chunks: list[tuple], free: int = 0) -> list[list[tuple]]:
+    """Chunks (request, end, ...) of different lengths as forwards of right-padded rows: longest first, each forward
+    growing while its padded size stays within twice its real tokens or `free` tokens (the step's prefill budget:
+    a forward that small is bound by its launches, not its arithmetic, on a GPU)."""
     ordered = sorted(chunks, key=lambda c: c[1] - c[0].fed, reverse=True)
-    groups: list[list[tuple[Request, int]]] = []
+    groups: list[list[tuple]] = []
     for chunk in ordered:
         n = chunk[1] - chunk[0].fed
         if groups:
             group = groups[-1]
             longest = group[0][1] - group[0][0].fed
-            real = sum(end - r.fed for r, end in group) + n
-            if longest * (len(group) + 1) <= max(2 * real, RAGGED_FREE_TOKENS):
+            real = sum(c[1] - c[0].fed for c in group) + n
+            if longest * (len(group) + 1) <= max(2 * real, free):
                 group.append(chunk)
                 continue
         groups.append([chunk])
@@ -413,7 +411,7 @@ class Engine:
         # the step's prefill budget protects decoding sequences' inter-token latency; with none decoding, a long
         # prompt goes in chunks as long as the engine's longest forward (on a GPU)
         budget = self.scheduler.config.prefill_tokens_per_step if speculating or decoding else self.idle_prefill
-        for round_ in self.scheduler.prefill_rounds(self._chunk_end, budget):
+        for round_ in self.scheduler.prefill_rounds(self._chunk_end, budget, align=self.hash_block):
             for group, offsets, short in self._prefill_groups([(r, end) for r, end in round_
                                                                if self._has_pages(r, end)]):
                 group = [(r, end) for r, end in group if r.slot is not None]  # (preempted since)
@@ -432,24 +430,26 @@ class Engine:
 
     def _prefill_groups(self, chunks: list[tuple[Request, int]]):
         """A round's prefill chunks (request, end) as forwards: (chunks, checkpoint offsets, short). Chunks of at most
-        `short_prefill` tokens go together through the runner's short step; chunks with KDA checkpoints inside
-        them, image tokens or a draft to feed go with chunks of the same length and offsets; the rest, of any
-        lengths, are right-padded together (`ragged_groups`)."""
+        `short_prefill` tokens without a KDA checkpoint inside go together through the runner's short step; chunks
+        with image tokens or a draft to feed go with chunks of the same length and offsets; the rest, of any
+        lengths, are right-padded together (`ragged_groups`), each forward taking the union of its rows' checkpoint
+        offsets: the KDA pass yields every row's state at each of them, and a row reads those within its chunk
+        (the state after that many of its own tokens; aligned chunks share their offsets)."""
         alike: dict[tuple[int, tuple[int, ...]], list[tuple[Request, int]]] = {}
         short, ragged = [], []
         for r, end in chunks:
             offsets = self._checkpoint_offsets(r.fed, end)
             inside = tuple(o for o in offsets if o < end - r.fed)  # the chunk's end state is the slot's own
-            if inside or r.images is not None or self.draft is not None:
+            if r.images is not None or self.draft is not None:
                 alike.setdefault((end - r.fed, offsets), []).append((r, end))
-            elif end - r.fed <= self.runner.short_prefill:
+            elif end - r.fed <= self.runner.short_prefill and not inside:
                 short.append((r, end))
             else:
-                ragged.append((r, end))
+                ragged.append((r, end, inside))
         if short:
             yield short, (), True
-        for group in ragged_groups(ragged):
-            yield group, (), False
+        for group in ragged_groups(ragged, free=self.scheduler.config.prefill_tokens_per_step):
+            yield [(r, end) for r, end, _ in group], tuple(sorted({o for *_, inside in group for o in inside})), False
         for (_, offsets), group in alike.items():
             yield group, offsets, False
 

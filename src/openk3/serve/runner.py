@@ -409,8 +409,9 @@ class ModelRunner:
                 checkpoint_offsets: tuple[int, ...] = (), image_embeds: torch.Tensor | None = None,
                 ) -> tuple[torch.Tensor, dict[int, dict[str, torch.Tensor]]]:
         """Feed each sequence its next chunk from position starts[b]: chunks of one length, or of different lengths
-        (right-padded to the longest in one forward, `HybridCache.num_tokens`; then no checkpoint offsets). Returns
-        the logits after each chunk [B, vocab] and, per requested offset, the KDA states after that many tokens:
+        (right-padded to the longest in one forward, `HybridCache.num_tokens`: a row's states at an offset past its
+        length are its end states). Returns the logits after each chunk [B, vocab] and, per requested offset, the
+        KDA states after that many tokens:
         {offset: {"conv": [n_kda, B, C, W-1], "recurrent": [n_kda, B, H, K, V]}}. image_embeds [N, hidden]: the
         image tokens of the chunks' image placeholders, row-major over the batch (K3ForCausalLM.forward)."""
         logits, checkpoints, _ = self.forward(chunks, slots, starts, checkpoint_offsets, image_embeds=image_embeds)
@@ -424,8 +425,8 @@ class ModelRunner:
         B, T = len(chunks), max(map(len, chunks))
         sizes = [len(c) for c in chunks]
         ragged = min(sizes) < T
-        if ragged and (checkpoint_offsets or self.draft is not None or image_embeds is not None):
-            raise ValueError("chunks of different lengths take no checkpoint offsets, draft or images")
+        if ragged and (self.draft is not None or image_embeds is not None):
+            raise ValueError("chunks of different lengths take no draft or images")
         slot_t = to_device(slots, self.device)
         conv, recurrent = self.states.gather(slot_t)
         P, width = self.pages.page_size, self.pages.width

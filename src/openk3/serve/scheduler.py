@@ -137,11 +137,13 @@ class Scheduler:
         self.waiting.appendleft(request)
         request.preemptions += 1
 
-    def prefill_rounds(self, chunk_end: Callable[[Request, int], int],
-                       budget: int | None = None) -> list[list[tuple[Request, int]]]:
-        """Prefill work of one step: rounds of (request, end of its next chunk), oldest first, exactly within the
-        token budget (the chunk that reaches the budget is cut there). A request may get several chunks (one per
-        round) when few are prefilling."""
+    def prefill_rounds(self, chunk_end: Callable[[Request, int], int], budget: int | None = None,
+                       align: int = 1) -> list[list[tuple[Request, int]]]:
+        """Prefill work of one step: rounds of (request, end of its next chunk), oldest first, within the token
+        budget. The chunk that reaches the budget is cut there, at a multiple of `align` where that leaves it
+        non-empty (the engine's hash block: its next chunk then starts on a block boundary, where its KDA
+        checkpoints fall at the same offsets as other aligned chunks'). A request may get several chunks (one
+        per round) when few are prefilling."""
         budget, fed = budget or self.config.prefill_tokens_per_step, {}
         rounds: list[list[tuple[Request, int]]] = []
         while budget > 0:
@@ -150,7 +152,10 @@ class Scheduler:
                 pos = fed.get(r, r.fed)
                 if pos >= r.prefill_len or budget <= 0:
                     continue
-                end = min(chunk_end(r, pos), pos + budget)
+                end = chunk_end(r, pos)
+                if end > pos + budget:
+                    cut = (pos + budget) // align * align
+                    end = cut if cut > pos else pos + budget
                 fed[r] = end
                 budget -= end - pos
                 this_round.append((r, end))
