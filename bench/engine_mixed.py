@@ -188,8 +188,8 @@ def main() -> None:
     engine_fields, sched_fields = overrides(args.engine)
     started = time.perf_counter()
     engine = Engine(model, ByteTokenizer(), EngineConfig(**engine_fields, scheduler=SchedulerConfig(**sched_fields)))
-    print(f"engine ready in {time.perf_counter() - started:.1f} s ({args.preset} on {device}; {args.engine or 'defaults'})",
-          flush=True)
+    built = f"{args.preset} on {device}; {args.engine or 'defaults'}"
+    print(f"engine ready in {time.perf_counter() - started:.1f} s ({built})", flush=True)
     kept = {}
     if os.path.exists(args.json):
         with open(args.json) as fh:
