@@ -195,7 +195,7 @@ def main() -> None:
         with open(args.json) as fh:
             kept = json.load(fh)
     if args.forward_costs and device.type == "cuda":
-        shapes = [(1, 512), (1, 4096), (2, 4096), (4, 4096), (8, 4096), (1, 16384)]
+        shapes = [(1, 512), (1, 4096), (1, 8192), (2, 4096), (4, 4096), (8, 4096), (1, 16384)]
         costs = forward_costs(engine, shapes)
         print("| prefill forward B x T | wall ms | launch ms |\n|---|---|---|")
         for row in costs:

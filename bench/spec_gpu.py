@@ -57,7 +57,6 @@ from openk3.checkpoints import resolve_checkpoint
 from openk3.draft import has_draft, load_draft
 from openk3.interop import load_pretrained
 from openk3.sampling import SamplingParams
-from openk3.serve.capacity import GPU_BATCHED_TOKENS
 from openk3.serve.engine import Engine, EngineConfig
 from openk3.serve.scheduler import SchedulerConfig
 from openk3.serve.speculation import SpecPolicy
@@ -217,8 +216,7 @@ def make_engine(model, tokenizer, args, draft=None, clients: int = 2, prefix_cac
     k = args.k if draft is not None else 0
     config = EngineConfig(prefix_cache=prefix_cache, speculative=k, auto_speculation=bool(k),
                           compile_decode=gpu and not args.no_compile, max_model_len=max_model_len,
-                          scheduler=SchedulerConfig(max_running=max(clients, 2),  # `openk3 serve`'s prefill budget
-                                                    prefill_tokens_per_step=GPU_BATCHED_TOKENS if gpu else 256))
+                          scheduler=SchedulerConfig(max_running=max(clients, 2)))  # `openk3 serve`'s prefill budget
     started = time.perf_counter()
     engine = Engine(model, tokenizer, config, draft=draft)
     graphs = engine.runner.captured() or engine.runner.graph_error

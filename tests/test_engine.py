@@ -188,6 +188,50 @@ def test_sparser_checkpoints_keep_the_turn_boundary(model):
     assert hits == {3: 0, 5: 4 * H, 6: 6 * H}
 
 
+def test_each_step_spends_the_whole_prefill_budget(model):
+    """Prompts waiting to prefill get the step's whole token budget, step after step (a chunk cut by the budget ends
+    on a hash-block boundary and the next prompt takes the rest); the default budget is the device's."""
+    from openk3.serve.capacity import CPU_BATCHED_TOKENS
+
+    assert make_engine(model, scheduler=SchedulerConfig()).scheduler.config.prefill_tokens_per_step \
+        == CPU_BATCHED_TOKENS
+    budget, rng = 96, random.Random(1)
+    engine = make_engine(model, scheduler=SchedulerConfig(max_running=8, prefill_tokens_per_step=budget))
+    requests = [engine.add_request([rng.randrange(256) for _ in range(n)], SamplingParams(max_tokens=3))
+                for n in (100, 90, 83, 7)]
+    while any(r.fed < len(r.prompt) for r in requests):
+        left = sum(len(r.prompt) - r.fed for r in requests)
+        before = sum(r.fed for r in requests if r.fed < len(r.prompt))
+        prefilling = [r for r in requests if r.fed < len(r.prompt)]
+        engine.step()
+        assert sum(min(r.fed, len(r.prompt)) for r in prefilling) - before == min(budget, left)
+    drain(engine)
+    assert all(len(r.output) == 3 for r in requests)
+
+
+def test_short_chunks_join_a_longer_chunks_forward(model):
+    """With the short-prefill step on, a short prompt prefilled beside a longer one rides in the longer one's
+    right-padded forward (one forward, not two); alone it takes the short step. Greedy output is the same."""
+    from unittest import mock
+
+    tok = ByteTokenizer()
+    prompts = [tok.encode("a prompt longer than the short step takes"), tok.encode("short")]
+    outputs = []
+    for together in (True, False):
+        engine = make_engine(model, short_prefill_tokens=8)
+        with mock.patch.object(engine.runner, "prefill_short", wraps=engine.runner.prefill_short) as short_step:
+            requests = [engine.add_request(prompts[0], SamplingParams(max_tokens=4, temperature=0))]
+            if not together:
+                engine.step()
+            requests.append(engine.add_request(prompts[1], SamplingParams(max_tokens=4, temperature=0)))
+            engine.step()
+            drain(engine)
+        assert short_step.called == (not together)
+        assert engine.metrics.prefill_forwards == 1 + (not together)
+        outputs.append([r.output for r in requests])
+    assert outputs[0] == outputs[1]
+
+
 def test_cancellation_frees_the_sequence_and_its_locks(model):
     engine = make_engine(model)
     events = []
@@ -331,7 +375,8 @@ def test_admission_throttles_running_and_queue(model):
 
 def test_step_timing_and_slow_steps_are_reported(model, monkeypatch, caplog):
     """The engine's step-time counters (the /metrics series) and the slow-step log line: prompts of different
-    lengths prefill in separate forwards; with the threshold at 0 every step is 'slow' and says what it held."""
+    lengths (one past a hash-block boundary) prefill together in one right-padded forward; with the threshold at 0
+    every step is 'slow' and says what it held."""
     from openk3.serve import engine as engine_module
 
     monkeypatch.setattr(engine_module, "SLOW_STEP_S", 0.0)
@@ -343,7 +388,7 @@ def test_step_timing_and_slow_steps_are_reported(model, monkeypatch, caplog):
         while engine.has_work():
             engine.step()
     m = engine.metrics
-    assert m.prefill_forwards >= 2 and m.steps >= 2
+    assert m.prefill_forwards == 1 and m.steps >= 2
     assert 0 < m.slowest_step_seconds <= m.step_seconds
     slow = [r.getMessage() for r in caplog.records if r.getMessage().startswith("slow engine step")]
     assert len(slow) == m.steps

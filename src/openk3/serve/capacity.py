@@ -21,6 +21,12 @@ CPU_CACHE_BYTES = 256 << 20  # the prefix cache's device tier on a CPU (without 
 # step's prefill, ~9 us a token for k3-debug on an H200 (a 61k-token prompt in 0.53 s, 2026-12-04): 4096 tokens
 # keep the inter-token latency near 40 ms while long prompts arrive
 GPU_BATCHED_TOKENS = 4096
+CPU_BATCHED_TOKENS = 256
+
+
+def default_batched_tokens(gpu: bool) -> int:
+    """--max-num-batched-tokens when not given."""
+    return GPU_BATCHED_TOKENS if gpu else CPU_BATCHED_TOKENS
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 
 from openk3.cli_options import add_kda_options, int_at_least
-from openk3.serve.capacity import GPU_BATCHED_TOKENS
+from openk3.serve.capacity import CPU_BATCHED_TOKENS, GPU_BATCHED_TOKENS
 from openk3.serve.speculation import DEFAULT_K
 
 
@@ -84,8 +84,7 @@ def build_engine(args: argparse.Namespace):
         speculative=drafts, auto_speculation=speculative == "auto",
         scheduler=SchedulerConfig(
             max_running=args.max_num_seqs, max_queue=args.max_queue,
-            prefill_tokens_per_step=args.max_num_batched_tokens or (
-                GPU_BATCHED_TOKENS if device.type == "cuda" else 256)),
+            prefill_tokens_per_step=args.max_num_batched_tokens),
     )
     engine = Engine(model, tokenizer, config, draft)
     runner = engine.runner
@@ -271,8 +270,8 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--max-num-batched-tokens", "--prefill-tokens", dest="max_num_batched_tokens",
                    type=int_at_least(1), default=None, metavar="N",
                    help="prompt tokens prefilled per engine step, beside the decode batch: lower keeps decoding "
-                        "smoother while long prompts arrive, higher gives a faster first token (default 256 on "
-                        f"CPU, {GPU_BATCHED_TOKENS} on a GPU)")
+                        "smoother while long prompts arrive, higher gives a faster first token (default "
+                        f"{CPU_BATCHED_TOKENS} on CPU, {GPU_BATCHED_TOKENS} on a GPU)")
     p.add_argument("--kv-pages", type=int, default=None,
                    help="physical pages of the MLA latent pool (default: from memory on a GPU, see "
                         "--gpu-memory-utilization; a fixed 131,072 tokens plus the cache on CPU)")
@@ -286,7 +285,7 @@ def add_serve_parser(subparsers) -> None:
                         "experimental: on an H200 prefills of new shapes recompiled inside a 32-client run, "
                         "bench/RESULTS.md)")
     p.add_argument("--short-prefill", type=int_at_least(0), default=None, metavar="N",
-                   help="prompt chunks of at most N tokens prefill together in one CUDA-graph step (default 16 on a "
+                   help="prompt chunks of at most N tokens prefill together in one CUDA-graph step (default 256 on a "
                         "GPU with CUDA graphs and without speculative decoding; 0: off)")
     p.add_argument("--allow-remote-images", action="store_true",
                    help="fetch http(s) image URLs in chat requests (10 s and 20 MiB at most each, no redirects); "

@@ -11,16 +11,17 @@ One `step()`: apply cancellations; admit waiting requests while their prompts fi
 the prefix cache) and slots (a prefix hit shares the hit's pages by reference, copies the part of a partly hit
 page it may not write into, and loads the hit's KDA checkpoint into the slot); run one batched decode for every
 decoding sequence; then prefill chunks within the step's token budget, as few forwards as it can: chunks of any
-lengths right-padded together, short ones in the runner's CUDA-graph step, and those with KDA checkpoints inside
-them (long prompts, every `checkpoint_every` hash blocks) with others of their length. A chunk ends at the prompt's
-last full hash block (the turn boundary) or at its end. Every full hash block a sequence completes (in prefill or
-decode) is registered with the physical page holding its latents. Chunking and checkpoint offsets are the same
-whether or not the cache is on, so greedy output does not depend on it. When a sequence needs a page and none is
-left, the latest admitted sequence is preempted: it goes back to the head of the queue keeping its output, and on
-re-admission prefills prompt and output again (the prefix cache usually holds most of it). A failure in one
-sequence's work ends that sequence (reason "error"), not the others. `EngineLoop` runs steps on a background
-thread; `add_request` and `cancel` are thread-safe. Each reply's text is decoded token by token
-(openk3.tokenizer.TextStream) and searched for stop strings only where the new token can complete one.
+lengths right-padded together (each forward recording the union of its rows' KDA checkpoint offsets), short ones
+in the runner's CUDA-graph step, those with images or a draft to feed with others of their length. A chunk holds at
+most `prefill_chunk_blocks` hash blocks; the KDA states are checkpointed every `checkpoint_every` blocks and at the
+turn boundary (the prompt's last full hash block, where a conversation's next turn resumes). Every full hash block
+a sequence completes (in prefill or decode) is registered with the physical page holding its latents. Chunking
+and checkpoint offsets are the same whether or not the cache is on, so greedy output does not depend on it. When a
+sequence needs a page and none is left, the latest admitted sequence is preempted: it goes back to the head of
+the queue keeping its output, and on re-admission prefills prompt and output again (the prefix cache usually holds
+most of it). A failure in one sequence's work ends that sequence (reason "error"), not the others. `EngineLoop`
+runs steps on a background thread; `add_request` and `cancel` are thread-safe. Each reply's text is decoded token
+by token (openk3.tokenizer.TextStream) and searched for stop strings only where the new token can complete one.
 
 Images (SPEC §12): a request may carry prepared images (openk3.images) whose placeholder runs are in its prompt.
 Each prefill chunk passes the model the image tokens of the placeholders it holds (`ModelRunner.prefill`'s
@@ -67,7 +68,7 @@ from openk3.cache.state_pool import StatePool
 from openk3.draft import EagleDraft, accept_drafts, accept_drafts_on_logits, accept_greedy, draw, target_distributions
 from openk3.ops.transfer import host_list, to_device
 from openk3.sampling import SamplingParams, request_rng, sample_tokens, token_logprobs
-from openk3.serve.capacity import Capacity, check_utilization, fixed_capacity, gpu_capacity
+from openk3.serve.capacity import Capacity, check_utilization, default_batched_tokens, fixed_capacity, gpu_capacity
 from openk3.serve.prefix_cache import PrefixCache, PrefixCacheConfig
 from openk3.serve.prompts import PromptImages, check_prompt
 from openk3.serve.runner import ModelRunner
@@ -83,9 +84,9 @@ SLOW_STEP_S = 0.25  # an engine step longer than this is logged (INFO) with what
 # A prefill forward costs ~25-30 ms of host time on an H200 whatever its length (k3-debug: ~1,500 eager ops), so a
 # long prompt goes in few, long forwards: 12k tokens took 141-151 ms in three of 4096 (bench/RESULTS.md, 2026-12-01).
 GPU_PREFILL_CHUNK_TOKENS = 16384  # tokens per prefill forward on a GPU, rounded to hash blocks
-# GPU default of EngineConfig.short_prefill_tokens. Ordinary prompts (hundreds of tokens) as graph replays would
-# save the eager forward's host time, but 256-token steps are not yet timed on a GPU (bench/RESULTS.md, 2026-12-04)
-SHORT_PREFILL_TOKENS = 16
+# GPU default of EngineConfig.short_prefill_tokens: ordinary prompts (hundreds of tokens) prefill as graph replays,
+# not eager forwards of ~36 ms of launches (at 1 client TTFT p50 71 -> 25 ms on an H200, bench/RESULTS.md 2026-12-04)
+SHORT_PREFILL_TOKENS = 256
 CHECKPOINT_SPACING_TOKENS = 512  # K3's prefill checkpoint spacing on a GPU (SPEC §7: every 512 tokens)
 
 
@@ -233,7 +234,12 @@ class Engine:
         self.checkpoint_every = config.checkpoint_every or (max(1, CHECKPOINT_SPACING_TOKENS // h) if gpu else 1)
         self.chunk_blocks = config.prefill_chunk_blocks or (max(12, GPU_PREFILL_CHUNK_TOKENS // h) if gpu else 12)
         sched = config.scheduler
+        if sched.prefill_tokens_per_step is None:
+            sched = replace(sched, prefill_tokens_per_step=default_batched_tokens(gpu))
         self.idle_prefill = max(sched.prefill_tokens_per_step, self.chunk_blocks * h if gpu else 0)
+        # a right-padded prefill forward of this many tokens costs about its launches on a GPU (bench/RESULTS.md,
+        # 2026-12-04: 1 x 4096 tokens 41 ms, 4 x 4096 47 ms for k3-debug on an H200): rather pad than launch twice
+        self.ragged_free = 2 * self.idle_prefill if gpu else sched.prefill_tokens_per_step
 
         n_mla = len(mc.mla_layers) + (self.draft is not None)  # the draft's latents: one more layer of pages
         width = mc.mla.kv_lora_rank + mc.mla.qk_rope_head_dim
@@ -430,7 +436,8 @@ class Engine:
 
     def _prefill_groups(self, chunks: list[tuple[Request, int]]):
         """A round's prefill chunks (request, end) as forwards: (chunks, checkpoint offsets, short). Chunks of at most
-        `short_prefill` tokens without a KDA checkpoint inside go together through the runner's short step; chunks
+        `short_prefill` tokens without a KDA checkpoint inside go together through the runner's short step (unless
+        the round has longer chunks, whose eager forward they join); chunks
         with image tokens or a draft to feed go with chunks of the same length and offsets; the rest, of any
         lengths, are right-padded together (`ragged_groups`), each forward taking the union of its rows' checkpoint
         offsets: the KDA pass yields every row's state at each of them, and a row reads those within its chunk
@@ -438,7 +445,7 @@ class Engine:
         alike: dict[tuple[int, tuple[int, ...]], list[tuple[Request, int]]] = {}
         short, ragged = [], []
         for r, end in chunks:
-            offsets = self._checkpoint_offsets(r.fed, end)
+            offsets = self._checkpoint_offsets(r.fed, end, r.prefill_len)
             inside = tuple(o for o in offsets if o < end - r.fed)  # the chunk's end state is the slot's own
             if r.images is not None or self.draft is not None:
                 alike.setdefault((end - r.fed, offsets), []).append((r, end))
@@ -446,9 +453,11 @@ class Engine:
                 short.append((r, end))
             else:
                 ragged.append((r, end, inside))
+        if short and ragged:  # an eager forward runs anyway: the short chunks ride in it as padded rows
+            ragged, short = ragged + [(r, end, ()) for r, end in short], []
         if short:
             yield short, (), True
-        for group in ragged_groups(ragged, free=self.scheduler.config.prefill_tokens_per_step):
+        for group in ragged_groups(ragged, free=self.ragged_free):
             yield [(r, end) for r, end, _ in group], tuple(sorted({o for *_, inside in group for o in inside})), False
         for (_, offsets), group in alike.items():
             yield group, offsets, False
@@ -475,15 +484,16 @@ class Engine:
         return locked / cache.config.device_bytes
 
     def _chunk_end(self, r: Request, pos: int) -> int:
-        h, n = self.hash_block, r.prefill_len
-        turn_boundary = (n // h) * h
-        return min((pos // h + self.chunk_blocks) * h, turn_boundary if turn_boundary > pos else n)
+        return min((pos // self.hash_block + self.chunk_blocks) * self.hash_block, r.prefill_len)
 
-    def _checkpoint_offsets(self, start: int, end: int) -> tuple[int, ...]:
+    def _checkpoint_offsets(self, start: int, end: int, prefill_len: int = 0) -> tuple[int, ...]:
         """Offsets into a prefill chunk [start, end) where KDA checkpoints are wanted: every `checkpoint_every`
-        hash blocks, and the chunk's end when it is a hash-block boundary (a turn boundary or a page's end)."""
+        hash blocks, the turn boundary (the last full hash block of the `prefill_len` tokens to prefill, where the
+        next turn of a conversation resumes) and the chunk's end when it is a hash-block boundary."""
         h, span = self.hash_block, self.hash_block * self.checkpoint_every
         ends = set(range((start // span + 1) * span, end + 1, span))
+        if start < prefill_len // h * h <= end:
+            ends.add(prefill_len // h * h)
         if end % h == 0:
             ends.add(end)
         return tuple(sorted(e - start for e in ends))

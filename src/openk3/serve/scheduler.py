@@ -96,12 +96,14 @@ class Request:
 class SchedulerConfig:
     max_running: int = 32  # sequences running at once (--max-num-seqs)
     max_queue: int = 1024
-    prefill_tokens_per_step: int = 256  # prompt tokens per engine step (--max-num-batched-tokens; CPU default)
+    # prompt tokens per engine step (--max-num-batched-tokens); None: the engine's default for its device
+    # (openk3.serve.capacity.default_batched_tokens)
+    prefill_tokens_per_step: int | None = None
     max_locked_fraction: float = 0.9
 
     def __post_init__(self) -> None:
         for name in ("max_running", "max_queue", "prefill_tokens_per_step"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"scheduler field {name!r} must be >= 1, got {getattr(self, name)}")
 
 
