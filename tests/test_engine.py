@@ -232,6 +232,24 @@ def test_short_chunks_join_a_longer_chunks_forward(model):
     assert outputs[0] == outputs[1]
 
 
+def test_a_short_prompt_stops_at_its_turn_boundary_in_the_short_step(model):
+    """A prompt the short-prefill step can take whole, with a turn boundary inside, goes in two short steps (up to
+    the boundary, then the rest) rather than one eager forward recording the boundary's KDA state; the next turn
+    hits the cache at the boundary all the same."""
+    from unittest import mock
+
+    tok = ByteTokenizer()
+    engine = make_engine(model, short_prefill_tokens=3 * H, checkpoint_every=4)
+    prompt = tok.encode("z" * (2 * H + 5))
+    with mock.patch.object(engine.runner, "prefill", wraps=engine.runner.prefill) as eager:
+        engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0))
+        drain(engine)
+        assert not eager.called and engine.metrics.prefill_forwards == 2
+        follow_up = engine.add_request(prompt + tok.encode("!"), SamplingParams(max_tokens=1, temperature=0))
+        drain(engine)
+    assert follow_up.cached_tokens == 2 * H
+
+
 def test_cancellation_frees_the_sequence_and_its_locks(model):
     engine = make_engine(model)
     events = []

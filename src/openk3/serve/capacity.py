@@ -18,9 +18,10 @@ GRAPH_RESERVE_BYTES = 1 << 30  # left free for the CUDA graphs captured after th
 CPU_POOL_TOKENS = 1 << 17  # tokens of the pool on a CPU (without --kv-pages)
 CPU_CACHE_BYTES = 256 << 20  # the prefix cache's device tier on a CPU (without --cache-mb)
 # prompt tokens prefilled per engine step on a GPU (--max-num-batched-tokens): every decoding sequence waits for the
-# step's prefill, ~9 us a token for k3-debug on an H200 (a 61k-token prompt in 0.53 s, 2026-12-04): 4096 tokens
-# keep the inter-token latency near 40 ms while long prompts arrive
-GPU_BATCHED_TOKENS = 4096
+# step's prefill, a forward that costs about its launches up to ~16k tokens for k3-debug on an H200 (41 ms at 512
+# tokens, 51 ms at 8192: bench/RESULTS.md, 2026-12-05), so 8192 doubles 4096's prefill rate at the same stall (the
+# mixed stream's TTFT p50 1.26 s against 6.89 s)
+GPU_BATCHED_TOKENS = 8192
 CPU_BATCHED_TOKENS = 256
 
 

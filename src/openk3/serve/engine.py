@@ -484,7 +484,11 @@ class Engine:
         return locked / cache.config.device_bytes
 
     def _chunk_end(self, r: Request, pos: int) -> int:
-        return min((pos // self.hash_block + self.chunk_blocks) * self.hash_block, r.prefill_len)
+        h, n = self.hash_block, r.prefill_len
+        end, turn = min((pos // h + self.chunk_blocks) * h, n), n // h * h
+        if pos < turn < end and end - pos <= self.runner.short_prefill:
+            return turn  # two short-step replays, not an eager forward for the turn boundary's checkpoint inside
+        return end
 
     def _checkpoint_offsets(self, start: int, end: int, prefill_len: int = 0) -> tuple[int, ...]:
         """Offsets into a prefill chunk [start, end) where KDA checkpoints are wanted: every `checkpoint_every`
