@@ -172,7 +172,7 @@ def main() -> None:
                     help="first time prefill forwards of B x T tokens (GPU): wall and launch ms")
     ap.add_argument("--profile", action="store_true", help="cProfile the first run: top functions by own time")
     ap.add_argument("--smoke", action="store_true", help="on the CPU at toy sizes")
-    ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "bench"), "engine_mixed.json"))
+    ap.add_argument("--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "engine_mixed.json"))
     args = ap.parse_args()
     sizes = dict(preset="k3-tiny", rate=8.0, requests=8, prompt="100:600", reply="4:12") if args.smoke else \
         dict(preset="k3-debug", rate=12.0, requests=96, prompt="1000:11000", reply="32:256")
