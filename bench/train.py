@@ -1,21 +1,33 @@
 """Training-step benchmarks.
 
   python bench/train.py gpu   [--steps 10 --warmup 3 --batch-size 8 --seq-len 4096 --peak-tflops 989] [--profile]
-                              [--no-compile]
+                              [--no-compile] [--json PATH] [--smoke]
       CUDA only (without it: a one-line error). k3-debug in bf16 autocast (MTP weight 0.3) eager, with activation
       checkpointing and with compile_blocks (torch.compile per block; the warm-up steps include compiling), the
       last also with its forward and backward replayed as one CUDA graph (`openk3 train --cuda-graphs`), beside
       a dense pre-norm transformer (torch SDPA causal attention, SwiGLU) with the same active parameter count and
-      the same tokens, all with AdamW so the models are compared (the dense model twice: with the fused LM head +
-      cross-entropy k3's rows use, `openk3.ops.loss`, so that pair differs in the model only, and with plain
-      logits + F.cross_entropy, the baseline of the 2026-11-30 / 12-01 measurements), plus k3-debug with per-head
-      Muon for the optimizer's cost; one run. Reports step time, tokens/s, model FLOP utilisation and
-      torch.cuda.max_memory_allocated per row; then the top 10 kernels of one profiled k3-debug AdamW step with
-      their share of its kernel time (eager, and compiled when the compiled row ran: JSON `profile_compiled`),
-      and k3-debug's MLA attention alone (which SDPA kernel torch picks with v as it is and zero-padded to the q/k
-      head dim, and the time of each). Estimated at 3-5 minutes on an H200. The file's "fsdp" entry (written by
-      bench/fsdp_scaling.py: 1 GPU against FSDP2 on 2) is kept.
+      the same tokens, all with AdamW so the models are compared (the dense model three times: with the fused LM
+      head + cross-entropy k3's rows use, `openk3.ops.loss`, so that pair differs in the model only; with plain
+      logits + F.cross_entropy, the baseline of the 2026-11-30 / 12-01 measurements; and with each block
+      torch.compile'd and the fused loss, "compile, fused loss", the peer every row's `vs_dense_compiled` divides
+      by), plus k3-debug with per-head Muon for the optimizer's cost; k3-debug on packed documents (`openk3 train
+      --packing docs`: the segment ids of the embedded corpus's windows, real document lengths, on the same random
+      tokens) in the compiled variant (CUDA graphs take no packed batches; the row's note says why), with
+      `vs_unpacked` (its step over the unpacked compiled row's); and `openk3 train --preset k3-debug --device cuda
+      --batch-size 8 --seq-len 4096` run in this process, every other flag at its default (compiled, packing docs:
+      no CUDA graphs), its Trainer's steps timed after the warm-up, with `vs_best_k3` (its tokens/s over the best
+      k3 row's); one run. Reports step time, tokens/s, model FLOP utilisation and torch.cuda.max_memory_allocated
+      per row, and issue 44's targets (JSON `targets`: best k3 step / compiled dense <= 1.2, packed / unpacked
+      <= 1.05, CLI defaults / best k3 tokens/s >= 0.95); then the top 10 kernels of one profiled k3-debug AdamW
+      step with their share of its kernel time (eager, and compiled when the compiled row ran: JSON
+      `profile_compiled`), and k3-debug's MLA attention alone (which SDPA kernel torch picks with v as it is and
+      zero-padded to the q/k head dim, and the time of each). Estimated at 6-9 minutes on an H200. Writes
+      bench/train_gpu.json (--json PATH: there instead), keeping the file's "fsdp" entry (written by
+      bench/fsdp_scaling.py: 1 GPU against FSDP2 on 2).
       --profile: also print torch.profiler's full operator table.
+      --smoke: every row on the CPU at toy sizes (k3-tiny, batch 2, 64 tokens, one warm-up and one timed step;
+      the compiled rows through Dynamo alone, backend "eager"; no CUDA graph row): checks the code path in about a
+      minute on 2 cores; writes JSON only with --json.
   python bench/train.py optim [--steps 10 --warmup 3 --rounds 3 --batch-size 8 --seq-len 4096 --preset k3-debug]
       CUDA only. What per-head Muon costs over AdamW (the peer: fused, as in the gpu rows), as it runs (its
       elementwise passes in Triton) and with PyTorch's multi-tensor passes instead ("muon-pytorch", FSDP2's
@@ -29,8 +41,9 @@
       transformers' KimiLinearForCausalLM holding the same weights (written by openk3.interop in the hub layout,
       read by transformers' from_pretrained; its pure-PyTorch KDA path). Checks the logits agree first.
 
-Each prints Markdown tables (the results table last) and writes bench/train_<mode>.json (gpu rows: model,
-optimizer, variant, step_ms, mfu, peak_gib, tokens_per_s, warmup_s).
+Each prints Markdown tables (the results table last) and writes bench/train_<mode>.json (gpu rows: kind (k3,
+dense, packed, cli-default), model, optimizer, variant, step_ms, mfu, peak_gib, tokens_per_s, warmup_s,
+vs_dense_compiled; packed: vs_unpacked, documents_per_row, note; cli-default: vs_best_k3, command, note).
 
 Model FLOPs per token (for MFU), counted for forward + backward (x3 of forward):
   6 * (active matmul parameters: everything except the embedding table, with routed experts counted top_k /
@@ -51,6 +64,7 @@ import platform
 import tempfile
 import time
 import traceback
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -59,13 +73,18 @@ from torch import nn
 from torch.nn.attention import SDPBackend
 
 from openk3.accounting import count_parameters
+from openk3.cli import build_parser
 from openk3.config import ModelConfig, get_preset
 from openk3.model import K3ForCausalLM
 from openk3.model.compile import compile_blocks
 from openk3.ops.attention import causal_sdpa, fused_sdpa_choice, padded_v_for_flash
 from openk3.ops.loss import linear_cross_entropy
+from openk3.tokenizer import load_or_train
+from openk3.train.args import TrainArgs
+from openk3.train.command import train_args
+from openk3.train.data import BatchStream, PackedRows, load_documents, split_documents, train_and_heldout_documents
 from openk3.train.graphs import GraphedForwardBackward
-from openk3.train.loop import enable_activation_checkpointing, lm_losses
+from openk3.train.loop import Trainer, enable_activation_checkpointing, lm_losses
 from openk3.train.mfu import flops_per_token
 from openk3.train.optim import build_optimizer
 
@@ -131,32 +150,63 @@ def dense_flops_per_token(model: DenseLM, seq_len: int) -> float:
 
 # ---- GPU ----
 
-DEVICE = "cuda"  # tests point the GPU run at the CPU (with stand-ins for torch.cuda) to check its logic
+DEVICE = "cuda"  # "cpu" under --smoke (and in tests): the same rows at toy sizes, to check the code path
+
+
+class WallEvent:
+    """torch.cuda.Event's timing calls on the host clock (the rows on the CPU)."""
+
+    def record(self) -> None:
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, end: WallEvent) -> float:
+        return (end.t - self.t) * 1e3
+
+
+def synchronize() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name() if DEVICE == "cuda" else f"cpu ({platform.processor() or platform.machine()})"
+
+
+def reset_peak_memory() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_gib() -> float | None:
+    """torch.cuda.max_memory_allocated in GiB (None on the CPU, which keeps no such count)."""
+    return torch.cuda.max_memory_allocated() / 2**30 if DEVICE == "cuda" else None
+
 
 def time_steps(step, steps: int, warmup: int) -> tuple[float, float]:
     """(seconds per timed step, seconds of the warm-up steps, which include any compilation)."""
     start_warmup = time.perf_counter()
     for _ in range(warmup):
         step()
-    torch.cuda.synchronize()
+    synchronize()
     warmup_s = time.perf_counter() - start_warmup
-    start = torch.cuda.Event(enable_timing=True)
-    end = torch.cuda.Event(enable_timing=True)
+    start, end = (torch.cuda.Event(enable_timing=True) if DEVICE == "cuda" else WallEvent() for _ in range(2))
     start.record()
     for _ in range(steps):
         step()
     end.record()
-    torch.cuda.synchronize()
+    synchronize()
     return start.elapsed_time(end) / 1000 / steps, warmup_s
 
 
 def k3_forward_backward(model, cuda_graph: bool = False):
-    """The bf16-autocast forward (LM + MTP loss) and backward of the k3 model on a batch; with `cuda_graph`
-    replayed as one CUDA graph after two warm-up calls (the class behind `openk3 train --cuda-graphs`)."""
+    """The bf16-autocast forward (LM + MTP loss) and backward of the k3 model on a batch (token ids, or PackedRows:
+    packed documents); with `cuda_graph` replayed as one CUDA graph after two warm-up calls (the class behind
+    `openk3 train --cuda-graphs`)."""
 
-    def forward_backward(ids: torch.Tensor) -> tuple[torch.Tensor]:
+    def forward_backward(batch: torch.Tensor | PackedRows) -> tuple[torch.Tensor]:
+        ids, segments = batch if isinstance(batch, PackedRows) else (batch, None)
         with torch.autocast(DEVICE, dtype=torch.bfloat16, cache_enabled=not cuda_graph):
-            loss, _, _ = lm_losses(model, ids, mtp_weight=0.3)
+            loss, _, _ = lm_losses(model, ids, mtp_weight=0.3, segments=segments)
         loss.backward()
         return (loss.detach(),)
 
@@ -185,7 +235,7 @@ K3_VARIANTS = {  # variant -> (activation checkpointing, compile_blocks, CUDA gr
 
 
 def build_k3(cfg: ModelConfig, variant: str, optimizer: str, **compile_options):
-    """The k3 model and optimizer of a variant; `compile_options` go to `compile_blocks` (e.g. mode)."""
+    """The k3 model and optimizer of a variant; `compile_options` go to `compile_blocks` (e.g. mode, backend)."""
     torch.manual_seed(0)
     model = K3ForCausalLM(cfg).to(DEVICE)
     checkpointing, compiled, _ = K3_VARIANTS[variant]
@@ -196,22 +246,24 @@ def build_k3(cfg: ModelConfig, variant: str, optimizer: str, **compile_options):
     return model, build_optimizer(model, lr=1e-4, weight_decay=0.1, optimizer=optimizer)
 
 
-def result_row(model: str, optimizer: str, variant: str, seconds: float, warmup_s: float, flops_per_token: float,
-               args: argparse.Namespace) -> dict:
+def result_row(kind: str, model: str, optimizer: str, variant: str, seconds: float, warmup_s: float,
+               flops_per_token: float, args: argparse.Namespace) -> dict:
+    """A results row; kind: "k3" (the unpacked variants), "dense", "packed" or "cli-default"."""
     tokens = args.batch_size * args.seq_len
-    return {"model": model, "optimizer": optimizer, "variant": variant, "step_ms": seconds * 1e3,
+    return {"kind": kind, "model": model, "optimizer": optimizer, "variant": variant, "step_ms": seconds * 1e3,
             "tokens_per_s": tokens / seconds, "mfu": flops_per_token * tokens / seconds / (args.peak_tflops * 1e12),
-            "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "warmup_s": warmup_s}
+            "peak_gib": peak_gib(), "warmup_s": warmup_s}
 
 
-def k3_result(cfg: ModelConfig, variant: str, optimizer: str, args: argparse.Namespace, batch) -> dict:
-    model, opt = build_k3(cfg, variant, optimizer)
-    torch.cuda.reset_peak_memory_stats()
+def k3_result(cfg: ModelConfig, variant: str, optimizer: str, args: argparse.Namespace, batch,
+              kind: str = "k3") -> dict:
+    model, opt = build_k3(cfg, variant, optimizer, **compile_options(args))
+    reset_peak_memory()
     forward_backward = k3_forward_backward(model, cuda_graph=K3_VARIANTS[variant][2])
     graphed = forward_backward if isinstance(forward_backward, GraphedForwardBackward) else None
     warmup = max(args.warmup, graphed.warmup + 1) if graphed else args.warmup  # the timed steps replay
     seconds, warmup_s = time_steps(k3_train_step(model, opt, batch, forward_backward), args.steps, warmup)
-    row = result_row(cfg.name, optimizer, variant, seconds, warmup_s, flops_per_token(cfg, args.seq_len), args)
+    row = result_row(kind, cfg.name, optimizer, variant, seconds, warmup_s, flops_per_token(cfg, args.seq_len), args)
     if graphed is not None and graphed.failed:  # the step ran eagerly: say so beside its time
         row["graph_error"] = graphed.failed
     return row
@@ -229,10 +281,16 @@ def dense_loss(dense: DenseLM, ids: torch.Tensor, loss: str) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten())
 
 
-def dense_result(cfg: ModelConfig, args: argparse.Namespace, batch, loss: str) -> dict:
+DENSE_COMPILED = "compile, fused loss"  # the dense row every row's `vs_dense_compiled` divides by
+
+
+def dense_result(cfg: ModelConfig, args: argparse.Namespace, batch, loss: str, compiled: bool = False) -> dict:
+    """The dense model's row: eager, or with each block torch.compile'd (`compiled`, as compile_blocks does k3's)."""
     torch.manual_seed(0)
     dense, meta = dense_like(cfg)
     dense = dense.to(DEVICE)
+    for block in dense.blocks if compiled else []:
+        block.compile(**compile_options(args))
     opt = torch.optim.AdamW(dense.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
 
     def step():
@@ -240,19 +298,21 @@ def dense_result(cfg: ModelConfig, args: argparse.Namespace, batch, loss: str) -
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    torch.cuda.reset_peak_memory_stats()
+    reset_peak_memory()
     seconds, warmup_s = time_steps(step, args.steps, args.warmup)
-    return result_row(f"dense SDPA (ffn {meta['ffn']}, same active params)", "adamw", f"eager, {loss} loss",
-                      seconds, warmup_s, dense_flops_per_token(dense, args.seq_len), args)
+    return result_row("dense", f"dense SDPA (ffn {meta['ffn']}, same active params)", "adamw",
+                      f"{'compile' if compiled else 'eager'}, {loss} loss", seconds, warmup_s,
+                      dense_flops_per_token(dense, args.seq_len), args)
 
 
 def top_kernels(prof, rows: int = 10, device_type=None) -> list[dict]:
     """The `rows` kernels with the most device time in a torch.profiler run, each with its share of all the
-    device time the profile saw (`device_type`: the profiler's DeviceType of the kernels; CUDA by default).
+    device time the profile saw (`device_type`: the profiler's DeviceType of the kernels; by default DEVICE's).
     User annotations (record_function ranges such as `Optimizer.step`) span kernels and are left out."""
     from torch.autograd import DeviceType
 
-    device_type = DeviceType.CUDA if device_type is None else device_type
+    if device_type is None:
+        device_type = DeviceType.CUDA if DEVICE == "cuda" else DeviceType.CPU
     attr = "self_cpu_time_total" if device_type == DeviceType.CPU else "self_device_time_total"
     time_of = lambda e: getattr(e, attr)  # microseconds
     kernels = [e for e in prof.key_averages() if e.device_type == device_type and not e.is_user_annotation]
@@ -269,21 +329,21 @@ def profiler_activities() -> list:
     return [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
 
 
-def profile_k3_step(cfg: ModelConfig, batch, full_tables: bool, variant: str = "eager") -> dict:
+def profile_k3_step(cfg: ModelConfig, batch, args: argparse.Namespace, variant: str = "eager") -> dict:
     """One k3 AdamW step of `variant` under torch.profiler, after two warm-up steps: the top 10 kernels."""
     from torch.profiler import profile
 
-    model, opt = build_k3(cfg, variant, "adamw")
+    model, opt = build_k3(cfg, variant, "adamw", **compile_options(args))
     step = k3_train_step(model, opt, batch)
     for _ in range(2):
         step()
-    torch.cuda.synchronize()
+    synchronize()
     start = time.perf_counter()
     with profile(activities=profiler_activities()) as prof:
         step()
-        torch.cuda.synchronize()
+        synchronize()
     wall_ms = (time.perf_counter() - start) * 1e3
-    if full_tables:
+    if args.profile:
         print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=60))
     kernels = top_kernels(prof)
     device_ms = sum(k["ms"] for k in top_kernels(prof, rows=10**9))
@@ -312,7 +372,7 @@ def mla_attention_timing(cfg: ModelConfig, args: argparse.Namespace, reps: int =
     return out
 
 
-def print_results(env: dict, results: list[dict], profiles: dict, mla: dict) -> None:
+def print_results(env: dict, targets: dict, results: list[dict], profiles: dict, mla: dict) -> None:
     print(f"{env}\n\nMLA attention (B x H x T = {env['batch']} x {env['mla_heads']} x {env['seq_len']}, fwd+bwd): "
           f"v as is -> {mla['unpadded_backend']} {mla['unpadded_ms']:.2f} ms; v padded -> {mla['padded_backend']} "
           f"{mla['padded_ms']:.2f} ms; the model pads: {mla['auto_pads_v']}")
@@ -322,14 +382,21 @@ def print_results(env: dict, results: list[dict], profiles: dict, mla: dict) -> 
         print_kernels(f"Profile of one {env['preset']} AdamW step ({variant}): {profile['device_ms']:.1f} ms of "
                       f"kernel time (wall {profile['step_wall_ms_profiled']:.1f} ms under the profiler)",
                       profile["top_kernels"], digits=1)
-    print("\n| model | optimizer | variant | step (ms) | tokens/s | MFU | peak memory (GiB) | warm-up (s) |\n"
-          "|---|---|---|---|---|---|---|---|")
+    for r in results:
+        if r.get("note"):
+            print(f"\n{r['variant']}: {r['note']}")
+    print("\ntargets: " + "; ".join(f"{name} {value:.2f}" if value is not None else f"{name} -"
+                                    for name, value in targets.items()))
+    print("\n| model | optimizer | variant | step (ms) | tokens/s | MFU | peak memory (GiB) | warm-up (s) | "
+          "vs dense compiled |\n|---|---|---|---|---|---|---|---|---|")
     for r in results:
         if "error" in r:
-            print(f"| {r['model']} | {r['optimizer']} | {r['variant']} | failed: {r['error']} | | | | |")
+            print(f"| {r['model']} | {r['optimizer']} | {r['variant']} | failed: {r['error']} | | | | | |")
             continue
+        peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}"
+        ratio = "-" if r["vs_dense_compiled"] is None else f"{r['vs_dense_compiled']:.2f}x"
         print(f"| {r['model']} | {r['optimizer']} | {r['variant']} | {r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} "
-              f"| {r['mfu']:.1%} | {r['peak_gib']:.2f} | {r['warmup_s']:.1f} |")
+              f"| {r['mfu']:.1%} | {peak} | {r['warmup_s']:.1f} | {ratio} |")
 
 
 def error_summary(e: Exception) -> str:
@@ -343,7 +410,8 @@ def free_gpu() -> None:
     row's peak memory is its own."""
     torch._dynamo.reset()
     gc.collect()
-    torch.cuda.empty_cache()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
 
 
 def print_kernels(title: str, kernels: list[dict], digits: int) -> None:
@@ -353,8 +421,9 @@ def print_kernels(title: str, kernels: list[dict], digits: int) -> None:
 
 
 def cuda_mode(mode: str, args: argparse.Namespace):
-    """(the preset's config, a fresh random batch [B, T + 1] a call) for a CUDA-only mode; exits without CUDA."""
-    if not torch.cuda.is_available():
+    """(the preset's config, a fresh random batch [B, T + 1] a call) for a CUDA-only mode; exits without CUDA (unless
+    the run is pointed at the CPU: --smoke)."""
+    if DEVICE == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"bench/train.py {mode} needs a CUDA device")
     cfg = get_preset(args.preset)
 
@@ -364,39 +433,136 @@ def cuda_mode(mode: str, args: argparse.Namespace):
     return cfg, batch
 
 
+def compile_options(args: argparse.Namespace) -> dict:
+    """torch.compile's options for the compiled rows: Inductor's defaults; under --smoke Dynamo alone (backend
+    "eager": the rows' tracing and guards without Inductor's minutes of C++ builds on a CPU)."""
+    return {"backend": "eager"} if args.smoke else {}
+
+
+def attempt(make_row, may_fail: bool, **identity) -> dict:
+    """make_row()'s row, the device freed after it. When it raises and `may_fail` (a compiled row: compiling can
+    fail on some torch / triton pair), the row of `identity` with the error instead, so the other rows still run."""
+    try:
+        return make_row()
+    except Exception as e:
+        if not may_fail:
+            raise
+        traceback.print_exc()
+        return {**identity, "error": error_summary(e)}
+    finally:
+        free_gpu()
+
+
+def corpus_segments(cfg: ModelConfig, args: argparse.Namespace):
+    """(a call giving the next batch's segment ids [B, T + 1], the mean documents per row): packed windows of the
+    embedded corpus as `openk3 train` reads it (its tokenizer, trained and cached as the trainer does, the training
+    split, BatchStream's windows), so the document lengths are the real ones."""
+    docs = load_documents(None)
+    tokenizer = load_or_train([d.text for d in split_documents(docs)[0]], cfg.vocab_size)
+    (tokens, segments), _ = train_and_heldout_documents(docs, tokenizer)
+    stream = BatchStream(tokens, args.seq_len, args.batch_size, seed=0, segments=segments)
+    rows = segments[:stream.num_windows * args.seq_len].view(-1, args.seq_len)
+    docs_per_row = float(((rows[:, 1:] != rows[:, :-1]).sum(1) + 1).double().mean())
+    return (lambda: stream.next_packed()[1]), docs_per_row
+
+
+PACKED_NOTE = ("the best variant that takes packed batches, as `openk3 train --packing docs` runs: compiled (eager "
+               "when the compiled row did not run), without CUDA graphs: each batch has its own document layout (the "
+               "KDA kernels' varlen chunk tables are built on the host; a graph would replay its first batch's)")
+
+
+def k3_row(results: list[dict], variant: str) -> dict | None:
+    """The unpacked AdamW k3 row of `variant` when it ran."""
+    return next((r for r in results if r["kind"] == "k3" and r["optimizer"] == "adamw" and r["variant"] == variant
+                 and "error" not in r), None)
+
+
+def packed_result(cfg: ModelConfig, args: argparse.Namespace, batch, results: list[dict]) -> dict:
+    """k3 on packed documents (`openk3 train --packing docs`) in the variant PACKED_NOTE names, on the same random
+    tokens as the other rows with the segment ids of the corpus's windows (`corpus_segments`): the rows differ in
+    the packing only. `vs_unpacked`: its step time over that variant's unpacked row's."""
+    variant = "compile" if k3_row(results, "compile") else "eager"
+    unpacked = k3_row(results, variant)
+    segments, docs_per_row = corpus_segments(cfg, args)
+    packed = lambda: PackedRows(batch(), segments())
+    row = attempt(partial(k3_result, cfg, variant, "adamw", args, packed, "packed"), K3_VARIANTS[variant][1],
+                  kind="packed", model=cfg.name, optimizer="adamw")
+    row.update(variant=f"{variant}, packed", note=PACKED_NOTE, documents_per_row=docs_per_row)
+    if "error" not in row:
+        row["vs_unpacked"] = row["step_ms"] / unpacked["step_ms"]
+    return row
+
+
+def cli_default_result(args: argparse.Namespace, results: list[dict]) -> dict:
+    """`openk3 train --preset P --device D --batch-size B --seq-len T` in this process: its TrainArgs built by the
+    command's own parser (every other flag at its default, --out a temporary directory), the Trainer's
+    `train_step` timed after the warm-up steps. `vs_best_k3`: its tokens/s over the best k3 row's."""
+    argv = ["train", "--preset", args.preset, "--device", DEVICE, "--batch-size", str(args.batch_size),
+            "--seq-len", str(args.seq_len)]
+    with tempfile.TemporaryDirectory() as out:
+        trainer = Trainer(train_args(build_parser().parse_args(argv + ["--out", out])))
+        reset_peak_memory()
+        seconds, warmup_s = time_steps(trainer.train_step, args.steps, args.warmup)
+    t = trainer.args
+    fast = ["compile" if t.compile else "eager"] + ["CUDA graph"] * t.cuda_graphs + [f"packing {trainer.packing}"]
+    row = result_row("cli-default", trainer.cfg.name, t.optimizer, f"openk3 train defaults ({', '.join(fast)})",
+                     seconds, warmup_s, flops_per_token(trainer.cfg, args.seq_len), args)
+    best = max(r["tokens_per_s"] for r in results if r["kind"] in ("k3", "packed") and "error" not in r)
+    row.update(command="openk3 " + " ".join(argv), note=trainer.fast_path_note, vs_best_k3=row["tokens_per_s"] / best)
+    return row
+
+
+def add_vs_dense_compiled(results: list[dict]) -> None:
+    """Every row's step time over the compiled dense row's (`vs_dense_compiled`; None without that row)."""
+    base = next((r for r in results if r["kind"] == "dense" and r["variant"] == DENSE_COMPILED and "error" not in r),
+                None)
+    for r in results:
+        if "error" not in r:
+            r["vs_dense_compiled"] = r["step_ms"] / base["step_ms"] if base else None
+
+
+def target_ratios(results: list[dict]) -> dict:
+    """Issue 44's three ratios: the best k3 step over the compiled dense step (target <= 1.2), the packed step over
+    the unpacked one (<= 1.05), the CLI defaults' tokens/s over the best k3 row's (>= 0.95); None where a row is
+    missing."""
+    ok = [r for r in results if "error" not in r]
+    first = lambda kind, key: next((r[key] for r in ok if r["kind"] == kind), None)
+    k3 = [r["vs_dense_compiled"] for r in ok if r["kind"] == "k3" and r["vs_dense_compiled"] is not None]
+    return {"best_k3_vs_dense_compiled": min(k3, default=None), "packed_vs_unpacked": first("packed", "vs_unpacked"),
+            "cli_default_vs_best_k3": first("cli-default", "vs_best_k3")}
+
+
 def gpu(args: argparse.Namespace) -> list[dict]:
     cfg, batch = cuda_mode("gpu", args)
-    results = []
     rows = [("eager", "adamw"), ("act. ckpt", "adamw"), ("eager", "muon")]
-    rows += [] if args.no_compile else [("compile", "adamw"), ("compile + CUDA graph", "adamw")]
-    for variant, optimizer in rows:
-        try:
-            results.append(k3_result(cfg, variant, optimizer, args, batch))
-        except Exception as e:  # compiling can fail on some torch / triton pair: keep the other rows
-            if not K3_VARIANTS[variant][1]:
-                raise
-            results.append({"model": cfg.name, "optimizer": optimizer, "variant": variant,
-                            "error": error_summary(e)})
-            traceback.print_exc()
-        free_gpu()
-    for loss in ("fused", "plain"):  # fused: the loss k3's rows use, so the pair differs in the model only
-        results.append(dense_result(cfg, args, batch, loss))
-        free_gpu()
-    profile = profile_k3_step(cfg, batch, args.profile)
+    rows += [] if args.no_compile else [("compile", "adamw")] + [("compile + CUDA graph", "adamw")] * (DEVICE == "cuda")
+    results = [attempt(partial(k3_result, cfg, variant, optimizer, args, batch), K3_VARIANTS[variant][1], kind="k3",
+                       model=cfg.name, optimizer=optimizer, variant=variant) for variant, optimizer in rows]
+    # fused: the loss k3's rows use, so the eager pair differs in the model only
+    dense = [("fused", False), ("plain", False)] + ([] if args.no_compile else [("fused", True)])
+    results += [attempt(partial(dense_result, cfg, args, batch, loss, compiled), compiled, kind="dense",
+                        model="dense SDPA", optimizer="adamw", variant=DENSE_COMPILED) for loss, compiled in dense]
+    results.append(packed_result(cfg, args, batch, results))
+    results.append(attempt(partial(cli_default_result, args, results), DEVICE == "cuda", kind="cli-default",
+                           model=cfg.name, optimizer=TrainArgs().optimizer, variant="openk3 train defaults"))
+    add_vs_dense_compiled(results)
+    profile = profile_k3_step(cfg, batch, args)
     free_gpu()
-    compiled_ran = any(r["variant"] == "compile" and "error" not in r for r in results)
-    profile_compiled = profile_k3_step(cfg, batch, args.profile, "compile") if compiled_ran else None
+    profile_compiled = profile_k3_step(cfg, batch, args, "compile") if k3_row(results, "compile") else None
     free_gpu()
     mla = mla_attention_timing(cfg, args)
-    env = {"gpu": torch.cuda.get_device_name(), "preset": args.preset, "torch": torch.__version__,
+    env = {"gpu": device_name(), "preset": args.preset, "torch": torch.__version__,
            "cudnn": torch.backends.cudnn.version(), "triton": _version("triton"), "batch": args.batch_size,
            "seq_len": args.seq_len, "mla_heads": cfg.mla.num_heads, "steps": args.steps, "warmup": args.warmup,
            "peak_tflops": args.peak_tflops}
-    path = HERE / "train_gpu.json"
-    kept = {k: v for k, v in json.loads(path.read_text()).items() if k == "fsdp"} if path.exists() else {}
-    path.write_text(json.dumps({"env": env, "results": results, "profile": profile,
-                                "profile_compiled": profile_compiled, "mla_attention": mla, **kept}, indent=1))
-    print_results(env, results, {"eager": profile, "compile_blocks": profile_compiled}, mla)
+    targets = target_ratios(results)
+    path = args.json or (None if args.smoke else HERE / "train_gpu.json")
+    if path is not None:
+        path = Path(path)
+        kept = {k: v for k, v in json.loads(path.read_text()).items() if k == "fsdp"} if path.exists() else {}
+        path.write_text(json.dumps({"env": env, "targets": targets, "results": results, "profile": profile,
+                                    "profile_compiled": profile_compiled, "mla_attention": mla, **kept}, indent=1))
+    print_results(env, targets, results, {"eager": profile, "compile_blocks": profile_compiled}, mla)
     return results
 
 
@@ -424,7 +590,7 @@ def optim(args: argparse.Namespace) -> list[dict]:
     for r in rows:
         r["over_adamw_ms"] = r["step_ms"] - rows[0]["step_ms"]
         r["train_over_adamw"] = r["train_step_ms"] / rows[0]["train_step_ms"] - 1
-    env = {"gpu": torch.cuda.get_device_name(), "preset": args.preset, "torch": torch.__version__,
+    env = {"gpu": device_name(), "preset": args.preset, "torch": torch.__version__,
            "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds, "batch": args.batch_size,
            "seq_len": args.seq_len, "parameters": parameters}
     (HERE / "train_optim.json").write_text(json.dumps({"env": env, "results": rows, "profile_muon": profile["muon"],
@@ -445,7 +611,7 @@ def profile_optimizer_step(opt: torch.optim.Optimizer) -> dict:
 
     with profile(activities=profiler_activities()) as prof:
         opt.step()
-        torch.cuda.synchronize()
+        synchronize()
     return {"device_ms": sum(k["ms"] for k in top_kernels(prof, rows=10**9)), "top_kernels": top_kernels(prof)}
 
 
@@ -532,6 +698,9 @@ def step_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+SMOKE = {"preset": "k3-tiny", "batch_size": 2, "seq_len": 64, "steps": 1, "warmup": 1}  # gpu --smoke's sizes
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="training-step benchmarks (see the module docstring)")
     sub = parser.add_subparsers(dest="mode", required=True)
@@ -540,6 +709,10 @@ def main() -> None:
     g.add_argument("--profile", action="store_true", help="also print torch.profiler's full operator table")
     g.add_argument("--no-compile", action="store_true", help="leave out the compiled rows (their warm-up compiles)")
     g.add_argument("--preset", default="k3-debug", help="the k3 model (the dense baseline is sized to match it)")
+    g.add_argument("--smoke", action="store_true", help="every row on the CPU at toy sizes (" + ", ".join(
+        f"{k}={v}" for k, v in SMOKE.items()) + "; compiled rows through Dynamo alone, no CUDA graph): the code path")
+    g.add_argument("--json", default=None, metavar="PATH",
+                   help="where the results go (default: bench/train_gpu.json; under --smoke: nowhere)")
     o = step_arguments(sub.add_parser("optim"))
     o.add_argument("--rounds", type=int, default=3, help="training-step timings per optimizer, alternated")
     o.add_argument("--preset", default="k3-debug")
@@ -549,6 +722,10 @@ def main() -> None:
     c.add_argument("--seq-len", type=int, default=256)
     c.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
+    if getattr(args, "smoke", False):
+        global DEVICE
+        DEVICE = "cpu"
+        vars(args).update(SMOKE)
     {"gpu": gpu, "optim": optim, "cpu": cpu}[args.mode](args)
 
 

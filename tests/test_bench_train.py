@@ -2,10 +2,10 @@
 
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -54,29 +54,13 @@ def test_top_kernels_shares():
     assert all(0 < r["share"] <= 1 and r["calls"] >= 1 for r in rows)
 
 
-class FakeEvent:
-    def __init__(self, enable_timing=False):
-        self.t = None
-
-    def record(self):
-        self.t = time.perf_counter()
-
-    def elapsed_time(self, end):
-        return (end.t - self.t) * 1e3
-
-
 def bench_on_cpu(monkeypatch, tmp_path):
-    """bench/train.py pointed at the CPU with a toy k3-tiny, torch.cuda's timing and memory calls replaced by
-    stand-ins, its JSON written under tmp_path."""
+    """bench/train.py pointed at the CPU with a toy k3-tiny, its JSON written under tmp_path."""
     bench = load_bench()
     toy = get_preset("k3-tiny").with_overrides(TOY)
     monkeypatch.setattr(bench, "get_preset", lambda name: toy)
     monkeypatch.setattr(bench, "DEVICE", "cpu")
     monkeypatch.setattr(bench, "HERE", tmp_path)
-    for name, value in {"is_available": lambda: True, "synchronize": lambda: None, "Event": FakeEvent,
-                        "reset_peak_memory_stats": lambda: None, "max_memory_allocated": lambda: 2**30,
-                        "empty_cache": lambda: None, "get_device_name": lambda: "cpu stand-in"}.items():
-        monkeypatch.setattr(torch.cuda, name, value)
     return bench
 
 
@@ -99,25 +83,45 @@ def test_optim_mode_logic_on_cpu(monkeypatch, tmp_path, capsys):
     assert last[-5].startswith("| optimizer | step alone (ms)") and last[-1].startswith("| muon-pytorch |")
 
 
-def test_gpu_run_logic_on_cpu(monkeypatch, tmp_path, capsys):
-    """The whole `gpu` mode on the CPU with a toy k3-tiny (torch.cuda's timing and memory calls replaced by
-    stand-ins, the compiled row left out: Inductor takes minutes here): every row and field the JSON promises, the
-    profile and MLA sections, and the results table printed last."""
-    bench = bench_on_cpu(monkeypatch, tmp_path)
-    monkeypatch.setattr(sys, "argv", ["train.py", "gpu", "--preset", "k3-tiny", "--steps", "1", "--warmup", "1",
-                                      "--batch-size", "1", "--seq-len", "32", "--no-compile"])
-    bench.main()
-    data = json.loads((tmp_path / "train_gpu.json").read_text())
-    rows = {(r["model"].split(" ")[0], r["optimizer"], r["variant"]) for r in data["results"]}
-    assert rows == {("k3-tiny", "adamw", "eager"), ("k3-tiny", "adamw", "act. ckpt"), ("k3-tiny", "muon", "eager"),
-                    ("dense", "adamw", "eager, fused loss"), ("dense", "adamw", "eager, plain loss")}
+def test_gpu_smoke_runs_every_row(tmp_path):
+    """`gpu --smoke --json PATH`: the whole gpu mode on the CPU at toy sizes, every row kind (the k3 variants but the
+    CUDA graph, the dense model eager and compiled, k3 on packed documents, `openk3 train`'s defaults) with a finite
+    positive step time and its ratios, the profile and MLA sections, the targets line and the results table last,
+    and nothing written to the committed bench/train_gpu.json."""
+    committed = BENCH.parent / "train_gpu.json"
+    before = committed.read_bytes() if committed.exists() else None
+    out = tmp_path / "smoke.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # as CI's command runs: torch paths
+    run = subprocess.run([sys.executable, str(BENCH), "gpu", "--smoke", "--json", str(out)], capture_output=True,
+                         text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    data = json.loads(out.read_text())
+    rows = {(r["kind"], r["optimizer"], r["variant"]) for r in data["results"]}
+    assert rows == {("k3", "adamw", "eager"), ("k3", "adamw", "act. ckpt"), ("k3", "muon", "eager"),
+                    ("k3", "adamw", "compile"), ("dense", "adamw", "eager, fused loss"),
+                    ("dense", "adamw", "eager, plain loss"), ("dense", "adamw", "compile, fused loss"),
+                    ("packed", "adamw", "compile, packed"),
+                    ("cli-default", "muon", "openk3 train defaults (eager, packing docs)")}
     for r in data["results"]:
-        assert {"model", "optimizer", "variant", "step_ms", "mfu", "peak_gib"} <= r.keys()
-        assert r["step_ms"] > 0 and r["mfu"] > 0 and r["peak_gib"] == 1.0
+        assert math.isfinite(r["step_ms"]) and r["step_ms"] > 0 and r["tokens_per_s"] > 0 and r["mfu"] > 0
+        assert r["vs_dense_compiled"] == pytest.approx(r["step_ms"] / rows_of(data, "dense")[-1]["step_ms"])
+    packed, cli = rows_of(data, "packed")[0], rows_of(data, "cli-default")[0]
+    compiled = next(r for r in rows_of(data, "k3") if r["variant"] == "compile")
+    assert packed["vs_unpacked"] == pytest.approx(packed["step_ms"] / compiled["step_ms"])
+    assert packed["documents_per_row"] >= 1
+    best = max(r["tokens_per_s"] for r in data["results"] if r["kind"] in ("k3", "packed"))
+    assert cli["vs_best_k3"] == pytest.approx(cli["tokens_per_s"] / best)
+    assert cli["command"] == "openk3 train --preset k3-tiny --device cpu --batch-size 2 --seq-len 64"
+    assert all(isinstance(v, float) for v in data["targets"].values())
     assert {"unpadded_backend", "padded_backend", "unpadded_ms", "padded_ms"} <= data["mla_attention"].keys()
-    assert "top_kernels" in data["profile"]
-    last = capsys.readouterr().out.strip().splitlines()
-    assert last[-1].startswith("| dense SDPA") and last[-7].startswith("| model | optimizer | variant")
+    assert data["profile"]["top_kernels"] and data["profile_compiled"]["top_kernels"]
+    last = run.stdout.strip().splitlines()
+    assert last[-1].startswith("| k3-tiny | muon | openk3 train defaults") and last[-11].startswith("| model |")
+    assert (committed.read_bytes() if committed.exists() else None) == before
+
+
+def rows_of(data: dict, kind: str) -> list[dict]:
+    return [r for r in data["results"] if r["kind"] == kind]
 
 
 def test_train_parts_counts_what_a_forward_runs(monkeypatch):

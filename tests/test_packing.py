@@ -4,7 +4,8 @@ The model-level test holds the packed loss (next-token + MTP) and every paramete
 documents, and the pieces of documents cut at a row's end, each run alone through the unpacked model (fp32, CPU,
 odd lengths, one document cut across two rows). The component tests hold each piece that sees more than one token
 to its per-document form: the KDA layer (state reset; the PyTorch backends and the Triton kernels), the short conv
-(window reset), MLA (document mask), and the loss's label masks.
+(window reset), MLA (document mask; flex_attention's document BlockMask, the CUDA path, against it), and the loss's
+label masks.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from openk3.model import K3ForCausalLM
 from openk3.model.documents import Documents, same_document
 from openk3.model.kda import KimiDeltaAttention
 from openk3.model.mla import GatedMLA
+from openk3.ops import attention
 from openk3.ops.attention import document_mask, mla_attention_expanded
 from openk3.ops.conv import causal_conv1d, causal_conv1d_reference
 from openk3.train.loop import lm_losses
@@ -215,3 +217,60 @@ def test_document_mask_attention_equals_a_plain_masked_softmax():
     assert torch.equal(document_mask(doc_ids)[:, 0], allowed)
     want = torch.einsum("bhij,bjhv->bihv", scores.masked_fill(~allowed[:, None], float("-inf")).softmax(-1), val)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+def random_doc_ids(B: int, T: int, docs: int, g: torch.Generator) -> torch.Tensor:
+    """[B,T] document ids, each row `docs` documents of random lengths (at least one token each)."""
+    return torch.stack([torch.bucketize(torch.arange(T), torch.randperm(T - 1, generator=g)[:docs - 1] + 1,
+                                        right=True) for _ in range(B)])
+
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("T", [37, 300])
+def test_flex_document_attention_matches_the_dense_mask(device, T, monkeypatch):
+    """flex_attention with the document BlockMask (the CUDA path of packed batches; compiled there) == SDPA with
+    the dense `document_mask`, forward and gradients: odd lengths, three documents a row laid out differently in
+    each row, v's head dim below q's and k's (as MLA's), a scale that is not the default. torch runs flex_attention
+    on the CPU uncompiled and refuses its backward there: the test lifts that check (the uncompiled backward is
+    the same math on any device) and runs flex eagerly."""
+    if device == "cpu":
+        import torch.nn.attention.flex_attention as flex
+
+        monkeypatch.setattr(flex, "_validate_device", lambda *tensors: None)
+        monkeypatch.setattr(attention, "compiled_flex_attention", lambda: flex.flex_attention)
+    assert attention.uses_flex_attention(torch.device(device)) == (device == "cuda")
+    g = torch.Generator().manual_seed(T)
+    B, H, dk, dv = 2, 3, 24, 16
+    dtype = torch.float64 if device == "cpu" else torch.float32
+    q, k, v, dy = (torch.randn(B, H, T, d, generator=g, dtype=dtype).to(device) for d in (dk, dk, dv, dv))
+    doc_ids = random_doc_ids(B, T, 3, g).to(device)
+    inputs = [t.requires_grad_() for t in (q, k, v)]
+    got = attention.flex_document_attention(q, k, v, doc_ids, scale=0.3)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(doc_ids), scale=0.3)
+    tol = dict(rtol=1e-10, atol=1e-10) if device == "cpu" else dict(rtol=2e-4, atol=2e-4)
+    torch.testing.assert_close(got, want, **tol)
+    for a, b in zip(torch.autograd.grad(got, inputs, dy), torch.autograd.grad(want, inputs, dy)):
+        torch.testing.assert_close(a, b, **tol)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the flex path of a training step runs on CUDA")
+def test_packed_mla_under_bf16_autocast_on_cuda():
+    """mla_attention_expanded with doc_ids as a bf16 training step runs it on CUDA (flex_attention, its inputs
+    cast to bf16) against the fp32 dense-mask reference on the CPU: within bf16 rounding (of every operand, the K/V
+    expansion's product too), forward and gradients."""
+    g = torch.Generator().manual_seed(11)
+    B, T, H, n, r, v, R = 2, 300, 4, 32, 16, 32, 64
+    q, kv = torch.randn(B, T, H, n + r, generator=g), torch.randn(B, T, R + r, generator=g)
+    kv_b, dy = torch.randn(H * (n + v), R, generator=g) / R**0.5, torch.randn(B, T, H, v, generator=g)
+    doc_ids = random_doc_ids(B, T, 3, g)
+    results = []
+    for device in ("cpu", "cuda"):
+        inputs = [t.to(device).requires_grad_() for t in (q, kv, kv_b)]
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+            out = mla_attention_expanded(*inputs, nope_dim=n, v_dim=v, doc_ids=doc_ids.to(device))
+        results.append([t.float().cpu() for t in (out, *torch.autograd.grad(out, inputs, dy.to(device)))])
+    for got, want in zip(results[1], results[0]):
+        assert ((got - want).norm() / want.norm()).item() < 1e-2

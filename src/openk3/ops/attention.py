@@ -16,16 +16,23 @@ NoPE: the r-wide slice is used as is, never rotated. Scores are scaled by `scale
 `mla_attention_absorbed` folds W_UK into the query and W_UV into the output and attends on the latent directly:
     score = (q_nope W_UK) . c + q_slice . k_slice,     out = (p . c) W_UV^T
 They are the same function of the inputs (tested).
+
+Packed batches (doc_ids: each query attends the keys of its own document, causally) take `document_attention`:
+on a GPU flex_attention with a document-causal BlockMask (compiled: a fused kernel that skips the key blocks of
+other documents), elsewhere SDPA with the dense [B,1,T,T] `document_mask` (the reference; tested against each
+other).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from openk3.ops.norms import acc_dtype
 
@@ -51,6 +58,50 @@ def document_mask(doc_ids: torch.Tensor) -> torch.Tensor:
     T = doc_ids.shape[1]
     causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
     return ((doc_ids.unsqueeze(2) == doc_ids.unsqueeze(1)) & causal).unsqueeze(1)
+
+
+def document_block_mask(doc_ids: torch.Tensor) -> BlockMask:
+    """flex_attention's BlockMask for a packed batch: `document_mask` as a mask_mod, per batch row (all heads)."""
+    B, T = doc_ids.shape
+
+    def document_causal(b, h, i, j):
+        return (doc_ids[b, i] == doc_ids[b, j]) & (j <= i)
+
+    return create_block_mask(document_causal, B, None, T, T, device=doc_ids.device)
+
+
+@functools.cache
+def compiled_flex_attention():
+    """flex_attention compiled once (uncompiled it materialises the T x T scores)."""
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def flex_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor,
+                            scale: float) -> torch.Tensor:
+    """`document_attention` through flex_attention with `document_block_mask`. Inside a compiled region the
+    surrounding graph compiles flex_attention; outside it the cached `compiled_flex_attention` runs. flex takes
+    v's head dim as it is (MLA's dv < dk: no padding) and one dtype for q, k and v: under autocast they are cast
+    to its dtype, as SDPA's autocast rule does."""
+    device = q.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else q.dtype
+    attend = flex_attention if torch.compiler.is_compiling() else compiled_flex_attention()
+    return attend(q.to(dtype), k.to(dtype), v.to(dtype), block_mask=document_block_mask(doc_ids), scale=scale)
+
+
+def uses_flex_attention(device: torch.device) -> bool:
+    """Whether packed batches attend through flex_attention on `device` (CUDA), not the dense-mask SDPA."""
+    return device.type == "cuda"
+
+
+def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor, scale: float,
+                       backends: list[SDPBackend] | None = None) -> torch.Tensor:
+    """Document-causal attention of a packed batch: q [B,H,T,dk], k [B,H,T,dk], v [B,H,T,dv], doc_ids [B,T] ->
+    [B,H,T,dv]. Query i attends key j <= i of its own document; flex_attention on CUDA, else SDPA with the dense
+    `document_mask` (`backends` as in `causal_sdpa`; flex takes none)."""
+    if uses_flex_attention(q.device):
+        return flex_document_attention(q, k, v, doc_ids, scale)
+    with sdpa_kernel(backends) if backends else contextlib.nullcontext():
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(doc_ids), scale=scale)
 
 
 def _split_kv_b(kv_b: torch.Tensor, num_heads: int, nope_dim: int, v_dim: int):
@@ -124,7 +175,7 @@ def mla_attention_expanded(
 ) -> torch.Tensor:
     """Expanded-K/V MLA through torch SDPA (the prefill / training path; `backends` as in `causal_sdpa`). Returns
     [B,T,H,v]. doc_ids [B,T] (a packed batch, no past: L == T): each query attends its own document only
-    (`document_mask`, SDPA's masked kernels)."""
+    (`document_attention`: flex_attention on CUDA, the dense-mask SDPA elsewhere)."""
     B, T, H, _ = q.shape
     L = kv_cache.shape[1]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -134,8 +185,7 @@ def mla_attention_expanded(
         if lengths is not None or L != T or tuple(doc_ids.shape) != (B, T):
             raise ValueError(f"doc_ids [B,T] = {(B, T)} take no past (L == T, no lengths), got doc_ids "
                              f"{tuple(doc_ids.shape)}, L={L}")
-        with sdpa_kernel(backends) if backends else contextlib.nullcontext():
-            o = F.scaled_dot_product_attention(qh, k, v, attn_mask=document_mask(doc_ids), scale=scale)
+        o = document_attention(qh, k, v, doc_ids, scale, backends)
     elif lengths is None:
         if L < T:
             raise ValueError(f"the cache must hold the T={T} new tokens, got L={L}")
