@@ -443,7 +443,9 @@ def attempt(make_row, may_fail: bool, **identity) -> dict:
     """make_row()'s row, the device freed after it. When it raises and `may_fail` (a compiled row: compiling can
     fail on some torch / triton pair), the row of `identity` with the error instead, so the other rows still run."""
     try:
-        return make_row()
+        row = make_row()
+        print(f"row done: {json.dumps(row)}", flush=True)  # (a run cut off by a time limit keeps what it measured)
+        return row
     except Exception as e:
         if not may_fail:
             raise
