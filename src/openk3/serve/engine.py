@@ -238,7 +238,7 @@ class Engine:
             sched = replace(sched, prefill_tokens_per_step=default_batched_tokens(gpu))
         self.idle_prefill = max(sched.prefill_tokens_per_step, self.chunk_blocks * h if gpu else 0)
         # a right-padded prefill forward of this many tokens costs about its launches on a GPU (bench/RESULTS.md,
-        # 2026-12-04: 1 x 4096 tokens 41 ms, 4 x 4096 47 ms for k3-debug on an H200): rather pad than launch twice
+        # 2026-12-05: 1 x 4096 tokens 50 ms, 4 x 4096 54 ms for k3-debug on an H200): rather pad than launch twice
         self.ragged_free = 2 * self.idle_prefill if gpu else sched.prefill_tokens_per_step
 
         n_mla = len(mc.mla_layers) + (self.draft is not None)  # the draft's latents: one more layer of pages
