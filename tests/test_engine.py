@@ -13,7 +13,7 @@ import torch
 from openk3.config import get_preset
 from openk3.model import K3ForCausalLM
 from openk3.sampling import TEMPERATURE_FLOOR, SamplingParams, sample_token
-from openk3.serve.engine import Engine, EngineConfig
+from openk3.serve.engine import Engine, EngineConfig, ragged_groups
 from openk3.serve.scheduler import QueueFull, SchedulerConfig
 from openk3.tokenizer import ByteTokenizer
 from random_weights import randomise
@@ -532,3 +532,24 @@ def test_choices_after_a_leader_reuse_its_prefill(model, prefix_cache):
     drain(engine)
     assert all(r.output == leader.output for r in followers) and leader.cached_tokens == 0
     assert [r.cached_tokens for r in followers] == [H * ((len(prompt) - 1) // H) if prefix_cache else 0] * 2
+
+
+@pytest.mark.parametrize("free", [0, 64, 4096])
+def test_ragged_groups_pad_no_more_than_the_real_tokens_nor_free_unless_the_forward_fits_free(free):
+    """Random chunk lengths: every chunk lands in exactly one forward, longest first, and each forward of more than
+    one row keeps its padding within its real tokens and within `free`, or its padded size within `free`."""
+    rng = random.Random(free)
+
+    class Chunk:
+        fed = 0
+
+    for _ in range(50):
+        chunks = [(Chunk(), rng.choice([rng.randint(1, 300), rng.randint(1, 9000)])) for _ in range(rng.randint(1, 9))]
+        groups = ragged_groups(chunks, free=free)
+        assert sorted(id(c) for g in groups for c in g) == sorted(id(c) for c in chunks)
+        for group in groups:
+            lengths = [end for _, end in group]
+            assert lengths == sorted(lengths, reverse=True)
+            padded, real = lengths[0] * len(lengths), sum(lengths)
+            if len(group) > 1:
+                assert padded <= free or (padded - real <= real and padded - real <= free)

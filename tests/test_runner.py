@@ -32,13 +32,16 @@ def one_thread():
 
 
 def make_runner(model, kernels, page_size=5, slots=4, pages=40, compile_backend=None, prefill_compile_backend=None,
-                short_prefill=0):
+                short_prefill=0, cuda_graphs=False, piecewise_tokens=0):
     cfg = model.config
-    pool = PagePool(len(cfg.mla_layers), pages, page_size, cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim)
-    tables = BlockTables(slots, -(-cfg.max_seq_len // page_size))
-    states = StatePool(cfg, slots)
+    p = model.model.embed_tokens.weight
+    pool = PagePool(len(cfg.mla_layers), pages, page_size, cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim,
+                    dtype=p.dtype, device=p.device)
+    tables = BlockTables(slots, -(-cfg.max_seq_len // page_size), device=p.device)
+    states = StatePool(cfg, slots, dtype=p.dtype, device=p.device)
     return ModelRunner(model, pool, tables, states, max_batch=slots, kernels=kernels, compile_backend=compile_backend,
-                       prefill_compile_backend=prefill_compile_backend, short_prefill=short_prefill)
+                       prefill_compile_backend=prefill_compile_backend, short_prefill=short_prefill,
+                       cuda_graphs=cuda_graphs, piecewise_tokens=piecewise_tokens)
 
 
 def give_pages(runner, slot, tokens, rng):

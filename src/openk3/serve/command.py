@@ -93,6 +93,10 @@ def build_engine(args: argparse.Namespace):
         others = f" (and the {', '.join(n for n in steps if n != 'decode')} steps)" if len(steps) > 1 else ""
         print(f"openk3 serve: CUDA graphs for decode batches {steps.get('decode')}{others} captured in "
               f"{runner.capture_seconds:.2f} s", file=sys.stderr, flush=True)
+        if runner.piecewise is not None:
+            print(f"openk3 serve: prefill forwards of up to {runner.piecewise.buckets[-1]} tokens replay their "
+                  f"per-token work from CUDA graphs ({len(runner.piecewise.buckets)} token buckets)",
+                  file=sys.stderr, flush=True)
     elif runner.graph_error:
         print(f"openk3 serve: decoding eagerly, CUDA graphs off ({runner.graph_error})", file=sys.stderr, flush=True)
     if drafts:

@@ -84,6 +84,7 @@ SLOW_STEP_S = 0.25  # an engine step longer than this is logged (INFO) with what
 # A prefill forward costs ~25-30 ms of host time on an H200 whatever its length (k3-debug: ~1,500 eager ops), so a
 # long prompt goes in few, long forwards: 12k tokens took 141-151 ms in three of 4096 (bench/RESULTS.md, 2026-12-01).
 GPU_PREFILL_CHUNK_TOKENS = 16384  # tokens per prefill forward on a GPU, rounded to hash blocks
+GPU_PAD_TOKENS = 4096  # padding a right-padded prefill forward may take on a GPU (Engine.ragged_free)
 # GPU default of EngineConfig.short_prefill_tokens: ordinary prompts (hundreds of tokens) prefill as graph replays,
 # not eager forwards of ~36 ms of launches (at 1 client TTFT p50 71 -> 25 ms on an H200, bench/RESULTS.md 2026-12-04)
 SHORT_PREFILL_TOKENS = 256
@@ -114,6 +115,9 @@ class EngineConfig:
     kv_pages: int | None = None  # physical pages in the pool (None: from memory on a GPU, openk3.serve.capacity)
     kernels: str = "auto"  # decode kernels: "triton" (the GPU path), "torch" (the reference), auto: by device
     cuda_graphs: bool = True  # capture decode as CUDA graphs at start-up (CUDA only)
+    # with cuda_graphs: capture the prefill forward's per-token work too, per token bucket, the token mixers running
+    # eagerly between the graphs (openk3.serve.piecewise)
+    prefill_graphs: bool = True
     compile_decode: bool = True  # torch.compile (Inductor) the decode step (CUDA only)
     # torch.compile (Inductor, dynamic shapes) the FFN, norm and AttnRes units that prefill runs (CUDA only;
     # `model.compile.compile_blocks` without the token mixers). Off: prefills of new shapes recompile
@@ -171,8 +175,8 @@ class PoolExhausted(RuntimeError):
 
 def ragged_groups(chunks: list[tuple], free: int = 0) -> list[list[tuple]]:
     """Chunks (request, end, ...) of different lengths as forwards of right-padded rows: longest first, each forward
-    growing while its padded size stays within twice its real tokens or `free` tokens (the step's prefill budget:
-    a forward that small is bound by its launches, not its arithmetic, on a GPU)."""
+    growing while its padding stays within its real tokens and within `free` tokens, or its padded size within
+    `free` tokens (a forward that small is bound by its launches, not its arithmetic)."""
     ordered = sorted(chunks, key=lambda c: c[1] - c[0].fed, reverse=True)
     groups: list[list[tuple]] = []
     for chunk in ordered:
@@ -181,7 +185,7 @@ def ragged_groups(chunks: list[tuple], free: int = 0) -> list[list[tuple]]:
             group = groups[-1]
             longest = group[0][1] - group[0][0].fed
             real = sum(c[1] - c[0].fed for c in group) + n
-            if longest * (len(group) + 1) <= max(2 * real, free):
+            if longest * (len(group) + 1) <= max(min(2 * real, real + free), free):
                 group.append(chunk)
                 continue
         groups.append([chunk])
@@ -237,9 +241,11 @@ class Engine:
         if sched.prefill_tokens_per_step is None:
             sched = replace(sched, prefill_tokens_per_step=default_batched_tokens(gpu))
         self.idle_prefill = max(sched.prefill_tokens_per_step, self.chunk_blocks * h if gpu else 0)
-        # a right-padded prefill forward of this many tokens costs about its launches on a GPU (bench/RESULTS.md,
-        # 2026-12-05: 1 x 4096 tokens 50 ms, 4 x 4096 54 ms for k3-debug on an H200): rather pad than launch twice
-        self.ragged_free = 2 * self.idle_prefill if gpu else sched.prefill_tokens_per_step
+        # padding a right-padded prefill forward may add (`ragged_groups`): on a GPU, what costs less than a forward's
+        # launches (bench/RESULTS.md, 2026-12-05: with the prefill graphs 1 x 512 tokens 23 ms, 1 x 4096 32 ms, each
+        # 1k tokens more ~2.5 ms for k3-debug on an H100)
+        self.ragged_free = GPU_PAD_TOKENS if gpu else sched.prefill_tokens_per_step
+        longest_forward = self.idle_prefill + self.ragged_free  # (ragged_groups' bound on a padded forward)
 
         n_mla = len(mc.mla_layers) + (self.draft is not None)  # the draft's latents: one more layer of pages
         width = mc.mla.kv_lora_rank + mc.mla.qk_rope_head_dim
@@ -255,6 +261,7 @@ class Engine:
                                   kernels=kernels, cuda_graphs=config.cuda_graphs, draft=self.draft,
                                   speculative=config.speculative if self.draft is not None else 0,
                                   short_prefill=short,
+                                  piecewise_tokens=longest_forward if gpu and config.prefill_graphs else 0,
                                   compile_backend="inductor" if config.compile_decode and gpu else None,
                                   prefill_compile_backend="inductor" if config.compile_prefill and gpu else None)
         if gpu:
@@ -263,10 +270,13 @@ class Engine:
         if gpu or self.runner.prefill_compiled:  # first: a unit that fails to compile goes back to eager
             longest = min(self.chunk_blocks * h, self.max_model_len // h * h)  # the longest prefill forward
             self.runner.warm_up_prefill(long=(longest, self._checkpoint_offsets(0, longest)))
+        before = torch.cuda.memory_reserved(device) if gpu else 0
+        self.runner.capture_prefill()
+        prefill_graph_bytes = torch.cuda.memory_reserved(device) - before if gpu else 0
         if gpu:  # the sampling kernel's first use compiles it (~0.2 s): not inside a request's first step
             sample_tokens(torch.zeros(1, mc.vocab_size, device=device), [SamplingParams(temperature=1.0)],
                           [request_rng(0)])
-        self.capacity = self._capacity(page_bytes, device)
+        self.capacity = self._capacity(page_bytes, device, prefill_graph_bytes)
         del warm
         self.pages = PagePool(n_mla, self.capacity.pages, P, width, dtype=dtype, device=device)
         self.runner.attach_pages(self.pages)
@@ -277,7 +287,7 @@ class Engine:
             "weights": nbytes({id(t): t for t in (*model.parameters(), *model.buffers())}.values()),
             "latent_pages": nbytes([self.pages.pages]),
             "kda_states": nbytes([self.states.conv, self.states.recurrent]),
-            "cuda_graphs": torch.cuda.memory_reserved(device) - reserved if gpu else 0,
+            "cuda_graphs": torch.cuda.memory_reserved(device) - reserved + prefill_graph_bytes if gpu else 0,
         }
         # dynamic speculation: a round's cost against a plain step's, timed per batch bucket on a GPU
         self.policy = (SpecPolicy(config.speculative, self.runner.round_costs() if gpu else None)
@@ -300,9 +310,10 @@ class Engine:
         # called with a step's events [(on_event, event)] instead of each on_event (openk3.serve.api sets it)
         self.event_sink: Callable[[list], None] | None = None
 
-    def _capacity(self, page_bytes: int, device: torch.device) -> Capacity:
+    def _capacity(self, page_bytes: int, device: torch.device, graph_bytes: int = 0) -> Capacity:
         """The pool's size (openk3.serve.capacity): from the device's free memory on a GPU, measured after the
-        weights, the state pool and the longest prefill forward's warm-up; else fixed."""
+        weights, the state pool, the longest prefill forward's warm-up and the prefill graphs (`graph_bytes`, held
+        by their pool besides the peak the warm-up reached); else fixed."""
         config = self.config
         fields = dict(page_bytes=page_bytes, page_size=self.page_size, max_model_len=self.max_model_len,
                       cache_bytes=config.cache_bytes, prefix_cache=config.prefix_cache)
@@ -311,7 +322,7 @@ class Engine:
         torch.cuda.synchronize(device)
         free, total = torch.cuda.mem_get_info(device)
         return gpu_capacity(total=total, free=free, reserved=torch.cuda.memory_reserved(device),
-                            peak_allocated=torch.cuda.max_memory_allocated(device),
+                            peak_allocated=torch.cuda.max_memory_allocated(device) + graph_bytes,
                             utilization=config.gpu_memory_utilization, **fields)
 
     @property
@@ -437,7 +448,7 @@ class Engine:
     def _prefill_groups(self, chunks: list[tuple[Request, int]]):
         """A round's prefill chunks (request, end) as forwards: (chunks, checkpoint offsets, short). Chunks of at most
         `short_prefill` tokens without a KDA checkpoint inside go together through the runner's short step (unless
-        the round has longer chunks, whose eager forward they join); chunks
+        the round has longer chunks whose forward they can join as padded rows); chunks
         with image tokens or a draft to feed go with chunks of the same length and offsets; the rest, of any
         lengths, are right-padded together (`ragged_groups`), each forward taking the union of its rows' checkpoint
         offsets: the KDA pass yields every row's state at each of them, and a row reads those within its chunk
@@ -453,12 +464,17 @@ class Engine:
                 short.append((r, end))
             else:
                 ragged.append((r, end, inside))
-        if short and ragged:  # an eager forward runs anyway: the short chunks ride in it as padded rows
-            ragged, short = ragged + [(r, end, ()) for r, end in short], []
-        if short:
-            yield short, (), True
-        for group in ragged_groups(ragged, free=self.ragged_free):
-            yield [(r, end) for r, end, _ in group], tuple(sorted({o for *_, inside in group for o in inside})), False
+        # a forward runs anyway: the short chunks ride in it as padded rows where they fit (`ragged_groups`); those
+        # left in groups of their own take the short step after all
+        groups = ragged_groups(ragged + [(r, end, ()) for r, end in short], free=self.ragged_free) if ragged else []
+        shorts = {r for r, _ in short}
+        alone = [group for group in groups if all(r in shorts for r, *_ in group)]
+        if short and (alone or not ragged):
+            yield ([(r, end) for group in alone for r, end, _ in group] if ragged else short), (), True
+        for group in groups:
+            if group not in alone:
+                yield ([(r, end) for r, end, _ in group],
+                       tuple(sorted({o for *_, inside in group for o in inside})), False)
         for (_, offsets), group in alike.items():
             yield group, offsets, False
 

@@ -203,6 +203,7 @@ class PrefixCache:
         self.store = store
         self.roots: dict[bytes, HashEntry] = {}
         self.pages: set[Page] = set()
+        self._by_age: dict[Page, None] = {}  # the pages, least recently used first (`_touch`): eviction's order
         self.used = [0, 0, 0]  # bytes per tier
         self.stats = PrefixCacheStats()
         self._clock = itertools.count(1)
@@ -253,7 +254,7 @@ class PrefixCache:
             hit = chain[hit_depth - 1]
             now = next(self._clock)
             for page in lease.pages:
-                page.last_used = now
+                self._touch(page, now)
             lease.hit_tokens = hit.depth * self.config.hash_block
             lease.hit_kv = [e.kv for e in chain[:hit_depth]]
             lease.hit_checkpoint = hit.checkpoint.payload
@@ -302,7 +303,7 @@ class PrefixCache:
         # Pin the entry before making room for its checkpoint: room-making evicts pages below it and trims every
         # entry left without a checkpoint at or below it that nothing pins, locked page or not.
         self._move_tail(lease, entry)
-        entry.page.last_used = next(self._clock)
+        self._touch(entry.page, next(self._clock))
         if checkpoint is not None and entry.checkpoint is None:
             if not self._make_room(DEVICE, ckpt_bytes):
                 lease.detached = True
@@ -412,6 +413,7 @@ class PrefixCache:
             page.parent_page = parent.page
             parent.page.child_pages.add(page)
         self.pages.add(page)
+        self._by_age[page] = None
         self.used[DEVICE] += self.config.page_bytes
         self._lock(lease, page)
         return page
@@ -440,22 +442,36 @@ class PrefixCache:
             return False
         return True
 
+    def _touch(self, page: Page, now: int) -> None:
+        page.last_used = now
+        self._by_age.pop(page, None)
+        self._by_age[page] = None
+
     def _drop_one_checkpoint(self, tier: int) -> bool:
-        candidates = [e for p in self.pages if p.tier == tier and p.locks == 0 for e in p.entries
-                      if e.checkpoint is not None and not e.checkpoint.turn_boundary and e.checkpoints_below]
-        if not candidates:
+        """Drop the mid-turn checkpoint that has checkpoints below it on the least recently used unlocked page of
+        `tier` (the shallowest of that page's). Pages are visited by age: the scan stops at the first age that has
+        one, where a scan of every entry cost ~2 ms a call with a full 12 GB tier."""
+        victim = None
+        for p in self._by_age:
+            if victim is not None and p.last_used > victim.page.last_used:
+                break
+            if p.tier != tier or p.locks:
+                continue
+            for e in p.entries:
+                if e.checkpoint is not None and not e.checkpoint.turn_boundary and e.checkpoints_below and (
+                        victim is None or (p.last_used, e.depth) < (victim.page.last_used, victim.depth)):
+                    victim = e
+        if victim is None:
             return False
-        victim = min(candidates, key=lambda e: (e.page.last_used, e.depth))
         self._set_checkpoint(victim, None)
         self.stats.dropped_checkpoints += 1
         return True
 
     def _evict_one_page(self, tier: int) -> bool:
-        candidates = [p for p in self.pages if p.tier == tier and p.locks == 0
-                      and not any(c.tier <= tier for c in p.child_pages)]
-        if not candidates:
+        victim = next((p for p in self._by_age if p.tier == tier and p.locks == 0
+                       and not any(c.tier <= tier for c in p.child_pages)), None)  # the least recently used
+        if victim is None:
             return False
-        victim = min(candidates, key=lambda p: p.last_used)
         lower = tier + 1
         size = self.config.page_bytes + victim.checkpoint_bytes()
         if lower <= DISK and self.capacity(lower) > 0 and self._make_room(lower, size):
@@ -549,3 +565,4 @@ class PrefixCache:
         if page.parent_page is not None:
             page.parent_page.child_pages.discard(page)
         self.pages.discard(page)
+        self._by_age.pop(page, None)

@@ -13,7 +13,9 @@ kernels are torch custom ops, opaque to the compiler. A compiled step runs at th
 Prefill (`ModelRunner.prefill`): the model's own forward on a `HybridCache` gathered from the pools (the KDA states
 of the slots; each sequence's latents so far, read through its block table; with the image tokens of the chunks'
 image placeholders, if any), then the new latents and states are written back. KDA checkpoints requested inside
-the chunk (`checkpoint_offsets`) come back per offset.
+the chunk (`checkpoint_offsets`) come back per offset. With CUDA graphs and `piecewise_tokens`, a text forward of up
+to that many tokens (B x T) replays its per-token work between the token mixers from graphs captured per token
+bucket (`capture_prefill`, openk3.serve.piecewise); the mixers run eagerly between the replays.
 
 Short prefills (`short_prefill` S > 0): prompt chunks of at most S tokens, of any lengths, go through one more
 static-shape step instead of the model's forward: `decode_forward` over S tokens per row, each row padded at its end
@@ -51,6 +53,7 @@ from openk3.model.compile import compile_blocks, uncompile_blocks
 from openk3.model.decode import DecodeBatch, decode_forward, decode_logits, fuse_kda_inputs
 from openk3.ops.paged_mla import paged_positions
 from openk3.ops.transfer import to_device
+from openk3.serve.piecewise import PiecewisePrefill
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +97,7 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, pages: PagePool, tables: BlockTables, states: StatePool, *,
                  max_batch: int, kernels: str = "torch", cuda_graphs: bool = False, compile_backend: str | None = None,
                  prefill_compile_backend: str | None = None, draft: EagleDraft | None = None, speculative: int = 0,
-                 short_prefill: int = 0):
+                 short_prefill: int = 0, piecewise_tokens: int = 0):
         if speculative and draft is None:
             raise ValueError("speculative decoding needs a draft model")
         if short_prefill < 0:
@@ -125,6 +128,8 @@ class ModelRunner:
         cfg = model.config
         self.kda_layers, self.mla_layers = sorted(cfg.kda_layers), sorted(cfg.mla_layers)
         self.short_prefill = short_prefill
+        # prefill forwards of up to this many tokens (B x T) replay their per-token work from CUDA graphs
+        self.piecewise = PiecewisePrefill(model, piecewise_tokens) if piecewise_tokens and self.cuda_graphs else None
         if short_prefill:  # the short prefills' static inputs: tokens and real lengths per row
             self.short_ids = torch.zeros(max_batch, short_prefill, dtype=torch.long, device=self.device)
             self.short_lengths = torch.zeros(max_batch, dtype=torch.long, device=self.device)
@@ -303,6 +308,18 @@ class ModelRunner:
             self.prefill_compiled = False
         return time.perf_counter() - start
 
+    def capture_prefill(self) -> float:
+        """Capture the prefill forward's per-token work (`PiecewisePrefill`) after `warm_up_prefill`; returns the
+        seconds. If capture fails, prefill stays eager (logged) and the decode graphs are unaffected."""
+        if self.piecewise is None:
+            return 0.0
+        try:
+            return self.piecewise.capture()
+        except Exception as err:  # (a Triton compile error is no RuntimeError)
+            self.piecewise = None
+            log.warning("capturing the prefill pieces failed, prefilling eagerly: %s", str(err).strip().splitlines()[0])
+            return 0.0
+
     def decode(self, ids: list[int], slots: list[int], lengths: list[int]) -> torch.Tensor:
         """One token for each of n sequences: ids, slots, lengths (tokens before it) -> logits [n, vocab]. With CUDA
         graphs the logits are a view of the graph's static output: valid until the next decode (copy to keep)."""
@@ -445,9 +462,13 @@ class ModelRunner:
         ids = to_device([c + [0] * (T - len(c)) for c in chunks] if ragged else chunks, self.device)
         real = to_device(sizes, self.device)
         features = None
-        if ragged:  # the logits after each row's last real token
+        if ragged:
             cache.num_tokens = real
-            normed = self.model(ids, cache=cache, return_logits=False).head_inputs
+        piecewise = self.piecewise is not None and self.piecewise.fits(B * T) and image_embeds is None \
+            and self.draft is None
+        if ragged or piecewise:  # the logits after each row's last real token
+            normed = self.piecewise.run(ids, cache) if piecewise else \
+                self.model(ids, cache=cache, return_logits=False).head_inputs
             logits = self.model.lm_head(normed[torch.arange(B, device=self.device), real - 1]).unsqueeze(1)
         elif self.draft is None:  # (with a cache, MLA attends without cuDNN: ops.attention.NO_CUDNN)
             logits = self.model(ids, cache=cache, logits_to_keep=1, image_embeds=image_embeds).logits

@@ -30,6 +30,7 @@ from openk3.ops.kda.triton.chunk_fwd import (
     state_block,
 )
 from openk3.ops.kda.triton.layout import CHUNK, chunk_layout
+from openk3.ops.transfer import to_device
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -88,10 +89,10 @@ def checkpoint_slots(offsets: tuple[int, ...], T: int, device) -> tuple[torch.Te
     inner = sorted({t for t in offsets if t < T})
     if not inner:
         return None
-    slots = torch.full((-(-T // CHUNK),), -1, dtype=torch.int32)
+    slots = [-1] * -(-T // CHUNK)
     for n, t in enumerate(inner):
         slots[t // CHUNK] = n
-    return slots.to(device), len(inner)
+    return to_device(slots, device, torch.int32), len(inner)  # queued: a serving prefill must not wait here
 
 
 # torch.compile (compile_blocks) breaks its graph here instead of tracing into the kernels: they are fused already,
