@@ -72,9 +72,13 @@ def overrides(pairs: list[str]) -> tuple[dict, dict]:
     return engine, sched
 
 
+SLOWEST = 8  # the slowest steps of a run, listed
+
+
 def fed_prompt(requests: list) -> int:
-    """Prompt (and recomputed) tokens prefilled so far over all the requests."""
-    return sum(min(r.fed, r.prefill_len) for _, r in requests)
+    """Prompt tokens prefilled so far over all the requests (a preempted request's recompute is not counted:
+    `prefill_len` grows with every decoded token)."""
+    return sum(min(r.fed, len(r.prompt)) for _, r in requests)
 
 
 def apply_settings(engine: Engine, pairs: str) -> None:
@@ -152,6 +156,7 @@ def run(engine: Engine, args: argparse.Namespace, vocab: int, seed: int = 0) -> 
     return {"duration_s": duration, "prompt_tokens": sum(len(p) for _, p, _ in arrivals),
             "ttft_p50_s": percentile(ttft, 0.5), "ttft_p99_s": percentile(ttft, 0.99),
             "itl_p50_s": percentile(itl, 0.5), "itl_p99_s": percentile(itl, 0.99), "steps": table,
+            "slowest": sorted(steps, key=lambda s: s["wall_s"], reverse=True)[:SLOWEST],
             "mean_step_ms": statistics.fmean(s["wall_s"] for s in steps) * 1e3}
 
 
@@ -224,8 +229,12 @@ def main() -> None:
             print(f"| {kind} | {row['steps']} | {row['wall_ms_p50']:.1f} | {row['wall_ms_p99']:.1f} | "
                   f"{row['seconds']:.2f} | {row['prefill_tokens_per_step']:.0f} | {row['forwards_per_step']:.2f} | "
                   f"{row['prefill_tok_per_s']:,.0f} |", flush=True)
+        print("slowest steps (ms, decoding, prefill tokens, forwards): " + "; ".join(
+            f"{s['wall_s'] * 1e3:.0f}, {s['decoding']}, {s['prefill_tokens']}, {s['prefill_forwards']}"
+            for s in result["slowest"]), flush=True)
+        name = torch.cuda.get_device_name() if device.type == "cuda" else str(device)
         kept[f"{args.label}/{label}"] = {"engine": args.engine, "settings": pairs, "preset": args.preset,
-                                         "device": str(device), "date": time.strftime("%Y-%m-%d"),
+                                         "device": name, "date": time.strftime("%Y-%m-%d"),
                                          "torch": torch.__version__, **result}
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as fh:

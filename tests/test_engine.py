@@ -553,3 +553,21 @@ def test_ragged_groups_pad_no_more_than_the_real_tokens_nor_free_unless_the_forw
             padded, real = lengths[0] * len(lengths), sum(lengths)
             if len(group) > 1:
                 assert padded <= free or (padded - real <= real and padded - real <= free)
+
+
+def test_the_same_prompt_again_prefills_one_block_when_it_ends_on_a_boundary(model):
+    """A prompt of exactly 10 hash blocks, checkpoints every 4: the same prompt again (a retry, another choice) hits
+    all but its last block (the turn checkpoint sits one block before the end, since one token must be prefilled,
+    not at the last multiple of 4 blocks) and gives the same greedy tokens; a follow-up turn hits the whole prompt."""
+    tok = ByteTokenizer()
+    engine = make_engine(model, checkpoint_every=4)
+    prompt = tok.encode("q" * (10 * H))
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    first = engine.add_request(prompt, params)
+    drain(engine)
+    again = engine.add_request(prompt, params)
+    drain(engine)
+    follow_up = engine.add_request(prompt + tok.encode("!" * 5), params)
+    drain(engine)
+    assert again.cached_tokens == 9 * H and again.output == first.output
+    assert follow_up.cached_tokens == 10 * H

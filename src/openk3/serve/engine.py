@@ -499,21 +499,29 @@ class Engine:
         locked = sum(cache.config.page_bytes for p in cache.pages if p.locks)
         return locked / cache.config.device_bytes
 
+    def _turn_boundary(self, n: int) -> int:
+        """Where a prompt of n tokens to prefill gets its turn checkpoint: the last hash-block boundary before its
+        last token. The same prompt again may hit the cache up to n - 1 tokens (one is prefilled to sample from),
+        so for n on a boundary this is n - h, and that request prefills one block; n itself is also recorded (a
+        chunk's end on a boundary), where the conversation's next turn resumes."""
+        return (n - 1) // self.hash_block * self.hash_block
+
     def _chunk_end(self, r: Request, pos: int) -> int:
         h, n = self.hash_block, r.prefill_len
-        end, turn = min((pos // h + self.chunk_blocks) * h, n), n // h * h
+        end, turn = min((pos // h + self.chunk_blocks) * h, n), self._turn_boundary(n)
         if pos < turn < end and end - pos <= self.runner.short_prefill:
             return turn  # two short-step replays, not an eager forward for the turn boundary's checkpoint inside
         return end
 
     def _checkpoint_offsets(self, start: int, end: int, prefill_len: int = 0) -> tuple[int, ...]:
         """Offsets into a prefill chunk [start, end) where KDA checkpoints are wanted: every `checkpoint_every`
-        hash blocks, the turn boundary (the last full hash block of the `prefill_len` tokens to prefill, where the
-        next turn of a conversation resumes) and the chunk's end when it is a hash-block boundary."""
+        hash blocks, the turn boundary of the `prefill_len` tokens to prefill (`_turn_boundary`) and the chunk's end
+        when it is a hash-block boundary."""
         h, span = self.hash_block, self.hash_block * self.checkpoint_every
         ends = set(range((start // span + 1) * span, end + 1, span))
-        if start < prefill_len // h * h <= end:
-            ends.add(prefill_len // h * h)
+        turn = self._turn_boundary(prefill_len)
+        if start < turn <= end:
+            ends.add(turn)
         if end % h == 0:
             ends.add(end)
         return tuple(sorted(e - start for e in ends))
