@@ -92,6 +92,11 @@ class HybridCache:
         return max(self._lengths, default=0)
 
     @property
+    def host_lengths(self) -> list[int]:
+        """`lengths` as known on the host (no device read)."""
+        return list(self._lengths)
+
+    @property
     def uniform(self) -> bool:
         """Every sequence has the same length (known on the host: no device read)."""
         return len(set(self._lengths)) <= 1

@@ -103,9 +103,16 @@ class GatedMLA(nn.Module):
             kv_all = cache.layers[self.layer_idx].append(kv, lengths, cache.max_length + T)
             if T == 1 and self.absorb_decode:
                 o = mla_attention_absorbed(q, kv_all, self.kv_b_proj.weight, lengths=lengths, **kw)
-            else:  # equal lengths: the new tokens end every row, a bottom-right causal mask (no dense mask)
-                o = mla_attention_expanded(q, kv_all, self.kv_b_proj.weight, lengths=None if cache.uniform else lengths,
-                                           backends=NO_CUDNN, **kw)
+            elif cache.uniform:  # equal lengths: the new tokens end every row, a bottom-right causal mask
+                o = mla_attention_expanded(q, kv_all, self.kv_b_proj.weight, backends=NO_CUDNN, **kw)
+            elif T > 1:  # rows of different lengths (a prefill's chunks): each row's own bottom-right causal attention
+                # over its own past, where one call would expand every row's K/V to the longest and attend through
+                # a dense [B, T, L] mask (no flash kernel)
+                o = torch.cat([mla_attention_expanded(q[b:b + 1], kv_all[b:b + 1, :past + T], self.kv_b_proj.weight,
+                                                      backends=NO_CUDNN, **kw)
+                               for b, past in enumerate(cache.host_lengths)])
+            else:
+                o = mla_attention_expanded(q, kv_all, self.kv_b_proj.weight, lengths=lengths, backends=NO_CUDNN, **kw)
         return self.output_gated(gate[0] if gate else None, o, x.dtype)
 
     def output(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
