@@ -464,15 +464,15 @@ class Engine:
                 short.append((r, end))
             else:
                 ragged.append((r, end, inside))
-        # a forward runs anyway: the short chunks ride in it as padded rows where they fit (`ragged_groups`); those
-        # left in groups of their own take the short step after all
-        groups = ragged_groups(ragged + [(r, end, ()) for r, end in short], free=self.ragged_free) if ragged else []
+        # the short chunks ride in a longer chunk's forward as padded rows where they fit (`ragged_groups`); those
+        # left in groups of short chunks alone take the short step
         shorts = {r for r, _ in short}
-        alone = [group for group in groups if all(r in shorts for r, *_ in group)]
-        if short and (alone or not ragged):
-            yield ([(r, end) for group in alone for r, end, _ in group] if ragged else short), (), True
-        for group in groups:
-            if group not in alone:
+        groups = ragged_groups(ragged + [(r, end, ()) for r, end in short], free=self.ragged_free)
+        only_short = [all(r in shorts for r, *_ in group) for group in groups]
+        if any(only_short):
+            yield [(r, end) for group, alone in zip(groups, only_short) if alone for r, end, _ in group], (), True
+        for group, alone in zip(groups, only_short):
+            if not alone:
                 yield ([(r, end) for r, end, _ in group],
                        tuple(sorted({o for *_, inside in group for o in inside})), False)
         for (_, offsets), group in alike.items():

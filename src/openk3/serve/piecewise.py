@@ -19,7 +19,6 @@ per-token work keeps them to their own rows.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -27,8 +26,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-
-log = logging.getLogger(__name__)
 
 SMALLEST_BUCKET = 256  # tokens: shorter prompt chunks take the runner's static short-prefill step
 BUCKET_STEP = 4096  # buckets double up to this many tokens, then grow by it (padding <= 4096 tokens' work)
