@@ -112,7 +112,7 @@ def main() -> None:
     live = batch * (PROMPT_TOKENS + max(args.lengths) + 3 * batch)
     engine = Engine(model, ByteTokenizer(), EngineConfig(
         prefix_cache=True, cache_bytes=args.cache_mb << 20,
-        scheduler=SchedulerConfig(max_running=batch, max_live_tokens=live)))
+        kv_pages=None, scheduler=SchedulerConfig(max_running=batch)))
     engine.runner.decode = stub_decode(engine, batch)
     rows, profiled = [], None
     print("| run | batch | output tokens | host ms / step (CPU) | host us / token | wall ms / step |\n"

@@ -2,7 +2,7 @@
 arrive while others decode.
 
     python bench/engine_mixed.py [--preset k3-debug] [--rate 12] [--requests 96] [--prompt 1000:11000]
-                                 [--reply 32:256] [--engine KEY=VALUE ...] [--runs RUN[:KEY=VALUE,...] ...]
+                                 [--reply 32:256] [--top-p 1] [--engine KEY=VALUE ...] [--runs RUN[:KEY=VALUE,...] ...]
                                  [--forward-costs] [--profile] [--label L] [--json F] [--smoke]
 
 Builds the engine `openk3 serve` builds by default on a GPU (bf16, compiled decode in CUDA graphs, the prefix
@@ -10,6 +10,7 @@ cache on; `--engine` overrides EngineConfig or SchedulerConfig fields, e.g. `--e
 and feeds it bench/serve_gpu.py's mixed stream as token ids: Poisson arrivals at `--rate` a second, prompts and
 replies uniform in the given ranges (random ids, temperature 0.8), each request added when its arrival time has
 passed and the loop calls `Engine.step` in between, as the engine process does. Reports
+  - output tokens a second over the run;
   - TTFT p50 / p99 (arrival to the first token, as the engine stamps it) and the inter-token latency a decoding
     sequence sees (the steps it decodes in: p50 / p99 of their wall time, weighted by the sequences decoding);
   - the steps by kind (decode only, decode + prefill, prefill only): count, wall ms p50 / p99, prefill tokens and
@@ -81,16 +82,26 @@ def fed_prompt(requests: list) -> int:
     return sum(min(r.fed, len(r.prompt)) for _, r in requests)
 
 
-def apply_settings(engine: Engine, pairs: str) -> None:
+WORKLOAD = ("rate", "requests", "prompt", "reply", "top_p")  # a run's own stream (--runs)
+
+
+def apply_settings(engine: Engine, args: argparse.Namespace, pairs: str) -> argparse.Namespace:
     """'KEY=VALUE,...': scheduler fields (prefill_tokens_per_step) and engine attributes (checkpoint_every,
-    chunk_blocks, idle_prefill) set on a built engine, for a run."""
+    chunk_blocks, idle_prefill, overlap) set on a built engine, for a run; the stream's options (WORKLOAD) for this
+    run alone. Returns the run's options."""
     sched_fields = {f.name for f in dataclasses.fields(SchedulerConfig)}
+    args = argparse.Namespace(**vars(args))
     for pair in filter(None, pairs.split(",")):
         key, _, value = pair.partition("=")
+        if key in WORKLOAD:
+            setattr(args, key, value if key in ("prompt", "reply") else float(value))
+            continue
         target = engine.scheduler.config if key in sched_fields else engine
         if not hasattr(target, key):
             raise SystemExit(f"--runs: no scheduler field or engine attribute {key!r}")
         setattr(target, key, int(value))
+    args.requests = int(args.requests)
+    return args
 
 
 def forward_costs(engine: Engine, shapes: list[tuple[int, int]], repeats: int = 5) -> list[dict]:
@@ -125,7 +136,7 @@ def run(engine: Engine, args: argparse.Namespace, vocab: int, seed: int = 0) -> 
         now = time.perf_counter() - start
         while pending and pending[0][0] <= now:
             t, prompt, reply = pending.pop(0)
-            params = SamplingParams(max_tokens=reply, temperature=0.8, ignore_eos=True)
+            params = SamplingParams(max_tokens=reply, temperature=0.8, top_p=args.top_p, ignore_eos=True)
             requests.append((start + t, engine.add_request(prompt, params)))
         if not engine.has_work():
             time.sleep(max(0.0, pending[0][0] - now))
@@ -153,7 +164,9 @@ def run(engine: Engine, args: argparse.Namespace, vocab: int, seed: int = 0) -> 
                        "prefill_tokens_per_step": tokens / len(rows) if rows else 0.0,
                        "forwards_per_step": sum(s["prefill_forwards"] for s in rows) / len(rows) if rows else 0.0,
                        "prefill_tok_per_s": tokens / sum(walls) if tokens else 0.0}
-    return {"duration_s": duration, "prompt_tokens": sum(len(p) for _, p, _ in arrivals),
+    output = sum(len(r.output) for _, r in requests)
+    return {"duration_s": duration, "prompt_tokens": sum(len(p) for _, p, _ in arrivals), "output_tokens": output,
+            "output_tok_per_s": output / duration,
             "ttft_p50_s": percentile(ttft, 0.5), "ttft_p99_s": percentile(ttft, 0.99),
             "itl_p50_s": percentile(itl, 0.5), "itl_p99_s": percentile(itl, 0.99), "steps": table,
             "slowest": sorted(steps, key=lambda s: s["wall_s"], reverse=True)[:SLOWEST],
@@ -167,12 +180,15 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=None, help="requests (default 96)")
     ap.add_argument("--prompt", default=None, help="prompt tokens LO:HI (default 1000:11000)")
     ap.add_argument("--reply", default=None, help="reply tokens LO:HI (default 32:256)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="the replies' top_p (default 1: temperature alone)")
     ap.add_argument("--engine", nargs="*", default=[], metavar="KEY=VALUE",
                     help="EngineConfig / SchedulerConfig fields to override")
     ap.add_argument("--label", default="engine", help="this engine's entries in the JSON (LABEL/RUN)")
     ap.add_argument("--runs", nargs="+", default=["default"], metavar="RUN[:KEY=VALUE,...]",
                     help="runs of the stream on the one engine, each with these scheduler fields or engine "
-                         "attributes set first (e.g. 'budget8k:prefill_tokens_per_step=8192'); they stay set")
+                         "attributes set first (e.g. 'budget8k:prefill_tokens_per_step=8192', 'sync:overlap=0'; "
+                         "they stay set) and its own stream options (rate, requests, prompt, reply, top_p: e.g. "
+                         "'short:rate=1000,requests=64,prompt=60:200,reply=256')")
     ap.add_argument("--forward-costs", action="store_true",
                     help="first time prefill forwards of B x T tokens (GPU): wall and launch ms")
     ap.add_argument("--profile", action="store_true", help="cProfile the first run: top functions by own time")
@@ -208,19 +224,20 @@ def main() -> None:
         kept[f"{args.label}/forward_costs"] = costs
     for index, spec in enumerate(args.runs):
         label, _, pairs = spec.partition(":")
-        apply_settings(engine, pairs)
+        run_args = apply_settings(engine, args, pairs)
         profiler = cProfile.Profile() if args.profile and index == 0 else None
         if profiler:
             profiler.enable()
-        result = run(engine, args, min(cfg.vocab_size, 256), seed=index)
+        result = run(engine, run_args, min(cfg.vocab_size, 256), seed=index)
         if profiler:
             profiler.disable()
             text = io.StringIO()
             pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
             result["profile"] = text.getvalue()
             print(result["profile"])
-        print(f"\n{args.label}/{label}: {args.requests} requests at {args.rate}/s, prompts {args.prompt}, replies "
-              f"{args.reply}: {result['duration_s']:.1f} s; TTFT p50 {result['ttft_p50_s']:.3f} s, p99 "
+        print(f"\n{args.label}/{label}: {run_args.requests} requests at {run_args.rate}/s, prompts {run_args.prompt}, "
+              f"replies {run_args.reply}, top_p {run_args.top_p}: {result['duration_s']:.1f} s, "
+              f"{result['output_tok_per_s']:,.0f} output tok/s; TTFT p50 {result['ttft_p50_s']:.3f} s, p99 "
               f"{result['ttft_p99_s']:.3f} s; ITL p50 {result['itl_p50_s'] * 1e3:.1f} ms, p99 "
               f"{result['itl_p99_s'] * 1e3:.1f} ms")
         print("| steps | count | wall ms p50 | p99 | seconds | prefill tokens/step | forwards/step | prefill tok/s |")
@@ -234,6 +251,7 @@ def main() -> None:
             for s in result["slowest"]), flush=True)
         name = torch.cuda.get_device_name() if device.type == "cuda" else str(device)
         kept[f"{args.label}/{label}"] = {"engine": args.engine, "settings": pairs, "preset": args.preset,
+                                         "stream": {key: getattr(run_args, key) for key in WORKLOAD},
                                          "device": name, "date": time.strftime("%Y-%m-%d"),
                                          "torch": torch.__version__, **result}
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

@@ -571,3 +571,42 @@ def test_the_same_prompt_again_prefills_one_block_when_it_ends_on_a_boundary(mod
     drain(engine)
     assert again.cached_tokens == 9 * H and again.output == first.output
     assert follow_up.cached_tokens == 10 * H
+
+
+def test_overlapped_decode_gives_the_synchronous_replies(model):
+    """`overlap` (each decode step queued before the host reads the last one's tokens; on by default on a GPU)
+    changes nothing a client sees: the agent sessions' greedy turns and their cache hits, seeded top-p samples,
+    stop strings, max_tokens and the streamed events are those of the synchronous engine, and a request
+    cancelled while its token is in flight ends cleanly."""
+    sync, overlapped = make_engine(model, overlap=False), make_engine(model, overlap=True)
+    assert overlapped.overlap and not sync.overlap
+    expected, got = conversations(sync), conversations(overlapped)
+    assert got[:3] == expected[:3]  # outputs, cache hits, prompts
+
+    tok = ByteTokenizer()
+    stop = tok.decode(expected[0][0, 0][1:3])  # a stop string inside a greedy reply of the sessions above
+
+    def requests(engine):
+        events = defaultdict(list)
+        made = [engine.add_request(tok.encode(f"prompt {i} " * (i + 1)), params, on_event=events[i].append)
+                for i, params in enumerate([
+                    SamplingParams(max_tokens=9, temperature=0.9, top_p=0.8, seed=4, ignore_eos=True),
+                    SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
+                    SamplingParams(max_tokens=12, temperature=1.2, seed=9, ignore_eos=True),
+                    SamplingParams(max_tokens=7, temperature=0, stop=[stop], ignore_eos=True),
+                    SamplingParams(max_tokens=6, temperature=0.7, presence_penalty=0.5, seed=1)])]
+        drain(engine)
+        return [(r.output, r.text, r.finish_reason) for r in made], {i: [(e.text, e.finished) for e in ev]
+                                                                      for i, ev in events.items()}
+
+    assert requests(overlapped) == requests(sync)
+
+    r = overlapped.add_request(tok.encode("cancel me in flight"), SamplingParams(max_tokens=50, ignore_eos=True))
+    while len(r.output) < 3:
+        overlapped.step()
+    assert overlapped._inflight is not None and r in overlapped._inflight.rows
+    overlapped.cancel(r.rid)
+    drain(overlapped)
+    assert r.finish_reason == "cancelled" and r.slot is None and len(r.output) == 3
+    assert overlapped.states.num_free == overlapped.states.num_slots
+    assert not any(p.locks for p in overlapped.prefix_cache.pages)

@@ -186,9 +186,10 @@ def test_a_full_pool_evicts_cached_pages_and_preempts_the_latest_sequence(model)
         assert all(r.output == generate_ids(model, r.prompt, 10, greedy) for r in requests)
         stats = engine.prefix_cache.stats
         assert (stats.demoted_pages if host else stats.evicted_pages) > 0
-    for prefix_cache in (True, False):  # three sequences that grow past the pool together: preemption
+    # three sequences that grow past the pool together: preemption (also while a decode step is in flight)
+    for prefix_cache, overlap in ((True, False), (False, False), (True, True)):
         engine = make_engine(model, kv_pages=1 + 7, prefix_cache=prefix_cache, max_model_len=7 * 4 * H - 1,
-                             scheduler=SchedulerConfig(max_running=3, prefill_tokens_per_step=64))
+                             overlap=overlap, scheduler=SchedulerConfig(max_running=3, prefill_tokens_per_step=64))
         requests = run(engine, [prompts[0][:60], prompts[1], prompts[3][:50]], 90)
         assert engine.metrics.preemptions > 0 and sum(r.preemptions for r in requests) == engine.metrics.preemptions
         for r in requests:

@@ -9,7 +9,8 @@ allocator keeps the host buffer until the copy has run.
 
 `tensor.tolist()` of a CUDA tensor waits for the GPU holding the GIL, so a server's event loop on another thread
 cannot run while an engine step waits for its sampled tokens; `host_list` waits on a CUDA event first, which
-releases the GIL while it waits.
+releases the GIL while it waits. `HostCopy` queues the copy now and reads it later: the serving engine queues the
+next decode step before it reads the last one's tokens.
 """
 
 from __future__ import annotations
@@ -25,10 +26,26 @@ def to_device(values, device: torch.device | str, dtype: torch.dtype | None = No
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
+class HostCopy:
+    """A tensor's copy to the host, queued on its device's stream when made (into pinned memory); `tolist` waits
+    for it without the GIL. A CPU tensor is its own copy."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.done = None
+        if not tensor.is_cuda:
+            self.host = tensor
+            return
+        self.host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        self.host.copy_(tensor, non_blocking=True)
+        self.done = torch.cuda.Event()
+        self.done.record(torch.cuda.current_stream(tensor.device))
+
+    def tolist(self) -> list:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host.tolist()
+
+
 def host_list(tensor: torch.Tensor) -> list:
     """tensor.tolist(), the wait for a CUDA tensor's producers done without the GIL."""
-    if tensor.is_cuda:
-        done = torch.cuda.Event()
-        done.record(torch.cuda.current_stream(tensor.device))
-        done.synchronize()
-    return tensor.tolist()
+    return HostCopy(tensor).tolist()

@@ -66,7 +66,7 @@ from torch.nn.utils.rnn import pad_sequence
 from openk3.cache.paged import BlockTables, PagePool
 from openk3.cache.state_pool import StatePool
 from openk3.draft import EagleDraft, accept_drafts, accept_drafts_on_logits, accept_greedy, draw, target_distributions
-from openk3.ops.transfer import host_list, to_device
+from openk3.ops.transfer import HostCopy, host_list, to_device
 from openk3.sampling import SamplingParams, request_rng, sample_tokens, token_logprobs
 from openk3.serve.capacity import Capacity, check_utilization, default_batched_tokens, fixed_capacity, gpu_capacity
 from openk3.serve.prefix_cache import PrefixCache, PrefixCacheConfig
@@ -129,6 +129,8 @@ class EngineConfig:
     # prompt chunks of at most this many tokens prefill in one static step of the runner, captured as CUDA graphs
     # (`ModelRunner.prefill_short`); None: SHORT_PREFILL_TOKENS on a GPU with CUDA graphs and no draft, else 0 (off)
     short_prefill_tokens: int | None = None
+    # queue each decode step before reading the last one's tokens (`Engine._decode`); None: on a GPU
+    overlap: bool | None = None
     seed: int = 0
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -167,6 +169,18 @@ class EngineMetrics:
     spec_steps: dict[int, int] = field(default_factory=dict)
     spec_accepted_average: float | None = None
     preemptions: int = 0  # running sequences sent back to the queue for want of pages (resumed by recompute)
+
+
+@dataclass
+class InFlight:
+    """A decode step queued on the device whose sampled tokens the host has not read yet (`Engine._decode`)."""
+    requests: list[Request]
+    tokens: torch.Tensor  # [n] on the device: the next step's ids of these rows
+    copy: HostCopy  # the same, on its way to the host
+    rows: dict[Request, int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.rows = {r: row for row, r in enumerate(self.requests)}
 
 
 class PoolExhausted(RuntimeError):
@@ -302,6 +316,8 @@ class Engine:
         self.metrics = EngineMetrics()
         self.stop_ids = set(tokenizer.stop_ids)
         self.vocab_limit = min(tokenizer.vocab_size, mc.vocab_size)
+        self.overlap = (config.overlap if config.overlap is not None else gpu) and self.draft is None
+        self._inflight: InFlight | None = None
         self._lock = threading.Lock()
         self._cancels: set[str] = set()
         self._ids = itertools.count()
@@ -371,7 +387,7 @@ class Engine:
                 "cache_utilisation": cache.utilisation if cache is not None else 0.0, "memory": dict(self.memory)}
 
     def has_work(self) -> bool:
-        return bool(self.scheduler.waiting or self.scheduler.running or self._cancels)
+        return bool(self.scheduler.waiting or self.scheduler.running or self._cancels or self._inflight)
 
     # ---- one step -----------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -409,7 +425,7 @@ class Engine:
         for r in admitted:
             with self._isolated([r]):
                 self._start(r)
-        ready = [r for r in self.scheduler.running if not r.prefilling]
+        ready = [r for r in self.scheduler.running if not r.prefilling and not self._ends_in_flight(r)]
         K, limit = self._drafts_per_round(len(ready)), self.max_model_len
         speculating, decoding = [], []
         for r in ready:
@@ -425,6 +441,8 @@ class Engine:
         if decoding:
             with self._isolated(decoding):
                 self._decode(decoding)
+        else:
+            self._drain()
         # the step's prefill budget protects decoding sequences' inter-token latency; with none decoding, a long
         # prompt goes in chunks as long as the engine's longest forward (on a GPU)
         budget = self.scheduler.config.prefill_tokens_per_step if speculating or decoding else self.idle_prefill
@@ -541,6 +559,11 @@ class Engine:
                 len(self.tables.pages[r.slot]) * self.page_size < tokens:
             with self._isolated([r]):
                 pid = self._alloc_page()
+                if pid is None and self._inflight is not None:
+                    self._drain()  # finished rows free pages, and a victim's output must be whole
+                    if r.finish_reason is not None:
+                        return False
+                    pid = self._alloc_page()
                 while pid is None:
                     victim = next(v for v in reversed(self.scheduler.running) if v.slot is not None)
                     if victim is r and sum(v.slot is not None for v in self.scheduler.running) == 1:
@@ -636,16 +659,42 @@ class Engine:
     # ---- forwards -----------------------------------------------------------------------------------------
     def _decode(self, requests: list[Request]) -> None:
         """One token for every decoding sequence (their pages are in place); with a draft, each one's feature of
-        the token joins its pending positions (module docstring)."""
-        ids, slots, lengths = [r.output[-1] for r in requests], [r.slot for r in requests], [r.fed for r in requests]
+        the token joins its pending positions (module docstring).
+
+        With `overlap`, a step of rows whose sampling needs nothing from the host's side of the reply (`plain`
+        parameters) is queued whole, sampling included, and the host reads the previous step's tokens while the
+        device runs it: a row that was in that step takes its id from the device (`InFlight`). So the host's
+        bookkeeping of one step (detokenizing, stop strings, events, the next step's inputs) runs beside the
+        device's work of the next. A row the previous step ended (a stop token) has then run one step too many:
+        its output is dropped and its slot and pages are freed after it in stream order. Hash blocks are
+        registered once the tokens before them are known, before the next step is queued (the slot's state is
+        the block's)."""
+        inflight = self._inflight
+        sources = [inflight.rows.get(r, -1) for r in requests] if inflight is not None else []
+        carried = (inflight.tokens, sources) if any(i >= 0 for i in sources) else None
+        ids = [r.output[-1] if not sources or sources[row] < 0 else 0 for row, r in enumerate(requests)]
+        slots, lengths = [r.slot for r in requests], [r.fed for r in requests]
         features = None
         if self.draft is None:
-            logits = self.runner.decode(ids, slots, lengths)
+            logits = self.runner.decode(ids, slots, lengths, carried)
         else:
             self._write_pending(requests)
             logits, features = self.runner.decode_with_features(ids, slots, lengths)
+        tokens = self._device_tokens(requests, logits) if self.overlap else None
+        self._drain()
+        if tokens is not None:
+            for r in requests:
+                r.fed += 1
+            self._inflight = InFlight(requests, tokens, HostCopy(tokens))
+            for r in requests:
+                if r.finish_reason is None and r.slot is not None:
+                    with self._isolated([r]):
+                        self._register_blocks(r, r.fed - 1)
+            return
         sample = self._sampler(requests, logits)
         for row, r in enumerate(requests):
+            if r.finish_reason is not None:  # (ended by the previous step's token)
+                continue
             with self._isolated([r]):
                 token = sample(row)
                 r.fed += 1
@@ -653,6 +702,36 @@ class Engine:
                     self.features[r] = torch.cat([self._pending(r), features[row : row + 1]])
                 self._register_blocks(r, r.fed - 1)
                 self._accept(r, token)
+
+    def _device_tokens(self, requests: list[Request], logits: torch.Tensor) -> torch.Tensor | None:
+        """The rows' next tokens, left on the device, when their sampling reads only the logits and each row's
+        random source; else None (the host samples, `_sampler`)."""
+        if not all(r.params.plain for r in requests):
+            return None
+        logits = logits[:, : self.vocab_limit]
+        if all(r.params.greedy for r in requests):
+            return logits.argmax(-1)
+        try:
+            return sample_tokens(logits, [r.params for r in requests], [r.rng for r in requests])
+        except Exception:
+            log.exception("batched sampling failed; sampling each row alone")
+            return None
+
+    def _ends_in_flight(self, r: Request) -> bool:
+        """Whether the token of r's queued step ends it for length (`_accept`): then it takes no step more."""
+        if self._inflight is None or r not in self._inflight.rows:
+            return False
+        return len(r.output) + 1 >= r.params.max_tokens or r.length + 1 >= self.max_model_len
+
+    def _drain(self) -> None:
+        """Read the queued step's tokens (`_decode`) and take them into the replies."""
+        inflight, self._inflight = self._inflight, None
+        if inflight is None:
+            return
+        for r, token in zip(inflight.requests, inflight.copy.tolist()):
+            if r.finish_reason is None:
+                with self._isolated([r]):
+                    self._accept(r, token)
 
     def _write_pending(self, requests: list[Request]) -> None:
         """Before a plain step: the draft's latents of the sequences whose pending positions fill a first draft
@@ -897,6 +976,7 @@ class Engine:
 
     def fail_all(self, reason: str = "error") -> None:
         """After an unexpected exception in a step: end every request so that clients get an answer."""
+        self._inflight = None
         with self._lock:
             for r in [*self.scheduler.waiting, *self.scheduler.running]:
                 self._finish(r, reason)

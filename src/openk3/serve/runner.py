@@ -211,10 +211,19 @@ class ModelRunner:
             raise ValueError(f"a decode batch holds at most {self.max_batch} sequences, got {n}")
         return size
 
-    def _set_inputs(self, ids: list[int], slots: list[int], lengths: list[int], size: int) -> None:
+    def _set_inputs(self, ids: list[int], slots: list[int], lengths: list[int], size: int,
+                    carried: tuple[torch.Tensor, list[int]] | None = None) -> None:
+        """The static inputs of a step of `size` rows. `carried` (tokens on the device [m], source per row): a row
+        whose source is i >= 0 takes tokens[i] as its id instead of ids[row] (a token the host has not read yet)."""
         pad = size - len(slots)
-        self.inputs[:, :size].copy_(to_device([ids + [0] * pad, slots + [self.states.padding_slot] * pad,
-                                               lengths + [0] * pad], self.device))
+        rows = [ids + [0] * pad, slots + [self.states.padding_slot] * pad, lengths + [0] * pad]
+        if carried is None:
+            self.inputs[:, :size].copy_(to_device(rows, self.device))
+            return
+        tokens, sources = carried
+        table = to_device(rows + [sources + [-1] * pad], self.device)
+        self.inputs[1:, :size].copy_(table[1:3])
+        self.inputs[0, :size] = torch.where(table[3] >= 0, tokens[table[3].clamp(min=0)], table[0])
 
     def capture(self) -> float:
         """Capture the decode steps at every bucket size (CUDA only); returns the seconds it took. If capture fails
@@ -320,10 +329,12 @@ class ModelRunner:
             log.warning("capturing the prefill pieces failed, prefilling eagerly: %s", str(err).strip().splitlines()[0])
             return 0.0
 
-    def decode(self, ids: list[int], slots: list[int], lengths: list[int]) -> torch.Tensor:
-        """One token for each of n sequences: ids, slots, lengths (tokens before it) -> logits [n, vocab]. With CUDA
-        graphs the logits are a view of the graph's static output: valid until the next decode (copy to keep)."""
-        out = self._decode(ids, slots, lengths)
+    def decode(self, ids: list[int], slots: list[int], lengths: list[int],
+               carried: tuple[torch.Tensor, list[int]] | None = None) -> torch.Tensor:
+        """One token for each of n sequences: ids, slots, lengths (tokens before it) -> logits [n, vocab]; ids may
+        come from a device tensor instead (`carried`, as `_set_inputs`). With CUDA graphs the logits are a view of
+        the graph's static output: valid until the next decode (copy to keep)."""
+        out = self._decode(ids, slots, lengths, carried)
         return out[0] if self.speculative else out
 
     def decode_with_features(self, ids: list[int], slots: list[int], lengths: list[int]):
@@ -333,9 +344,10 @@ class ModelRunner:
             raise ValueError("the draft's features need a runner with a draft (speculative > 0)")
         return self._decode(ids, slots, lengths)
 
-    def _decode(self, ids: list[int], slots: list[int], lengths: list[int]):
+    def _decode(self, ids: list[int], slots: list[int], lengths: list[int],
+                carried: tuple[torch.Tensor, list[int]] | None = None):
         size = self._size(len(ids))
-        self._set_inputs(ids, slots, lengths, size)
+        self._set_inputs(ids, slots, lengths, size, carried)
         out = self._run("decode", size)
         return tuple(t[: len(ids)] for t in out) if self.speculative else out[: len(ids)]
 
