@@ -142,7 +142,7 @@ def budget(model, pages, checkpoints):
 def test_greedy_identical_under_forced_eviction_with_host_tier(model):
     baseline, _, _, baseline_logits = conversations(make_engine(model, prefix_cache=False), seed=1)
     for host in (0, budget(model, 16, 64)):
-        tight = make_engine(model, cache_bytes=budget(model, 5, 10), host_cache_bytes=host)  # < the sessions' chains
+        tight = make_engine(model, cache_bytes=budget(model, 4, 10), host_cache_bytes=host)  # < the sessions' chains
         out, cached, _, logits = conversations(tight, seed=1)
         assert out == baseline
         for key, rows in logits.items():

@@ -165,6 +165,30 @@ def test_retention_drops_mid_turn_checkpoints_first_and_keeps_turn_and_newest():
     assert cache.acquire(turn1 + [0]).hit_tokens == 2 * h
 
 
+def test_a_writer_drops_its_own_mid_turn_checkpoints_to_keep_caching():
+    """Sequences prefilling together lock their pages; their mid-turn checkpoints still give way to newer ones, so
+    a tier with room for their pages keeps the whole chains (the deepest checkpoint of each) instead of detaching."""
+    h, P, ckpt = 4, 16, 16
+    cfg = PrefixCacheConfig(hash_block=h, page_size=P, page_bytes=100, device_bytes=2 * 100 + 3 * ckpt)
+    cache, oracle, rng = PrefixCache(cfg), Oracle(), random.Random(6)
+    prompts = [tokens_of(rng, P), tokens_of(rng, P)]
+    leases = [cache.acquire([]) for _ in prompts]
+    for b in range(P // h):  # interleaved, as a batched prefill registers them: 8 checkpoints, room for 3
+        for tokens, lease in zip(prompts, leases):
+            prefix = tokens[: (b + 1) * h]
+            cache.append(lease, tokens[b * h:(b + 1) * h], oracle.kv(prefix), oracle.checkpoint(prefix))
+    assert not any(lease.detached for lease in leases)
+    assert cache.stats.dropped_checkpoints == 8 - 3 and cache.used[DEVICE] <= cfg.device_bytes
+    for lease in leases:
+        cache.mark_turn_boundary(lease)
+        cache.release(lease)
+    for tokens in prompts:
+        hit = cache.acquire(tokens + [0])
+        assert hit.hit_tokens == P
+        check_hit(cache, oracle, tokens, hit)
+        cache.release(hit)
+
+
 @pytest.mark.parametrize("with_disk", [False, True])
 def test_evicted_pages_move_to_host_and_disk_and_come_back_intact(with_disk):
     h, P = 4, 8

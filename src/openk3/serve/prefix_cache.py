@@ -19,7 +19,7 @@ moves the page's KV together with its checkpoints: a checkpoint never outlives i
 holds: an entry with no checkpoint at or below it is useless and is trimmed, even on a locked page (a lock keeps a
 page from eviction, not its entries from trimming), unless a lease pins it as the tail it appends after: the
 pin keeps the entry and, through it, the chain above it. Under memory pressure mid-turn
-checkpoints go first; turn-boundary checkpoints and the newest one of every chain (no checkpoint below it)
+checkpoints go first (locked pages' too); turn-boundary checkpoints and the newest one of every chain (no checkpoint below it)
 are kept. Tiers: device -> host (optional) -> disk (optional, needs host); a tier's page is never in a
 higher tier than its ancestors, and hits are promoted back to the device tier before they are used.
 
@@ -448,14 +448,16 @@ class PrefixCache:
         self._by_age[page] = None
 
     def _drop_one_checkpoint(self, tier: int) -> bool:
-        """Drop the mid-turn checkpoint that has checkpoints below it on the least recently used unlocked page of
-        `tier` (the shallowest of that page's). Pages are visited by age: the scan stops at the first age that has
-        one, where a scan of every entry cost ~2 ms a call with a full 12 GB tier."""
+        """Drop the mid-turn checkpoint that has checkpoints below it on the least recently used page of `tier`
+        (the shallowest of that page's), locked or not: a lock keeps a page's latents, and the deeper checkpoint
+        keeps its chain usable (so sequences prefilling long prompts together keep caching instead of filling the
+        tier with their mid-turn checkpoints and detaching). Pages are visited by age: the scan stops at the first
+        age that has one, where a scan of every entry cost ~2 ms a call with a full 12 GB tier."""
         victim = None
         for p in self._by_age:
             if victim is not None and p.last_used > victim.page.last_used:
                 break
-            if p.tier != tier or p.locks:
+            if p.tier != tier:
                 continue
             for e in p.entries:
                 if e.checkpoint is not None and not e.checkpoint.turn_boundary and e.checkpoints_below and (
