@@ -610,3 +610,31 @@ def test_overlapped_decode_gives_the_synchronous_replies(model):
     assert r.finish_reason == "cancelled" and r.slot is None and len(r.output) == 3
     assert overlapped.states.num_free == overlapped.states.num_slots
     assert not any(p.locks for p in overlapped.prefix_cache.pages)
+
+
+def test_a_step_with_decoding_sequences_runs_at_most_the_set_prefill_forwards(model):
+    """`prefill_forwards_per_step` 1 (a GPU's default): while a sequence decodes, a long prompt prefills one chunk
+    forward per step (its later chunks wait for later steps, which take them in order); with none decoding the
+    step's whole budget runs. The replies are those of the engine without the limit."""
+    tok, greedy = ByteTokenizer(), dict(max_tokens=12, temperature=0, ignore_eos=True)
+    prompts = [tok.encode("decoding already"), tok.encode("a long prompt arrives while another decodes; " * 2)]
+
+    def replies(limit):
+        engine = make_engine(model, prefill_forwards_per_step=limit, prefill_chunk_blocks=2,
+                             scheduler=SchedulerConfig(max_running=4, prefill_tokens_per_step=96))
+        first = engine.add_request(prompts[0], SamplingParams(**greedy))
+        engine.step()
+        assert first.output and first.fed == len(prompts[0])
+        second = engine.add_request(prompts[1], SamplingParams(**greedy))
+        forwards = []
+        while second.prefilling:
+            before = engine.metrics.prefill_forwards
+            engine.step()
+            forwards.append(engine.metrics.prefill_forwards - before)
+        drain(engine)
+        return [first.output, second.output], forwards
+
+    (limited, forwards), (unlimited, all_at_once) = replies(1), replies(0)
+    assert limited == unlimited
+    assert set(forwards) == {1} and len(forwards) == -(-len(prompts[1]) // (2 * H))
+    assert max(all_at_once) == 3  # the budget's 96 tokens as three 32-token chunks, one per round

@@ -131,6 +131,9 @@ class EngineConfig:
     short_prefill_tokens: int | None = None
     # queue each decode step before reading the last one's tokens (`Engine._decode`); None: on a GPU
     overlap: bool | None = None
+    # eager prefill forwards a step may run while sequences decode (each stalls them all: ~22-40 ms of k3-debug on a
+    # GPU); the short graph step is not counted. 0: no limit; None: 1 on a GPU, no limit on a CPU
+    prefill_forwards_per_step: int | None = None
     seed: int = 0
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -317,6 +320,8 @@ class Engine:
         self.stop_ids = set(tokenizer.stop_ids)
         self.vocab_limit = min(tokenizer.vocab_size, mc.vocab_size)
         self.overlap = (config.overlap if config.overlap is not None else gpu) and self.draft is None
+        forwards = config.prefill_forwards_per_step
+        self.prefill_forwards_per_step = forwards if forwards is not None else int(gpu)
         self._inflight: InFlight | None = None
         self._lock = threading.Lock()
         self._cancels: set[str] = set()
@@ -445,14 +450,25 @@ class Engine:
             self._drain()
         # the step's prefill budget protects decoding sequences' inter-token latency; with none decoding, a long
         # prompt goes in chunks as long as the engine's longest forward (on a GPU)
-        budget = self.scheduler.config.prefill_tokens_per_step if speculating or decoding else self.idle_prefill
+        # and, with sequences decoding, at most `prefill_forwards_per_step` eager forwards (the longest chunks first)
+        stalls = speculating or decoding
+        budget = self.scheduler.config.prefill_tokens_per_step if stalls else self.idle_prefill
+        limit, eager = (self.prefill_forwards_per_step if stalls else 0), 0
         for round_ in self.scheduler.prefill_rounds(self._chunk_end, budget, align=self.hash_block):
+            held = False  # a chunk held back for the next step: the later rounds (which may continue it) wait too
             for group, offsets, short in self._prefill_groups([(r, end) for r, end in round_
                                                                if self._has_pages(r, end)]):
                 group = [(r, end) for r, end in group if r.slot is not None]  # (preempted since)
-                if group:
-                    with self._isolated([r for r, _ in group]):
-                        self._prefill(group, offsets, short)
+                if not group:
+                    continue
+                if limit and not short and eager >= limit:
+                    held = True
+                    continue
+                eager += not short
+                with self._isolated([r for r, _ in group]):
+                    self._prefill(group, offsets, short)
+            if held:
+                break
         self.metrics.steps += 1
 
     def _drafts_per_round(self, batch: int) -> int:
