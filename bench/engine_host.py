@@ -109,10 +109,9 @@ def main() -> None:
     torch.manual_seed(0)
     model = K3ForCausalLM(get_preset("k3-tiny")).eval()
     batch = max(args.batches)
-    live = batch * (PROMPT_TOKENS + max(args.lengths) + 3 * batch)
     engine = Engine(model, ByteTokenizer(), EngineConfig(
         prefix_cache=True, cache_bytes=args.cache_mb << 20,
-        kv_pages=None, scheduler=SchedulerConfig(max_running=batch)))
+        scheduler=SchedulerConfig(max_running=batch)))
     engine.runner.decode = stub_decode(engine, batch)
     rows, profiled = [], None
     print("| run | batch | output tokens | host ms / step (CPU) | host us / token | wall ms / step |\n"

@@ -18,10 +18,10 @@ writes. Eviction takes the least recently used unlocked page that has no child p
 moves the page's KV together with its checkpoints: a checkpoint never outlives its KV. The reverse also
 holds: an entry with no checkpoint at or below it is useless and is trimmed, even on a locked page (a lock keeps a
 page from eviction, not its entries from trimming), unless a lease pins it as the tail it appends after: the
-pin keeps the entry and, through it, the chain above it. Under memory pressure mid-turn
-checkpoints go first (locked pages' too); turn-boundary checkpoints and the newest one of every chain (no checkpoint below it)
-are kept. Tiers: device -> host (optional) -> disk (optional, needs host); a tier's page is never in a
-higher tier than its ancestors, and hits are promoted back to the device tier before they are used.
+pin keeps the entry and, through it, the chain above it. Under memory pressure mid-turn checkpoints go first
+(locked pages' too); turn-boundary checkpoints and the newest one of every chain (no checkpoint below it) are
+kept. Tiers: device -> host (optional) -> disk (optional, needs host); a tier's page is never in a higher tier
+than its ancestors, and hits are promoted back to the device tier before they are used.
 
 Paged mode (`PrefixCache(config, store=page_pool)`, what the serving engine uses): a device-tier page *is* a
 physical page of the engine's `PagePool` (`Page.phys`), holding the latents of every position of its page range,
