@@ -91,7 +91,7 @@ class Sequence:
             self.pages[-1] = own
         self.fed = hit
 
-    def write_block(self, oracle, checkpoint: bool) -> bool:
+    def write_block(self, oracle, checkpoint: bool, turn_boundary: bool = False) -> bool:
         h, P = self.cache.config.hash_block, self.cache.config.page_size
         if self.fed + h > len(self.tokens) or self.lease.detached:
             return False
@@ -101,7 +101,8 @@ class Sequence:
             self.pool.pages[0, self.pages[t // P], t % P, 0] = oracle.tag(self.tokens[: t + 1])
         self.fed += h
         ckpt = torch.tensor([oracle.tag(self.tokens[: self.fed])], dtype=torch.float64) if checkpoint else None
-        return self.cache.append(self.lease, self.tokens[self.fed - h:self.fed], None, ckpt, page=self.pages[-1]
+        return self.cache.append(self.lease, self.tokens[self.fed - h:self.fed], None, ckpt,
+                                 turn_boundary=turn_boundary, page=self.pages[-1]
                                  if (self.fed - 1) // P == len(self.pages) - 1 else self.pages[(self.fed - 1) // P])
 
     def finish(self):
@@ -186,8 +187,10 @@ def test_append_onto_a_cached_block_survives_the_room_made_for_its_checkpoint():
                             device_bytes=3 * pool.page_bytes + 2 * ckpt_bytes)
     cache, oracle, tokens = PrefixCache(cfg, store=pool), Oracle(), [1, 2, 3, 4, 5]
     first = Sequence(cache, pool, tokens, max_hit=0)
-    for checkpoint in (False, True, False, False, True):  # pages [1 2*] [3 4] [5*]: the device tier is full
-        assert first.write_block(oracle, checkpoint)
+    # pages [1 2*] [3 4] [5*]: the device tier is full; block 2 ends a turn, so its checkpoint is kept (a mid-turn
+    # one would be dropped to make the room) and the room comes from evicting a page
+    for block, checkpoint in enumerate((False, True, False, False, True), 1):
+        assert first.write_block(oracle, checkpoint, turn_boundary=block == 2)
     first.finish()
     assert cache.used[DEVICE] == cache.capacity(DEVICE)
 
