@@ -696,7 +696,8 @@ class Engine:
         else:
             self._write_pending(requests)
             logits, features = self.runner.decode_with_features(ids, slots, lengths)
-        tokens = self._device_tokens(requests, logits) if self.overlap else None
+        plain = self.overlap and all(r.params.plain for r in requests)
+        tokens = self._batch_tokens(requests, logits[:, : self.vocab_limit]) if plain else None
         self._drain()
         if tokens is not None:
             for r in requests:
@@ -718,20 +719,6 @@ class Engine:
                     self.features[r] = torch.cat([self._pending(r), features[row : row + 1]])
                 self._register_blocks(r, r.fed - 1)
                 self._accept(r, token)
-
-    def _device_tokens(self, requests: list[Request], logits: torch.Tensor) -> torch.Tensor | None:
-        """The rows' next tokens, left on the device, when their sampling reads only the logits and each row's
-        random source; else None (the host samples, `_sampler`)."""
-        if not all(r.params.plain for r in requests):
-            return None
-        logits = logits[:, : self.vocab_limit]
-        if all(r.params.greedy for r in requests):
-            return logits.argmax(-1)
-        try:
-            return sample_tokens(logits, [r.params for r in requests], [r.rng for r in requests])
-        except Exception:
-            log.exception("batched sampling failed; sampling each row alone")
-            return None
 
     def _ends_in_flight(self, r: Request) -> bool:
         """Whether the token of r's queued step ends it for length (`_accept`): then it takes no step more."""
@@ -916,13 +903,8 @@ class Engine:
         row samples alone when asked (inside its own `_isolated`), so that only a failing row ends."""
         logits = logits[:, : self.vocab_limit]
         params = [r.params for r in requests]
-        if all(p.greedy and p.plain for p in params):
-            return host_list(logits.argmax(-1)).__getitem__
-        try:
-            tokens = host_list(sample_tokens(logits, params, [r.rng for r in requests], [r.output for r in requests]))
-        except Exception:
-            log.exception("batched sampling failed; sampling each row alone")
-            tokens = None
+        tokens = self._batch_tokens(requests, logits)
+        tokens = host_list(tokens) if tokens is not None else None
         report = [row for row, p in enumerate(params) if p.logprobs is not None]
         host = dict(zip(report, logits[report].float().cpu())) if report else {}
 
@@ -935,6 +917,18 @@ class Engine:
             return token
 
         return sample
+
+    def _batch_tokens(self, requests: list[Request], logits: torch.Tensor) -> torch.Tensor | None:
+        """The rows' next tokens [n], left where the logits are: one argmax for an all-greedy plain batch, else
+        `sample_tokens`; None if the batched sampling raised (logged; each row then samples alone)."""
+        params = [r.params for r in requests]
+        if all(p.greedy and p.plain for p in params):
+            return logits.argmax(-1)
+        try:
+            return sample_tokens(logits, params, [r.rng for r in requests], [r.output for r in requests])
+        except Exception:
+            log.exception("batched sampling failed; sampling each row alone")
+            return None
 
     def _accept(self, r: Request, token: int) -> None:
         r.output.append(token)
