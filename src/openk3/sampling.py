@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from openk3.ops.fused import use_triton
+from openk3.ops.transfer import queued, to_device
 
 TEMPERATURE_FLOOR = 1e-5  # temperatures below it mean greedy
 PENALTY_RANGE = (-2.0, 2.0)  # presence_penalty, frequency_penalty (OpenAI's range)
@@ -123,19 +124,19 @@ def adjusted_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
         ids = [(row, t) for row, i in enumerate(biased) for t in params[i].logit_bias if t < V]
         bias = torch.zeros(len(biased), V, dtype=logits.dtype)
         bias[tuple(torch.tensor(ids).T)] = torch.tensor([params[biased[row]].logit_bias[t] for row, t in ids])
-        logits = logits.index_put((torch.tensor(biased, device=device),), logits[biased] + bias.to(device))
+        logits = logits.index_put((to_device(biased, device),), logits[biased] + queued(bias, device))
     penalised = [i for i, p in enumerate(params) if (p.presence_penalty or p.frequency_penalty) and previous
                  and previous[i]]
     if penalised:  # - (c[j] frequency + presence) where c[j] > 0; ids >= V counted in a spare column and dropped
         tokens = [torch.tensor(previous[i], dtype=torch.long).clamp_max(V) for i in penalised]
         owner = torch.repeat_interleave(torch.arange(len(penalised)), torch.tensor([len(t) for t in tokens]))
-        where = (owner * (V + 1) + torch.cat(tokens)).to(device)
+        where = queued(owner * (V + 1) + torch.cat(tokens), device)
         counts = torch.zeros(len(penalised) * (V + 1), dtype=logits.dtype, device=device)
         counts = counts.index_add_(0, where, torch.ones_like(where, dtype=logits.dtype)).view(-1, V + 1)[:, :V]
-        rates = torch.tensor([[params[i].frequency_penalty, params[i].presence_penalty] for i in penalised],
-                             dtype=logits.dtype).to(device)
+        rates = to_device([[params[i].frequency_penalty, params[i].presence_penalty] for i in penalised], device,
+                          logits.dtype)
         penalty = torch.where(counts > 0, counts * rates[:, :1] + rates[:, 1:], 0.0)
-        logits = logits.index_put((torch.tensor(penalised, device=device),), logits[penalised] - penalty)
+        logits = logits.index_put((to_device(penalised, device),), logits[penalised] - penalty)
     return logits
 
 
@@ -174,7 +175,7 @@ def sample_tokens(logits: torch.Tensor, params: Sequence[SamplingParams], rngs: 
     if not sampled:
         return picks
     every = len(sampled) == len(params)
-    rows = None if every else torch.tensor(sampled, device=logits.device)
+    rows = None if every else to_device(sampled, logits.device)
     part = logits if every else logits[rows]
     finite = part.amax(-1, keepdim=True).isfinite()
     part = torch.where(finite, part, 0.0)  # rows with nothing to sample keep their argmax below
@@ -189,7 +190,7 @@ def uniforms(rngs: Sequence[random.Random | None], device: torch.device | str = 
     """`count` U[0, 1) draws from each random source, as a tensor [len(rngs), count] (fp64) on `device`; a None
     source gives zeros and draws nothing."""
     values = [[rng.random() for _ in range(count)] if rng is not None else [0.0] * count for rng in rngs]
-    return torch.tensor(values, dtype=torch.float64, device=device)
+    return to_device(values, device, torch.float64)
 
 
 def draw_by_inversion(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -210,14 +211,14 @@ def sampling_probs(logits: torch.Tensor, params: SamplingParams | Sequence[Sampl
     if logits.dim() == 1:
         return sampling_probs(logits.unsqueeze(0), [params])[0]
     vocab, device = logits.shape[-1], logits.device
-    temperature = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=device).unsqueeze(-1)
+    temperature = to_device([1.0 if p.greedy else p.temperature for p in params], device).unsqueeze(-1)
     logits = (logits - logits.amax(-1, keepdim=True)) / temperature  # <= 0: no overflow for any temperature >= floor
     if any(0 < p.top_k < vocab for p in params):
-        k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
+        k = to_device([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device)
         kth = logits.sort(-1, descending=True).values.gather(-1, k.unsqueeze(-1) - 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if any(p.top_p < 1 for p in params):
-        top_p = torch.tensor([p.top_p if p.top_p < 1 else float("inf") for p in params], device=device)
+        top_p = to_device([p.top_p if p.top_p < 1 else float("inf") for p in params], device)
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
         probs = torch.softmax(sorted_logits, dim=-1)
         before = torch.cumsum(probs, dim=-1) - probs  # mass of the strictly more likely tokens

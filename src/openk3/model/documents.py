@@ -19,14 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-
-def queued(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """A host tensor on `device`, copied from pinned memory on a GPU (queued like a kernel: the host does not
-    wait; ops.transfer explains why that matters)."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+from openk3.ops.transfer import queued
 
 
 def same_document(segments: torch.Tensor, k: int) -> torch.Tensor:

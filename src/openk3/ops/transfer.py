@@ -26,6 +26,15 @@ def to_device(values, device: torch.device | str, dtype: torch.dtype | None = No
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
+def queued(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor on `device`: on a GPU copied from pinned memory, queued like a kernel (`t.to(device)` would
+    make the host wait for every kernel queued before it)."""
+    device = torch.device(device)
+    if device.type != "cuda" or t.is_cuda:
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 class HostCopy:
     """A tensor's copy to the host, queued on its device's stream when made (into pinned memory); `tolist` waits
     for it without the GIL. A CPU tensor is its own copy."""

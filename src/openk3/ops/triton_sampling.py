@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from openk3.ops.transfer import queued
+
 BLOCK_V = 4096  # vocabulary entries per loop step
 
 
@@ -199,7 +201,7 @@ def sample_rows_triton(logits: torch.Tensor, temperature: torch.Tensor, u: torch
     (int64), on the logits' device. The per-row parameters travel in one host-to-device copy."""
     logits = _last_contiguous(logits)
     B, V = logits.shape
-    params = torch.stack([temperature.double().cpu(), u.double().cpu()], dim=1).to(logits.device)
+    params = queued(torch.stack([temperature.double().cpu(), u.double().cpu()], dim=1), logits.device)
     out = torch.empty(B, dtype=torch.int64, device=logits.device)
     if B:
         _sample_kernel[(B,)](logits, params, out, V, logits.stride(0), BLOCK=_block(V))
@@ -217,7 +219,7 @@ def reject_rows_triton(draft_logits: torch.Tensor, target_logits: torch.Tensor, 
     draft_logits, target_logits = _last_contiguous(draft_logits), _last_contiguous(target_logits)
     B, K, V = draft_logits.shape
     params = torch.cat([temperature.double().cpu().view(B, 1), u.double().cpu(), drafted.double().cpu()], dim=1)
-    params = params.to(target_logits.device)
+    params = queued(params, target_logits.device)
     out = torch.empty(B, 2, dtype=torch.int64, device=target_logits.device)
     if B:
         _reject_kernel[(B,)](draft_logits, target_logits, params, out, V, draft_logits.stride(0),

@@ -32,8 +32,9 @@ from openk3.config import ModelConfig, get_preset
 from openk3.draft.model import DRAFT_CONFIG
 from openk3.model import K3ForCausalLM, configure_kda
 from openk3.model.compile import compile_blocks
-from openk3.model.documents import Documents, queued, same_document
+from openk3.model.documents import Documents, same_document
 from openk3.ops.loss import linear_cross_entropy
+from openk3.ops.transfer import queued
 from openk3.parallel import ParallelDims, cp_lm_losses, parallelize
 from openk3.quant.qat import enable_qat
 from openk3.tokenizer import TextTokenizer, load_or_train
