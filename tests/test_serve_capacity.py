@@ -49,6 +49,11 @@ def test_gpu_pool_too_small_for_one_sequence_names_both_flags():
                                          rf"--max-model-len 1048576 needs {need:.2f} GiB"):
         gpu_capacity(total=80 * GiB, free=70 * GiB, reserved=8 * GiB, peak_allocated=6 * GiB, utilization=0.1,
                      max_model_len=1 << 20, cache_bytes=None, prefix_cache=False, **PAGE)
+    # weights and activations past the utilization's share: nothing is left, and the message says so plainly
+    with pytest.raises(ValueError, match=r"leaves 0.00 GiB .* 72.00 GiB weights and activations, .* 0.00 GiB prefix "
+                                         r"cache\)"):
+        gpu_capacity(total=80 * GiB, free=8 * GiB, reserved=72 * GiB, peak_allocated=72 * GiB, utilization=0.9,
+                     max_model_len=65536, cache_bytes=None, prefix_cache=True, **PAGE)
     for bad in (0, -0.5, 1.01):
         with pytest.raises(ValueError, match="--gpu-memory-utilization must be in"):
             gpu_capacity(total=80 * GiB, free=70 * GiB, reserved=0, peak_allocated=0, utilization=bad,

@@ -60,7 +60,7 @@ def gpu_capacity(*, total: int, free: int, reserved: int, peak_allocated: int, u
     check_utilization(utilization)
     others = total - free - reserved  # the CUDA context and other processes
     budget = int(total * utilization) - others - peak_allocated - GRAPH_RESERVE_BYTES
-    cache = 0 if not prefix_cache else cache_bytes if cache_bytes is not None else int(budget * CACHE_SHARE)
+    cache = 0 if not prefix_cache else cache_bytes if cache_bytes is not None else int(max(0, budget) * CACHE_SHARE)
     pages = (budget - cache) // page_bytes
     need = pages_for(max_model_len + 1, page_size)
     if pages - 1 < need:

@@ -287,13 +287,16 @@ class Engine:
         if gpu or self.runner.prefill_compiled:  # first: a unit that fails to compile goes back to eager
             longest = min(self.chunk_blocks * h, self.max_model_len // h * h)  # the longest prefill forward
             self.runner.warm_up_prefill(long=(longest, self._checkpoint_offsets(0, longest)))
-        before = torch.cuda.memory_reserved(device) if gpu else 0
+        # the prefill graphs' pool, measured apart from the warm-up's peak (the capture's own allocations would
+        # count it twice) and without the blocks the capture's warm-ups left cached
+        before, peak = self._reserved_after_empty_cache(device)
         self.runner.capture_prefill()
-        prefill_graph_bytes = torch.cuda.memory_reserved(device) - before if gpu else 0
+        prefill_graph_bytes = self._reserved_after_empty_cache(device)[0] - before
+        peak += prefill_graph_bytes
         if gpu:  # the sampling kernel's first use compiles it (~0.2 s): not inside a request's first step
             sample_tokens(torch.zeros(1, mc.vocab_size, device=device), [SamplingParams(temperature=1.0)],
                           [request_rng(0)])
-        self.capacity = self._capacity(page_bytes, device, prefill_graph_bytes)
+        self.capacity = self._capacity(page_bytes, device, peak)
         del warm
         self.pages = PagePool(n_mla, self.capacity.pages, P, width, dtype=dtype, device=device)
         self.runner.attach_pages(self.pages)
@@ -331,10 +334,20 @@ class Engine:
         # called with a step's events [(on_event, event)] instead of each on_event (openk3.serve.api sets it)
         self.event_sink: Callable[[list], None] | None = None
 
-    def _capacity(self, page_bytes: int, device: torch.device, graph_bytes: int = 0) -> Capacity:
+    @staticmethod
+    def _reserved_after_empty_cache(device: torch.device) -> tuple[int, int]:
+        """(bytes the allocator holds once its unused cached blocks are released, peak bytes allocated so far) on
+        a GPU; (0, 0) elsewhere."""
+        if device.type != "cuda":
+            return 0, 0
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        return torch.cuda.memory_reserved(device), torch.cuda.max_memory_allocated(device)
+
+    def _capacity(self, page_bytes: int, device: torch.device, peak_bytes: int = 0) -> Capacity:
         """The pool's size (openk3.serve.capacity): from the device's free memory on a GPU, measured after the
-        weights, the state pool, the longest prefill forward's warm-up and the prefill graphs (`graph_bytes`, held
-        by their pool besides the peak the warm-up reached); else fixed."""
+        weights, the state pool, the longest prefill forward's warm-up and the prefill graphs (`peak_bytes`: the
+        warm-up's peak allocation plus the graphs' pool); else fixed."""
         config = self.config
         fields = dict(page_bytes=page_bytes, page_size=self.page_size, max_model_len=self.max_model_len,
                       cache_bytes=config.cache_bytes, prefix_cache=config.prefix_cache)
@@ -343,7 +356,7 @@ class Engine:
         torch.cuda.synchronize(device)
         free, total = torch.cuda.mem_get_info(device)
         return gpu_capacity(total=total, free=free, reserved=torch.cuda.memory_reserved(device),
-                            peak_allocated=torch.cuda.max_memory_allocated(device) + graph_bytes,
+                            peak_allocated=peak_bytes,
                             utilization=config.gpu_memory_utilization, **fields)
 
     @property
