@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from openk3.model import K3ForCausalLM
-from openk3.serve.piecewise import BUCKET_STEP, SMALLEST_BUCKET, mixers_replaced, token_buckets
+from openk3.serve.piecewise import (
+    BUCKET_STEP,
+    SMALLEST_BUCKET,
+    PiecewisePrefill,
+    mixers_replaced,
+    token_buckets,
+)
 from test_model_decode import CONFIGS, randomize
 from test_runner import give_pages, make_runner
 
@@ -42,6 +48,16 @@ def test_mixers_replaced_stands_in_for_each_mixer_in_order_and_restores_them():
         torch.testing.assert_close(got, want, rtol=0, atol=0)
         assert all("_mix" not in layer.__dict__ for layer in model.model.layers)
         torch.testing.assert_close(model(ids).logits, want, rtol=0, atol=0)
+
+
+def test_buckets_share_each_mixers_output_buffer():
+    pieces = PiecewisePrefill(randomize(K3ForCausalLM(CONFIGS["k3-tiny"]()), seed=4), largest_tokens=1024)
+    big = [pieces._mixer_output(i, torch.ones(1, 1024, 8)) for i in range(2)]  # the largest bucket, captured first
+    small = pieces._mixer_output(1, torch.ones(1, 256, 8))
+    assert len(pieces._outputs) == 2 and small.shape == (1, 256, 8) and small.is_contiguous()
+    assert small.data_ptr() == big[1].data_ptr() != big[0].data_ptr()
+    small.view(-1, 8)[:3].fill_(2.0)  # as `run` writes a mixer's output
+    assert big[1][0, :3].eq(2.0).all() and big[1][0, 3:].eq(0.0).all()
 
 
 def test_runner_without_cuda_graphs_has_no_prefill_pieces():

@@ -11,7 +11,8 @@ sequence, so mixers run eagerly between the replays, on the real [B, T] rows:
 
 Capture runs the model's own forward once per bucket with each layer's `_mix` standing in for the mixer: it ends the
 piece being captured, keeps the mixer's input x_i (a tensor of the graph's memory), hands back a static buffer out_i
-for the mixer's output and begins the next piece. All buckets share one memory pool: tensors that cross pieces
+for the mixer's output (one per mixer, shared by every bucket: the memory grows with the model's width x depth x the
+bucket sizes) and begins the next piece. All buckets share one memory pool: tensors that cross pieces
 (AttnRes block sums, x_i) stay alive through their bucket's capture, and two buckets never replay interleaved.
 Rows past the real tokens are padding: their ids and mixer outputs are whatever the last forward left (finite), and
 per-token work keeps them to their own rows.
@@ -75,6 +76,7 @@ class PiecewisePrefill:
         self.layers = model.model.layers
         self.buckets = token_buckets(largest_tokens)
         self.pieces: dict[int, Pieces] = {}
+        self._outputs: list[torch.Tensor] = []  # the mixers' output buffers (`_mixer_output`)
 
     def fits(self, tokens: int) -> bool:
         return bool(self.pieces) and tokens <= self.buckets[-1]
@@ -95,6 +97,7 @@ class PiecewisePrefill:
                     self.pieces[tokens] = self._capture(tokens, pool)
         except Exception:
             self.pieces.clear()
+            self._outputs.clear()
             raise
         finally:
             torch.cuda.current_stream().wait_stream(side)
@@ -119,7 +122,7 @@ class PiecewisePrefill:
         def cut(i: int, x: torch.Tensor) -> torch.Tensor:
             graphs[i].capture_end()
             inputs.append(x)
-            outputs.append(torch.zeros(x.shape, dtype=x.dtype, device=x.device))  # outside any capture
+            outputs.append(self._mixer_output(i, x))  # outside any capture
             graphs[i + 1].capture_begin(pool=pool)
             return outputs[-1]
 
@@ -136,6 +139,14 @@ class PiecewisePrefill:
                 raise
             graphs[-1].capture_end()
         return Pieces(ids, graphs, inputs, outputs, normed)
+
+    def _mixer_output(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """Mixer i's static output for x [1, N, D]: the first N rows of one buffer per mixer that every bucket
+        shares (the largest bucket is captured first; buckets never replay interleaved, and `run` writes a mixer's
+        output before the graph that reads it replays)."""
+        if i == len(self._outputs):
+            self._outputs.append(torch.zeros(x.shape, dtype=x.dtype, device=x.device))
+        return self._outputs[i][:, :x.shape[1]]
 
     def _device(self) -> torch.device:
         return self.model.model.embed_tokens.weight.device
