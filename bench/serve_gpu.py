@@ -50,6 +50,7 @@ from openk3.config import get_preset  # noqa: E402
 from serve_load import run_load  # noqa: E402  (bench/serve_load.py)
 
 TEXT = dict(prompt_len="60:200", temperature=0.8, top_p=0.95, tokenizer="bytes")
+CACHE_EVICTIONS = ("evicted_pages", "dropped_checkpoints")  # the prefix cache's /metrics counters many_long reads
 
 
 def free_port() -> int:
@@ -165,6 +166,7 @@ def many_long(args: argparse.Namespace, server: Server) -> dict:
     common = dict(max_concurrency=clients, num_requests=clients, prompt_len=context, temperature=0.8,
                   tokenizer="bytes", seed=5)
     preempted = server.counter("openk3_engine_preemptions_total")
+    evictions = {name: server.counter(f"openk3_prefix_cache_{name}_total") for name in CACHE_EVICTIONS}
     first = check(run_load(server.url, output_len=1, **common), "many long contexts, first pass")
     report = check(run_load(server.url, output_len=args.reply, **common), "many long contexts")
     tpots = [r["tpot"] for r in report["requests"] if r.get("tpot")]
@@ -175,11 +177,16 @@ def many_long(args: argparse.Namespace, server: Server) -> dict:
            "cached_tokens": report["cached_tokens"], "first_pass_s": first["duration_s"],
            "first_pass_ttft_p50_s": first["ttft_s"]["p50"], "ttft_p50_s": report["ttft_s"]["p50"],
            "tpot_p50_s": report["tpot_s"]["p50"],
-           "preemptions": server.counter("openk3_engine_preemptions_total") - preempted, "report": summary(report)}
+           "preemptions": server.counter("openk3_engine_preemptions_total") - preempted,
+           # what the prefix cache gave up over both passes (a second pass that misses re-prefills whole contexts)
+           "prefix_cache": {name: server.counter(f"openk3_prefix_cache_{name}_total") - before
+                            for name, before in evictions.items()},
+           "report": summary(report)}
     print(f"{clients} clients x {context} tokens: prefilled in {first['duration_s']:.1f} s, then "
           f"{out['aggregate_decode_tok_per_s']:.0f} tok/s aggregate decode, {out['decode_rate_sum_tok_per_s']:.0f} "
           f"while decoding together (TPOT p50 {out['tpot_p50_s'] * 1e3:.1f} "
-          f"ms, {report['cached_tokens']} cached prompt tokens), {out['preemptions']:.0f} preemptions", flush=True)
+          f"ms, {report['cached_tokens']} cached prompt tokens), {out['preemptions']:.0f} preemptions; prefix cache "
+          f"{out['prefix_cache']}", flush=True)
     return out
 
 

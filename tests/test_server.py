@@ -31,7 +31,8 @@ def test_models_health_and_metrics(server, client):
     text = httpx.get(f"{server}/metrics").text
     for name in ("requests_received_total", "generation_tokens_total", "queue_requests",
                  "prefix_cache_queried_tokens_total", "prefix_cache_hit_tokens_total", "engine_step_seconds_total",
-                 "engine_slowest_step_seconds", "engine_prefill_forwards_total"):
+                 "engine_slowest_step_seconds", "engine_prefill_forwards_total", "prefix_cache_evicted_pages_total",
+                 "prefix_cache_dropped_checkpoints_total"):
         assert f"# TYPE openk3_{name}" in text
 
 

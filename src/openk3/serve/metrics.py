@@ -6,7 +6,8 @@ openk3_generation_tokens_total, openk3_engine_steps_total, openk3_engine_step_se
 engine's steps), openk3_engine_slowest_step_seconds, openk3_engine_prefill_forwards_total (batched prefill
 forwards), openk3_engine_preemptions_total (sequences preempted for want of latent pages), openk3_queue_requests,
 openk3_running_requests, openk3_memory_bytes{part} (weights, latent_pages, kda_states, cuda_graphs),
-openk3_prefix_cache_queried_tokens_total, openk3_prefix_cache_hit_tokens_total, openk3_prefix_cache_utilisation,
+openk3_prefix_cache_queried_tokens_total, openk3_prefix_cache_hit_tokens_total,
+openk3_prefix_cache_evicted_pages_total, openk3_prefix_cache_dropped_checkpoints_total, openk3_prefix_cache_utilisation,
 and with --speculative (0 otherwise) openk3_spec_decode_drafts_total (verifications, one per sequence and round),
 openk3_spec_decode_draft_tokens_total and openk3_spec_decode_accepted_tokens_total (vLLM's acceptance length is
 1 + accepted / drafts), openk3_spec_decode_steps_total{k} (decode steps by the drafts per round chosen for them,
@@ -64,6 +65,10 @@ class EngineCollector(Collector):
              stats.queried_tokens if stats else 0),
             ("prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache.",
              stats.hit_tokens if stats else 0),
+            ("prefix_cache_evicted_pages", "Prefix-cache pages dropped from the cache (from its lowest tier).",
+             stats.evicted_pages if stats else 0),
+            ("prefix_cache_dropped_checkpoints", "Mid-turn KDA checkpoints dropped to make room in the prefix cache.",
+             stats.dropped_checkpoints if stats else 0),
             ("spec_decode_drafts", "Speculative verifications (per sequence and round).", m.spec_drafts),
             ("spec_decode_draft_tokens", "Tokens proposed by the draft model.", m.spec_draft_tokens),
             ("spec_decode_accepted_tokens", "Drafted tokens the target accepted.", m.spec_accepted_tokens),
