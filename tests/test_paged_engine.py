@@ -156,6 +156,28 @@ def test_hits_share_pages_by_reference_and_copy_only_a_page_being_written(model)
         assert r.output == generate_ids(model, r.prompt, 40, greedy)
 
 
+def test_prompts_of_whole_blocks_sent_again_keep_their_hits_when_the_cache_is_full(model):
+    """A prompt of a whole number of hash blocks, sent again, hits all but its last block (one is prefilled to
+    sample from): the checkpoint there is kept like the turn's end when the cache's tier fills and mid-turn
+    checkpoints give way (64 contexts of 16k tokens on an H100 lost the whole hit of 14 of them before)."""
+    n, blocks = 4, 8
+    probe = make_engine(model, checkpoint_every=1)
+    page_bytes, ckpt = probe.prefix_cache.config.page_bytes, probe.checkpoint_bytes
+    # room for each prompt's pages and two and a half of its eight checkpoints
+    engine = make_engine(model, checkpoint_every=1, cache_bytes=n * (-(-blocks // 4) * page_bytes + 5 * ckpt // 2))
+    rng = random.Random(4)
+    prompts = [[rng.randrange(3, 90) for _ in range(blocks * H)] for _ in range(n)]
+    for max_tokens in (1, 3):
+        made = [engine.add_request(p, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+                for p in prompts]
+        while engine.has_work():
+            engine.step()
+        assert engine.prefix_cache.stats.dropped_checkpoints > 0 and engine.prefix_cache.stats.evicted_pages == 0
+    assert [r.cached_tokens for r in made] == [(blocks - 1) * H] * n
+    greedy = SamplingParams(max_tokens=3, temperature=0)
+    assert all(r.output == generate_ids(model, r.prompt, 3, greedy) for r in made)
+
+
 def test_prefill_spends_exactly_the_step_budget(model):
     """The chunk that reaches the budget is cut there, whatever the hash block (the block-aligned baseline of
     bench/serve.py prefills with the same budget per step as K3's policy)."""

@@ -902,7 +902,8 @@ class Engine:
                     ckpt["feature"] = features[row, end - start - 1].clone()
             else:
                 ckpt = None
-            turn_end = end <= len(r.prompt) < end + h  # the last boundary of the prompt ends the user's turn
+            # kept under memory pressure: where the same prompt again resumes, and where the next turn does
+            turn_end = end in (self._turn_boundary(len(r.prompt)), len(r.prompt) // h * h)
             page = self.tables.pages[r.slot][(end - h) // self.page_size]
             block = tokens[end - h - base:end - base]
             self.prefix_cache.append(r.lease, block, None, ckpt, turn_boundary=turn_end, page=page)
