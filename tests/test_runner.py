@@ -4,6 +4,7 @@ only the slots and pages it addresses."""
 
 import ast
 import copy
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from openk3.cache.state_pool import StatePool
 from openk3.model import K3ForCausalLM
 from openk3.model.decode import fuse_kda_inputs, kda_input_projections
 from openk3.model.kda import KimiDeltaAttention
+from openk3.ops import fused
 from openk3.ops import moe as moe_ops
 from openk3.ops.activations import swiglu
 from openk3.ops.transfer import to_device
@@ -279,15 +281,31 @@ def test_gpu_decode_step_never_waits_for_the_host(monkeypatch):
         assert syncs.seen == [] and torch.isfinite(logits).all(), step
 
 
+def gpu_paths(monkeypatch) -> None:
+    """Every module's `use_triton` answers as on a GPU for these CPU tensors (their Triton kernels then run in
+    the interpreter), so that what traces here is what a GPU's step traces."""
+    def as_on_a_gpu(x: torch.Tensor, compiled: bool = False) -> bool:
+        return x.dtype in (torch.float32, torch.bfloat16, torch.float16) and (
+            compiled or not torch.compiler.is_compiling())
+
+    original = fused.use_triton
+    for module in [m for name, m in sys.modules.items() if name.startswith("openk3.")]:
+        if getattr(module, "use_triton", None) is original:
+            monkeypatch.setattr(module, "use_triton", as_on_a_gpu)
+
+
 @pytest.mark.parametrize("dense_experts", [False, True])
 def test_compiled_decode_step_is_few_graphs_and_equals_eager(monkeypatch, dense_experts):
     """The decode step torch.compile'd as the engine does on a GPU (Dynamo's tracing with the aot_eager backend:
-    Inductor's code generation takes minutes on this CPU) traces whole, with the Triton kernels (interpreted) as
-    custom ops updating the pools in place: no graph break, and the eager step's logits, KDA states, conv windows and
-    latent pages (apart from the scratch rows that padding writes). Graphs for the buckets 1, 2, 4: batch 1, then
-    one with the batch as a symbol; with the dense experts path (6 experts, top-2: from batch 3 on) batch 4 is a
-    third (the engine's price for that path: one more compile at start-up)."""
+    Inductor's code generation takes minutes on this CPU), with the GPU's code paths (`gpu_paths`), traces whole,
+    with the Triton kernels (interpreted) as custom ops updating the pools in place: no graph break (a break per
+    layer made Dynamo recompile the pieces per layer past its limit on a GPU, the rest running eagerly), and the
+    eager step's logits, KDA states, conv windows and latent pages (apart from the scratch rows that padding
+    writes). Graphs for the buckets 1, 2, 4: batch 1, then one with the batch as a symbol; with the dense experts
+    path (6 experts, top-2: from batch 3 on) batch 4 is a third (the engine's price for that path: one more
+    compile at start-up)."""
     monkeypatch.setattr(moe_ops, "grouped_glu_mlp", dense_grouped_glu_mlp)  # the CPU's loop reads counts on host
+    gpu_paths(monkeypatch)
     if not dense_experts:
         monkeypatch.setattr(moe_ops, "DENSE_MAX_TOKENS", 0)
     torch._dynamo.reset()

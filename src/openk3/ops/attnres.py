@@ -44,7 +44,8 @@ def attn_res_blocks(blocks: list[torch.Tensor], queries: torch.Tensor, eps: floa
     its own, so that no query's use makes autograd build a zero-filled [..., Q, D] gradient (as indexing one
     [..., Q, D] result per query would) and, compiled, the backward takes the rows' gradients without a stacked
     copy. On CUDA (block sums in 16/32-bit floats, fp32 queries) one Triton pass each way
-    (`ops.triton_attnres.blocks_triton`; inside torch.compile too, as a graph break), where its tiles fit."""
+    (`ops.triton_attnres.blocks_triton`; inside torch.compile too, as a graph break, where autograd records),
+    where its tiles fit."""
     if _blocks_take_triton(blocks, queries):
         return BlockMix(*_blocks_triton(blocks, queries, eps))
     return attn_res_blocks_reference(blocks, queries, eps)
@@ -71,6 +72,11 @@ def attn_res_blocks_reference(blocks: list[torch.Tensor], queries: torch.Tensor,
 
 def _blocks_take_triton(blocks: list[torch.Tensor], queries: torch.Tensor) -> bool:
     if queries.dtype != torch.float32 or not all(use_triton(b, compiled=True) for b in blocks):
+        return False
+    if torch.compiler.is_compiling() and not torch.is_grad_enabled():
+        # inference compiled (the serving engine's decode step): Inductor fuses the reference into the step's
+        # graph, where the kernel's graph break cut the step at every layer into frames that each recompiled
+        # per layer, past Dynamo's recompile limit (the rest then ran eagerly)
         return False
     from openk3.ops.triton_attnres import blocks_triton_fits  # triton is an optional dependency
 
