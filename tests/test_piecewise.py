@@ -85,6 +85,9 @@ def test_prefill_replayed_from_pieces_equals_the_eager_forward(name):
     for slot, s, n in zip(slots, starts, lengths):
         give_pages(runner, slot, s + n, rng)
     pools = (runner.states.conv, runner.states.recurrent, runner.pages.pages)
+    # the compared part: the padding slot and the null page are scratch that padded positions write, several to one
+    # address in one kernel (which write lands there varies from run to run)
+    live = (slice(None, runner.states.padding_slot), slice(None, runner.states.padding_slot), slice(1, None))
     chunks = [x[s:] for x, s in zip(ids, starts)]
     pieces = runner.piecewise
     results = []
@@ -98,7 +101,7 @@ def test_prefill_replayed_from_pieces_equals_the_eager_forward(name):
                 t.copy_(b)
             runner.piecewise = piecewise
             logits, ckpts = runner.prefill(chunks, slots, starts, checkpoint_offsets=offsets)
-            results.append((logits.float(), ckpts, [t.float().clone() for t in pools]))
+            results.append((logits.float(), ckpts, [t[:, keep].float().clone() for t, keep in zip(pools, live)]))
     (got, got_ckpts, got_pools), (want, want_ckpts, want_pools) = results
     assert sorted(got_ckpts) == sorted(want_ckpts) == list(offsets)
     pairs = [(got, want), *((got_ckpts[o][key].float(), want_ckpts[o][key].float())
