@@ -335,6 +335,19 @@ def test_compiled_decode_step_is_few_graphs_and_equals_eager(monkeypatch, dense_
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_a_compiled_decode_step_that_breaks_says_so(caplog):
+    """A graph break in the compiled decode step (here the CPU's expert loop, which reads the group sizes on the
+    host) is logged once per compile, naming the step and the count, since the step then runs as pieces."""
+    torch._dynamo.reset()
+    model = randomize(K3ForCausalLM(CONFIGS["k3-tiny"]()), seed=5)
+    runner = make_runner(model, "torch", compile_backend="eager")
+    with torch.no_grad(), caplog.at_level("WARNING", logger="openk3.serve.runner"):
+        runner.decode([7], [0], [9])
+        runner.decode([5], [1], [3])  # compiled already: nothing more to say
+    said = [r.getMessage() for r in caplog.records if "graph breaks" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("the compiled decode step at batch 1 has ")
+
+
 def test_prefill_units_compiled_give_the_eager_logits(monkeypatch):
     """prefill_compile_backend (the engine's compile_prefill): the FFN, norm and AttnRes units compiled in place
     with dynamic shapes (Dynamo's tracing with aot_eager here) trace without a graph break and give the eager

@@ -44,6 +44,7 @@ import logging
 import time
 
 import torch
+from torch._dynamo.utils import counters
 
 from openk3.cache import HybridCache, KDALayerCache, MLALayerCache
 from openk3.cache.paged import BlockTables, PagePool
@@ -200,8 +201,14 @@ class ModelRunner:
         fn, compiled = self._steps()[name]
         if not compiled:
             return fn(size)
+        breaks = sum(counters["graph_break"].values())
         with torch._dynamo.config.patch(recompile_limit=len(self.buckets)):  # at most one graph per bucket
-            return fn(size)
+            out = fn(size)
+        breaks = sum(counters["graph_break"].values()) - breaks  # (Dynamo counts them while it compiles)
+        if breaks:
+            log.warning("the compiled %s step at batch %d has %d graph breaks (TORCH_LOGS=graph_breaks names them): "
+                        "it runs as pieces, each compiled and guarded on its own", name, size, breaks)
+        return out
 
     def _size(self, n: int) -> int:
         """The batch a step of n sequences runs at: the smallest bucket >= n when graphs or compiled steps are in
