@@ -33,6 +33,7 @@ import pstats
 import random
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -82,6 +83,16 @@ def fed_prompt(requests: list) -> int:
     return sum(min(r.fed, len(r.prompt)) for _, r in requests)
 
 
+def allocator_events(device: torch.device) -> tuple[int, int]:
+    """(retries, device mallocs + frees) of the caching allocator so far: a retry frees every cached block (a device
+    sync) to fit an allocation, and a cudaMalloc / cudaFree synchronises too; a step that did either shows why it
+    was slow. (0, 0) off CUDA."""
+    if device.type != "cuda":
+        return 0, 0
+    stats = torch.cuda.memory_stats(device)
+    return stats.get("num_alloc_retries", 0), stats.get("num_device_alloc", 0) + stats.get("num_device_free", 0)
+
+
 WORKLOAD = ("rate", "requests", "prompt", "reply", "top_p")  # a run's own stream (--runs)
 
 
@@ -122,6 +133,37 @@ def forward_costs(engine: Engine, shapes: list[tuple[int, int]], repeats: int = 
     return rows
 
 
+# where a step's host time goes: engine methods, and within `_prefill` the runner's forward and the prefix cache's
+# bookkeeping
+PHASES = ("_start", "_decode", "_drain", "_prefill", "runner.prefill", "_register_blocks")
+
+
+def _timed(method: Callable, phase: str, spent: dict[str, float]) -> Callable:
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            spent[phase] += time.perf_counter() - t0
+    return timed
+
+
+def timed_phases(engine: Engine) -> tuple[dict[str, float], Callable[[], None]]:
+    """Wrap the PHASES (instance attributes over the methods) to add their host seconds into the returned dict,
+    which the caller clears per step; the second value undoes the wrapping. Device work a phase launches counts
+    where the host waits for it."""
+    spent, owners = dict.fromkeys(PHASES, 0.0), []
+    for phase in PHASES:
+        owner, name = (engine.runner, phase.split(".")[1]) if "." in phase else (engine, phase)
+        setattr(owner, name, _timed(getattr(owner, name), phase, spent))
+        owners.append((owner, name))
+
+    def undo() -> None:
+        for owner, name in owners:
+            delattr(owner, name)  # the class's methods again
+    return spent, undo
+
+
 def run(engine: Engine, args: argparse.Namespace, vocab: int, seed: int = 0) -> dict:
     rng, ids = random.Random(7), random.Random(seed)  # the same arrivals and lengths each run, fresh token ids
     at, arrivals = 0.0, []
@@ -130,6 +172,8 @@ def run(engine: Engine, args: argparse.Namespace, vocab: int, seed: int = 0) -> 
         prompt = [ids.randrange(vocab) for _ in range(rng.randint(*span(args.prompt)))]
         arrivals.append((at, prompt, rng.randint(*span(args.reply))))
     requests, steps = [], []
+    device = engine.runner.device
+    spent, untime = timed_phases(engine)
     start = time.perf_counter()
     pending = list(arrivals)
     while pending or engine.has_work():
@@ -143,12 +187,18 @@ def run(engine: Engine, args: argparse.Namespace, vocab: int, seed: int = 0) -> 
             continue
         decoding = sum(1 for r in engine.scheduler.running if not r.prefilling)
         before, forwards = fed_prompt(requests), engine.metrics.prefill_forwards
+        retries, mallocs = allocator_events(device)
+        spent.update(dict.fromkeys(PHASES, 0.0))
         t0 = time.perf_counter()
         engine.step()
         wall = time.perf_counter() - t0
         prefill = max(0, fed_prompt(requests) - before)  # (a preempted sequence starts again from 0)
+        retries_after, mallocs_after = allocator_events(device)
         steps.append({"wall_s": wall, "decoding": decoding, "prefill_tokens": prefill,
-                      "prefill_forwards": engine.metrics.prefill_forwards - forwards})
+                      "prefill_forwards": engine.metrics.prefill_forwards - forwards,
+                      "alloc_retries": retries_after - retries, "device_mallocs": mallocs_after - mallocs,
+                      "phase_ms": {name.strip("_"): round(t * 1e3, 1) for name, t in spent.items()}})
+    untime()
     duration = time.perf_counter() - start
     ttft = [r.first_token_at - t for t, r in requests if r.first_token_at is not None]
     itl = [s["wall_s"] for s in steps for _ in range(s["decoding"])]
@@ -169,6 +219,8 @@ def run(engine: Engine, args: argparse.Namespace, vocab: int, seed: int = 0) -> 
             "output_tok_per_s": output / duration,
             "ttft_p50_s": percentile(ttft, 0.5), "ttft_p99_s": percentile(ttft, 0.99),
             "itl_p50_s": percentile(itl, 0.5), "itl_p99_s": percentile(itl, 0.99), "steps": table,
+            "alloc_retries": sum(s["alloc_retries"] for s in steps),
+            "device_mallocs": sum(s["device_mallocs"] for s in steps),
             "slowest": sorted(steps, key=lambda s: s["wall_s"], reverse=True)[:SLOWEST],
             "mean_step_ms": statistics.fmean(s["wall_s"] for s in steps) * 1e3}
 
@@ -246,9 +298,12 @@ def main() -> None:
             print(f"| {kind} | {row['steps']} | {row['wall_ms_p50']:.1f} | {row['wall_ms_p99']:.1f} | "
                   f"{row['seconds']:.2f} | {row['prefill_tokens_per_step']:.0f} | {row['forwards_per_step']:.2f} | "
                   f"{row['prefill_tok_per_s']:,.0f} |", flush=True)
-        print("slowest steps (ms, decoding, prefill tokens, forwards): " + "; ".join(
-            f"{s['wall_s'] * 1e3:.0f}, {s['decoding']}, {s['prefill_tokens']}, {s['prefill_forwards']}"
-            for s in result["slowest"]), flush=True)
+        print(f"allocator: {result['alloc_retries']} retries, {result['device_mallocs']} device mallocs + frees")
+        print("slowest steps (ms, decoding, prefill tokens, forwards, allocator retries, mallocs): " + "; ".join(
+            f"{s['wall_s'] * 1e3:.0f}, {s['decoding']}, {s['prefill_tokens']}, {s['prefill_forwards']}, "
+            f"{s['alloc_retries']}, {s['device_mallocs']}" for s in result["slowest"]), flush=True)
+        for s in result["slowest"][:4]:
+            print(f"  {s['wall_s'] * 1e3:.0f} ms: host ms by phase {s['phase_ms']}")
         name = torch.cuda.get_device_name() if device.type == "cuda" else str(device)
         kept[f"{args.label}/{label}"] = {"engine": args.engine, "settings": pairs, "preset": args.preset,
                                          "stream": {key: getattr(run_args, key) for key in WORKLOAD},
