@@ -241,7 +241,7 @@ def test_a_short_prompt_stops_at_its_turn_boundary_in_the_short_step(model):
     tok = ByteTokenizer()
     engine = make_engine(model, short_prefill_tokens=3 * H, checkpoint_every=4)
     prompt = tok.encode("z" * (2 * H + 5))
-    with mock.patch.object(engine.runner, "prefill", wraps=engine.runner.prefill) as eager:
+    with mock.patch.object(engine.runner, "forward_steps", wraps=engine.runner.forward_steps) as eager:
         engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0))
         drain(engine)
         assert not eager.called and engine.metrics.prefill_forwards == 2
@@ -496,14 +496,14 @@ def test_a_failing_prefill_forward_fails_its_group_alone(model):
     expected = [alone.add_request(p, SamplingParams(**params)) for p in (decoding, longer, short)]
     drain(alone)
     engine = make_engine(model)
-    prefill = engine.runner.prefill
+    forward_steps = engine.runner.forward_steps
 
     def fails_on_poison(chunks, *args, **kwargs):
         if any(poison in chunk for chunk in chunks):
             raise RuntimeError("injected forward failure")
-        return prefill(chunks, *args, **kwargs)
+        return forward_steps(chunks, *args, **kwargs)
 
-    engine.runner.prefill = fails_on_poison
+    engine.runner.forward_steps = fails_on_poison
     first = engine.add_request(decoding, SamplingParams(**params))
     engine.step()
     # (right-padded together, the longer and the short prompt fill their forward: the poisoned one, as short, pads

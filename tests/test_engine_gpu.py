@@ -2,6 +2,8 @@
 included, before the host reads the previous step's tokens; openk3.serve.engine `Engine._decode`) replays CUDA
 graphs fed from the device and gives the synchronous engine's greedy and seeded replies."""
 
+from unittest import mock
+
 import pytest
 import torch
 
@@ -15,15 +17,16 @@ from test_model_decode import CONFIGS, randomize
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU engine needs a CUDA device")
 
 
-def replies(model, overlap: bool) -> list[list[int]]:
+def replies(model, overlap: bool = True, words: int = 5, **config) -> list[list[int]]:
+    """Six staggered requests of `words` x i words (i = 0..5); EngineConfig fields in `config`."""
+    config = dict(compile_decode=False, prefill_graphs=False) | config
     engine = Engine(model, ByteTokenizer(), EngineConfig(
-        overlap=overlap, compile_decode=False, prefill_graphs=False, kv_pages=64, cache_bytes=8 << 20,
-        scheduler=SchedulerConfig(max_running=8)))
+        overlap=overlap, kv_pages=64, cache_bytes=8 << 20, scheduler=SchedulerConfig(max_running=8), **config))
     assert engine.overlap is overlap and engine.runner.graphs  # decode replays its graphs
     tok, made = ByteTokenizer(), []
     for i in range(6):  # staggered: steps mix new rows (ids from the host) with carried ones (from the device)
         params = SamplingParams(max_tokens=20 + 3 * i, temperature=0.0 if i % 2 else 0.9, seed=i, ignore_eos=True)
-        made.append(engine.add_request(tok.encode(f"request {i}: " + "words " * (5 * i)), params))
+        made.append(engine.add_request(tok.encode(f"request {i}: " + "words " * (words * i)), params))
         engine.step()
         engine.step()
     while engine.has_work():
@@ -37,3 +40,16 @@ def test_overlapped_decode_on_the_gpu_gives_the_synchronous_replies():
     torch.manual_seed(0)
     model = randomize(K3ForCausalLM(CONFIGS["k3-tiny"]()), seed=5).to("cuda", torch.bfloat16).eval()
     assert replies(model, overlap=True) == replies(model, overlap=False)
+
+
+@torch.no_grad()
+def test_prefill_forwards_split_between_decode_steps_give_the_same_replies():
+    """With the prefill graphs, a forward that stalls decoding sequences pauses between its token mixers over
+    several steps (`prefill_split_tokens`), the decode steps replaying their graphs in between: the replies are
+    those of forwards run whole."""
+    torch.manual_seed(0)
+    model = randomize(K3ForCausalLM(CONFIGS["k3-tiny"]()), seed=5).to("cuda", torch.bfloat16).eval()
+    whole = replies(model, words=60, prefill_graphs=True, prefill_split_tokens=0)
+    with mock.patch.object(Engine, "_advance_split", autospec=True, side_effect=Engine._advance_split) as advance:
+        split = replies(model, words=60, prefill_graphs=True, prefill_split_tokens=64)
+    assert advance.call_count > 6 and split == whole

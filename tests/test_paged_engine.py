@@ -13,6 +13,7 @@ from openk3.generation import generate_ids
 from openk3.model import K3ForCausalLM
 from openk3.sampling import SamplingParams
 from openk3.serve.engine import Engine, EngineConfig
+from openk3.serve.piecewise import run_to_end
 from openk3.serve.prefix_cache import DEVICE
 from openk3.serve.scheduler import SchedulerConfig
 from openk3.tokenizer import ByteTokenizer
@@ -250,3 +251,78 @@ def test_a_failing_sequence_fails_alone_and_gives_back_its_pages(model, poisoned
         assert r.finish_reason == "length" and r.output == generate_ids(model, r.prompt, 6, SamplingParams(
             temperature=0))
     assert engine.pages.num_free == free and engine.states.num_free == engine.states.num_slots
+
+
+def paused_forwards(engine, pauses: int) -> None:
+    """The GPU's prefill graphs on a CPU engine: every text forward pauses `pauses` times, as
+    `PiecewisePrefill.steps` makes `ModelRunner.forward_steps` do (here the forward's work is done in its first piece
+    and its result handed over after the last: anything that touched its slots in between would show)."""
+    forward_steps = engine.runner.forward_steps
+
+    def steps(*args, **kwargs):
+        result = run_to_end(forward_steps(*args, **kwargs))
+        for _ in range(pauses):
+            yield
+        return result
+
+    engine.runner.forward_steps = steps
+    engine.runner.forward_pauses = lambda tokens, images=False: 0 if images else pauses
+
+
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_prefill_forwards_split_over_steps_leave_outputs_exact(model, prefix_cache):
+    """While sequences decode, a forward of N tokens runs over ceil(N / prefill_split_tokens) steps with the decode
+    steps between its pieces: greedy outputs equal generate()'s, and a cancellation of one of its requests waits
+    for it to end."""
+    rng = random.Random(4)
+    prompts = [[rng.randrange(90) for _ in range(n)] for n in (20, 100, 60, 130, 45, 90)]
+    greedy = SamplingParams(max_tokens=12, temperature=0)
+    engine = make_engine(model, prefix_cache=prefix_cache, prefill_split_tokens=16, prefill_forwards_per_step=1,
+                         scheduler=SchedulerConfig(max_running=3, prefill_tokens_per_step=48))
+    paused_forwards(engine, pauses=12)
+    requests, pending, split_steps, cancelled = [], list(prompts), 0, None
+    while pending or engine.has_work():
+        if pending:
+            requests.append(engine.add_request(pending.pop(0), SamplingParams(max_tokens=12, temperature=0,
+                                                                              ignore_eos=True)))
+        engine.step()
+        check_references(engine)
+        if engine._split is not None:
+            split_steps += 1
+            if cancelled is None:  # cancel one of the paused forward's requests: it ends after the forward
+                cancelled = next(iter(engine._split.requests))
+                engine.cancel(cancelled.rid)
+                engine.step()
+                assert cancelled.finish_reason is None
+    assert split_steps > 5
+    for r in requests:
+        if r is cancelled:
+            assert r.finish_reason == "cancelled"
+        else:
+            assert r.finish_reason == "length" and r.output == generate_ids(model, r.prompt, 12, greedy)
+    assert engine.states.num_free == engine.states.num_slots and all(not pages for pages in engine.tables.pages)
+
+
+def test_a_decoding_sequence_short_of_pages_ends_a_split_forward_before_preempting(model):
+    """A decoding sequence needs a page while the pool is full and the latest admitted sequence (the victim) is in
+    a paused forward: the forward ends first (its slot's states and latents written), then the victim is
+    preempted and later resumed; both outputs stay exact."""
+    rng = random.Random(0)
+    for a_len in (54, 57):  # (a's decode crosses its page boundary while b's third chunk is under way)
+        a_prompt, b_prompt = [rng.randrange(90) for _ in range(a_len)], [rng.randrange(90) for _ in range(180)]
+        engine = make_engine(model, prefix_cache=False, prefill_split_tokens=16, prefill_forwards_per_step=1,
+                             kv_pages=1 + 4, max_model_len=240,
+                             scheduler=SchedulerConfig(max_running=2, prefill_tokens_per_step=48))
+        paused_forwards(engine, pauses=12)
+        a = engine.add_request(a_prompt, SamplingParams(max_tokens=150, temperature=0, ignore_eos=True))
+        engine.step()
+        engine.step()
+        b = engine.add_request(b_prompt, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+        with mock.patch.object(engine, "_advance_split", wraps=engine._advance_split) as advance:
+            while engine.has_work():
+                engine.step()
+                check_references(engine)
+        assert mock.call(whole=True) in advance.call_args_list  # (a decodes throughout: only for the preemption)
+        assert engine.metrics.preemptions == b.preemptions == 1
+        assert a.output == generate_ids(model, a_prompt, 150, SamplingParams(max_tokens=150, temperature=0))
+        assert b.output == generate_ids(model, b_prompt, 20, SamplingParams(max_tokens=20, temperature=0))

@@ -80,7 +80,7 @@ def build_engine(args: argparse.Namespace):
         kv_pages=args.kv_pages, max_model_len=args.max_model_len,
         gpu_memory_utilization=args.gpu_memory_utilization, kernels=args.kernels, cuda_graphs=not args.no_cuda_graphs,
         compile_decode=not args.no_compile, compile_prefill=args.compile_prefill, seed=args.seed,
-        short_prefill_tokens=args.short_prefill,
+        short_prefill_tokens=args.short_prefill, prefill_split_tokens=args.prefill_split,
         speculative=drafts, auto_speculation=speculative == "auto",
         scheduler=SchedulerConfig(
             max_running=args.max_num_seqs, max_queue=args.max_queue,
@@ -291,6 +291,10 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--short-prefill", type=int_at_least(0), default=None, metavar="N",
                    help="prompt chunks of at most N tokens prefill together in one CUDA-graph step (default 256 on a "
                         "GPU with CUDA graphs and without speculative decoding; 0: off)")
+    p.add_argument("--prefill-split", type=int_at_least(0), default=None, metavar="N",
+                   help="while sequences decode, a prefill forward of T tokens replayed from the prefill graphs runs "
+                        "over ceil(T / N) engine steps, decode steps between its pieces, so one long prompt does not "
+                        "stall the others' tokens for its whole forward (default 2048 on a GPU; 0: off)")
     p.add_argument("--allow-remote-images", action="store_true",
                    help="fetch http(s) image URLs in chat requests (10 s and 20 MiB at most each, no redirects); "
                         "by default only inline data: URLs are accepted")

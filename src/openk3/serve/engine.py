@@ -55,7 +55,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
@@ -69,6 +69,7 @@ from openk3.draft import EagleDraft, accept_drafts, accept_drafts_on_logits, acc
 from openk3.ops.transfer import HostCopy, host_list, to_device
 from openk3.sampling import SamplingParams, request_rng, sample_tokens, token_logprobs
 from openk3.serve.capacity import Capacity, check_utilization, default_batched_tokens, fixed_capacity, gpu_capacity
+from openk3.serve.piecewise import run_to_end
 from openk3.serve.prefix_cache import PrefixCache, PrefixCacheConfig
 from openk3.serve.prompts import PromptImages, check_prompt
 from openk3.serve.runner import ModelRunner
@@ -85,6 +86,9 @@ SLOW_STEP_S = 0.25  # an engine step longer than this is logged (INFO) with what
 # long prompt goes in few, long forwards: 12k tokens took 141-151 ms in three of 4096 (bench/RESULTS.md, 2026-12-01).
 GPU_PREFILL_CHUNK_TOKENS = 16384  # tokens per prefill forward on a GPU, rounded to hash blocks
 GPU_PAD_TOKENS = 4096  # padding a right-padded prefill forward may take on a GPU (Engine.ragged_free)
+# GPU default of EngineConfig.prefill_split_tokens: a forward of up to 8,192 tokens (the step budget) in at most four
+# steps of ~10 ms (k3-debug's 1 x 8192 forward: 38 ms on an H100 with the prefill graphs, bench/RESULTS.md 2026-12-05)
+GPU_PREFILL_SPLIT_TOKENS = 2048
 # GPU default of EngineConfig.short_prefill_tokens: ordinary prompts (hundreds of tokens) prefill as graph replays,
 # not eager forwards of ~36 ms of launches (at 1 client TTFT p50 71 -> 25 ms on an H200, bench/RESULTS.md 2026-12-04)
 SHORT_PREFILL_TOKENS = 256
@@ -134,6 +138,10 @@ class EngineConfig:
     # eager prefill forwards a step may run while sequences decode (each stalls them all: ~22-40 ms of k3-debug on a
     # GPU); the short graph step is not counted. 0: no limit; None: 1 on a GPU, no limit on a CPU
     prefill_forwards_per_step: int | None = None
+    # while sequences decode, a prefill forward the prefill graphs replay (text, no draft) of N tokens (B x T) runs
+    # over ceil(N / this) steps, its pieces (a few token mixers each) spread evenly with a decode step between them:
+    # its stall of the decoding sequences is split as well. None: 2048 on a GPU; 0: off (a forward in one step)
+    prefill_split_tokens: int | None = None
     seed: int = 0
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -150,8 +158,9 @@ class EngineConfig:
             raise ValueError(f"engine field 'speculative' must be >= 0, got {self.speculative}")
         if self.auto_speculation and not self.speculative:
             raise ValueError("engine field 'auto_speculation' needs 'speculative' > 0 (the drafts of a round)")
-        if self.short_prefill_tokens is not None and self.short_prefill_tokens < 0:
-            raise ValueError(f"engine field 'short_prefill_tokens' must be >= 0, got {self.short_prefill_tokens}")
+        for name in ("short_prefill_tokens", "prefill_split_tokens"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise ValueError(f"engine field {name!r} must be >= 0, got {getattr(self, name)}")
 
 
 @dataclass
@@ -184,6 +193,19 @@ class InFlight:
 
     def __post_init__(self) -> None:
         self.rows = {r: row for row, r in enumerate(self.requests)}
+
+
+@dataclass(eq=False)
+class SplitPrefill:
+    """A prefill forward run over several steps (`EngineConfig.prefill_split_tokens`): the runner's paused forward
+    (`ModelRunner.forward_steps`) and how many of its pieces a step runs."""
+    chunks: list[tuple[Request, int]]  # (request, end of its chunk)
+    steps: Generator
+    per_step: int
+    requests: set[Request] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.requests = {r for r, _ in self.chunks}
 
 
 class PoolExhausted(RuntimeError):
@@ -325,7 +347,10 @@ class Engine:
         self.overlap = (config.overlap if config.overlap is not None else gpu) and self.draft is None
         forwards = config.prefill_forwards_per_step
         self.prefill_forwards_per_step = forwards if forwards is not None else int(gpu)
+        split = config.prefill_split_tokens
+        self.prefill_split_tokens = split if split is not None else GPU_PREFILL_SPLIT_TOKENS if gpu else 0
         self._inflight: InFlight | None = None
+        self._split: SplitPrefill | None = None  # a prefill forward paused between steps
         self._lock = threading.Lock()
         self._cancels: set[str] = set()
         self._ids = itertools.count()
@@ -405,7 +430,8 @@ class Engine:
                 "cache_utilisation": cache.utilisation if cache is not None else 0.0, "memory": dict(self.memory)}
 
     def has_work(self) -> bool:
-        return bool(self.scheduler.waiting or self.scheduler.running or self._cancels or self._inflight)
+        return bool(self.scheduler.waiting or self.scheduler.running or self._cancels or self._inflight
+                    or self._split)
 
     # ---- one step -----------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -436,8 +462,12 @@ class Engine:
     def _step(self) -> None:
         with self._lock:
             cancels, self._cancels = self._cancels, set()
+            splitting = self._split.requests if self._split is not None else set()
             for r in [r for r in (*self.scheduler.waiting, *self.scheduler.running) if r.rid in cancels]:
-                self._finish(r, "cancelled")
+                if r in splitting:  # its forward writes its slot and pages until it ends: cancelled after it
+                    self._cancels.add(r.rid)
+                else:
+                    self._finish(r, "cancelled")
             # (the locked fraction walks the prefix cache's pages: only when a request waits to be admitted)
             admitted = self.scheduler.admit(self._locked_fraction(), self._fits()) if self.scheduler.waiting else []
         for r in admitted:
@@ -467,7 +497,11 @@ class Engine:
         stalls = speculating or decoding
         budget = self.scheduler.config.prefill_tokens_per_step if stalls else self.idle_prefill
         limit, eager = (self.prefill_forwards_per_step if stalls else 0), 0
-        for round_ in self.scheduler.prefill_rounds(self._chunk_end, budget, align=self.hash_block):
+        if self._split is not None:  # the step's eager forward: the paused one's next pieces (all, with none decoding)
+            eager = 1
+            self._advance_split(whole=not stalls)
+        busy = self._split.requests if self._split is not None else ()
+        for round_ in self.scheduler.prefill_rounds(self._chunk_end, budget, align=self.hash_block, skip=busy):
             held = False  # a chunk held back for the next step: the later rounds (which may continue it) wait too
             for group, offsets, short in self._prefill_groups([(r, end) for r, end in round_
                                                                if self._has_pages(r, end)]):
@@ -479,7 +513,10 @@ class Engine:
                     continue
                 eager += not short
                 with self._isolated([r for r, _ in group]):
-                    self._prefill(group, offsets, short)
+                    self._prefill(group, offsets, short, split=bool(stalls))
+                if self._split is not None:  # its requests' later chunks (in the later rounds) wait for it
+                    held = True
+                    break
             if held:
                 break
         self.metrics.steps += 1
@@ -594,6 +631,8 @@ class Engine:
                         return False
                     pid = self._alloc_page()
                 while pid is None:
+                    if self._split is not None:  # the latest admitted may be its requests: it ends first
+                        self._advance_split(whole=True)
                     victim = next(v for v in reversed(self.scheduler.running) if v.slot is not None)
                     if victim is r and sum(v.slot is not None for v in self.scheduler.running) == 1:
                         raise PoolExhausted(f"all {self.pages.num_pages} latent pages are in use by one sequence")
@@ -841,31 +880,67 @@ class Engine:
         return accept_drafts(drafts.drafted, torch.stack(drafts.steps, 1), logits, params, rngs,
                              [r.output for r in requests])
 
-    def _prefill(self, chunks: list[tuple[Request, int]], offsets: tuple[int, ...] = (), short: bool = False) -> None:
+    def _prefill(self, chunks: list[tuple[Request, int]], offsets: tuple[int, ...] = (), short: bool = False,
+                 split: bool = False) -> None:
         """The next chunk of each request's prompt, (request, end of its chunk), in one forward: chunks of one length
         with the KDA checkpoint `offsets`, chunks of any lengths without (right-padded), or with `short` all short
-        (the runner's short-prefill step). See `_prefill_groups`."""
+        (the runner's short-prefill step). See `_prefill_groups`. With `split` (sequences are decoding) a forward
+        that can pause runs over several steps (`prefill_split_tokens`, `_advance_split`)."""
         self.metrics.prefill_forwards += 1
         requests, ends = [r for r, _ in chunks], [end for _, end in chunks]
         images = [e for r, end in chunks if r.images for e in r.images.chunk_embeds(r.fed, end, self.model)]
         image_embeds = torch.cat(images) if images else None
-        chunks = [(r.tokens if r.output else r.prompt)[r.fed:end] for r, end in zip(requests, ends)]
+        tokens = [(r.tokens if r.output else r.prompt)[r.fed:end] for r, end in zip(requests, ends)]
         slots, starts = [r.slot for r in requests], [r.fed for r in requests]
         features = None
         if short:
-            logits, checkpoints = self.runner.prefill_short(chunks, slots, starts), {}
+            logits, checkpoints = self.runner.prefill_short(tokens, slots, starts), {}
         elif self.draft is None:
-            logits, checkpoints = self.runner.prefill(chunks, slots, starts, offsets, image_embeds=image_embeds)
+            steps = self.runner.forward_steps(tokens, slots, starts, offsets, image_embeds=image_embeds)
+            size = len(tokens) * max(map(len, tokens))
+            pauses = self.runner.forward_pauses(size, image_embeds is not None)
+            over = -(-size // self.prefill_split_tokens) if split and pauses and self.prefill_split_tokens else 1
+            if over > 1:  # the first pieces now, the rest in the next steps
+                self._split = SplitPrefill(list(chunks), steps, per_step=-(-(pauses + 1) // min(over, pauses + 1)))
+                self._advance_split()
+                return
+            logits, checkpoints, _ = run_to_end(steps)
+            logits = logits[:, -1]
         else:  # and the draft's latents of the chunk: position t reads (F_{t-1}, token t)
-            logits, checkpoints, features = self.runner.forward(chunks, slots, starts, offsets,
+            logits, checkpoints, features = self.runner.forward(tokens, slots, starts, offsets,
                                                                 image_embeds=image_embeds)
             logits = logits[:, -1]
             prev = torch.stack([self._pending(r)[-1] for r in requests]).unsqueeze(1)
-            self.runner.draft_step(torch.cat([prev, features[:, :-1]], dim=1), to_device(chunks, prev.device),
+            self.runner.draft_step(torch.cat([prev, features[:, :-1]], dim=1), to_device(tokens, prev.device),
                                    slots, starts)
+        self._prefilled(chunks, logits, checkpoints, features)
+
+    def _advance_split(self, whole: bool = False) -> None:
+        """Run the paused prefill forward's next pieces (all of them with `whole`); when it ends, take its result
+        as `_prefill` does. Should it raise, its requests end alone ("error")."""
+        split = self._split
+        with self._isolated(list(split.requests)):
+            try:
+                for _ in itertools.count() if whole else range(split.per_step):
+                    next(split.steps)
+                return
+            except StopIteration as done:
+                self._split = None
+                logits, checkpoints, _ = done.value
+            except Exception:
+                self._split = None  # (the next forward may run; its requests end)
+                raise
+            self._prefilled(split.chunks, logits[:, -1], checkpoints)
+
+    def _prefilled(self, chunks: list[tuple[Request, int]], logits: torch.Tensor, checkpoints: dict,
+                   features: torch.Tensor | None = None) -> None:
+        """After a prefill forward of `chunks`: each request's fed position moves to its chunk's end, its completed
+        hash blocks go to the prefix cache, and the rows that end their prompt sample their first token (logits
+        [B, vocab])."""
+        requests, ends = [r for r, _ in chunks], [end for _, end in chunks]
         # only the rows that end their prompt sample (and draw from their random source); a preempted sequence
         # prefilling its output again has its next token already
-        ending = [row for row, (r, end) in enumerate(zip(requests, ends)) if end == r.prefill_len and not r.output]
+        ending = [row for row, (r, end) in enumerate(chunks) if end == r.prefill_len and not r.output]
         sample = self._sampler([requests[row] for row in ending], logits[ending])
         sampled_row = {row: i for i, row in enumerate(ending)}  # batch row -> its row among the sampled ones
         for row, (r, end) in enumerate(zip(requests, ends)):
@@ -1000,7 +1075,7 @@ class Engine:
 
     def fail_all(self, reason: str = "error") -> None:
         """After an unexpected exception in a step: end every request so that clients get an answer."""
-        self._inflight = None
+        self._inflight = self._split = None
         with self._lock:
             for r in [*self.scheduler.waiting, *self.scheduler.running]:
                 self._finish(r, reason)

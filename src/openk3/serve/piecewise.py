@@ -21,7 +21,7 @@ per-token work keeps them to their own rows.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -151,15 +151,28 @@ class PiecewisePrefill:
     def _device(self) -> torch.device:
         return self.model.model.embed_tokens.weight.device
 
+    @property
+    def pauses(self) -> int:
+        """How often `steps` pauses: between each two token mixers."""
+        return len(self.layers) - 1
+
     def run(self, ids: torch.Tensor, cache) -> torch.Tensor:
         """ids [B, T] -> the LM head's input [B, T, D] (a view of static memory, valid until the next run); the
         cache advances by T as in the model's forward."""
+        return run_to_end(self.steps(ids, cache))
+
+    def steps(self, ids: torch.Tensor, cache) -> Generator[None, None, torch.Tensor]:
+        """`run` as a generator that pauses (yields) between each two token mixers (`pauses` times), so that other
+        work may run on the device between the pieces (the engine's decode steps: their own graphs and pools); no
+        other prefill forward may run until it returns."""
         B, T = ids.shape
         n = B * T
         pieces = self.pieces[next(size for size in self.buckets if size >= n)]
         pieces.ids[0, :n].copy_(ids.reshape(-1))
         pieces.graphs[0].replay()
         for i, layer in enumerate(self.layers):
+            if i:
+                yield
             x = pieces.mixer_inputs[i]
             x = x.reshape(-1, x.shape[-1])[:n].view(B, T, -1)
             out = layer._mix(x, cache, None)
@@ -168,3 +181,12 @@ class PiecewisePrefill:
         cache.advance(T)
         normed = pieces.normed
         return normed.view(-1, normed.shape[-1])[:n].view(B, T, -1)
+
+
+def run_to_end(steps: Generator):
+    """Run a generator of pieces (`PiecewisePrefill.steps`, `ModelRunner.forward_steps`) through; its value."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value

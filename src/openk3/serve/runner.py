@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Generator
 
 import torch
 from torch._dynamo.utils import counters
@@ -54,7 +55,7 @@ from openk3.model.compile import compile_blocks, uncompile_blocks
 from openk3.model.decode import DecodeBatch, decode_forward, decode_logits, fuse_kda_inputs
 from openk3.ops.paged_mla import paged_positions
 from openk3.ops.transfer import to_device
-from openk3.serve.piecewise import PiecewisePrefill
+from openk3.serve.piecewise import PiecewisePrefill, run_to_end
 
 log = logging.getLogger(__name__)
 
@@ -453,11 +454,28 @@ class ModelRunner:
         logits, checkpoints, _ = self.forward(chunks, slots, starts, checkpoint_offsets, image_embeds=image_embeds)
         return logits[:, -1], checkpoints
 
-    @torch.no_grad()
     def forward(self, chunks: list[list[int]], slots: list[int], starts: list[int],
                 checkpoint_offsets: tuple[int, ...] = (), image_embeds: torch.Tensor | None = None):
         """`prefill`'s pass, returning (the logits after each chunk [B, 1, vocab], the checkpoints, the draft's
         features of the chunk's positions [B, T, D] or None without a draft)."""
+        return run_to_end(self.forward_steps(chunks, slots, starts, checkpoint_offsets, image_embeds))
+
+    def forward_pauses(self, tokens: int, images: bool = False) -> int:
+        """How often `forward_steps` pauses for a forward of `tokens` (B x T) tokens: between each two token mixers
+        when the prefill graphs replay it (text, no draft), else never."""
+        return self.piecewise.pauses if self._piecewise(tokens, images) else 0
+
+    def _piecewise(self, tokens: int, images: bool) -> bool:
+        return self.piecewise is not None and self.piecewise.fits(tokens) and not images and self.draft is None
+
+    @torch.no_grad()
+    def forward_steps(self, chunks: list[list[int]], slots: list[int], starts: list[int],
+                      checkpoint_offsets: tuple[int, ...] = (), image_embeds: torch.Tensor | None = None,
+                      ) -> Generator[None, None, tuple]:
+        """`forward` as a generator that pauses `forward_pauses` times (`PiecewisePrefill.steps`): the engine runs
+        a long forward over several steps, decoding other sequences between its pieces. The slots' states are read
+        at the start and written at the end, their latents written at the end: until it returns, nothing else may
+        touch these slots and their pages, nor run another prefill forward."""
         B, T = len(chunks), max(map(len, chunks))
         sizes = [len(c) for c in chunks]
         ragged = min(sizes) < T
@@ -483,11 +501,12 @@ class ModelRunner:
         features = None
         if ragged:
             cache.num_tokens = real
-        piecewise = self.piecewise is not None and self.piecewise.fits(B * T) and image_embeds is None \
-            and self.draft is None
+        piecewise = self._piecewise(B * T, image_embeds is not None)
         if ragged or piecewise:  # the logits after each row's last real token
-            normed = self.piecewise.run(ids, cache) if piecewise else \
-                self.model(ids, cache=cache, return_logits=False).head_inputs
+            if piecewise:
+                normed = yield from self.piecewise.steps(ids, cache)
+            else:
+                normed = self.model(ids, cache=cache, return_logits=False).head_inputs
             logits = self.model.lm_head(normed[torch.arange(B, device=self.device), real - 1]).unsqueeze(1)
         elif self.draft is None:  # (with a cache, MLA attends without cuDNN: ops.attention.NO_CUDNN)
             logits = self.model(ids, cache=cache, logits_to_keep=1, image_embeds=image_embeds).logits

@@ -20,7 +20,7 @@ from __future__ import annotations
 import random
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -140,19 +140,19 @@ class Scheduler:
         request.preemptions += 1
 
     def prefill_rounds(self, chunk_end: Callable[[Request, int], int], budget: int | None = None,
-                       align: int = 1) -> list[list[tuple[Request, int]]]:
+                       align: int = 1, skip: Container[Request] = ()) -> list[list[tuple[Request, int]]]:
         """Prefill work of one step: rounds of (request, end of its next chunk), oldest first, within the token
         budget. The chunk that reaches the budget is cut there, at a multiple of `align` where that leaves it
         non-empty (the engine's hash block: its next chunk then starts on a block boundary, where its KDA
         checkpoints fall at the same offsets as other aligned chunks'). A request may get several chunks (one
-        per round) when few are prefilling."""
+        per round) when few are prefilling. The requests in `skip` (a forward of theirs is under way) get none."""
         budget, fed = budget or self.config.prefill_tokens_per_step, {}
         rounds: list[list[tuple[Request, int]]] = []
         while budget > 0:
             this_round = []
             for r in self.running:
                 pos = fed.get(r, r.fed)
-                if pos >= r.prefill_len or budget <= 0:
+                if pos >= r.prefill_len or budget <= 0 or r in skip:
                     continue
                 end = chunk_end(r, pos)
                 if end > pos + budget:
