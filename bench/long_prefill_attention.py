@@ -5,12 +5,13 @@
 A chunk of T new queries at the end of a context of L positions (the past L - T plus the chunk itself) attends
 bottom-right causally, k3-debug's MLA shape (8 heads, q / k head dim 192, v 128, bf16; `--heads`, `--dims`
 change it). Variants, each timed over a few calls after a warm-up (CUDA events) and compared with the first:
-  - `flash lower-right`: what `ops.attention.causal_sdpa` runs today (v zero-padded to 192, torch's flash kernel
-    with its bottom-right causal mask);
+  - `flash lower-right`: what `ops.attention.causal_sdpa` ran before 2026-12-05 (v zero-padded to 192, one SDPA
+    call with torch's bottom-right causal mask);
   - `efficient lower-right`: torch's memory-efficient kernel with the same mask (no padding);
   - `cudnn split`: the past (no mask) and the chunk's own T x T block (causal) as two cuDNN calls, merged by their
     log-sum-exps (no padding; cuDNN builds a plan per new shape: its first call is timed apart);
-  - `flash split`: the same two parts through flash (padded v).
+  - `flash split (causal_sdpa)`: the same two parts through flash (padded v): `causal_sdpa` now
+    (`ops.attention.past_and_own_attention`).
 Each row also gives the attention FLOPs rate (4 x H x (dk + dv) / 2 x T x (L - T / 2), padding not counted).
 Prints a table and writes JSON; it has no peer of its own (the variants are each other's).
 """
@@ -28,27 +29,13 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
-from openk3.ops.attention import NO_CUDNN, causal_sdpa
-
-
-def merge(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor) -> torch.Tensor:
-    """Softmax attention over two disjoint key sets from each one's output [B,H,T,d] and log-sum-exp [B,H,T]."""
-    lse = torch.logaddexp(lse1, lse2)
-    w1, w2 = (lse1 - lse).exp().unsqueeze(-1), (lse2 - lse).exp().unsqueeze(-1)
-    return (o1.float() * w1 + o2.float() * w2).to(o1.dtype)
+from openk3.ops.attention import NO_CUDNN, causal_sdpa, merge_attention
 
 
 def cudnn_part(q, k, v, causal: bool, scale: float):
     out, lse, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False,
                                                                       scale=scale)
     return out, lse.reshape(q.shape[:3]).float()
-
-
-def flash_part(q, k, v, causal: bool, scale: float):
-    dv = v.shape[-1]
-    out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, k, F.pad(v, (0, q.shape[-1] - dv)), 0.0,
-                                                                      causal, False, scale=scale)
-    return out[..., :dv], lse.reshape(q.shape[:3]).float()
 
 
 def split(part):
@@ -58,7 +45,7 @@ def split(part):
             return part(q, k, v, True, scale)[0]
         past = part(q, k[:, :, :L - T], v[:, :, :L - T], False, scale)
         own = part(q, k[:, :, L - T:], v[:, :, L - T:], True, scale)
-        return merge(*past, *own)
+        return merge_attention(*past, *own)
     return attend
 
 
@@ -69,11 +56,20 @@ def efficient(q, k, v, scale):
                                               is_causal=L == T, scale=scale)
 
 
+def flash_lower_right(q, k, v, scale):
+    """The bottom-right-masked SDPA call `causal_sdpa` made before it split (v padded for the flash kernel)."""
+    T, L, dv = q.shape[-2], k.shape[-2], v.shape[-1]
+    with sdpa_kernel(NO_CUDNN):
+        return F.scaled_dot_product_attention(q, k, F.pad(v, (0, q.shape[-1] - dv)), scale=scale,
+                                              attn_mask=None if L == T else causal_lower_right(T, L),
+                                              is_causal=L == T)[..., :dv]
+
+
 VARIANTS = {
-    "flash lower-right": lambda q, k, v, scale: causal_sdpa(q, k, v, scale, backends=NO_CUDNN),
+    "flash lower-right": flash_lower_right,
     "efficient lower-right": efficient,
     "cudnn split": split(cudnn_part),
-    "flash split": split(flash_part),
+    "flash split (causal_sdpa)": lambda q, k, v, scale: causal_sdpa(q, k, v, scale, backends=NO_CUDNN),
 }
 
 

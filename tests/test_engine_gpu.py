@@ -46,9 +46,10 @@ def test_overlapped_decode_on_the_gpu_gives_the_synchronous_replies():
 def test_prefill_forwards_split_between_decode_steps_give_the_same_replies():
     """With the prefill graphs, a forward that stalls decoding sequences pauses between its token mixers over
     several steps (`prefill_split_tokens`), the decode steps replaying their graphs in between: the replies are
-    those of forwards run whole."""
+    those of forwards run whole. (In fp32: the steps group the prompts' chunks into forwards differently, and in
+    bf16 a row's numerics depend on its forward's other rows, the MoE's row counts.)"""
     torch.manual_seed(0)
-    model = randomize(K3ForCausalLM(CONFIGS["k3-tiny"]()), seed=5).to("cuda", torch.bfloat16).eval()
+    model = randomize(K3ForCausalLM(CONFIGS["k3-tiny"]()), seed=5).to("cuda").eval()
     whole = replies(model, words=60, prefill_graphs=True, prefill_split_tokens=0)
     with mock.patch.object(Engine, "_advance_split", autospec=True, side_effect=Engine._advance_split) as advance:
         split = replies(model, words=60, prefill_graphs=True, prefill_split_tokens=64)

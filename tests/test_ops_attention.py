@@ -5,6 +5,7 @@ import functools
 
 import pytest
 import torch
+from torch.nn.attention.bias import causal_lower_right
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from openk3.config import get_preset
@@ -16,6 +17,7 @@ from openk3.ops.attention import (
     mla_attention_expanded,
     mla_expand_kv,
     mla_mask,
+    past_and_own_attention,
 )
 
 H, N, R, V, RD = 3, 8, 12, 6, 4  # heads, nope dim, kv_lora_rank, v dim, slice dim
@@ -159,3 +161,20 @@ def test_training_path_forms_no_t_by_t_tensor():
         layer(x).square().sum().backward()
     assert not [op for op in rec.ops if op[1][-2:] == (T, T)]
     assert any("flash_attention" in name and "backward" in name for name, _ in rec.ops)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,L,scale", [(1, 2, 0.2), (37, 101, 0.2), (64, 64 + 1, 0.2), (19, 300, 8.0)])
+def test_past_and_own_flash_calls_merged_equal_bottom_right_causal_attention(dtype, T, L, scale):
+    """The serving prefill's long-context attention (two flash calls, past unmasked and own block causal, merged by
+    their log-sum-exps; torch's CPU flash kernel stands in for the CUDA one) against SDPA with the bottom-right
+    causal mask in fp64, odd sizes, and scores large enough (scale 8) that one key takes almost all the weight."""
+    gen = torch.Generator().manual_seed(T * L)
+    q, k = (torch.randn(2, 3, n, 24, generator=gen).to(dtype) for n in (T, L))
+    v = torch.randn(2, 3, L, 16, generator=gen).to(dtype)
+    want = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), scale=scale,
+                                                            attn_mask=causal_lower_right(T, L))
+    got = past_and_own_attention(q, k, v, scale)
+    assert got.dtype == dtype and got.shape == want.shape
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from openk3.serve import prefix_cache as pc
-from openk3.serve.prefix_cache import DEVICE, DISK, HOST, PrefixCache, PrefixCacheConfig
+from openk3.serve.prefix_cache import DEVICE, DISK, DROP_SCAN_PAGES, HOST, PrefixCache, PrefixCacheConfig
 
 
 class Oracle:
@@ -163,6 +163,24 @@ def test_retention_drops_mid_turn_checkpoints_first_and_keeps_turn_and_newest():
     assert entries[2].checkpoint.turn_boundary and entries[4].checkpoint is not None  # turn end, newest
     assert cache.stats.dropped_checkpoints == 2 and cache.stats.evicted_pages == 0
     assert cache.acquire(turn1 + [0]).hit_tokens == 2 * h
+
+
+def test_a_full_tier_whose_oldest_pages_hold_only_turn_checkpoints_evicts_instead_of_scanning_them_all():
+    """Past DROP_SCAN_PAGES of the oldest pages without a mid-turn checkpoint, room comes from evicting the oldest
+    page: the search for a checkpoint to drop does not walk every page of a full tier for every block."""
+    h, P, ckpt = 4, 16, 16
+    old = DROP_SCAN_PAGES + 6
+    cfg = PrefixCacheConfig(hash_block=h, page_size=P, page_bytes=100,
+                            device_bytes=old * (100 + ckpt) + 2 * 100 + 8 * ckpt)
+    cache, oracle, rng = PrefixCache(cfg), Oracle(), random.Random(9)
+    for _ in range(old):  # one page each, its only checkpoint the turn's end
+        write(cache, oracle, tokens_of(rng, P, vocab=1000), checkpoint_every=P // h)
+    newest = tokens_of(rng, 2 * P, vocab=1000)
+    write(cache, oracle, newest)  # two pages, a checkpoint at every block (mid-turn but the last)
+    assert cache.used[DEVICE] == cfg.device_bytes
+    cache.evict(ckpt)
+    assert cache.stats.evicted_pages == 1 and cache.stats.dropped_checkpoints == 0
+    assert cache.acquire(newest[: P + h] + [0]).hit_tokens == P + h  # the newest chain's mid-turn checkpoints stay
 
 
 def test_a_writer_drops_its_own_mid_turn_checkpoints_to_keep_caching():

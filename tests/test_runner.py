@@ -329,10 +329,12 @@ def test_compiled_decode_step_is_few_graphs_and_equals_eager(monkeypatch, dense_
         results.append((logits, states.recurrent[:, live], states.conv[:, live], runner.pages.pages[:, 1:]))
     assert not counters["graph_break"]
     assert counters["stats"]["unique_graphs"] == 2 + dense_experts
+    # (two fp32 computations: compiled, AttnRes phase 1 takes its PyTorch reference where the eager step runs the
+    # Triton kernel; they differ by ~2e-5 in the logits with triton 3.9's interpreter and numpy 2.4)
     for got, want in zip(results[1][0], results[0][0]):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     for got, want in zip(results[1][1:], results[0][1:]):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_a_compiled_decode_step_that_breaks_says_so(caplog):
