@@ -2,8 +2,6 @@
 included, before the host reads the previous step's tokens; openk3.serve.engine `Engine._decode`) replays CUDA
 graphs fed from the device and gives the synchronous engine's greedy and seeded replies."""
 
-from unittest import mock
-
 import pytest
 import torch
 
@@ -41,16 +39,3 @@ def test_overlapped_decode_on_the_gpu_gives_the_synchronous_replies():
     model = randomize(K3ForCausalLM(CONFIGS["k3-tiny"]()), seed=5).to("cuda", torch.bfloat16).eval()
     assert replies(model, overlap=True) == replies(model, overlap=False)
 
-
-@torch.no_grad()
-def test_prefill_forwards_split_between_decode_steps_give_the_same_replies():
-    """With the prefill graphs, a forward that stalls decoding sequences pauses between its token mixers over
-    several steps (`prefill_split_tokens`), the decode steps replaying their graphs in between: the replies are
-    those of forwards run whole. (In fp32: the steps group the prompts' chunks into forwards differently, and in
-    bf16 a row's numerics depend on its forward's other rows, the MoE's row counts.)"""
-    torch.manual_seed(0)
-    model = randomize(K3ForCausalLM(CONFIGS["k3-tiny"]()), seed=5).to("cuda").eval()
-    whole = replies(model, words=60, prefill_graphs=True, prefill_split_tokens=0)
-    with mock.patch.object(Engine, "_advance_split", autospec=True, side_effect=Engine._advance_split) as advance:
-        split = replies(model, words=60, prefill_graphs=True, prefill_split_tokens=64)
-    assert advance.call_count > 6 and split == whole

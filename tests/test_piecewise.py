@@ -11,6 +11,7 @@ from openk3.serve.piecewise import (
     SMALLEST_BUCKET,
     PiecewisePrefill,
     mixers_replaced,
+    run_to_end,
     token_buckets,
 )
 from test_model_decode import CONFIGS, randomize
@@ -109,3 +110,47 @@ def test_prefill_replayed_from_pieces_equals_the_eager_forward(name):
     for g, w in pairs:  # bf16 through a dozen layers: a relative error of the whole tensor, not elementwise
         assert torch.isfinite(g).all()
         assert (g - w).norm() <= 2e-2 * w.norm() + 1e-6, ((g - w).norm().item(), w.norm().item())
+
+
+@needs_cuda
+def test_a_forward_paused_between_its_mixers_with_decode_steps_between_equals_it_run_whole():
+    """`ModelRunner.forward_steps` paused at every pause with a decode step of another slot run there (as the engine
+    splits a prefill forward over steps): the forward's logits, checkpoints and pools, and the decode steps' logits,
+    are those of the forward run whole and the same decode steps after it (same shapes and kernels both ways)."""
+    torch.manual_seed(0)
+    model = randomize(K3ForCausalLM(CONFIGS["k3-tiny"]()), seed=21).to("cuda", torch.bfloat16)
+    runner = make_runner(model, "triton", slots=5, pages=60, cuda_graphs=True, piecewise_tokens=64)
+    runner.warm_up_prefill()
+    assert runner.capture_prefill() > 0
+    rng = torch.Generator().manual_seed(23)
+    slots, chunk, decoding = [3, 0], 11, 2  # two prompts prefilled from 0; slot 2 decodes beside them
+    ids = [torch.randint(0, model.config.vocab_size, (chunk,), generator=rng).tolist() for _ in slots]
+    for slot in (*slots, decoding):
+        give_pages(runner, slot, chunk + 8, rng)
+    pauses = runner.forward_pauses(len(slots) * chunk)
+    assert pauses == model.config.num_layers - 1
+    pools = (runner.states.conv, runner.states.recurrent, runner.pages.pages)
+    live = (slice(None, runner.states.padding_slot), slice(None, runner.states.padding_slot), slice(1, None))
+    with torch.no_grad():
+        runner.prefill([ids[0][:5]], [decoding], [0])  # the decoding slot's context
+        before = [t.clone() for t in pools]
+        results = []
+        for split in (False, True):
+            for t, b in zip(pools, before):
+                t.copy_(b)
+            steps = runner.forward_steps(ids, slots, [0, 0], checkpoint_offsets=(4, 8))
+            decoded = []
+            if split:
+                for n in range(pauses):
+                    next(steps)
+                    decoded.append(runner.decode([7 + n], [decoding], [5 + n]).float().clone())
+            logits, ckpts, _ = run_to_end(steps)
+            for n in range(len(decoded), pauses):
+                decoded.append(runner.decode([7 + n], [decoding], [5 + n]).float().clone())
+            kept = [t[:, keep].float().clone() for t, keep in zip(pools, live)]
+            results.append((logits.float(), ckpts, decoded, kept))
+    (got, got_ckpts, got_decoded, got_pools), (want, want_ckpts, want_decoded, want_pools) = results[1], results[0]
+    pairs = [(got, want), *zip(got_decoded, want_decoded), *zip(got_pools, want_pools),
+             *((got_ckpts[o][k].float(), want_ckpts[o][k].float()) for o in (4, 8) for k in ("conv", "recurrent"))]
+    for g, w in pairs:  # the same work both ways: equal up to the kernels' order of atomic adds
+        assert (g - w).norm() <= 1e-2 * w.norm() + 1e-6, ((g - w).norm().item(), w.norm().item())
