@@ -133,9 +133,9 @@ def forward_costs(engine: Engine, shapes: list[tuple[int, int]], repeats: int = 
     return rows
 
 
-# where a step's host time goes: engine methods, and within `_prefill` the runner's forward and the prefix cache's
-# bookkeeping
-PHASES = ("_start", "_decode", "_drain", "_prefill", "runner.prefill", "_register_blocks")
+# where a step's host time goes (engine methods): admission, the decode step, reading its tokens, prefill forwards
+# (`_prefill`, a split forward's first pieces included), a split forward's later pieces, prefix-cache bookkeeping
+PHASES = ("_start", "_decode", "_drain", "_prefill", "_advance_split", "_register_blocks")
 
 
 def _timed(method: Callable, phase: str, spent: dict[str, float]) -> Callable:
@@ -149,18 +149,17 @@ def _timed(method: Callable, phase: str, spent: dict[str, float]) -> Callable:
 
 
 def timed_phases(engine: Engine) -> tuple[dict[str, float], Callable[[], None]]:
-    """Wrap the PHASES (instance attributes over the methods) to add their host seconds into the returned dict,
-    which the caller clears per step; the second value undoes the wrapping. Device work a phase launches counts
-    where the host waits for it."""
-    spent, owners = dict.fromkeys(PHASES, 0.0), []
+    """Wrap the engine's PHASES (instance attributes over the methods) to add their host seconds into the returned
+    dict, which the caller clears per step; the second value undoes the wrapping. Device work a phase launches
+    counts where the host waits for it. (Phases nest: `_prefill` holds its forward's first pieces and the
+    bookkeeping after it.)"""
+    spent = dict.fromkeys(PHASES, 0.0)
     for phase in PHASES:
-        owner, name = (engine.runner, phase.split(".")[1]) if "." in phase else (engine, phase)
-        setattr(owner, name, _timed(getattr(owner, name), phase, spent))
-        owners.append((owner, name))
+        setattr(engine, phase, _timed(getattr(engine, phase), phase, spent))
 
     def undo() -> None:
-        for owner, name in owners:
-            delattr(owner, name)  # the class's methods again
+        for phase in PHASES:
+            delattr(engine, phase)  # the class's methods again
     return spent, undo
 
 
