@@ -133,13 +133,13 @@ def test_engine_batches_image_prefills_and_choices_share_the_images(vl_model):
     params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
     assert len(a[0]) == len(b[0])
     seen = []
-    prefill = engine.runner.prefill
+    forward_steps = engine.runner.forward_steps
 
     def spy(chunks, *args, image_embeds=None, **kwargs):
         seen.append((len(chunks), 0 if image_embeds is None else image_embeds.shape[0]))
-        return prefill(chunks, *args, image_embeds=image_embeds, **kwargs)
+        return forward_steps(chunks, *args, image_embeds=image_embeds, **kwargs)
 
-    engine.runner.prefill = spy
+    engine.runner.forward_steps = spy
     first = engine.add_request(a[0], params, images=a[1])
     others = [engine.add_request(p, params, images=im) for p, im in (b, text)]
     choice = engine.add_request(a[0], params, images=a[1], after=first)
