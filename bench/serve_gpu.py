@@ -336,6 +336,12 @@ def main() -> None:
     result = {k: v for k, v in kept.items() if k not in ("rows", "info")}
     for name in args.only or sorted(PARTS):
         result.update(PARTS[name](args, device))
+        write(result, args, device, time.perf_counter() - t0)  # after each part: a run cut later keeps it
+    report(result, args.json)
+
+
+def write(result: dict, args: argparse.Namespace, device: str, wall_s: float) -> None:
+    """The rows from the rates measured so far, the run's info, and the JSON file."""
     rates = {int(c): r for c, r in result.get("rates", {}).items()}
     peer = {int(c): r for c, r in result.get("peer_rates", {}).items()}
     result["rows"] = [{"concurrency": c, "tok_per_s": rates.get(c), "peer_tok_per_s": peer.get(c),
@@ -344,11 +350,10 @@ def main() -> None:
     result["info"] = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name()
                       if device == "cuda" else platform.processor() or platform.machine(),
                       "torch": torch.__version__, "python": platform.python_version(), "preset": args.preset,
-                      "smoke": args.smoke, "only": args.only, "bench_wall_s": time.perf_counter() - t0}
+                      "smoke": args.smoke, "only": args.only, "bench_wall_s": wall_s}
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as fh:
         json.dump(result, fh, indent=1)
-    report(result, args.json)
 
 
 def report(result: dict, path: str) -> None:
