@@ -144,9 +144,8 @@ def merge_attention(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2
 
 
 def _flash_with_lse(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """torch's flash attention kernel (CUDA, or its CPU counterpart) with the log-sum-exp it keeps for backward:
-    (out [B,H,T,dk] on v zero-padded to q's head dim, lse [B,H,T] fp32)."""
-    v = F.pad(v, (0, q.shape[-1] - v.shape[-1]))
+    """torch's flash attention kernel (CUDA, or its CPU counterpart; one head dim for q, k, v) with the log-sum-exp
+    it keeps for backward: (out [B,H,T,d], lse [B,H,T] fp32)."""
     if q.is_cuda:
         out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
     else:
@@ -156,10 +155,12 @@ def _flash_with_lse(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, 
 
 def past_and_own_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Bottom-right causal attention of T queries over L > T keys as two flash calls merged by their log-sum-exps
-    (`merge_attention`): the L - T past keys unmasked, the T own keys causally (a square mask). On an H100 the
-    bottom-right-masked call ran at ~100 TFLOP/s for a 16k-token chunk over 256k keys, this at ~270: 207 -> 79 ms a
-    layer (bench/long_prefill_attention.py, 2026-12-05). q [B,H,T,dk], k [B,H,L,dk], v [B,H,L,dv] -> [B,H,T,dv]."""
+    (`merge_attention`): the L - T past keys unmasked, the T own keys causally (a square mask), v zero-padded to
+    q's head dim for the kernel. On an H100 the bottom-right-masked call ran at ~100 TFLOP/s for a 16k-token chunk
+    over 256k keys, this at ~270: 207 -> 79 ms a layer (bench/long_prefill_attention.py, 2026-12-05).
+    q [B,H,T,dk], k [B,H,L,dk], v [B,H,L,dv] -> [B,H,T,dv]."""
     T, L, dv = q.shape[-2], k.shape[-2], v.shape[-1]
+    v = F.pad(v, (0, q.shape[-1] - dv))
     past = _flash_with_lse(q, k[:, :, :L - T], v[:, :, :L - T], False, scale)
     own = _flash_with_lse(q, k[:, :, L - T:], v[:, :, L - T:], True, scale)
     return merge_attention(*past, *own)[..., :dv]

@@ -67,9 +67,9 @@ class Pieces:
 class PiecewisePrefill:
     """The prefill forward of a `K3ForCausalLM` with a cache, its per-token work replayed from CUDA graphs.
 
-    `run(ids, cache)` equals `model(ids, cache=cache, return_logits=False).head_inputs` (the model's inputs and
-    cache effects; numerics within bf16 rounding: a bucket's padding changes the MoE's row counts, not its rows)
-    for text (no image tokens) of B * T tokens up to the largest bucket."""
+    `steps(ids, cache)` run to its end returns `model(ids, cache=cache, return_logits=False).head_inputs` (the
+    model's inputs and cache effects; numerics within bf16 rounding: a bucket's padding changes the MoE's row counts,
+    not its rows) for text (no image tokens) of B * T tokens up to the largest bucket."""
 
     def __init__(self, model: nn.Module, largest_tokens: int):
         self.model = model
@@ -142,7 +142,7 @@ class PiecewisePrefill:
 
     def _mixer_output(self, i: int, x: torch.Tensor) -> torch.Tensor:
         """Mixer i's static output for x [1, N, D]: the first N rows of one buffer per mixer that every bucket
-        shares (the largest bucket is captured first; buckets never replay interleaved, and `run` writes a mixer's
+        shares (the largest bucket is captured first; buckets never replay interleaved, and `steps` writes a mixer's
         output before the graph that reads it replays)."""
         if i == len(self._outputs):
             self._outputs.append(torch.zeros(x.shape, dtype=x.dtype, device=x.device))
@@ -156,15 +156,11 @@ class PiecewisePrefill:
         """How often `steps` pauses: between each two token mixers."""
         return len(self.layers) - 1
 
-    def run(self, ids: torch.Tensor, cache) -> torch.Tensor:
-        """ids [B, T] -> the LM head's input [B, T, D] (a view of static memory, valid until the next run); the
-        cache advances by T as in the model's forward."""
-        return run_to_end(self.steps(ids, cache))
-
     def steps(self, ids: torch.Tensor, cache) -> Generator[None, None, torch.Tensor]:
-        """`run` as a generator that pauses (yields) between each two token mixers (`pauses` times), so that other
-        work may run on the device between the pieces (the engine's decode steps: their own graphs and pools); no
-        other prefill forward may run until it returns."""
+        """ids [B, T] -> the LM head's input [B, T, D] (a view of static memory, valid until the next forward), the
+        cache advanced by T as in the model's forward: a generator that pauses (yields) between each two token
+        mixers (`pauses` times), so that other work may run on the device between the pieces (the engine's decode
+        steps: their own graphs and pools); no other prefill forward may run until it returns (`run_to_end`)."""
         B, T = ids.shape
         n = B * T
         pieces = self.pieces[next(size for size in self.buckets if size >= n)]
