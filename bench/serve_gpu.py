@@ -32,6 +32,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import shlex
 import signal
 import socket
@@ -50,6 +51,7 @@ from openk3.config import get_preset  # noqa: E402
 from serve_load import run_load  # noqa: E402  (bench/serve_load.py)
 
 TEXT = dict(prompt_len="60:200", temperature=0.8, top_p=0.95, tokenizer="bytes")
+ENGINE_ITL = "openk3_inter_token_latency_seconds"  # the server's histogram of the engine's inter-token times
 CACHE_EVICTIONS = ("evicted_pages", "dropped_checkpoints")  # the prefix cache's /metrics counters many_long reads
 
 
@@ -105,6 +107,15 @@ class Server:
     def text(self) -> str:
         return Path(self.log.name).read_text(errors="replace")
 
+    def buckets(self, name: str) -> dict[float, float]:
+        """One histogram of the server's /metrics: {upper bound: cumulative count}."""
+        out = {}
+        for line in httpx.get(f"{self.url}/metrics", timeout=10).text.splitlines():
+            match = re.match(rf'{name}_bucket{{le="([^"]+)"}} (\S+)', line)
+            if match:
+                out[float(match[1])] = float(match[2])
+        return out
+
     def counter(self, name: str) -> float:
         """One counter of the server's /metrics (0 if absent)."""
         for line in httpx.get(f"{self.url}/metrics", timeout=10).text.splitlines():
@@ -146,6 +157,7 @@ def default_server(args: argparse.Namespace, device: str) -> dict:
                   f"TPOT p50 {report['tpot_s']['p50'] * 1e3:.2f} ms)", flush=True)
         out["rates"], out["decode_reports"] = rates, reports
         out["many_long"] = many_long(args, server)
+        itl_before = server.buckets(ENGINE_ITL)
         report = check(run_load(url, request_rate=args.mixed_rate, num_requests=args.mixed_requests,
                                 prompt_len=args.mixed_prompt, output_len=args.mixed_reply, seed=7, **{
                                     k: v for k, v in TEXT.items() if k != "prompt_len"}), "mixed stream")
@@ -153,9 +165,16 @@ def default_server(args: argparse.Namespace, device: str) -> dict:
                         "itl_p50_s": report["itl_s"]["p50"], "itl_p99_s": report["itl_s"]["p99"],
                         "tpot_p50_s": report["tpot_s"]["p50"], "output_tok_per_s": report["output_tok_per_s"],
                         "report": summary(report)}
+        # where the long gaps arise: the engine's own inter-token times (its histogram, over this part) against the
+        # client's; a gap seen only by the client was spent in the API process or on the way
+        engine = {le: n - itl_before.get(le, 0.0) for le, n in server.buckets(ENGINE_ITL).items()}
+        out["mixed"]["itl_over_50ms"] = {
+            "client": report["itl_over_s"]["0.05"],
+            "engine": 1 - engine.get(0.05, 0.0) / max(engine.get(float("inf"), 0.0), 1.0)}
         print(f"mixed stream: TTFT p50 {out['mixed']['ttft_p50_s']:.3f} s, p99 {out['mixed']['ttft_p99_s']:.3f} s; "
-              f"ITL p50 {out['mixed']['itl_p50_s'] * 1e3:.1f} ms, p99 {out['mixed']['itl_p99_s'] * 1e3:.1f} ms",
-              flush=True)
+              f"ITL p50 {out['mixed']['itl_p50_s'] * 1e3:.1f} ms, p99 {out['mixed']['itl_p99_s'] * 1e3:.1f} ms; "
+              f"gaps over 50 ms: {out['mixed']['itl_over_50ms']['client']:.2%} seen by the clients, "
+              f"{out['mixed']['itl_over_50ms']['engine']:.2%} in the engine", flush=True)
     return out
 
 

@@ -69,6 +69,7 @@ ARRIVALS = ("poisson", "fixed")
 SLO_METRICS = ("ttft", "tpot", "e2e")
 PERCENTILES = (50, 90, 99)
 STATS = ("mean", *(f"p{q}" for q in PERCENTILES))
+ITL_BOUNDS_S = (0.025, 0.05, 0.1)  # the report counts the inter-token gaps longer than these
 PROBE_SNIPPET = 512  # characters: the probe prompts are one corpus snippet, then it and more from random places
 PROBE_CHARS = (2048, 32768)  # the calibrating probe's size: the longest prompt asked for, within these bounds
 REFUSED_FIELD = (400, 422)  # what servers answer a body field they do not know
@@ -577,7 +578,8 @@ def summarize(records: list[Record], duration: float, cfg: LoadConfig, meta: dic
     and `failure_examples` by status), token totals (from the server's usage; `cached_tokens` None when the server
     reports none), `duration_s`, `request_throughput` (req/s), `output_tok_per_s`, `total_tok_per_s`,
     distributions {mean, p50, p90, p99} in seconds of `ttft_s`, `tpot_s`, `itl_s`, `e2e_s` (None with no data),
-    `tokens_per_chunk` (ITL is per chunk with text: above 1, a gap spans several tokens), `goodput` (with --slo),
+    `itl_over_s` (the fraction of gaps longer than 25 / 50 / 100 ms), `tokens_per_chunk` (ITL is per chunk with
+    text: above 1, a gap spans several tokens), `goodput` (with --slo),
     `turns` (agent: per-turn means), and `requests` (one record each, in start order)."""
     records = sorted(records, key=lambda r: r.start)
     done = [r for r in records if r.ok]
@@ -604,7 +606,9 @@ def summarize(records: list[Record], duration: float, cfg: LoadConfig, meta: dic
         "output_tok_per_s": rate(output_tokens), "total_tok_per_s": rate(prompt_tokens + output_tokens),
         "ttft_s": distribution([r.ttft for r in done]),
         "tpot_s": distribution([r.tpot for r in done if r.tpot is not None]),
-        "itl_s": distribution([gap for r in done for gap in r.itl]),
+        "itl_s": distribution(gaps := [gap for r in done for gap in r.itl]),
+        "itl_over_s": {str(bound): sum(g > bound for g in gaps) / len(gaps) if gaps else None
+                       for bound in ITL_BOUNDS_S},
         "tokens_per_chunk": output_tokens / chunks if (chunks := sum(r.chunks for r in done)) else None,
         "e2e_s": distribution([r.e2e for r in done]),
     }

@@ -269,19 +269,22 @@ def paused_forwards(engine, pauses: int) -> None:
     engine.runner.forward_pauses = lambda tokens, images=False: 0 if images else pauses
 
 
-@pytest.mark.parametrize("prefix_cache", [True, False])
-def test_prefill_forwards_split_over_steps_leave_outputs_exact(model, prefix_cache):
+@pytest.mark.parametrize("prefix_cache,forwards", [(True, 1), (False, 1), (False, 0)])
+def test_prefill_forwards_split_over_steps_leave_outputs_exact(model, prefix_cache, forwards):
     """While sequences decode, a forward of N tokens runs over ceil(N / prefill_split_tokens) steps with the decode
     steps between its pieces: greedy outputs equal generate()'s, and a cancellation of one of its requests waits
-    for it to end."""
+    for it to end. With no limit on a step's forwards (0), the others of a step with a paused forward run whole."""
     rng = random.Random(4)
     prompts = [[rng.randrange(90) for _ in range(n)] for n in (20, 100, 60, 130, 45, 90)]
     greedy = SamplingParams(max_tokens=12, temperature=0)
-    engine = make_engine(model, prefix_cache=prefix_cache, prefill_split_tokens=16, prefill_forwards_per_step=1,
+    engine = make_engine(model, prefix_cache=prefix_cache, prefill_split_tokens=16,
+                         prefill_forwards_per_step=forwards,
                          scheduler=SchedulerConfig(max_running=3, prefill_tokens_per_step=48))
     paused_forwards(engine, pauses=12)
     requests, pending, split_steps, cancelled = [], list(prompts), 0, None
-    while pending or engine.has_work():
+    for _ in range(1000):  # (a lost paused forward would leave its requests waiting for ever)
+        if not (pending or engine.has_work()):
+            break
         if pending:
             requests.append(engine.add_request(pending.pop(0), SamplingParams(max_tokens=12, temperature=0,
                                                                               ignore_eos=True)))

@@ -43,6 +43,8 @@ def check_report(report: dict) -> list[dict]:
         d = report[name]
         assert 0 <= d["p50"] <= d["p90"] <= d["p99"]
     assert report["ttft_s"]["p99"] <= report["e2e_s"]["p99"]
+    over = [report["itl_over_s"][str(bound)] for bound in serve_load.ITL_BOUNDS_S]  # longer bounds, fewer gaps
+    assert all(1 >= a >= b >= 0 for a, b in zip(over, over[1:]))
     spans = [(r["start"], r["start"] + r["e2e"]) for r in report["requests"]]
     assert report["duration_s"] == pytest.approx(max(e for _, e in spans) - min(s for s, _ in spans))
     duration = report["duration_s"]

@@ -899,7 +899,9 @@ class Engine:
             steps = self.runner.forward_steps(tokens, slots, starts, offsets, image_embeds=image_embeds)
             size = len(tokens) * max(map(len, tokens))
             pauses = self.runner.forward_pauses(size, image_embeds is not None)
-            over = -(-size // self.prefill_split_tokens) if split and pauses and self.prefill_split_tokens else 1
+            # (one paused forward at a time: with another under way, this one runs whole)
+            splits = split and pauses and self.prefill_split_tokens and self._split is None
+            over = -(-size // self.prefill_split_tokens) if splits else 1
             if over > 1:  # the first pieces now, the rest in the next steps
                 self._split = SplitPrefill(list(chunks), steps, per_step=-(-(pauses + 1) // min(over, pauses + 1)))
                 self._advance_split()
