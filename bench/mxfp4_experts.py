@@ -8,7 +8,8 @@ tokens (random routing, bf16 activations), each replayed as a CUDA graph and tim
   mxfp4        `ops.moe.experts_forward_mxfp4`, the W4A16 kernel with its explicit dequantization
   mxfp4-scaled the same with tl.dot_scaled
 with the weight bytes the batch's experts hold (the floor a step must read) and the bandwidth that makes, and the
-MXFP4 outputs' relative error against bf16 experts holding the dequantized values. --startup also builds
+MXFP4 outputs' relative error against bf16 experts holding the dequantized values. --splits also times the two
+MXFP4 GEMMs alone at each split-K count for the decode-sized batches. --startup also builds
 kimi-linear-48b in bf16 and with MXFP4 experts (`openk3.build.build_model`, random init) and prints the phases.
 Writes bench/mxfp4_experts.json. `--device cpu --tiny` runs a small case under TRITON_INTERPRET=1 (a smoke test:
 no timings worth reading).
@@ -17,6 +18,7 @@ no timings worth reading).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 from pathlib import Path
@@ -30,6 +32,7 @@ from openk3.quant.mx import unpack_mxfp4
 from openk3.quant.packed_experts import pack_mxfp4_chunked
 
 HERE = Path(__file__).parent
+SPLITS = (1, 2, 4, 8, 0)  # --splits: the split-K counts timed (0: the kernel's own choice)
 
 
 def timed(fn, device: torch.device) -> float:
@@ -88,6 +91,31 @@ def bench_experts(E: int, k: int, dim: int, inter: int, batches: list[int], devi
     return rows
 
 
+def bench_splits(E: int, k: int, dim: int, inter: int, batches: list[int], device: torch.device) -> list[dict]:
+    """The MXFP4 GEMMs alone (gate-up, then down, on rows grouped by expert) at each split-K count
+    (`ops.triton_mxfp4`; 0: the count `k_splits` picks), for the decode-sized batches."""
+    from openk3.ops.moe import group_by_expert
+    from openk3.ops.triton_mxfp4 import mxfp4_grouped_matmul_triton
+
+    g = torch.Generator(device=device).manual_seed(1)
+    shapes = {"gate_up": (2 * inter, dim), "down": (dim, inter)}
+    weights = {name: pack_mxfp4_chunked(torch.randn(E, n, kk, generator=g, device=device, dtype=torch.bfloat16))
+               for name, (n, kk) in shapes.items()}
+    rows = []
+    for n in batches:
+        _, counts = group_by_expert(torch.rand(n, E, generator=g, device=device).topk(k, dim=-1).indices, E)
+        for name, (out, width) in shapes.items():
+            x = torch.randn(n * k, width, generator=g, device=device, dtype=torch.bfloat16)
+            read = int((counts > 0).sum()) * out * width * (0.5 + 1 / 32)
+            for splits in SPLITS:
+                ms = timed(functools.partial(mxfp4_grouped_matmul_triton, x, counts, *weights[name], "dequant",
+                                             splits), device)
+                rows.append({"gemm": name, "tokens": n, "splits": splits, "ms": ms, "gb_per_s": read / ms / 1e6})
+                print(f"{name:8s} tokens {n:4d}  splits {splits or 'auto':>4}  {ms * 1e3:8.1f} us  "
+                      f"{read / ms / 1e6:7.0f} GB/s", flush=True)
+    return rows
+
+
 def bench_startup(device: torch.device) -> list[dict]:
     from openk3.build import build_model
 
@@ -109,6 +137,9 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="16 experts, top 4, width 64 (CPU smoke test)")
     parser.add_argument("--startup", action="store_true", help="also time building kimi-linear-48b (CUDA)")
+    parser.add_argument("--splits", action="store_true",
+                        help=f"also time the two MXFP4 GEMMs alone at split-K counts {SPLITS} (0: the kernel's "
+                             "choice) for the batches of at most 64 tokens")
     args = parser.parse_args()
     device = torch.device(args.device)
     moe = get_preset("kimi-linear-48b").moe
@@ -116,6 +147,8 @@ def main() -> None:
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "experts": dict(zip(("num", "top_k", "dim", "hidden"), shape)),
               "rows": bench_experts(*shape, args.batches, device)}
+    if args.splits:
+        result["splits"] = bench_splits(*shape, [n for n in args.batches if n <= 64], device)
     if args.startup:
         result["startup"] = bench_startup(device)
     if not args.tiny:

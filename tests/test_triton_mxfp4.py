@@ -65,6 +65,35 @@ def test_kernel_matches_dequantize_then_matmul(counts, N, K, method):
     assert_close(got.cpu(), want, torch.bfloat16)
 
 
+@pytest.mark.parametrize("method", ["dequant", "dot_scaled"])
+@pytest.mark.parametrize("splits", [2, 3, 5])
+def test_inputs_split_over_programs_add_up(splits, method):
+    """Split-K: programs over parts of K (whole 128-input steps, the last one partial) write fp32 partial sums,
+    added after; an empty expert and NaN-poisoned output buffers stay out of the result."""
+    counts, N, K = torch.tensor([2, 0, 1, 4]), 70, 672
+    packed, scales = weights(4, N, K, seed=splits)
+    x = torch.randn(7, K, generator=torch.Generator().manual_seed(splits)).to(torch.bfloat16)
+    got = triton_mxfp4.mxfp4_grouped_matmul_triton(x.to(DEV), counts.to(DEV), packed.to(DEV), scales.to(DEV),
+                                                   method, splits)
+    assert_close(got.cpu(), reference(x, counts, packed, scales), torch.bfloat16)
+
+
+@pytest.mark.parametrize(("tiles", "K"), [(8 * 32, 2304), (8 * 36, 1024), (16, 4096), (16, 256), (600, 8192),
+                                          (4096, 7168)])
+def test_split_count_fills_the_gpu_for_few_tiles_only(tiles, K):
+    """Splits double while the programs stay within SPLIT_TARGET and each keeps >= 4 steps of 128 inputs."""
+    splits = triton_mxfp4.k_splits(tiles, K, block_k=128)
+    assert splits & (splits - 1) == 0
+    assert splits == 1 or (tiles * splits <= triton_mxfp4.SPLIT_TARGET and K // (128 * splits) >= 4)
+    assert tiles * splits * 2 > triton_mxfp4.SPLIT_TARGET or K // (128 * splits * 2) < 4  # (no further split fits)
+
+
+def test_a_negative_split_count_is_refused():
+    with pytest.raises(ValueError, match="splits must be >= 0"):
+        triton_mxfp4.mxfp4_grouped_matmul_triton(torch.randn(1, 64), torch.tensor([1]), *weights(1, 8, 64, 1),
+                                                 splits=-1)
+
+
 def test_kernel_takes_fp32_rows_exactly():
     """fp32 rows: fp32 products (to fp32 rounding of the sums)."""
     counts = torch.tensor([2, 0, 7])

@@ -13,7 +13,9 @@ exact in bf16), so the two differ by the order of the fp32 sums only.
 Each program computes a [BLOCK_M, BLOCK_N] tile of one expert's rows: program m of the grid's first axis finds its
 expert and row tile from `counts` alone (the running sum of each expert's ceil(count / BLOCK_M) tiles), so the grid
 is sized from M and E only (no host sync: CUDA graphs hold) and programs past the last tile return at once. A
-decode step's few rows per expert take BLOCK_M = 16. Inside, the even and odd inputs are two products of half
+decode step's few rows per expert take BLOCK_M = 16, and so few tiles that each program's walk over K (one memory
+latency a step) sets the time: there the inputs are split over programs (split-K, `k_splits`; program_id(2) takes
+one part) whose fp32 partial sums are added after. Inside, the even and odd inputs are two products of half
 width (the low and the high nibbles against x's even and odd columns), so the codes are never interleaved.
 E2M1 -> value: the 3 magnitude bits placed at the bottom of an fp16 exponent and the top of its mantissa give
 2^-14 times the E2M1 value, exactly, subnormal 0.5 included (fp16 arithmetic and conversions keep subnormals).
@@ -35,6 +37,7 @@ import triton.language as tl
 
 METHODS = ("dequant", "dot_scaled")
 BLOCK_N = 64
+SPLIT_TARGET = 1024  # programs a launch aims for (~8 per SM of an H100 / H200) when it splits K
 # rows per tile -> (inputs per step, warps): the tiles that compile for sm_90 without register spills (both methods,
 # triton 3.9, cuobjdump -res-usage); timings on a GPU may pick others
 TILES = {16: (128, 8), 32: (128, 8), 64: (64, 8), 128: (64, 8)}
@@ -69,11 +72,12 @@ def _dot_codes(x, codes, scale, acc, GROUPS: tl.constexpr, DOT: tl.constexpr, PR
 
 
 @triton.jit
-def _mxfp4_grouped_matmul_kernel(x_ptr, counts_ptr, w_ptr, s_ptr, out_ptr, N, K, E,
+def _mxfp4_grouped_matmul_kernel(x_ptr, counts_ptr, w_ptr, s_ptr, out_ptr, M, N, K, E, K_SPLIT,
                                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                  BLOCK_E: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
                                  SCALED_FORMAT: tl.constexpr):
-    """One [BLOCK_M, BLOCK_N] output tile; SCALED_FORMAT ("bf16" / "fp16") takes tl.dot_scaled, "" the explicit
+    """One [BLOCK_M, BLOCK_N] output tile over inputs [k_start, k_start + K_SPLIT) of split program_id(2), written
+    to out[split] (out [splits, M, N]); SCALED_FORMAT ("bf16" / "fp16") takes tl.dot_scaled, "" the explicit
     dequantization."""
     e_idx = tl.arange(0, BLOCK_E)
     counts = tl.load(counts_ptr + e_idx, mask=e_idx < E, other=0).to(tl.int32)
@@ -95,7 +99,8 @@ def _mxfp4_grouped_matmul_kernel(x_ptr, counts_ptr, w_ptr, s_ptr, out_ptr, N, K,
         x_rows = x_ptr + (row0 + rm).to(tl.int64)[:, None] * K
         w_row = e.to(tl.int64) * N + rn  # the expert's output rows: [HALF, BLOCK_N] tiles of codes, K down
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        k_start = tl.program_id(2) * K_SPLIT
+        for k0 in range(k_start, tl.minimum(k_start + K_SPLIT, K), BLOCK_K):
             j_ok = k0 // 2 + j < K // 2
             g_ok = k0 // 32 + g < K // 32
             packed = tl.load(w_ptr + w_row[None, :] * (K // 2) + (k0 // 2 + j)[:, None],
@@ -114,7 +119,7 @@ def _mxfp4_grouped_matmul_kernel(x_ptr, counts_ptr, w_ptr, s_ptr, out_ptr, N, K,
                 scale = tl.load(s_ptr + w_row[:, None] * (K // 32) + (k0 // 32 + g)[None, :],
                                 mask=n_ok[:, None] & g_ok[None, :], other=127)
                 acc = tl.dot_scaled(x, None, SCALED_FORMAT, packed, scale, "e2m1", acc)
-        out = out_ptr + (row0 + rm).to(tl.int64)[:, None] * N + rn[None, :]
+        out = out_ptr + (tl.program_id(2) * M + row0 + rm).to(tl.int64)[:, None] * N + rn[None, :]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
@@ -131,6 +136,15 @@ def block_m(rows: int, experts: int) -> int:
     """Rows per tile from the mean rows per expert (shapes only): 16 for decode, up to 128 for long prefills."""
     mean = rows / max(experts, 1)
     return next((m for m in TILES if mean <= m), max(TILES))
+
+
+def k_splits(tiles: int, K: int, block_k: int) -> int:
+    """Programs that share one output tile's inputs (split-K): a decode step's few row tiles leave most of the GPU
+    idle, each program walking all K; split until there are about SPLIT_TARGET programs, keeping >= 4 steps each."""
+    splits = 1
+    while tiles * splits * 2 <= SPLIT_TARGET and K // (block_k * splits * 2) >= 4:
+        splits *= 2
+    return splits
 
 
 def check_mxfp4_operands(x_sorted: torch.Tensor, counts: torch.Tensor, packed: torch.Tensor,
@@ -151,33 +165,39 @@ def check_mxfp4_operands(x_sorted: torch.Tensor, counts: torch.Tensor, packed: t
 # A torch custom op, so that torch.compile (the compiled decode step) keeps the launch whole
 @torch.library.custom_op("openk3::mxfp4_grouped_matmul", mutates_args=())
 def mxfp4_grouped_matmul_triton(x_sorted: torch.Tensor, counts: torch.Tensor, packed: torch.Tensor,
-                                scales: torch.Tensor, method: str = "dequant") -> torch.Tensor:
+                                scales: torch.Tensor, method: str = "dequant", splits: int = 0) -> torch.Tensor:
     """x_sorted [M, K] grouped by expert (counts [E], summing to M) times each expert's MXFP4 weight (packed
     [E, N, K/2], scales [E, N, K/32]) transposed -> [M, N] in x_sorted's dtype. method: "dequant" (explicit, any
-    float rows) or "dot_scaled" (16-bit rows)."""
+    float rows) or "dot_scaled" (16-bit rows). splits: programs per output tile, each over a part of K, their fp32
+    partial sums added after (0: `k_splits` chooses)."""
     check_mxfp4_operands(x_sorted, counts, packed, scales)
     if method not in METHODS:
         raise ValueError(f"MXFP4 grouped matmul method must be one of {METHODS}, got {method!r}")
     scaled = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(x_sorted.dtype) if method == "dot_scaled" else ""
     if scaled is None:
         raise ValueError(f"method 'dot_scaled' takes bf16 or fp16 rows, got {x_sorted.dtype}")
+    if splits < 0:
+        raise ValueError(f"splits must be >= 0 (0: chosen from the shapes), got {splits}")
     M, K = x_sorted.shape
     E, N, _ = packed.shape
-    out = torch.empty(M, N, dtype=x_sorted.dtype, device=x_sorted.device)
     if M == 0 or N == 0:
-        return out
+        return torch.empty(M, N, dtype=x_sorted.dtype, device=x_sorted.device)
     bm = block_m(M, E)
     block_k, warps = TILES[bm]
     dot = dot_dtype(x_sorted)
     # tiles: at most ceil(M / bm) full ones plus one partial tile per expert that has rows (at most min(E, M))
     grid = (triton.cdiv(M, bm) + min(E, M), triton.cdiv(N, BLOCK_N))
-    _mxfp4_grouped_matmul_kernel[grid](
-        x_sorted.contiguous(), counts.contiguous(), packed.contiguous(), scales.contiguous(), out, N, K, E,
-        BLOCK_M=bm, BLOCK_N=BLOCK_N, BLOCK_K=block_k, BLOCK_E=triton.next_power_of_2(E), DOT=dot,
+    splits = min(splits or k_splits(grid[0] * grid[1], K, block_k), triton.cdiv(K, block_k))
+    k_split = triton.cdiv(triton.cdiv(K, splits), block_k) * block_k  # (whole steps: scales stay aligned)
+    splits = triton.cdiv(K, k_split)
+    out = torch.empty(splits, M, N, dtype=x_sorted.dtype if splits == 1 else torch.float32, device=x_sorted.device)
+    _mxfp4_grouped_matmul_kernel[(*grid, splits)](
+        x_sorted.contiguous(), counts.contiguous(), packed.contiguous(), scales.contiguous(), out, M, N, K, E,
+        k_split, BLOCK_M=bm, BLOCK_N=BLOCK_N, BLOCK_K=block_k, BLOCK_E=triton.next_power_of_2(E), DOT=dot,
         PRECISION="ieee" if dot == tl.float32 else "tf32", SCALED_FORMAT=scaled, num_warps=warps)
-    return out
+    return out[0] if splits == 1 else out.sum(0).to(x_sorted.dtype)
 
 
 @mxfp4_grouped_matmul_triton.register_fake
-def _(x_sorted, counts, packed, scales, method="dequant"):
+def _(x_sorted, counts, packed, scales, method="dequant", splits=0):
     return x_sorted.new_empty(x_sorted.shape[0], packed.shape[1])
