@@ -156,7 +156,7 @@ def _flash_with_lse(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, 
 def past_and_own_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Bottom-right causal attention of T queries over L > T keys as two flash calls merged by their log-sum-exps
     (`merge_attention`): the L - T past keys unmasked, the T own keys causally (a square mask), v zero-padded to
-    q's head dim for the kernel. On an H100 the bottom-right-masked call ran at ~100 TFLOP/s for a 16k-token chunk
+    q's head dim for the kernel (which takes head dims of multiples of 8 up to 256: `causal_sdpa` checks). On an H100 the bottom-right-masked call ran at ~100 TFLOP/s for a 16k-token chunk
     over 256k keys, this at ~270: 207 -> 79 ms a layer (bench/long_prefill_attention.py, 2026-12-05).
     q [B,H,T,dk], k [B,H,L,dk], v [B,H,L,dv] -> [B,H,T,dv]."""
     T, L, dv = q.shape[-2], k.shape[-2], v.shape[-1]
@@ -182,6 +182,7 @@ def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     dv = v.shape[-1]
     T, L = q.shape[-2], k.shape[-2]
     if L > T and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] <= 256 \
+            and q.shape[-1] % 8 == 0 \
             and not torch.compiler.is_compiling() and not (q.requires_grad or k.requires_grad or v.requires_grad) \
             and (backends is None or SDPBackend.FLASH_ATTENTION in backends):
         return past_and_own_attention(q, k, v, scale)  # a prompt's chunk after its past (serving; no gradient)
