@@ -156,8 +156,9 @@ def _flash_with_lse(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, 
 def past_and_own_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Bottom-right causal attention of T queries over L > T keys as two flash calls merged by their log-sum-exps
     (`merge_attention`): the L - T past keys unmasked, the T own keys causally (a square mask), v zero-padded to
-    q's head dim for the kernel (which takes head dims of multiples of 8 up to 256: `causal_sdpa` checks). On an H100 the bottom-right-masked call ran at ~100 TFLOP/s for a 16k-token chunk
-    over 256k keys, this at ~270: 207 -> 79 ms a layer (bench/long_prefill_attention.py, 2026-12-05).
+    q's head dim for the kernel (which takes head dims of multiples of 8 up to 256: `causal_sdpa` checks). On an
+    H100 the bottom-right-masked call ran at ~100 TFLOP/s for a 16k-token chunk over 256k keys, this at ~270:
+    207 -> 79 ms a layer (bench/long_prefill_attention.py, 2026-12-05).
     q [B,H,T,dk], k [B,H,L,dk], v [B,H,L,dv] -> [B,H,T,dv]."""
     T, L, dv = q.shape[-2], k.shape[-2], v.shape[-1]
     v = F.pad(v, (0, q.shape[-1] - dv))
