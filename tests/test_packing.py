@@ -274,3 +274,30 @@ def test_packed_mla_under_bf16_autocast_on_cuda():
         results.append([t.float().cpu() for t in (out, *torch.autograd.grad(out, inputs, dy.to(device)))])
     for got, want in zip(results[1], results[0]):
         assert ((got - want).norm() / want.norm()).item() < 1e-2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled flex path of a training step runs on CUDA")
+def test_packed_loss_of_the_compiled_model_on_cuda():
+    """A packed training step of the block-compiled model (openk3 train's default on CUDA) == the eager model's,
+    loss and gradients, fp32: the MTP block attends over T - 1 positions after the main layers' T (a new shape for
+    the shared compiled MLA code; its BlockMask built inside made Inductor fail with CantSplit), over two batches
+    whose documents lie differently."""
+    from openk3.model.compile import compile_blocks
+
+    torch.manual_seed(0)
+    eager = K3ForCausalLM(tiny_config()).cuda().train()
+    compiled = compile_blocks(K3ForCausalLM(tiny_config()).cuda().train())
+    compiled.load_state_dict(eager.state_dict())
+    B, T1 = SEGMENTS.shape
+    for segments in (SEGMENTS, SEGMENTS.flip(1)):
+        batch = torch.randint(0, eager.config.vocab_size, (B, T1), device="cuda")
+        losses = []
+        for model in (eager, compiled):
+            params = [p for p in model.parameters() if p.requires_grad]
+            loss = lm_losses(model, batch, 0.3, segments)[0]
+            losses.append((loss, torch.autograd.grad(loss, params, allow_unused=True)))
+        (want, want_grads), (got, got_grads) = losses
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        for g, w in zip(got_grads, want_grads):
+            if w is not None:
+                torch.testing.assert_close(g, w, rtol=1e-3, atol=1e-4)

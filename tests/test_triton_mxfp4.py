@@ -123,7 +123,9 @@ def test_extreme_scales_and_every_code(method, dtype):
     assert torch.isnan(got[:, 4]).all() and torch.isnan(want[:, 4]).all()
     assert (want[:, 0] != 0).sum() == 28 and want[:, 3].abs().max() == 6 * 2.0**123  # subnormals, no overflow
     got, want = got[:, :4], want[:, :4]
-    if dtype == torch.bfloat16 and DEV == "cpu":  # the interpreter's fp32 -> bf16 cast flushes subnormals to zero
+    # the interpreter's fp32 -> bf16 cast flushes subnormals to zero, and so does tl.dot_scaled on a GPU (an H100,
+    # 2026-12-06: the E8M0 byte 0 scale, 2^-127, gave 0 where the reference has 2.9e-39)
+    if dtype == torch.bfloat16 and (DEV == "cpu" or method == "dot_scaled"):
         kept = (want == 0) | (want.abs() >= torch.finfo(torch.float32).tiny)
         got, want = got[kept], want[kept]
     assert torch.equal(got, want)

@@ -9,6 +9,10 @@ in the forms the layers read:
   starts      [B,T] int64 on the model's device: the row index of the first token of each token's document. The
               short conv of token t reads inputs from starts[t] on (zeros before: its window resets), and the
               torch KDA paths reset the state at the tokens where starts[t] == t.
+  block_mask  flex_attention's BlockMask of doc_ids on CUDA (None elsewhere), built once a batch when the
+              documents move to the device, outside any compiled code: every MLA layer reads the one mask, and a
+              compiled layer takes it as an input (built inside, a block over a new sequence length made Inductor
+              fail with CantSplit: the MTP block attends over T - 1 positions after the main layers' T).
 Everything is built on the host from per-token segment ids (any integers, equal within a document and changing
 at each boundary, e.g. each token's document index in the data stream), so nothing reads the GPU back.
 """
@@ -18,7 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.nn.attention.flex_attention import BlockMask
 
+from openk3.ops.attention import document_block_mask, uses_flex_attention
 from openk3.ops.transfer import queued
 
 
@@ -34,6 +40,7 @@ class Documents:
     cu_seqlens: torch.Tensor
     doc_ids: torch.Tensor
     starts: torch.Tensor
+    block_mask: BlockMask | None = None
 
     @classmethod
     def from_segments(cls, segments: torch.Tensor) -> Documents:
@@ -63,8 +70,11 @@ class Documents:
         return self.starts == torch.arange(self.shape[1], device=self.starts.device)
 
     def to(self, device: torch.device | str) -> Documents:
-        """The device tensors on `device` (`queued`); cu_seqlens stays on the host."""
-        return Documents(self.segments, self.cu_seqlens, queued(self.doc_ids, device), queued(self.starts, device))
+        """The device tensors on `device` (`queued`), with the block mask there if flex attends; cu_seqlens stays
+        on the host."""
+        doc_ids = queued(self.doc_ids, device)
+        mask = document_block_mask(doc_ids) if uses_flex_attention(doc_ids.device) else None
+        return Documents(self.segments, self.cu_seqlens, doc_ids, queued(self.starts, device), mask)
 
     def prefix(self, length: int) -> Documents:
         """The documents of the first `length` positions of every row (an MTP layer's positions)."""

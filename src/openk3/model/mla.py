@@ -96,8 +96,9 @@ class GatedMLA(nn.Module):
         q, kv = self._query_from(q), self._latent_from(c)
         kw = dict(nope_dim=self.nope_dim, v_dim=self.v_head_dim, scale=self.scale)
         if cache is None:
-            doc_ids = documents.doc_ids if documents is not None else None
-            o = mla_attention_expanded(q, kv, self.kv_b_proj.weight, doc_ids=doc_ids, **kw)
+            if documents is not None:
+                kw.update(doc_ids=documents.doc_ids, block_mask=documents.block_mask)
+            o = mla_attention_expanded(q, kv, self.kv_b_proj.weight, **kw)
         else:
             lengths = cache.lengths
             kv_all = cache.layers[self.layer_idx].append(kv, lengths, cache.max_length + T)

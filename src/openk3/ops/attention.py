@@ -77,15 +77,17 @@ def compiled_flex_attention():
 
 
 def flex_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor,
-                            scale: float) -> torch.Tensor:
-    """`document_attention` through flex_attention with `document_block_mask`. Inside a compiled region the
+                            scale: float, block_mask: BlockMask | None = None) -> torch.Tensor:
+    """`document_attention` through flex_attention with `block_mask` (built from doc_ids when None: pass the
+    prebuilt one from a compiled caller, see openk3.model.documents). Inside a compiled region the
     surrounding graph compiles flex_attention; outside it the cached `compiled_flex_attention` runs. flex takes
     v's head dim as it is (MLA's dv < dk: no padding) and one dtype for q, k and v: under autocast they are cast
     to its dtype, as SDPA's autocast rule does."""
     device = q.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else q.dtype
     attend = flex_attention if torch.compiler.is_compiling() else compiled_flex_attention()
-    return attend(q.to(dtype), k.to(dtype), v.to(dtype), block_mask=document_block_mask(doc_ids), scale=scale)
+    mask = block_mask if block_mask is not None else document_block_mask(doc_ids)
+    return attend(q.to(dtype), k.to(dtype), v.to(dtype), block_mask=mask, scale=scale)
 
 
 def uses_flex_attention(device: torch.device) -> bool:
@@ -94,12 +96,13 @@ def uses_flex_attention(device: torch.device) -> bool:
 
 
 def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor, scale: float,
-                       backends: list[SDPBackend] | None = None) -> torch.Tensor:
+                       backends: list[SDPBackend] | None = None, block_mask: BlockMask | None = None
+                       ) -> torch.Tensor:
     """Document-causal attention of a packed batch: q [B,H,T,dk], k [B,H,T,dk], v [B,H,T,dv], doc_ids [B,T] ->
     [B,H,T,dv]. Query i attends key j <= i of its own document; flex_attention on CUDA, else SDPA with the dense
     `document_mask` (`backends` as in `causal_sdpa`; flex takes none)."""
     if uses_flex_attention(q.device):
-        return flex_document_attention(q, k, v, doc_ids, scale)
+        return flex_document_attention(q, k, v, doc_ids, scale, block_mask)
     with sdpa_kernel(backends) if backends else contextlib.nullcontext():
         return F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(doc_ids), scale=scale)
 
@@ -209,10 +212,12 @@ def mla_attention_expanded(
     lengths: torch.Tensor | None = None,
     backends: list[SDPBackend] | None = None,
     doc_ids: torch.Tensor | None = None,
+    block_mask: BlockMask | None = None,
 ) -> torch.Tensor:
     """Expanded-K/V MLA through torch SDPA (the prefill / training path; `backends` as in `causal_sdpa`). Returns
     [B,T,H,v]. doc_ids [B,T] (a packed batch, no past: L == T): each query attends its own document only
-    (`document_attention`: flex_attention on CUDA, the dense-mask SDPA elsewhere)."""
+    (`document_attention`: flex_attention on CUDA with `block_mask`, the prebuilt mask of doc_ids if given, the
+    dense-mask SDPA elsewhere)."""
     B, T, H, _ = q.shape
     L = kv_cache.shape[1]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -222,7 +227,7 @@ def mla_attention_expanded(
         if lengths is not None or L != T or tuple(doc_ids.shape) != (B, T):
             raise ValueError(f"doc_ids [B,T] = {(B, T)} take no past (L == T, no lengths), got doc_ids "
                              f"{tuple(doc_ids.shape)}, L={L}")
-        o = document_attention(qh, k, v, doc_ids, scale, backends)
+        o = document_attention(qh, k, v, doc_ids, scale, backends, block_mask)
     elif lengths is None:
         if L < T:
             raise ValueError(f"the cache must hold the T={T} new tokens, got L={L}")

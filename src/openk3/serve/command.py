@@ -294,7 +294,7 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--prefill-split", type=int_at_least(0), default=None, metavar="N",
                    help="while sequences decode, a prefill forward of T tokens replayed from the prefill graphs runs "
                         "over ceil(T / N) engine steps, decode steps between its pieces, so one long prompt does not "
-                        "stall the others' tokens for its whole forward (default 2048 on a GPU; 0: off)")
+                        "stall the others' tokens for its whole forward (default 1024 on a GPU; 0: off)")
     p.add_argument("--allow-remote-images", action="store_true",
                    help="fetch http(s) image URLs in chat requests (10 s and 20 MiB at most each, no redirects); "
                         "by default only inline data: URLs are accepted")

@@ -86,11 +86,11 @@ SLOW_STEP_S = 0.25  # an engine step longer than this is logged (INFO) with what
 # long prompt goes in few, long forwards: 12k tokens took 141-151 ms in three of 4096 (bench/RESULTS.md, 2026-12-01).
 GPU_PREFILL_CHUNK_TOKENS = 16384  # tokens per prefill forward on a GPU, rounded to hash blocks
 GPU_PAD_TOKENS = 4096  # padding a right-padded prefill forward may take on a GPU (Engine.ragged_free)
-# GPU default of EngineConfig.prefill_split_tokens: a forward of up to 8,192 tokens (the step budget) in at most four
-# steps of ~10 ms (k3-debug's 1 x 8192 forward: 38 ms on an H100 with the prefill graphs, bench/RESULTS.md 2026-12-05).
-# The engine then stalls no token 50 ms, but a client's gap spans ~2 tokens of a random-weight model and passed 50 ms
-# for 1.6% of gaps (log 89); 1024 would halve the stall, not yet measured since the prefix cache's fix (2026-12-06)
-GPU_PREFILL_SPLIT_TOKENS = 2048
+# GPU default of EngineConfig.prefill_split_tokens: a forward of up to 8,192 tokens (the step budget) in at most eight
+# steps of ~5 ms (k3-debug's 1 x 8192 forward: 38 ms on an H100 with the prefill graphs, bench/RESULTS.md 2026-12-05).
+# A client's gap spans ~2 tokens of a random-weight model: with 2048 its mixed-stream ITL p99 was 55.8 ms (1.56% of
+# gaps over 50 ms), with 1024 45.5 ms (0.65%) at the same TTFT p50 (0.085 s; H100, logs 89 and 90, 2026-12-06)
+GPU_PREFILL_SPLIT_TOKENS = 1024
 # GPU default of EngineConfig.short_prefill_tokens: ordinary prompts (hundreds of tokens) prefill as graph replays,
 # not eager forwards of ~36 ms of launches (at 1 client TTFT p50 71 -> 25 ms on an H200, bench/RESULTS.md 2026-12-04)
 SHORT_PREFILL_TOKENS = 256
