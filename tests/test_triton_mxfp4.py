@@ -81,11 +81,13 @@ def test_inputs_split_over_programs_add_up(splits, method):
 @pytest.mark.parametrize(("tiles", "K"), [(8 * 32, 2304), (8 * 36, 1024), (16, 4096), (16, 256), (600, 8192),
                                           (4096, 7168)])
 def test_split_count_fills_the_gpu_for_few_tiles_only(tiles, K):
-    """Splits double while the programs stay within SPLIT_TARGET and each keeps >= 4 steps of 128 inputs."""
+    """Splits double while the programs stay within SPLIT_TARGET and each keeps MIN_SPLIT_STEPS steps of 128
+    inputs."""
     splits = triton_mxfp4.k_splits(tiles, K, block_k=128)
     assert splits & (splits - 1) == 0
-    assert splits == 1 or (tiles * splits <= triton_mxfp4.SPLIT_TARGET and K // (128 * splits) >= 4)
-    assert tiles * splits * 2 > triton_mxfp4.SPLIT_TARGET or K // (128 * splits * 2) < 4  # (no further split fits)
+    steps = triton_mxfp4.MIN_SPLIT_STEPS
+    assert splits == 1 or (tiles * splits <= triton_mxfp4.SPLIT_TARGET and K // (128 * splits) >= steps)
+    assert tiles * splits * 2 > triton_mxfp4.SPLIT_TARGET or K // (128 * splits * 2) < steps  # (no further split fits)
 
 
 def test_a_negative_split_count_is_refused():

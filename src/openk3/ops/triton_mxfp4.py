@@ -38,6 +38,9 @@ import triton.language as tl
 METHODS = ("dequant", "dot_scaled")
 BLOCK_N = 64
 SPLIT_TARGET = 1024  # programs a launch aims for (~8 per SM of an H100 / H200) when it splits K
+# steps (of BLOCK_K inputs) each split keeps: kimi-linear-48b's experts at batch 1 on an H100 (bench/RESULTS.md,
+# 2026-12-06): gate_up (18 steps) 47 -> 39 us in two splits of 9, down (8 steps) 25 -> 28 us in two of 4
+MIN_SPLIT_STEPS = 8
 # rows per tile -> (inputs per step, warps): the tiles that compile for sm_90 without register spills (both methods,
 # triton 3.9, cuobjdump -res-usage); timings on a GPU may pick others
 TILES = {16: (128, 8), 32: (128, 8), 64: (64, 8), 128: (64, 8)}
@@ -140,9 +143,10 @@ def block_m(rows: int, experts: int) -> int:
 
 def k_splits(tiles: int, K: int, block_k: int) -> int:
     """Programs that share one output tile's inputs (split-K): a decode step's few row tiles leave most of the GPU
-    idle, each program walking all K; split until there are about SPLIT_TARGET programs, keeping >= 4 steps each."""
+    idle, each program walking all K; split until there are about SPLIT_TARGET programs, keeping MIN_SPLIT_STEPS
+    steps each."""
     splits = 1
-    while tiles * splits * 2 <= SPLIT_TARGET and K // (block_k * splits * 2) >= 4:
+    while tiles * splits * 2 <= SPLIT_TARGET and K // (block_k * splits * 2) >= MIN_SPLIT_STEPS:
         splits *= 2
     return splits
 
