@@ -16,7 +16,7 @@ from openk3.train.args import TrainArgs
 from openk3.train.loop import Trainer
 from random_weights import randomise
 from test_interop_k3 import is_routed_expert, random_model, tiny_k3, with_quantized_experts
-from train_tiny import make_corpus, one_thread, tiny_args
+from train_tiny import make_corpus, one_thread, pytorch_muon, tiny_args
 
 
 def loss_and_grads(model, ids):
@@ -94,6 +94,7 @@ def test_qat_flag_and_what_qat_refuses(monkeypatch):
 
 def test_qat_training_on_k3_tiny_loses_loss_and_checkpoints_the_master_weights(tmp_path, monkeypatch):
     monkeypatch.setenv("OPENK3_CACHE", str(tmp_path / "cache"))
+    pytorch_muon(monkeypatch)  # what QAT changes is the forward and its gradients, not the optimizer's form
     args = tiny_args(tmp_path / "run", make_corpus(tmp_path / "data"), preset="k3-tiny", overrides={}, qat="mxfp4",
                      max_steps=8, eval_every=0)
     with one_thread():

@@ -23,7 +23,7 @@ from openk3.train.shapes import (
     make_batch,
     scene,
 )
-from train_tiny import one_thread
+from train_tiny import one_thread, pytorch_muon
 
 # k3-tiny-vl cut down so that a hundred steps take seconds: two decoder layers, a dense FFN, a one-block tower
 SMALL_VL = {"hidden_size": 64, "num_layers": 2, "mla_layers": [1], "moe": None, "dense_hidden": 128, "mtp_layers": 0,
@@ -80,7 +80,8 @@ def test_scene_stream_resumes_where_it_stopped():
     assert [s for r in range(2) for s in SceneStream(3, 4).next(r, 2)] == SceneStream(3, 4).next()
 
 
-def test_cli_run_learns_what_only_the_image_tells(tmp_path, capsys):
+def test_cli_run_learns_what_only_the_image_tells(tmp_path, capsys, monkeypatch):
+    pytorch_muon(monkeypatch)  # a hundred steps: the interpreted Triton Muon would take most of the run's time
     out = tmp_path / "run"
     config = tmp_path / "small.json"
     config.write_text(json.dumps(SMALL_VL))

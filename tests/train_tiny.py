@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import sysconfig
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import torch
 
+from openk3.train import loop
 from openk3.train.args import TrainArgs
+from openk3.train.optim import build_optimizer
 
 # every K3 ingredient (KDA + MLA, latent MoE with a shared expert, Block AttnRes, one MTP layer), tiny widths
 TINY = {
@@ -53,3 +56,11 @@ def one_thread():
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def pytorch_muon(monkeypatch) -> None:
+    """Trainers built after this take Muon's PyTorch passes (MuonAdamW(fused=False), its reference form) instead of
+    its Triton kernels, which TRITON_INTERPRET=1 runs at 10-15 times the whole step's time: for tests of something
+    other than the optimizer (tests/test_triton_muon.py holds the two forms equal; the other training tests still
+    step through the interpreted kernels)."""
+    monkeypatch.setattr(loop, "build_optimizer", partial(build_optimizer, fused=False))
