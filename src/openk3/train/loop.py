@@ -31,7 +31,7 @@ from openk3.cli_options import cpu_threads
 from openk3.config import ModelConfig, get_preset
 from openk3.draft.model import DRAFT_CONFIG
 from openk3.model import K3ForCausalLM, configure_kda
-from openk3.model.compile import compile_blocks
+from openk3.model.compile import compile_blocks, uncompile_blocks
 from openk3.model.documents import Documents, same_document
 from openk3.ops.loss import linear_cross_entropy
 from openk3.ops.transfer import queued
@@ -407,6 +407,25 @@ class Trainer:
         loss.backward()
         return lm.detach(), None if mtp is None else mtp.detach()
 
+    def _compiled_or_eager(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The forward and backward of `batch` (through the CUDA graph if any). When compiling fails (a Dynamo or
+        Inductor error, at the first steps or at a later recompilation) the run says so in one line and goes on
+        eagerly from this batch, as `openk3 serve` does; the failed call's partial gradients are dropped."""
+        try:
+            return (self.graphed or self._forward_backward)(batch)
+        except torch._dynamo.exc.TorchDynamoException as err:  # Inductor's errors derive from it too
+            if not self.args.compile:
+                raise
+            lines = [line.strip() for line in str(err).splitlines() if line.strip() and "TORCH" not in line]
+            reason = " ".join([type(err).__name__ + ":"] + lines[:2])  # the backend's own error is the 2nd line
+            self._say(f"compiling the training step failed, training eagerly ({reason})", None)
+            uncompile_blocks(self.model)
+            self.args = replace(self.args, compile=False)
+            self.optimizer.zero_grad(set_to_none=True)
+            if self.graphed is not None:
+                self.graphed = GraphedForwardBackward(self._forward_backward, list(self.model.parameters()))
+            return (self.graphed or self._forward_backward)(batch)
+
     def train_step(self) -> dict:
         args = self.args
         lr = self.schedule(self.step)
@@ -414,7 +433,7 @@ class Trainer:
             group["lr"] = lr
         batch = self._next_batch()
         start = time.perf_counter()
-        lm, mtp = (self.graphed or self._forward_backward)(batch)
+        lm, mtp = self._compiled_or_eager(batch)
         grad_norm = clip_grad_norm(self.model, args.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

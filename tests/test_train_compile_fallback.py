@@ -1,0 +1,43 @@
+"""`openk3 train --compile`: a compiler failure at a step falls back to eager training with one line, and the run
+trains exactly as an eager one (the failed call leaves nothing behind)."""
+
+import json
+
+import torch
+
+import openk3.train.loop as loop
+from openk3.cli import main
+from openk3.model.compile import compile_blocks
+from train_tiny import TINY, make_corpus, one_thread
+
+
+def refusing_backend(graph_module, example_inputs):
+    raise RuntimeError("this backend refuses every graph")
+
+
+def losses(out) -> list[float]:
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()
+            if "loss" in json.loads(line)]
+
+
+def test_a_failed_compile_trains_on_eagerly_with_the_eager_losses(tmp_path, monkeypatch, capsys):
+    data = make_corpus(tmp_path / "data")
+    config = tmp_path / "tiny.json"
+    config.write_text(json.dumps(TINY))
+    monkeypatch.setenv("OPENK3_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(loop, "compile_blocks", lambda model: compile_blocks(model, backend=refusing_backend))
+    runs = {}
+    for name, flag in (("eager", "--no-compile"), ("compiled", "--compile")):
+        runs[name] = tmp_path / name
+        argv = ["train", "--config", str(config), "--data", str(data), "--max-steps", "3", "--seq-len", "32",
+                "--batch-size", "2", "--out", str(runs[name]), "--eval-every", "0", "--no-progress",
+                "--sample-tokens", "0", flag]
+        torch._dynamo.reset()
+        with one_thread():
+            assert main(argv) == 0
+        said = capsys.readouterr().out
+        assert ("compiling the training step failed, training eagerly" in said) == (name == "compiled")
+    assert "this backend refuses every graph" in said
+    eager, compiled = losses(runs["eager"]), losses(runs["compiled"])
+    assert len(eager) == 3
+    assert compiled == eager
