@@ -17,7 +17,9 @@ ROW_KEYS = {"clients", "temperature", "loss", "k", "tok_per_s", "spec_tok_per_s"
 
 
 def run_script(*args, timeout=120):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT / "src"), os.environ.get("PYTHONPATH"))))}
+    # as CI's command runs: torch paths (under TRITON_INTERPRET=1 the target's Muon steps run interpreted Triton)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(ROOT / "src"), os.environ.get("PYTHONPATH"))))
     return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=env,
                           timeout=timeout, cwd=ROOT)
 
