@@ -228,6 +228,28 @@ def random_doc_ids(B: int, T: int, docs: int, g: torch.Generator) -> torch.Tenso
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
+@pytest.mark.parametrize(("T", "docs"), [(1, 1), (37, 3), (128, 1), (129, 2), (300, 1), (300, 3), (700, 40),
+                                         (1023, 9)])
+def test_document_block_mask_equals_flex_own_construction(T, docs):
+    """The BlockMask built from the blocks' first and last documents == create_block_mask evaluating the mask_mod
+    at every query and key: the same mask, the same partial and fully visible blocks both ways (for flex's forward
+    and backward), at lengths that are and are not multiples of the block, documents within and across blocks."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    doc_ids = random_doc_ids(3, T, docs, torch.Generator().manual_seed(T + docs))
+    got = attention.document_block_mask(doc_ids)
+    want = create_block_mask(lambda b, h, i, j: (doc_ids[b, i] == doc_ids[b, j]) & (j <= i), 3, None, T, T,
+                             device="cpu")
+    assert torch.equal(got.to_dense(), want.to_dense())
+    for counts, indices in (("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices"),
+                            ("q_num_blocks", "q_indices"), ("full_q_num_blocks", "full_q_indices")):
+        n = getattr(want, counts)
+        assert torch.equal(getattr(got, counts), n)
+        for row_got, row_want, k in zip(getattr(got, indices).flatten(0, 2), getattr(want, indices).flatten(0, 2),
+                                        n.flatten()):
+            assert torch.equal(row_got[:k].sort().values, row_want[:k].sort().values)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("T", [37, 300])
 def test_flex_document_attention_matches_the_dense_mask(device, T, monkeypatch):

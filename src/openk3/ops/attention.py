@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from openk3.ops.norms import acc_dtype
 
@@ -60,14 +60,35 @@ def document_mask(doc_ids: torch.Tensor) -> torch.Tensor:
     return ((doc_ids.unsqueeze(2) == doc_ids.unsqueeze(1)) & causal).unsqueeze(1)
 
 
-def document_block_mask(doc_ids: torch.Tensor) -> BlockMask:
-    """flex_attention's BlockMask for a packed batch: `document_mask` as a mask_mod, per batch row (all heads)."""
+def document_block_mask(doc_ids: torch.Tensor, block_size: int = 128) -> BlockMask:
+    """flex_attention's BlockMask for a packed batch: `document_mask` as a mask_mod, per batch row (all heads).
+
+    Built from the blocks' first and last document ids, O(B (T / block)^2), never the T x T mask
+    (`create_block_mask` run eagerly evaluates the mask_mod at every query and key; compiled it fails for some
+    lengths, see openk3.model.documents). Documents are contiguous, their ids non-decreasing along a row (as
+    `Documents` numbers them), so key block j is visible from query block i iff j <= i and j's last document is
+    at least i's first, and fully visible (no mask_mod) iff j < i and j's first document is i's last."""
     B, T = doc_ids.shape
 
     def document_causal(b, h, i, j):
         return (doc_ids[b, i] == doc_ids[b, j]) & (j <= i)
 
-    return create_block_mask(document_causal, B, None, T, T, device=doc_ids.device)
+    starts = torch.arange(0, T, block_size, device=doc_ids.device)
+    first, last = doc_ids[:, starts], doc_ids[:, (starts + block_size - 1).clamp(max=T - 1)]  # [B, blocks]
+    blocks = torch.arange(starts.numel(), device=doc_ids.device)
+    q, k = blocks.unsqueeze(1), blocks.unsqueeze(0)  # [nq,1], [1,nk]; below keys' documents [B,1,nk], queries' [B,nq,1]
+    full = (k < q) & (first.unsqueeze(1) == last.unsqueeze(2))
+    if T % block_size:
+        full[:, -1] = False  # the last query block's padding rows see nothing (as create_block_mask has it)
+    partial = (k <= q) & (last.unsqueeze(1) >= first.unsqueeze(2)) & ~full
+
+    def ordered(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, nq, nk] bool -> the count per query block [B,1,nq] and the key blocks, those set first [B,1,nq,nk]."""
+        indices = torch.argsort((~blocks).to(torch.int8), dim=-1, stable=True)
+        return blocks.sum(-1).to(torch.int32).unsqueeze(1), indices.to(torch.int32).unsqueeze(1)
+
+    return BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=block_size,
+                                    mask_mod=document_causal, seq_lengths=(T, T))
 
 
 @functools.cache
