@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from openk3.cli import main
-from train_tiny import make_corpus, one_thread
+from train_tiny import make_corpus, one_thread, pytorch_muon
 
 TOL = 1e-4
 DEADLINE_S = 120  # per run; each takes 10-25 s on 2 shared cores
@@ -43,9 +43,13 @@ def _same(run, reference, where):
 
 def test_train_cp2_and_ep2_follow_one_process(tmp_path, monkeypatch):
     data = make_corpus(tmp_path / "data")
-    env = {**os.environ, "OPENK3_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    # Muon's PyTorch passes in every run: TRITON_INTERPRET=1 would run its Triton kernels interpreted (10-15x the
+    # step) in the processes that hold whole parameters; the sharded ones take the PyTorch passes anyway
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(OPENK3_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
     args = [*COMMON, "--data", str(data)]
     monkeypatch.setenv("OPENK3_CACHE", env["OPENK3_CACHE"])
+    pytorch_muon(monkeypatch)
     with one_thread():
         assert main(["train", *args, "--out", str(tmp_path / "single")]) == 0
     single = _metrics(tmp_path / "single")
