@@ -17,11 +17,12 @@ import torch
 import torch.multiprocessing as mp
 
 from openk3.train.command import train
-from train_tiny import make_corpus, one_thread, tiny_args
+from train_tiny import make_corpus, one_thread, pytorch_muon, tiny_args
 
 STEPS, SAVE_AT = 5, 3
 COMPILED_STEPS = 3
 EVAL_WINDOWS = 5  # odd: the two ranks get unequal shares of the held-out windows
+COMPILED_EVAL_WINDOWS = 4  # even: one batch shape in the compiled run's held-out pass, not a second compile of it
 REL_TOL = 1e-5
 
 
@@ -58,6 +59,7 @@ def test_two_process_fsdp_matches_one_process(tmp_path):
     cache = tmp_path / "cache"
     with pytest.MonkeyPatch.context() as monkey, one_thread():
         monkey.setenv("OPENK3_CACHE", str(cache))
+        pytorch_muon(monkey)  # as the sharded processes step (not the Triton kernels, interpreted here)
         single = train(tiny_args(tmp_path / "single", data, max_steps=STEPS, eval_windows=EVAL_WINDOWS))
     _spawn(tmp_path / "fsdp", data, cache)
     one, two = _trajectory(tmp_path / "single"), _trajectory(tmp_path / "fsdp")
@@ -86,7 +88,7 @@ def _compiled_worker(rank: int, world: int, port: int, out: str, data: str, cach
     loop.compile_blocks = partial(loop.compile_blocks, backend="aot_eager")
     _join(rank, world, port, cache)
     train(tiny_args(Path(out), Path(data), max_steps=COMPILED_STEPS, device="cpu", compile=True, eval_every=0,
-                    eval_windows=EVAL_WINDOWS))
+                    eval_windows=COMPILED_EVAL_WINDOWS))
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0  # the units did run compiled
 
 
@@ -97,8 +99,9 @@ def test_compiled_blocks_under_fsdp_follow_one_eager_process(tmp_path):
     cache = tmp_path / "cache"
     with pytest.MonkeyPatch.context() as monkey, one_thread():
         monkey.setenv("OPENK3_CACHE", str(cache))
+        pytorch_muon(monkey)  # as the sharded processes step (not the Triton kernels, interpreted here)
         train(tiny_args(tmp_path / "single", data, max_steps=COMPILED_STEPS, eval_every=0,
-                        eval_windows=EVAL_WINDOWS))
+                        eval_windows=COMPILED_EVAL_WINDOWS))
     mp.spawn(_compiled_worker, args=(2, _free_port(), str(tmp_path / "compiled"), str(data), str(cache)), nprocs=2,
              join=True)
     one, two = _trajectory(tmp_path / "single"), _trajectory(tmp_path / "compiled")
