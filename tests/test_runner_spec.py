@@ -140,3 +140,16 @@ def test_round_costs_cover_every_bucket():
     assert sorted(costs) == runner.buckets and all(c > 0 for c in costs.values())
     for got, want, real in zip(pools(runner), before, (slice(0, -1), slice(0, -1), slice(1, None))):
         assert torch.equal(got[:, real], want[:, real])
+
+
+def test_a_runner_with_a_draft_warms_up_its_prefill():
+    """The engine warms up a draft runner's prefill at start (on a GPU): the warm-up leaves out the right-padded
+    rows that a draft does not take, and a prefill after it still equals a fresh runner's."""
+    runner, fresh = spec_runner("k3-tiny", "torch"), spec_runner("k3-tiny", "torch")
+    runner.warm_up_prefill(tokens=4, long=(9, (5,)))
+    prompt = torch.randint(0, runner.model.config.vocab_size, (7,), generator=torch.Generator().manual_seed(2))
+    for r in (runner, fresh):
+        give_pages(r, 1, 7, torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        got, want = (r.prefill([prompt.tolist()], [1], [0])[0] for r in (runner, fresh))
+    torch.testing.assert_close(got, want)

@@ -308,7 +308,8 @@ class ModelRunner:
             for batch in sorted({1, 2, self.max_batch}):
                 for offsets in ((), (tokens,)):
                     self.forward([[0] * tokens] * batch, [pad] * batch, [0] * batch, offsets)
-            self.forward([[0] * tokens, [0] * (tokens // 2)], [pad] * 2, [0] * 2)  # right-padded rows
+            if self.draft is None:  # right-padded rows (with a draft the engine prefills equal lengths only)
+                self.forward([[0] * tokens, [0] * (tokens // 2)], [pad] * 2, [0] * 2)
             if long is not None:
                 self.forward([[0] * long[0]], [pad], [0], long[1])
             if self.short_prefill:  # its largest step, eagerly: the memory its CUDA graph will take
