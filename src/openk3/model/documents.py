@@ -9,10 +9,14 @@ in the forms the layers read:
   starts      [B,T] int64 on the model's device: the row index of the first token of each token's document. The
               short conv of token t reads inputs from starts[t] on (zeros before: its window resets), and the
               torch KDA paths reset the state at the tokens where starts[t] == t.
-  block_mask  flex_attention's BlockMask of doc_ids on CUDA (None elsewhere), built once a batch when the
-              documents move to the device, outside any compiled code: every MLA layer reads the one mask, and a
-              compiled layer takes it as an input (built inside, a block over a new sequence length made Inductor
-              fail with CantSplit: the MTP block attends over T - 1 positions after the main layers' T).
+  device_cu_seqlens  cu_seqlens as int32 on CUDA (None elsewhere): MLA's varlen flash attention reads it.
+  block_mask  flex_attention's BlockMask of doc_ids on CUDA (None elsewhere), for the MLA head dims the varlen
+              kernel does not take; built once a batch when the documents move to the device, outside any
+              compiled code: every MLA layer reads the one mask, and a compiled layer takes it as an input (built
+              inside, a block over a new sequence length made Inductor fail with CantSplit: the MTP block attends
+              over T - 1 positions after the main layers' T).
+The number of documents changes from batch to batch: the cu_seqlens tensors are marked dynamic for torch.compile
+from the start (one compiled graph for every count, not one for the first batch's and one for the rest).
 Everything is built on the host from per-token segment ids (any integers, equal within a document and changing
 at each boundary, e.g. each token's document index in the data stream), so nothing reads the GPU back.
 """
@@ -40,6 +44,7 @@ class Documents:
     cu_seqlens: torch.Tensor
     doc_ids: torch.Tensor
     starts: torch.Tensor
+    device_cu_seqlens: torch.Tensor | None = None
     block_mask: BlockMask | None = None
 
     @classmethod
@@ -56,6 +61,7 @@ class Documents:
         index = torch.arange(B * T)
         offsets = index[flat]
         cu = torch.cat([offsets, torch.tensor([B * T])])
+        torch._dynamo.maybe_mark_dynamic(cu, 0)
         doc_ids = (flat.long().cumsum(0) - 1).view(B, T)
         starts = offsets[doc_ids].view(B, T) - torch.arange(B).unsqueeze(1) * T
         return cls(segments, cu, doc_ids, starts)
@@ -70,11 +76,14 @@ class Documents:
         return self.starts == torch.arange(self.shape[1], device=self.starts.device)
 
     def to(self, device: torch.device | str) -> Documents:
-        """The device tensors on `device` (`queued`), with the block mask there if flex attends; cu_seqlens stays
-        on the host."""
+        """The device tensors on `device` (`queued`), with device_cu_seqlens and the block mask there on CUDA;
+        cu_seqlens stays on the host."""
         doc_ids = queued(self.doc_ids, device)
-        mask = document_block_mask(doc_ids) if uses_flex_attention(doc_ids.device) else None
-        return Documents(self.segments, self.cu_seqlens, doc_ids, queued(self.starts, device), mask)
+        device_cu, mask = None, None
+        if uses_flex_attention(doc_ids.device):
+            device_cu, mask = queued(self.cu_seqlens.to(torch.int32), device), document_block_mask(doc_ids)
+            torch._dynamo.maybe_mark_dynamic(device_cu, 0)
+        return Documents(self.segments, self.cu_seqlens, doc_ids, queued(self.starts, device), device_cu, mask)
 
     def prefix(self, length: int) -> Documents:
         """The documents of the first `length` positions of every row (an MTP layer's positions)."""

@@ -97,7 +97,8 @@ class GatedMLA(nn.Module):
         kw = dict(nope_dim=self.nope_dim, v_dim=self.v_head_dim, scale=self.scale)
         if cache is None:
             if documents is not None:
-                kw.update(doc_ids=documents.doc_ids, block_mask=documents.block_mask)
+                kw.update(doc_ids=documents.doc_ids, block_mask=documents.block_mask,
+                          cu_seqlens=documents.device_cu_seqlens)
             o = mla_attention_expanded(q, kv, self.kv_b_proj.weight, **kw)
         else:
             lengths = cache.lengths

@@ -18,15 +18,17 @@ NoPE: the r-wide slice is used as is, never rotated. Scores are scaled by `scale
 They are the same function of the inputs (tested).
 
 Packed batches (doc_ids: each query attends the keys of its own document, causally) take `document_attention`:
-on a GPU flex_attention with a document-causal BlockMask (compiled: a fused kernel that skips the key blocks of
-other documents), elsewhere SDPA with the dense [B,1,T,T] `document_mask` (the reference; tested against each
-other).
+on a GPU torch's varlen flash kernel over the flattened batch (each document its own causal sequence), or
+flex_attention with a document-causal BlockMask for head dims that kernel does not take (compiled: a fused kernel
+that skips the key blocks of other documents); elsewhere SDPA with the dense [B,1,T,T] `document_mask` (the
+reference; tested against each other).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +37,14 @@ from torch.nn.attention.bias import causal_lower_right
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from openk3.ops.norms import acc_dtype
+
+try:  # torch's variable-length flash attention (torch >= 2.9; CUDA)
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:
+    varlen_attn = None
+# varlen_attn's causal flag (read once, outside compiled code): window_size=(-1, 0) from torch 2.12, is_causal before
+CAUSAL_VARLEN = {} if varlen_attn is None else {"window_size": (-1, 0)} \
+    if "window_size" in inspect.signature(varlen_attn).parameters else {"is_causal": True}
 
 FUSED = (SDPBackend.FLASH_ATTENTION.value, SDPBackend.CUDNN_ATTENTION.value)
 # Serving and context parallelism attend without cuDNN. cuDNN builds an execution plan for every new shape (45-71
@@ -112,17 +122,49 @@ def flex_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d
 
 
 def uses_flex_attention(device: torch.device) -> bool:
-    """Whether packed batches attend through flex_attention on `device` (CUDA), not the dense-mask SDPA."""
+    """Whether packed batches attend through flex_attention on `device` (CUDA), not the dense-mask SDPA, where
+    `varlen_usable` does not take them."""
     return device.type == "cuda"
 
 
+def varlen_usable(q: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether `varlen_document_attention` takes q [.., dk], v [.., dv]: torch's varlen flash kernel on CUDA, in
+    half precision (under autocast: its dtype), head dims up to 256 in multiples of 8 (v padded to dk)."""
+    device = q.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else q.dtype
+    return (varlen_attn is not None and q.is_cuda and dtype in (torch.bfloat16, torch.float16)
+            and all(d % 8 == 0 and d <= 256 for d in (q.shape[-1], v.shape[-1])) and v.shape[-1] <= q.shape[-1])
+
+
+def varlen_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                              scale: float) -> torch.Tensor:
+    """`document_attention` as one varlen flash call over the flattened batch: q [B,H,T,dk], k [B,H,T,dk],
+    v [B,H,T,dv] (each a [B,T,H,d] tensor transposed, as `mla_attention_expanded` makes them: flattening is a
+    view), cu_seqlens [N+1] int32 on the device (the documents' offsets in the B*T tokens) -> [B,H,T,dv]. Each
+    document is its own causal sequence; no block of another document is visited. v is zero-padded to dk (the
+    flash kernel takes one head dim), its padded columns dropped. T bounds every document's length (a constant
+    for compiled code, where the longest document's length would be a new integer every batch)."""
+    B, H, T, dk = q.shape
+    dv = v.shape[-1]
+    device = q.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else q.dtype
+    flat = lambda t: t.transpose(1, 2).reshape(B * T, H, t.shape[-1]).to(dtype)
+    v = v if dv == dk else F.pad(v, (0, dk - dv))
+    o = varlen_attn(flat(q), flat(k), flat(v), cu_seqlens, cu_seqlens, T, T, scale=scale, **CAUSAL_VARLEN)
+    return o[..., :dv].view(B, T, H, dv).transpose(1, 2)
+
+
 def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor, scale: float,
-                       backends: list[SDPBackend] | None = None, block_mask: BlockMask | None = None
-                       ) -> torch.Tensor:
+                       backends: list[SDPBackend] | None = None, block_mask: BlockMask | None = None,
+                       cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
     """Document-causal attention of a packed batch: q [B,H,T,dk], k [B,H,T,dk], v [B,H,T,dv], doc_ids [B,T] ->
-    [B,H,T,dv]. Query i attends key j <= i of its own document; flex_attention on CUDA, else SDPA with the dense
-    `document_mask` (`backends` as in `causal_sdpa`; flex takes none)."""
-    if uses_flex_attention(q.device):
+    [B,H,T,dv]. Query i attends key j <= i of its own document: with cu_seqlens (device int32 [N+1], the same
+    documents' offsets) the varlen flash kernel where `varlen_usable`, else flex_attention on CUDA (head dims
+    from 16), else SDPA with the dense `document_mask` (`backends` as in `causal_sdpa`; flex and varlen take
+    none)."""
+    if cu_seqlens is not None and varlen_usable(q, v):
+        return varlen_document_attention(q, k, v, cu_seqlens, scale)
+    if uses_flex_attention(q.device) and min(q.shape[-1], v.shape[-1]) >= 16:  # flex's kernels: head dims >= 16
         return flex_document_attention(q, k, v, doc_ids, scale, block_mask)
     with sdpa_kernel(backends) if backends else contextlib.nullcontext():
         return F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(doc_ids), scale=scale)
@@ -234,11 +276,13 @@ def mla_attention_expanded(
     backends: list[SDPBackend] | None = None,
     doc_ids: torch.Tensor | None = None,
     block_mask: BlockMask | None = None,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Expanded-K/V MLA through torch SDPA (the prefill / training path; `backends` as in `causal_sdpa`). Returns
     [B,T,H,v]. doc_ids [B,T] (a packed batch, no past: L == T): each query attends its own document only
-    (`document_attention`: flex_attention on CUDA with `block_mask`, the prebuilt mask of doc_ids if given, the
-    dense-mask SDPA elsewhere)."""
+    (`document_attention`: varlen flash attention on CUDA given `cu_seqlens`, the documents' offsets on the
+    device, else flex_attention with `block_mask`, the prebuilt mask of doc_ids if given; the dense-mask SDPA
+    elsewhere)."""
     B, T, H, _ = q.shape
     L = kv_cache.shape[1]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -248,7 +292,7 @@ def mla_attention_expanded(
         if lengths is not None or L != T or tuple(doc_ids.shape) != (B, T):
             raise ValueError(f"doc_ids [B,T] = {(B, T)} take no past (L == T, no lengths), got doc_ids "
                              f"{tuple(doc_ids.shape)}, L={L}")
-        o = document_attention(qh, k, v, doc_ids, scale, backends, block_mask)
+        o = document_attention(qh, k, v, doc_ids, scale, backends, block_mask, cu_seqlens)
     elif lengths is None:
         if L < T:
             raise ValueError(f"the cache must hold the T={T} new tokens, got L={L}")
