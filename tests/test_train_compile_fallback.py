@@ -41,3 +41,28 @@ def test_a_failed_compile_trains_on_eagerly_with_the_eager_losses(tmp_path, monk
     eager, compiled = losses(runs["eager"]), losses(runs["compiled"])
     assert len(eager) == 3
     assert compiled == eager
+
+
+def test_the_closing_sample_decodes_through_the_uncompiled_blocks(tmp_path, monkeypatch):
+    """The text sample after training decodes token by token with a cache: through the blocks compiled for
+    training it would recompile them at every new cache shape, so the compiled run uncompiles them first (once,
+    not on failure) and writes the eager run's sample."""
+    data = make_corpus(tmp_path / "data")
+    config = tmp_path / "tiny.json"
+    config.write_text(json.dumps(TINY))
+    monkeypatch.setenv("OPENK3_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(loop, "compile_blocks", lambda model: compile_blocks(model, backend="eager"))
+    uncompiled = []
+    monkeypatch.setattr(loop, "uncompile_blocks", lambda model: uncompiled.append(model) or model)
+    samples = {}
+    for name, flag in (("eager", "--no-compile"), ("compiled", "--compile")):
+        out = tmp_path / name
+        argv = ["train", "--config", str(config), "--data", str(data), "--max-steps", "2", "--seq-len", "32",
+                "--batch-size", "2", "--out", str(out), "--eval-every", "0", "--no-progress",
+                "--sample-tokens", "6", flag]
+        torch._dynamo.reset()
+        with one_thread():
+            assert main(argv) == 0
+        samples[name] = (out / "sample.txt").read_text()
+        assert len(uncompiled) == (name == "compiled")
+    assert samples["compiled"] == samples["eager"]

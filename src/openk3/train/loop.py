@@ -622,6 +622,8 @@ class Trainer:
 
         params = SamplingParams(max_tokens=max(1, self.args.sample_tokens), temperature=0.8, top_k=50,
                                 seed=self.args.seed)
+        if self.args.compile:  # the last use of the model: token-by-token decoding through the blocks compiled for
+            uncompile_blocks(self.model)  # training would recompile them at every new cache shape (minutes on a GPU)
         # under expert parallelism every forward is collective and the ranks' logits may differ in the last bit:
         # all ranks generate the full length (the same number of forwards), cut at the stop token afterwards
         eos = self.tokenizer.eos_id
