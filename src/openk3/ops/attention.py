@@ -148,7 +148,8 @@ def varlen_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     dv = v.shape[-1]
     device = q.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else q.dtype
-    flat = lambda t: t.transpose(1, 2).reshape(B * T, H, t.shape[-1]).to(dtype)
+    # contiguous [B*T, H, d] (a view for MLA's own tensors): the layout the op's fake output assumes under compile
+    flat = lambda t: t.transpose(1, 2).reshape(B * T, H, t.shape[-1]).to(dtype).contiguous()
     v = v if dv == dk else F.pad(v, (0, dk - dv))
     o = varlen_attn(flat(q), flat(k), flat(v), cu_seqlens, cu_seqlens, T, T, scale=scale, **CAUSAL_VARLEN)
     return o[..., :dv].view(B, T, H, dv).transpose(1, 2)
