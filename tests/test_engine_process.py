@@ -76,3 +76,16 @@ def test_a_dead_engine_process_fails_requests_instead_of_hanging(process_core):
 def test_engine_that_cannot_be_built_fails_start_up_in_one_line():
     with pytest.raises(ValueError, match="unknown preset 'nosuch'"):
         ProcessCore.start_process(serve_args("--preset", "nosuch", "--device", "cpu"), build_engine, engine_description)
+
+
+def test_start_up_prints_the_engine_phases_that_took_time(monkeypatch, capsys):
+    """`openk3 serve` prints the engine's start-up phases (on a GPU: the prefill warm-up, the prefill and decode
+    graphs, each with its compiling): here the runner's decode capture, made to report 1.25 s, and nothing for the
+    phases that did not run on the CPU."""
+    from openk3.serve.runner import ModelRunner
+
+    monkeypatch.setattr(ModelRunner, "capture", lambda self: 1.25)
+    engine, _ = build_engine(serve_args(*ARGS))
+    line = [x for x in capsys.readouterr().err.splitlines() if "engine started" in x]
+    assert engine.startup_seconds == {"decode graphs": 1.25}
+    assert line == ["openk3 serve: engine started in 1.2 s (decode graphs 1.2 s)"]

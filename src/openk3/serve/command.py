@@ -87,6 +87,10 @@ def build_engine(args: argparse.Namespace):
             prefill_tokens_per_step=args.max_num_batched_tokens),
     )
     engine = Engine(model, tokenizer, config, draft)
+    if engine.startup_seconds:
+        phases = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in engine.startup_seconds.items())
+        print(f"openk3 serve: engine started in {sum(engine.startup_seconds.values()):.1f} s ({phases})",
+              file=sys.stderr, flush=True)
     runner = engine.runner
     if runner.graphs:
         steps = runner.captured()

@@ -308,13 +308,16 @@ class Engine:
         if gpu:
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
+        # the start-up's phases and their seconds (compiling included), those that ran: `openk3 serve` prints them
+        self.startup_seconds: dict[str, float] = {}
         if gpu or self.runner.prefill_compiled:  # first: a unit that fails to compile goes back to eager
             longest = min(self.chunk_blocks * h, self.max_model_len // h * h)  # the longest prefill forward
-            self.runner.warm_up_prefill(long=(longest, self._checkpoint_offsets(0, longest)))
+            self.startup_seconds["prefill warm-up"] = self.runner.warm_up_prefill(
+                long=(longest, self._checkpoint_offsets(0, longest)))
         # the prefill graphs' pool, measured apart from the warm-up's peak (the capture's own allocations would
         # count it twice) and without the blocks the capture's warm-ups left cached
         before, peak = self._reserved_after_empty_cache(device)
-        self.runner.capture_prefill()
+        self.startup_seconds["prefill graphs"] = self.runner.capture_prefill()
         prefill_graph_bytes = self._reserved_after_empty_cache(device)[0] - before
         peak += prefill_graph_bytes
         if gpu:  # the sampling kernel's first use compiles it (~0.2 s): not inside a request's first step
@@ -325,7 +328,7 @@ class Engine:
         self.pages = PagePool(n_mla, self.capacity.pages, P, width, dtype=dtype, device=device)
         self.runner.attach_pages(self.pages)
         reserved = torch.cuda.memory_reserved(device) if gpu else 0
-        self.runner.capture()
+        self.startup_seconds["decode graphs"] = self.runner.capture()
         nbytes = lambda tensors: sum(t.numel() * t.element_size() for t in tensors)
         self.memory = {  # bytes on the device by part (/metrics: openk3_memory_bytes)
             "weights": nbytes({id(t): t for t in (*model.parameters(), *model.buffers())}.values()),
@@ -334,8 +337,11 @@ class Engine:
             "cuda_graphs": torch.cuda.memory_reserved(device) - reserved + prefill_graph_bytes if gpu else 0,
         }
         # dynamic speculation: a round's cost against a plain step's, timed per batch bucket on a GPU
+        start = time.perf_counter()
         self.policy = (SpecPolicy(config.speculative, self.runner.round_costs() if gpu else None)
                        if config.auto_speculation and self.draft is not None else None)
+        self.startup_seconds["speculation round costs"] = time.perf_counter() - start
+        self.startup_seconds = {name: t for name, t in self.startup_seconds.items() if t >= 0.05}
 
         self.prefix_cache = PrefixCache(PrefixCacheConfig(
             hash_block=h, page_size=P, page_bytes=page_bytes,
