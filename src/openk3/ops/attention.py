@@ -36,15 +36,23 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from openk3.ops.norms import acc_dtype
+from openk3.ops.norms import acc_dtype, compute_dtype
 
 try:  # torch's variable-length flash attention (torch >= 2.9; CUDA)
     from torch.nn.attention.varlen import varlen_attn
 except ImportError:
     varlen_attn = None
-# varlen_attn's causal flag (read once, outside compiled code): window_size=(-1, 0) from torch 2.12, is_causal before
-CAUSAL_VARLEN = {} if varlen_attn is None else {"window_size": (-1, 0)} \
-    if "window_size" in inspect.signature(varlen_attn).parameters else {"is_causal": True}
+
+
+def _causal_varlen_flag() -> dict:
+    """varlen_attn's causal flag: window_size=(-1, 0) from torch 2.12, is_causal=True before."""
+    if varlen_attn is None:
+        return {}
+    return {"window_size": (-1, 0)} if "window_size" in inspect.signature(varlen_attn).parameters \
+        else {"is_causal": True}
+
+
+CAUSAL_VARLEN = _causal_varlen_flag()  # read once, outside compiled code
 
 FUSED = (SDPBackend.FLASH_ATTENTION.value, SDPBackend.CUDNN_ATTENTION.value)
 # Serving and context parallelism attend without cuDNN. cuDNN builds an execution plan for every new shape (45-71
@@ -114,8 +122,7 @@ def flex_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d
     surrounding graph compiles flex_attention; outside it the cached `compiled_flex_attention` runs. flex takes
     v's head dim as it is (MLA's dv < dk: no padding) and one dtype for q, k and v: under autocast they are cast
     to its dtype, as SDPA's autocast rule does."""
-    device = q.device.type
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else q.dtype
+    dtype = compute_dtype(q)
     attend = flex_attention if torch.compiler.is_compiling() else compiled_flex_attention()
     mask = block_mask if block_mask is not None else document_block_mask(doc_ids)
     return attend(q.to(dtype), k.to(dtype), v.to(dtype), block_mask=mask, scale=scale)
@@ -130,8 +137,7 @@ def uses_flex_attention(device: torch.device) -> bool:
 def varlen_usable(q: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether `varlen_document_attention` takes q [.., dk], v [.., dv]: torch's varlen flash kernel on CUDA, in
     half precision (under autocast: its dtype), head dims up to 256 in multiples of 8 (v padded to dk)."""
-    device = q.device.type
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else q.dtype
+    dtype = compute_dtype(q)
     return (varlen_attn is not None and q.is_cuda and dtype in (torch.bfloat16, torch.float16)
             and all(d % 8 == 0 and d <= 256 for d in (q.shape[-1], v.shape[-1])) and v.shape[-1] <= q.shape[-1])
 
@@ -146,8 +152,7 @@ def varlen_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     for compiled code, where the longest document's length would be a new integer every batch)."""
     B, H, T, dk = q.shape
     dv = v.shape[-1]
-    device = q.device.type
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else q.dtype
+    dtype = compute_dtype(q)
     # contiguous [B*T, H, d] (a view for MLA's own tensors): the layout the op's fake output assumes under compile
     flat = lambda t: t.transpose(1, 2).reshape(B * T, H, t.shape[-1]).to(dtype).contiguous()
     v = v if dv == dk else F.pad(v, (0, dk - dv))
