@@ -59,7 +59,8 @@ def row(fmt: str, clients: int, prompt, reply: int, report: dict) -> dict:
             "completed": report["completed"], "duration_s": report["duration_s"]}
 
 
-def run_format(args: argparse.Namespace, fmt: str, device: str) -> dict:
+def run_format(args: argparse.Namespace, fmt: str, device: str, save) -> dict:
+    """One format's server and loads; `save()` is called after each row, so a run cut short keeps what it measured."""
     flags = [*FLAGS[fmt], "--max-num-seqs", str(max(args.clients)), *args.server_flags]
     log = args.server_log and f"{args.server_log}.{fmt}"
     with Server(args.preset, device, flags, log) as server:
@@ -68,6 +69,8 @@ def run_format(args: argparse.Namespace, fmt: str, device: str) -> dict:
         out = {"format": fmt, "startup_s": startup, "ready": ready, "model_line": model_line,
                "memory_gib": memory_split(server.url), "rows": []}
         out["weights_gib"] = out["memory_gib"].get("weights")
+        print(f"{fmt}: ready in {startup:.0f} s; {model_line.strip()}; GiB by part {out['memory_gib']}", flush=True)
+        save(out)
         text = dict(prompt_len=args.short_prompt, temperature=0.8, top_p=0.95, tokenizer="bytes")
         run_load(server.url, max_concurrency=4, num_requests=4, output_len=8, seed=99, **text)  # warm-up
         for c in args.clients:
@@ -75,10 +78,12 @@ def run_format(args: argparse.Namespace, fmt: str, device: str) -> dict:
                               **text)
             out["rows"].append(row(fmt, c, args.short_prompt, args.reply, report))
             print(f"{fmt}, {c} clients: {report['output_tok_per_s']:.1f} tok/s decode", flush=True)
+            save(out)
         clients = args.vllm_clients[fmt]
         report = run_load(server.url, num_requests=clients, prompt_len=args.vllm[0], output_len=args.vllm[1],
                           temperature=0.8, tokenizer="bytes", seed=7)
         out["rows"].append(row(fmt, clients, args.vllm[0], args.vllm[1], report))
+        save(out)
         last = out["rows"][-1]
         print(f"{fmt}, {args.vllm[0]} / {args.vllm[1]} x {clients}: {last['total_tok_per_s']:.0f} tok/s total, "
               f"TTFT p50 {last['ttft_p50_s']:.2f} s, TPOT p50 {last['tpot_p50_s'] * 1e3:.1f} ms", flush=True)
@@ -106,15 +111,22 @@ def main() -> None:
         setattr(args, key, value)
     args.vllm_clients = dict(zip(("bf16", "mxfp4"), args.vllm_clients or args.vllm_default))
     t0 = time.perf_counter()
-    formats = [run_format(args, fmt, device) for fmt in args.formats]
-    result = {"rows": [r for f in formats for r in f["rows"]],
-              "formats": {f["format"]: {k: v for k, v in f.items() if k != "rows"} for f in formats},
-              "info": {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name() if device == "cuda"
+    done: dict[str, dict] = {}
+    result = {"info": {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name() if device == "cuda"
                        else platform.machine(), "torch": torch.__version__, "preset": args.preset,
-                       "smoke": args.smoke, "bench_wall_s": time.perf_counter() - t0}}
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as fh:
-        json.dump(result, fh, indent=1)
+                       "smoke": args.smoke}}
+
+    def save(out: dict) -> None:
+        done[out["format"]] = out
+        result["rows"] = [r for f in done.values() for r in f["rows"]]
+        result["formats"] = {name: {k: v for k, v in f.items() if k != "rows"} for name, f in done.items()}
+        result["info"]["bench_wall_s"] = time.perf_counter() - t0
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=1)
+
+    for fmt in args.formats:
+        run_format(args, fmt, device, save)
     print(f"\n{args.preset} on {result['info']['device']}")
     for fmt, f in result["formats"].items():
         mem = ", ".join(f"{k} {v:.2f}" for k, v in f["memory_gib"].items())
