@@ -9,10 +9,11 @@ accepted drafts per verification, and acceptance by context length with the pref
     python bench/spec_gpu.py --smoke                           # k3-tiny on the CPU, toy sizes: checks the script
 
 1. The recipe (skipped for what --target / --drafts name): `openk3 train --preset k3-debug --device cuda` on the
-   embedded corpus (the Python stdlib sources; --train-steps of 16 x 1024 tokens within --train-seconds, about
-   3.5 minutes), then `openk3 draft --loss L` from it for each of --losses (lk, kl, hybrid; --draft-steps of
-   16 x 512 tokens, a minute or two each). Both run as subprocesses, their output appended to WORKDIR/recipe.log;
-   the target's held-out loss (its summary.json, and every 100 steps from its metrics.jsonl) and each draft's last
+   embedded corpus (the Python stdlib sources; --train-steps of 16 x 1024 tokens, 200 by default: past that it
+   overfits the corpus; --train-seconds guards the time; about 1.5 minutes with the compile), then `openk3 draft
+   --loss L` from it for each of --losses (lk, kl, hybrid; --draft-steps of 16 x 512 tokens, a minute or two each).
+   Both run as subprocesses, their output appended to WORKDIR/recipe.log; the target's held-out loss (its
+   summary.json, and every 50 steps from its metrics.jsonl) and each draft's last
    training loss and evaluated acceptance length go to the JSON ("recipe").
 2. Throughput, in-process on `openk3.serve.engine.Engine` in bf16 as `openk3 serve` runs it (prefix cache off, so
    repeated prompts are prefilled alike): for --clients x --temperatures, C requests of 128 tokens from 128-token
@@ -89,9 +90,10 @@ class Sizes:
     context_max: int
 
 
-# the corpus's training split is ~1.2M tokens under k3-debug's 32k BPE: 1200 x 16 x 1024 tokens is ~16 epochs (the
-# held-out loss every 100 steps shows where it overfits); --time-limit keeps the run within ~3.5 minutes
-FULL = Sizes("k3-debug", 1200, 16, 1024, 210, 100, 300, 16, 512, 16, 48,
+# the corpus's training split is ~1.0M tokens under k3-debug's 32k BPE (62 steps of 16 x 1024 an epoch). The target
+# overfits past ~3 epochs: held-out loss 4.79 / 4.76 / 5.13 / 5.65 / 5.86 at steps 100 / 200 / 300 / 400 / 495 (H100,
+# 2026-12-06, log 97), so the recipe stops at 200 steps; --time-limit stays as a guard
+FULL = Sizes("k3-debug", 200, 16, 1024, 210, 50, 300, 16, 512, 16, 48,
              (1, 8, 64), 128, 128, 4096, 128, 80_000)
 SMOKE = Sizes("k3-tiny", 3, 2, 64, 0, 0, 2, 2, 64, 2, 8,
               (1, 2), 6, 32, 48, 8, 150)
