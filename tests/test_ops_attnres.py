@@ -218,8 +218,9 @@ def test_model_two_phase_matches_one_phase(monkeypatch, merge_kernel):
     for b, gb in runs[:-1]:
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
         assert ga.keys() == gb.keys()
-        for name in ga:
-            torch.testing.assert_close(gb[name], ga[name], rtol=1e-4, atol=1e-5, msg=name)
+        for name in ga:  # atol scaled to the gradient's size: fp32 sums taken in another order differ there
+            scale = max(1.0, ga[name].abs().max().item())
+            torch.testing.assert_close(gb[name], ga[name], rtol=1e-4, atol=1e-5 * scale, msg=name)
 
 
 def test_fp32_under_bf16_autocast():
