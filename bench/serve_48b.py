@@ -59,7 +59,7 @@ def row(fmt: str, clients: int, prompt, reply: int, report: dict) -> dict:
             "completed": report["completed"], "duration_s": report["duration_s"]}
 
 
-def run_format(args: argparse.Namespace, fmt: str, device: str, save) -> dict:
+def run_format(args: argparse.Namespace, fmt: str, device: str, save) -> None:
     """One format's server and loads; `save()` is called after each row, so a run cut short keeps what it measured."""
     flags = [*FLAGS[fmt], "--max-num-seqs", str(max(args.clients)), *args.server_flags]
     log = args.server_log and f"{args.server_log}.{fmt}"
@@ -87,7 +87,6 @@ def run_format(args: argparse.Namespace, fmt: str, device: str, save) -> dict:
         last = out["rows"][-1]
         print(f"{fmt}, {args.vllm[0]} / {args.vllm[1]} x {clients}: {last['total_tok_per_s']:.0f} tok/s total, "
               f"TTFT p50 {last['ttft_p50_s']:.2f} s, TPOT p50 {last['tpot_p50_s'] * 1e3:.1f} ms", flush=True)
-    return out
 
 
 def main() -> None:
