@@ -64,3 +64,17 @@ def pytorch_muon(monkeypatch) -> None:
     other than the optimizer (tests/test_triton_muon.py holds the two forms equal; the other training tests still
     step through the interpreted kernels)."""
     monkeypatch.setattr(loop, "build_optimizer", partial(build_optimizer, fused=False))
+
+
+def gradient_mismatches(names: list[str], got, want, tol: float) -> list[tuple[str, float, float]]:
+    """(name, ||got - want|| / ||want||, ||got|| / ||want||) for every gradient off by `tol` or more, the worst
+    first: a failure names the parameters and says whether a gradient went missing (ratio 0) or grew."""
+    out = []
+    for name, g, w in zip(names, got, want):
+        if w is None or g is None or w.norm() == 0:
+            assert (g is None or g.norm() == 0) == (w is None or w.norm() == 0), name
+            continue
+        err = ((g.float() - w.float()).norm() / w.float().norm()).item()
+        if err >= tol:
+            out.append((name, err, (g.float().norm() / w.float().norm()).item()))
+    return sorted(out, key=lambda row: -row[1])
