@@ -104,10 +104,13 @@ def test_gpu_smoke_runs_every_row(tmp_path):
                     ("cli-default", "muon", "openk3 train defaults (eager, packing docs)")}
     for r in data["results"]:
         assert math.isfinite(r["step_ms"]) and r["step_ms"] > 0 and r["tokens_per_s"] > 0 and r["mfu"] > 0
+        assert 0 < r["median_step_ms"] <= r["step_ms"] * data["env"]["steps"]  # a step of the timed ones
         assert r["vs_dense_compiled"] == pytest.approx(r["step_ms"] / rows_of(data, "dense")[-1]["step_ms"])
     packed, cli = rows_of(data, "packed")[0], rows_of(data, "cli-default")[0]
     compiled = next(r for r in rows_of(data, "k3") if r["variant"] == "compile")
     assert packed["vs_unpacked"] == pytest.approx(packed["step_ms"] / compiled["step_ms"])
+    assert packed["vs_unpacked_median"] == pytest.approx(packed["median_step_ms"] / compiled["median_step_ms"])
+    assert data["targets"]["packed_vs_unpacked_median"] == packed["vs_unpacked_median"]
     assert packed["documents_per_row"] >= 1
     best = max(r["tokens_per_s"] for r in data["results"] if r["kind"] in ("k3", "packed"))
     assert cli["vs_best_k3"] == pytest.approx(cli["tokens_per_s"] / best)
