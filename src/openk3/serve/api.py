@@ -189,14 +189,14 @@ def create_app(engine: Engine | LocalCore | ProcessCore, model_name: str,
     async def stream(events: asyncio.Queue, reply: Reply, timer: RequestTimer, rids: list[str]):
         try:
             while not reply.finished:
-                index, event = await next_event(events, timer)
-                sse = [f"data: {json.dumps(chunk)}\n\n" for chunk in reply.chunks(index, event)]
-                while not reply.finished and not events.empty():
-                    # tokens that arrived while the last write waited: the same events, sent in one write (a
-                    # streaming server behind its engine otherwise pays the send path once per token)
-                    index, event = events.get_nowait()
-                    timer.observe(index, event)
+                # one event, and those that arrived while the last write waited: the same events in one write (a
+                # streaming server behind its engine otherwise pays the send path once per token)
+                sse = []
+                while True:
+                    index, event = await next_event(events, timer)
                     sse += [f"data: {json.dumps(chunk)}\n\n" for chunk in reply.chunks(index, event)]
+                    if reply.finished or events.empty():
+                        break
                 if sse:
                     yield "".join(sse)
             timer.finish(event.at, reply.reasons())
