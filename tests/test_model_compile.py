@@ -6,9 +6,7 @@ import torch
 from openk3.config import get_preset
 from openk3.model import K3ForCausalLM
 from openk3.model.compile import compile_blocks, uncompile_blocks
-from openk3.model.moe import decisive_routing
-from openk3.train.loop import lm_losses
-from train_tiny import TINY, gradient_mismatches
+from train_tiny import FLASH_MLA, TINY, assert_compiled_matches_eager
 
 
 def test_compile_blocks_same_values_and_names():
@@ -52,21 +50,11 @@ def test_compiled_training_gradients_equal_eager(device, backend, autocast):
     bench/decode_profile_runs/100-*) while CPU runs with Inductor and aot_eager agree: the CUDA cases say whether
     packing matters."""
     torch.manual_seed(0)
-    # two layers (KDA + dense FFN, MLA + MoE) and the MTP layer (MoE); MLA head dims the flash kernels take
+    # two layers (KDA + dense FFN, MLA + MoE) and the MTP layer (MoE)
     cfg = get_preset("k3-tiny").with_overrides(TINY).with_overrides(
-        {"num_layers": 2, "mla_layers": [1],
-         "mla": {**TINY["mla"], "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16}})
+        {"num_layers": 2, "mla_layers": [1], **FLASH_MLA})
     eager = K3ForCausalLM(cfg).to(device).train()
     compiled = compile_blocks(K3ForCausalLM(cfg).to(device).train(), backend=backend)
     compiled.load_state_dict(eager.state_dict())
     batch = torch.randint(0, cfg.vocab_size, (3, 41), device=device)
-    results = []
-    for model in (eager, compiled):
-        params = [p for p in model.parameters() if p.requires_grad]
-        with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast), decisive_routing(model):
-            loss = lm_losses(model, batch, 0.3)[0]
-        results.append((loss, torch.autograd.grad(loss, params, allow_unused=True)))
-    (want, want_grads), (got, got_grads) = results
-    torch.testing.assert_close(got, want, rtol=1e-2 if autocast else 1e-4, atol=1e-4)
-    names = [n for n, p in eager.named_parameters() if p.requires_grad]
-    assert gradient_mismatches(names, got_grads, want_grads, 3e-2 if autocast else 1e-4) == []
+    assert_compiled_matches_eager(eager, compiled, batch, autocast)

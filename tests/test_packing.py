@@ -18,12 +18,11 @@ from openk3.model import K3ForCausalLM
 from openk3.model.documents import Documents, same_document
 from openk3.model.kda import KimiDeltaAttention
 from openk3.model.mla import GatedMLA
-from openk3.model.moe import decisive_routing
 from openk3.ops import attention
 from openk3.ops.attention import document_mask, mla_attention_expanded
 from openk3.ops.conv import causal_conv1d, causal_conv1d_reference
 from openk3.train.loop import lm_losses
-from train_tiny import TINY, gradient_mismatches
+from train_tiny import FLASH_MLA, TINY, assert_compiled_matches_eager
 
 # three rows of 18 inputs (+1 target): odd document lengths, a one-token document, and document 3 cut by row 0's
 # end and continued at row 1's start (each row starts afresh: the two pieces run separately)
@@ -319,9 +318,7 @@ def test_packed_loss_of_the_compiled_model_on_cuda(autocast):
     from openk3.model.compile import compile_blocks
 
     torch.manual_seed(0)
-    # MLA head dims the varlen flash kernel takes (multiples of 8), not the tiny model's 12 / 8
-    cfg = tiny_config().with_overrides({"mla": {**TINY["mla"], "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
-                                                   "v_head_dim": 16}})
+    cfg = tiny_config().with_overrides(FLASH_MLA)
     eager = K3ForCausalLM(cfg).cuda().train()
     compiled = compile_blocks(K3ForCausalLM(cfg).cuda().train())
     compiled.load_state_dict(eager.state_dict())
@@ -330,14 +327,4 @@ def test_packed_loss_of_the_compiled_model_on_cuda(autocast):
     relaid[2, 10:] = 7  # and one document more
     for segments in (SEGMENTS, relaid):
         batch = torch.randint(0, eager.config.vocab_size, (B, T1), device="cuda")
-        losses = []
-        for model in (eager, compiled):
-            params = [p for p in model.parameters() if p.requires_grad]
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast), decisive_routing(model):
-                loss = lm_losses(model, batch, 0.3, segments)[0]
-            losses.append((loss, torch.autograd.grad(loss, params, allow_unused=True)))
-        (want, want_grads), (got, got_grads) = losses
-        torch.testing.assert_close(got, want, rtol=1e-2 if autocast else 1e-4, atol=1e-4)
-        # fused differently (bf16 operands under autocast): the relative error of each whole gradient
-        names = [n for n, p in eager.named_parameters() if p.requires_grad]
-        assert gradient_mismatches(names, got_grads, want_grads, 3e-2 if autocast else 1e-4) == []
+        assert_compiled_matches_eager(eager, compiled, batch, autocast, segments)

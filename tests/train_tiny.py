@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from openk3.model.moe import decisive_routing
 from openk3.train import loop
 from openk3.train.args import TrainArgs
 from openk3.train.optim import build_optimizer
@@ -27,6 +28,9 @@ TINY = {
     "attn_res_block_size": 2,
     "mtp_layers": 1,
 }
+
+# MLA head dims the flash kernels take (multiples of 8), not the tiny model's 12 / 8
+FLASH_MLA = {"mla": {**TINY["mla"], "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16}}
 
 CORPUS_FILES = ("bisect.py", "colorsys.py", "keyword.py", "this.py", "shlex.py")
 
@@ -78,3 +82,20 @@ def gradient_mismatches(names: list[str], got, want, tol: float) -> list[tuple[s
         if err >= tol:
             out.append((name, err, (g.float().norm() / w.float().norm()).item()))
     return sorted(out, key=lambda row: -row[1])
+
+
+def assert_compiled_matches_eager(eager, compiled, batch: torch.Tensor, autocast: bool, segments=None) -> None:
+    """The LM + MTP loss (weight 0.3) and every gradient of `compiled` equal `eager`'s (same weights) on one batch,
+    under bf16 autocast or in fp32, the routers made decisive so that near-ties cannot flip an expert between the
+    runs: the loss to 1e-4 (1e-2 under autocast), each whole gradient's relative error below 1e-4 (3e-2: bf16
+    operands fused differently); a failure names the parameters (`gradient_mismatches`)."""
+    results = []
+    for model in (eager, compiled):
+        params = [p for p in model.parameters() if p.requires_grad]
+        with torch.autocast(batch.device.type, dtype=torch.bfloat16, enabled=autocast), decisive_routing(model):
+            loss = loop.lm_losses(model, batch, 0.3, segments)[0]
+        results.append((loss, torch.autograd.grad(loss, params, allow_unused=True)))
+    (want, want_grads), (got, got_grads) = results
+    torch.testing.assert_close(got, want, rtol=1e-2 if autocast else 1e-4, atol=1e-4)
+    names = [n for n, p in eager.named_parameters() if p.requires_grad]
+    assert gradient_mismatches(names, got_grads, want_grads, 3e-2 if autocast else 1e-4) == []
