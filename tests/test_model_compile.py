@@ -45,10 +45,10 @@ GRADIENT_CASES = [("cpu", "aot_eager", False)] + (
 def test_compiled_training_gradients_equal_eager(device, backend, autocast):
     """Every parameter's gradient of the LM + MTP loss through the compiled blocks equals the eager model's: fp32
     (on CUDA the experts' loop over groups) and bf16 autocast (their grouped GEMM; to bf16 rounding), the routers
-    made decisive so that near-ties cannot flip an expert between the two runs. On an H100 the fp32 packed step's
-    expert, router and routed_down gradients came out wholly unlike eager's (relative error 1.0,
-    bench/decode_profile_runs/100-*) while CPU runs with Inductor and aot_eager agree: the CUDA cases say whether
-    packing matters."""
+    made decisive so that near-ties cannot flip an expert between the two runs. On CUDA (torch 2.11) Dynamo's trace
+    of the experts' combine (`ops.moe._CombineRows`) passed no gradient back: every router, routed_down and expert
+    gradient was zero in every backend, packed or not, fp32 or bf16, while CPU runs agreed
+    (bench/decode_profile_runs/101-*); compiled code now takes the combine's autograd reference."""
     torch.manual_seed(0)
     # two layers (KDA + dense FFN, MLA + MoE) and the MTP layer (MoE)
     cfg = get_preset("k3-tiny").with_overrides(TINY).with_overrides(

@@ -318,7 +318,11 @@ def combine_rows(y_sorted: torch.Tensor, w_sorted: torch.Tensor, token_of: torch
                  acc: torch.dtype) -> torch.Tensor:
     """out [num_tokens, D] in `acc`: out[token_of[r]] += w_sorted[r] * y_sorted[r] (y_sorted [M, D], w_sorted
     [M, 1]), the products and sums in `acc`. Backward keeps y_sorted in its own dtype (the experts' bf16 output
-    under autocast) where autograd would keep its `acc` copy and the products (3x the bytes in fp32)."""
+    under autocast) where autograd would keep its `acc` copy and the products (3x the bytes in fp32). While
+    torch.compile traces, the reference (Inductor's partitioner chooses what backward keeps): Dynamo's trace of
+    the autograd.Function gave no gradient past it on CUDA, torch 2.11 (bench/decode_profile_runs/101-*)."""
+    if torch.compiler.is_compiling():
+        return combine_rows_reference(y_sorted, w_sorted, token_of, num_tokens, acc)
     return _CombineRows.apply(y_sorted, w_sorted, token_of, num_tokens, acc)
 
 
