@@ -27,7 +27,6 @@ events queued meanwhile in one write (the same events, fewer socket sends: bench
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
@@ -155,13 +154,13 @@ def create_app(engine: Engine | LocalCore | ProcessCore, model_name: str,
         if body.n > max_queue:  # its choices wait in the queue together: never admitted, so a 429 would mislead
             raise APIError(400, f"n={body.n} choices can never be queued: this server queues at most "
                                 f"max_queue={max_queue} requests (openk3 serve --max-queue)", "n", "invalid_value")
-        events = asyncio.Queue()
+        events = Inbox()
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         rids = [rid] if body.n == 1 else [f"{rid}-{i}" for i in range(body.n)]  # one engine request per choice
         try:
             for i, sub in enumerate(rids):
                 seed = params.seed if params.seed is None else choice_seed(params.seed, i)
-                submit = lambda event, i=i: events.put_nowait((i, event))  # on the event loop (`deliver`)
+                submit = lambda event, i=i: events.put((i, event))  # on the event loop (`deliver`)
                 core.add_request(prompt, replace(params, seed=seed), rid=sub, on_event=submit,
                                  after=rids[0] if i else None, images=images, every_token=body.stream)
         except QueueFull as exc:
@@ -181,24 +180,17 @@ def create_app(engine: Engine | LocalCore | ProcessCore, model_name: str,
         for rid in rids:
             core.cancel(rid)
 
-    async def next_event(events: asyncio.Queue, timer: RequestTimer) -> tuple[int, RequestEvent]:
-        index, event = await events.get()
-        timer.observe(index, event)
-        return index, event
-
-    async def stream(events: asyncio.Queue, reply: Reply, timer: RequestTimer, rids: list[str]):
+    async def stream(events: Inbox, reply: Reply, timer: RequestTimer, rids: list[str]):
         try:
             while not reply.finished:
-                # one event, and those that arrived while the last write waited: the same events in one write (a
-                # streaming server behind its engine otherwise pays the send path once per token)
-                sse = []
-                while True:
-                    index, event = await next_event(events, timer)
-                    sse += [f"data: {json.dumps(chunk)}\n\n" for chunk in reply.chunks(index, event)]
-                    if reply.finished or events.empty():
-                        break
+                # every event that has arrived, in one write: a stream behind its engine otherwise pays the send
+                # path once per token
+                sse = ""
+                for index, event in await events.take():
+                    timer.observe(index, event)
+                    sse += reply.sse(index, event)
                 if sse:
-                    yield "".join(sse)
+                    yield sse
             timer.finish(event.at, reply.reasons())
             yield "data: [DONE]\n\n"
         finally:
@@ -212,14 +204,16 @@ def create_app(engine: Engine | LocalCore | ProcessCore, model_name: str,
             pass
         cancel(rids)
 
-    async def collect(request: Request, events: asyncio.Queue, reply: Reply, timer: RequestTimer, rids: list[str]):
+    async def collect(request: Request, events: Inbox, reply: Reply, timer: RequestTimer, rids: list[str]):
         watcher = asyncio.create_task(cancel_on_disconnect(request, rids))
         try:
-            while not reply.finished:
-                index, event = await next_event(events, timer)
-                reply.collect(index, event)
-                if event.finish_reason in ("cancelled", "error"):
-                    break
+            event = None
+            while not reply.finished and not failed(event):
+                for index, event in await events.take():
+                    timer.observe(index, event)
+                    reply.collect(index, event)
+                    if failed(event):
+                        break
         finally:
             watcher.cancel()
         if event.finish_reason == "cancelled":
@@ -231,6 +225,32 @@ def create_app(engine: Engine | LocalCore | ProcessCore, model_name: str,
         return reply.full()
 
     return app
+
+
+def failed(event: RequestEvent | None) -> bool:
+    return event is not None and event.finish_reason in ("cancelled", "error")
+
+
+class Inbox:
+    """One request's engine events on the event loop: `deliver` puts each as it comes, the request's task takes
+    all that have arrived at once (waiting only while there are none), so a stream that fell behind its engine
+    writes what queued meanwhile in one send."""
+
+    def __init__(self):
+        self._items: list = []
+        self._waiter: asyncio.Future | None = None
+
+    def put(self, item) -> None:
+        self._items.append(item)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def take(self) -> list:
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        items, self._items = self._items, []
+        return items
 
 
 def deliver(events: list) -> None:

@@ -14,6 +14,7 @@ character) is named "bytes:\\xNN..." as OpenAI does; a control token by its name
 from __future__ import annotations
 
 import codecs
+import json
 import time
 from dataclasses import dataclass, field
 
@@ -104,10 +105,6 @@ class Choice:
     last: RequestEvent | None = None  # the latest event
     sent_role: bool = False
 
-    @property
-    def finished(self) -> bool:
-        return self.last is not None and self.last.finished
-
 
 class Reply:
     """The response to one completions or chat request with `n` choices. Usage counts the prompt once and the
@@ -118,10 +115,13 @@ class Reply:
         self.rid, self.model, self.chat, self.include_usage = rid, model, chat, include_usage
         self.created = int(time.time())
         self.choices = [Choice(ChoiceLogprobs(names) if logprobs else None) for _ in range(n)]
+        self.unfinished = n  # choices whose last event has not come
+        # a stream chunk's JSON up to its choices (json.dumps of the same dict, cut before its choice list's end)
+        self._chunk_head = json.dumps(self._envelope([], chunk=True))[:-2]
 
     @property
     def finished(self) -> bool:
-        return all(c.finished for c in self.choices)
+        return self.unfinished == 0
 
     def reasons(self) -> list[str | None]:
         return [c.last.finish_reason if c.last is not None else None for c in self.choices]
@@ -130,6 +130,7 @@ class Reply:
         """Take one engine event of choice `index`; returns the logprob entries it releases (None: not asked)."""
         c = self.choices[index]
         c.last = event
+        self.unfinished -= event.finished
         c.text.append(event.text)
         c.sent += len(event.text)
         if c.logprobs is None:
@@ -152,12 +153,12 @@ class Reply:
             return None
         return c.logprobs.chat(entries) if self.chat else c.logprobs.legacy(entries)
 
-    def chunks(self, index: int, event: RequestEvent) -> list[dict]:
-        """The stream chunks for one event (none for an event with nothing to show), then, after the last choice's
-        last event, the usage chunk when it was asked for."""
+    def sse(self, index: int, event: RequestEvent) -> str:
+        """The server-sent events for one engine event: its stream chunk (none for an event with nothing to show),
+        then, after the last choice's last event, the usage chunk when it was asked for."""
         entries = self.add(index, event)
         c, reason = self.choices[index], event.finish_reason if event.finished else None
-        out = []
+        out = ""
         if event.text or entries or event.finished:
             logprobs = self._logprobs(c, entries)
             if self.chat:
@@ -167,9 +168,9 @@ class Reply:
                 choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
             else:
                 choice = {"index": index, "text": event.text, "logprobs": logprobs, "finish_reason": reason}
-            out.append(self._envelope([choice], chunk=True))
+            out = f"data: {self._chunk_head}{json.dumps(choice)}]}}\n\n"
         if self.finished and self.include_usage:
-            out.append({**self._envelope([], chunk=True), "usage": self.usage()})
+            out += f"data: {json.dumps({**self._envelope([], chunk=True), 'usage': self.usage()})}\n\n"
         return out
 
     def collect(self, index: int, event: RequestEvent) -> None:
