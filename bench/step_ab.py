@@ -1,8 +1,8 @@
 """A/B of the compiled k3 training step across source trees, with the step's kernel time by category.
 
   python bench/step_ab.py [--tree NAME=DIR ...] [--compile-mode NAME=MODE ...] [--steps 8] [--kernels 40]
-                          [--gaps 12] [--host-profile N] [--launches N] [--preset k3-debug]
-                          [--batch-size 8 --seq-len 4096]
+                          [--gaps 12] [--host-profile N] [--launches N] [--packed NAME ...]
+                          [--preset k3-debug] [--batch-size 8 --seq-len 4096]
 
 CUDA only. For each tree (DIR holds a `src/` with the openk3 package; default: this checkout's, as "main") a
 process of its own builds the k3 model with `compile_blocks`, runs the bf16-autocast AdamW step of
@@ -13,7 +13,10 @@ rows, the optimizer), with the GPU's idle time inside that step and its longest 
 waiting for the host), and runs one more step under CUDA's sync debug mode to list where the host waited for the
 GPU (file:line, count); `--host-profile N` adds the host's N costliest functions in a forward and a backward
 (cProfile); `--launches N` the N host operators that launch the most kernels (each launch costs the GPU a gap
-beside its kernel); `--compile-mode NAME=MODE` compiles tree NAME's units in that torch.compile mode. Trees run
+beside its kernel); `--compile-mode NAME=MODE` compiles tree NAME's units in that torch.compile mode; `--packed
+NAME` gives tree NAME packed documents (`openk3 train --packing docs`: the corpus's segment ids on the same random
+tokens, `bench/train.py`'s packed row), so `--tree unpacked=. --tree packed=. --packed packed` splits packing's
+cost by category. Trees run
 one after another on the same GPU and share Inductor's cache, so a variant recompiles only the graphs it changed.
 Prints a table per tree (the `--kernels` heaviest kernels) and the comparison last; writes bench/step_ab.json. Use
 it for the A/B of a change before `bench/train.py gpu` records the result: a tree can be a `git worktree` or an
@@ -85,10 +88,11 @@ def child(args: argparse.Namespace) -> None:
 
     model, opt = train.build_k3(cfg, "compile", "adamw", **({"mode": args.mode} if args.mode else {}))
     losses = []  # every step's loss, read after the timing (the same seed and batches in every tree)
+    next_segments = train.corpus_segments(cfg, args)[0] if args.packed else lambda: None
 
     def step():
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss, _, _ = lm_losses(model, batch(), mtp_weight=0.3)
+            loss, _, _ = lm_losses(model, batch(), mtp_weight=0.3, segments=next_segments())
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -114,13 +118,13 @@ def child(args: argparse.Namespace) -> None:
            "peak_gib": peak, "host_ms": host_ms, "losses": [float(x) for x in losses],
            **summarise(kernels, args.kernels), **idle_gaps(spans, args.gaps), "syncs": host_syncs(step)}
     if args.host_profile:
-        row["host_profile"] = host_profile(model, batch, opt, args.host_profile)
+        row["host_profile"] = host_profile(model, batch, next_segments, opt, args.host_profile)
     if args.launches:
         row["launches"] = launch_sources(step, args.launches)
     print(json.dumps(row))
 
 
-def host_profile(model, batch, opt, top: int) -> dict:
+def host_profile(model, batch, next_segments, opt, top: int) -> dict:
     """The host's side of one step under cProfile, the forward (with the loss) and the backward apart: the `top`
     functions by own time, as text."""
     import cProfile
@@ -136,7 +140,7 @@ def host_profile(model, batch, opt, top: int) -> dict:
     with torch.autocast("cuda", dtype=torch.bfloat16):
         forward = cProfile.Profile()
         forward.enable()
-        loss, _, _ = lm_losses(model, batch(), mtp_weight=0.3)
+        loss, _, _ = lm_losses(model, batch(), mtp_weight=0.3, segments=next_segments())
         forward.disable()
     backward = cProfile.Profile()
     backward.enable()
@@ -223,7 +227,7 @@ def run_tree(name: str, tree: Path, args: argparse.Namespace, modes: dict[str, s
     env = dict(os.environ, PYTHONPATH=str((tree / "src").resolve()) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, __file__, "--child", "--steps", str(args.steps), "--kernels", str(args.kernels),
            "--gaps", str(args.gaps), "--host-profile", str(args.host_profile), "--launches", str(args.launches),
-           "--mode", modes.get(name, ""),
+           "--mode", modes.get(name, ""), *(["--packed", name] if name in args.packed else []),
            "--preset", args.preset, "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len)]
     start = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -270,6 +274,8 @@ def main() -> None:
     parser.add_argument("--compile-mode", action="append", default=[], metavar="NAME=MODE",
                         help="torch.compile's mode for tree NAME (e.g. reduce-overhead: CUDA graphs); repeatable. "
                              "The same DIR may appear as two trees with different modes")
+    parser.add_argument("--packed", action="append", default=[], metavar="NAME",
+                        help="tree NAME trains on packed documents (openk3 train --packing docs); repeatable")
     parser.add_argument("--mode", default="", help=argparse.SUPPRESS)  # the child's
     parser.add_argument("--preset", default="k3-debug")
     parser.add_argument("--batch-size", type=int, default=8)
@@ -280,9 +286,10 @@ def main() -> None:
         return child(args)
     trees = [t.split("=", 1) for t in args.tree] or [["main", str(HERE.parent)]]
     modes = dict(m.split("=", 1) for m in args.compile_mode)
-    unknown = sorted(set(modes) - {name for name, _ in trees})
-    if unknown:
-        raise SystemExit(f"--compile-mode names no --tree: {', '.join(unknown)}")
+    for flag, named in (("--compile-mode", modes), ("--packed", args.packed)):
+        unknown = sorted(set(named) - {name for name, _ in trees})
+        if unknown:
+            raise SystemExit(f"{flag} names no --tree: {', '.join(unknown)}")
     for name, tree in trees:
         if not (Path(tree) / "src" / "openk3").is_dir():
             raise SystemExit(f"--tree {name}={tree}: no src/openk3 there")
