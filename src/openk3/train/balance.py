@@ -27,14 +27,16 @@ METHODS = ("quantile", "sign", "none")
 
 def routed_loads(scores: torch.Tensor, bias: torch.Tensor, k: int) -> torch.Tensor:
     """Tokens per expert [n] when each of the m tokens picks its top-k of scores + bias ([m, n])."""
-    chosen = (scores + bias).topk(k, dim=-1).indices
-    return torch.bincount(chosen.flatten(), minlength=scores.shape[-1])
+    chosen = (scores + bias).topk(k, dim=-1).indices.flatten()
+    # counted by a scatter: bincount reads the largest index on the host (a sync a layer on a GPU)
+    return torch.zeros(scores.shape[-1], dtype=torch.int64, device=scores.device).scatter_add_(
+        0, chosen, torch.ones_like(chosen))
 
 
-def max_violation(loads: torch.Tensor) -> float:
-    """MaxVio = max load / mean load - 1 (0 is perfect balance)."""
+def max_violation(loads: torch.Tensor) -> torch.Tensor:
+    """MaxVio = max load / mean load - 1 (0 is perfect balance), a 0-d tensor (read it once the step is done)."""
     loads = loads.float()
-    return float(loads.max() / loads.mean() - 1)
+    return loads.max() / loads.mean() - 1
 
 
 def target_load(m: int, n: int, k: int) -> int:
@@ -92,8 +94,9 @@ class RouterBalancer:
         return list(self.model.routers())
 
     @torch.no_grad()
-    def step(self) -> dict[str, float]:
-        """MaxVio per MoE layer of the forward just taken (under the bias it used); then the bias update."""
+    def step(self) -> dict[str, torch.Tensor]:
+        """MaxVio per MoE layer of the forward just taken (under the bias it used), 0-d tensors: no host sync;
+        then the bias update."""
         maxvio = {}
         for layer, router in self.routers():
             scores = getattr(router, "last_scores", None)

@@ -443,7 +443,8 @@ class Trainer:
         elapsed = time.perf_counter() - start
         self.step += 1
         record = {"step": self.step, "loss": mean_across(self.world, float(lm), self.device), "lr": lr,
-                  "grad_norm": grad_norm, "tokens_per_s": self._batch_tokens(batch) / elapsed, "maxvio": maxvio}
+                  "grad_norm": float(grad_norm), "tokens_per_s": self._batch_tokens(batch) / elapsed,
+                  "maxvio": {layer: float(v) for layer, v in maxvio.items()}}
         if self.peak_flops:  # per GPU: the global batch's tokens over all of them
             record["mfu"] = record["tokens_per_s"] * self.flops_per_token / (self.peak_flops * self.world.size)
         if mtp is not None:  # None when the model has no MTP layer or --mtp-weight is 0
