@@ -254,7 +254,7 @@ class Inbox:
 
 
 def deliver(events: list) -> None:
-    """On the event loop: one engine step's events to their requests' queues."""
+    """On the event loop: one engine step's events to their requests' inboxes."""
     for on_event, event in events:
         on_event(event)
 
