@@ -81,27 +81,20 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
     Works for any mix of plain and FSDP-sharded parameters on different meshes: every gradient element is held by
     exactly one rank (FSDP shards; expert-parallel experts are split over their group and sharded over the ranks
     that hold the same experts), so the squared norm is the sum over ranks of the local shards' squares (each
-    shard's norm in one fused pass per device and dtype, `torch._foreach_norm`; their squares summed in fp64)."""
+    shard's norm by `torch._foreach_norm`, fused per device and dtype; their squares summed in fp64)."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
     device = local[0].device if local else torch.device("cpu")
     square = torch.zeros((), dtype=torch.float64, device=device)
-    for norms in _grouped(local, torch._foreach_norm):
-        square += torch.stack(norms).double().square().sum()
+    if local:  # the foreach kernels group the tensors by device and dtype themselves
+        square += torch.stack(torch._foreach_norm(local)).double().square().sum()
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(square)
     norm = square.sqrt()
     coef = (max_norm / (norm + 1e-6)).clamp(max=1.0).float()
-    _grouped(local, lambda tensors: torch._foreach_mul_(tensors, coef))
+    if local:
+        torch._foreach_mul_(local, coef)
     return norm
-
-
-def _grouped(tensors: list[torch.Tensor], fn) -> list:
-    """fn over the tensors grouped by (device, dtype), as the foreach kernels take them; the results in a list."""
-    groups: dict[tuple, list[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault((t.device, t.dtype), []).append(t)
-    return [fn(group) for group in groups.values()]
 
 
 def _expert_params(model: nn.Module) -> dict[str, tuple[torch.Tensor, object]]:
