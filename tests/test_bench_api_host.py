@@ -4,21 +4,12 @@ API keeps up with and at one where the engine runs ahead of it (the API then sen
 one write): every reply arrives with one well-formed event per token (the bench's clients raise otherwise) and
 each row is a positive measurement."""
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "api_host.py"
+from bench_run import run_bench
 
 
 def test_api_host_bench_streams_every_token(tmp_path):
-    out = tmp_path / "api.json"
-    run = subprocess.run([sys.executable, str(BENCH), "--clients", "6", "--step-ms", "20", "0.2", "--reply", "24",
-                          "--seconds", "1.0", "--rounds", "1", "--json", str(out)],
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    rows = json.loads(out.read_text())["rows"]
+    rows = run_bench("api_host.py", "--clients", "6", "--step-ms", "20", "0.2", "--reply", "24", "--seconds", "1.0",
+                     "--rounds", "1", out=tmp_path / "api.json")[0]["rows"]
     assert [(r["stack"], r["clients"], r["step_ms"]) for r in rows] == [
         ("auto", 6, 20.0), ("h11", 6, 20.0), ("auto", 6, 0.2), ("h11", 6, 0.2)]
     assert all(r["tok_per_s"] > 0 and r["server_cpu_us_per_token"] > 0 and len(r["rounds_tok_per_s"]) == 1

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench_run import run_bench
 from openk3.config import get_preset
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "train.py"
@@ -90,12 +91,8 @@ def test_gpu_smoke_runs_every_row(tmp_path):
     and nothing written to the committed bench/train_gpu.json."""
     committed = BENCH.parent / "train_gpu.json"
     before = committed.read_bytes() if committed.exists() else None
-    out = tmp_path / "smoke.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # as CI's command runs: torch paths
-    run = subprocess.run([sys.executable, str(BENCH), "gpu", "--smoke", "--json", str(out)], capture_output=True,
-                         text=True, env=env, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    data = json.loads(out.read_text())
+    data, stdout = run_bench("train.py", "gpu", "--smoke", out=tmp_path / "smoke.json", env=env)
     rows = {(r["kind"], r["optimizer"], r["variant"]) for r in data["results"]}
     assert rows == {("k3", "adamw", "eager"), ("k3", "adamw", "act. ckpt"), ("k3", "muon", "eager"),
                     ("k3", "adamw", "compile"), ("dense", "adamw", "eager, fused loss"),
@@ -118,7 +115,7 @@ def test_gpu_smoke_runs_every_row(tmp_path):
     assert all(isinstance(v, float) for v in data["targets"].values())
     assert {"unpadded_backend", "padded_backend", "unpadded_ms", "padded_ms"} <= data["mla_attention"].keys()
     assert data["profile"]["top_kernels"] and data["profile_compiled"]["top_kernels"]
-    last = run.stdout.strip().splitlines()
+    last = stdout.strip().splitlines()
     assert last[-1].startswith("| k3-tiny | muon | openk3 train defaults") and last[-11].startswith("| model |")
     assert (committed.read_bytes() if committed.exists() else None) == before
 
