@@ -34,7 +34,7 @@ def one_thread():
 
 
 def make_runner(model, kernels, page_size=5, slots=4, pages=40, compile_backend=None, prefill_compile_backend=None,
-                short_prefill=0, cuda_graphs=False, piecewise_tokens=0):
+                short_prefill=0, short_prefill_rows=0, cuda_graphs=False, piecewise_tokens=0):
     cfg = model.config
     p = model.model.embed_tokens.weight
     pool = PagePool(len(cfg.mla_layers), pages, page_size, cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim,
@@ -43,7 +43,8 @@ def make_runner(model, kernels, page_size=5, slots=4, pages=40, compile_backend=
     states = StatePool(cfg, slots, dtype=p.dtype, device=p.device)
     return ModelRunner(model, pool, tables, states, max_batch=slots, kernels=kernels, compile_backend=compile_backend,
                        prefill_compile_backend=prefill_compile_backend, short_prefill=short_prefill,
-                       cuda_graphs=cuda_graphs, piecewise_tokens=piecewise_tokens)
+                       short_prefill_rows=short_prefill_rows, cuda_graphs=cuda_graphs,
+                       piecewise_tokens=piecewise_tokens)
 
 
 def give_pages(runner, slot, tokens, rng):
@@ -133,14 +134,16 @@ def test_right_padded_prefill_of_different_lengths_equals_each_chunk_alone(name)
     torch.testing.assert_close(runner.pages.pages[:, 1:], want[2][:, 1:], rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("kernels,compile_backend", [("torch", None), ("triton", None), ("torch", "eager")])
-def test_short_prefills_of_any_lengths_equal_the_models_prefill(kernels, compile_backend):
+@pytest.mark.parametrize("kernels,compile_backend,rows", [("torch", None, 0), ("triton", None, 0),
+                                                          ("torch", "eager", 0), ("torch", "eager", 2)])
+def test_short_prefills_of_any_lengths_equal_the_models_prefill(kernels, compile_backend, rows):
     """Chunks of 3, 8 and 1 tokens (one continuing a prompt) in one short-prefill step give each chunk's logits, KDA
-    states and latents of the model's own prefill of that chunk (compiled: bucket 4, a padding row)."""
+    states and latents of the model's own prefill of that chunk (compiled: bucket 4, a padding row; at most 2 rows a
+    step: a step of 2 rows, then one of 1)."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = randomize(K3ForCausalLM(CONFIGS["k3-small-mla-first"]()), seed=11)
-    runner = make_runner(model, kernels, compile_backend=compile_backend, short_prefill=8)
+    runner = make_runner(model, kernels, compile_backend=compile_backend, short_prefill=8, short_prefill_rows=rows)
     rng = torch.Generator().manual_seed(12)
     slots, starts, lengths = [2, 0, 3], [0, 5, 0], [3, 8, 1]
     ids = [torch.randint(0, model.config.vocab_size, (s + n,), generator=rng).tolist() for s, n in

@@ -292,3 +292,24 @@ def test_a_client_that_abandons_its_body_is_one_info_line(caplog):
     assert noted[0].exc_info is None
     loud = [f"{r.name}: {r.getMessage()}" for r in caplog.records if r.levelno >= logging.WARNING]
     assert not loud, loud
+
+
+@pytest.mark.parametrize("error,traceback", [(ValueError("--max-model-len 9 is too long\nmore"), False),
+                                             (RuntimeError("CUDA out of memory. Tried to allocate 10.00 GiB"), True)])
+def test_a_failed_engine_start_sends_one_line_and_logs_the_traceback_of_the_unexpected(caplog, error, traceback):
+    """A bad flag (ValueError) is the start's one-line error; anything else (out of memory, a bug) is that line too,
+    with its traceback in the log, where the phase that failed can be read."""
+    import argparse
+    import multiprocessing
+
+    from openk3.serve.core import engine_process_main
+
+    def build(_args):
+        raise error
+
+    ours, theirs = multiprocessing.Pipe()
+    with caplog.at_level(logging.ERROR, logger="openk3.serve.core"):
+        engine_process_main(argparse.Namespace(log_level="info", ckpt=None), theirs, build, str)
+    assert ours.recv() == ("failed", str(error).splitlines()[0])
+    logged = [r for r in caplog.records if r.message == "the engine failed to start"]
+    assert bool(logged) == traceback and all(r.exc_info[1] is error for r in logged)

@@ -211,6 +211,8 @@ def engine_process_main(args: argparse.Namespace, conn, build: Callable, describ
     try:
         engine, name = build(args)
     except Exception as exc:  # any failure to build is the server's one-line start-up error
+        if not isinstance(exc, ValueError):  # not a bad flag or input (out of memory, a bug): the traceback is logged
+            log.exception("the engine failed to start")
         conn.send(("failed", str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__))
         return
     tokenizer_dir = str(resolve_checkpoint(args.ckpt)) if args.ckpt else None

@@ -68,7 +68,7 @@ from openk3.cache.state_pool import StatePool
 from openk3.draft import EagleDraft, accept_drafts, accept_drafts_on_logits, accept_greedy, draw, target_distributions
 from openk3.ops.transfer import HostCopy, host_list, to_device
 from openk3.sampling import SamplingParams, request_rng, sample_tokens, token_logprobs
-from openk3.serve.capacity import Capacity, check_utilization, default_batched_tokens, fixed_capacity, gpu_capacity
+from openk3.serve.capacity import Capacity, GiB, check_utilization, default_batched_tokens, fixed_capacity, gpu_capacity
 from openk3.serve.piecewise import run_to_end
 from openk3.serve.prefix_cache import PrefixCache, PrefixCacheConfig
 from openk3.serve.prompts import PromptImages, check_prompt
@@ -302,6 +302,7 @@ class Engine:
                                   kernels=kernels, cuda_graphs=config.cuda_graphs, draft=self.draft,
                                   speculative=config.speculative if self.draft is not None else 0,
                                   short_prefill=short,
+                                  short_prefill_rows=max(1, sched.prefill_tokens_per_step // short) if short else 0,
                                   piecewise_tokens=longest_forward if gpu and config.prefill_graphs else 0,
                                   compile_backend="inductor" if config.compile_decode and gpu else None,
                                   prefill_compile_backend="inductor" if config.compile_prefill and gpu else None)
@@ -323,6 +324,9 @@ class Engine:
         if gpu:  # the sampling kernel's first use compiles it (~0.2 s): not inside a request's first step
             sample_tokens(torch.zeros(1, mc.vocab_size, device=device), [SamplingParams(temperature=1.0)],
                           [request_rng(0)])
+        if gpu:
+            log.info("device memory: %.2f GiB allocated at most before the cache (prefill graphs %.2f GiB)",
+                     peak / GiB, prefill_graph_bytes / GiB)
         self.capacity = self._capacity(page_bytes, device, peak)
         del warm
         self.pages = PagePool(n_mla, self.capacity.pages, P, width, dtype=dtype, device=device)

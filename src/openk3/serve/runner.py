@@ -99,7 +99,7 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, pages: PagePool, tables: BlockTables, states: StatePool, *,
                  max_batch: int, kernels: str = "torch", cuda_graphs: bool = False, compile_backend: str | None = None,
                  prefill_compile_backend: str | None = None, draft: EagleDraft | None = None, speculative: int = 0,
-                 short_prefill: int = 0, piecewise_tokens: int = 0):
+                 short_prefill: int = 0, short_prefill_rows: int = 0, piecewise_tokens: int = 0):
         if speculative and draft is None:
             raise ValueError("speculative decoding needs a draft model")
         if short_prefill < 0:
@@ -130,11 +130,14 @@ class ModelRunner:
         cfg = model.config
         self.kda_layers, self.mla_layers = sorted(cfg.kda_layers), sorted(cfg.mla_layers)
         self.short_prefill = short_prefill
+        # the short step's largest batch: its static activations grow with rows x short_prefill tokens (a 48B model's
+        # at 256 x 256 tokens outgrew an H100 at start-up), so more short chunks than this take several replays
+        self.short_rows = min(max_batch, short_prefill_rows or max_batch)
         # prefill forwards of up to this many tokens (B x T) replay their per-token work from CUDA graphs
         self.piecewise = PiecewisePrefill(model, piecewise_tokens) if piecewise_tokens and self.cuda_graphs else None
         if short_prefill:  # the short prefills' static inputs: tokens and real lengths per row
-            self.short_ids = torch.zeros(max_batch, short_prefill, dtype=torch.long, device=self.device)
-            self.short_lengths = torch.zeros(max_batch, dtype=torch.long, device=self.device)
+            self.short_ids = torch.zeros(self.short_rows, short_prefill, dtype=torch.long, device=self.device)
+            self.short_lengths = torch.zeros(self.short_rows, dtype=torch.long, device=self.device)
         if K:  # the rounds' static inputs, and the KDA states after each of the first K verified tokens
             dtype = model.model.embed_tokens.weight.dtype
             self.spec_ids = torch.zeros(max_batch, K + 1, dtype=torch.long, device=self.device)
@@ -211,10 +214,14 @@ class ModelRunner:
                         "it runs as pieces, each compiled and guarded on its own", name, size, breaks)
         return out
 
-    def _size(self, n: int) -> int:
+    def _buckets(self, name: str) -> list[int]:
+        """The batch sizes the named step runs at (and is captured at)."""
+        return graph_buckets(self.short_rows) if name == "prefill" else self.buckets
+
+    def _size(self, n: int, name: str = "decode") -> int:
         """The batch a step of n sequences runs at: the smallest bucket >= n when graphs or compiled steps are in
         use (the extra rows on the padding slot), else n."""
-        size = next((b for b in self.buckets if b >= n), n) if self.graphs or self.compiled else n
+        size = next((b for b in self._buckets(name) if b >= n), n) if self.graphs or self.compiled else n
         if size > self.max_batch:
             raise ValueError(f"a decode batch holds at most {self.max_batch} sequences, got {n}")
         return size
@@ -263,7 +270,7 @@ class ModelRunner:
             try:
                 self._capture(["prefill"], pool)
             except Exception as err:  # (a Triton compile error is no RuntimeError)
-                for size in self.buckets:
+                for size in self._buckets("prefill"):
                     self.graphs.pop(("prefill", size), None)
                 self.short_prefill = 0
                 log.warning("capturing the short-prefill step failed; short chunks prefill through the model's "
@@ -280,13 +287,13 @@ class ModelRunner:
         # compile the Triton kernels (and the steps, with compile_backend), set up cuBLAS, outside any capture
         with torch.cuda.stream(side):
             for name in names:
-                for size in self.buckets:
+                for size in self._buckets(name):
                     self._run(name, size)
         torch.cuda.current_stream().wait_stream(side)
         # the outer stream context puts the current stream back even when a failed capture leaves early
         with torch.cuda.stream(torch.cuda.current_stream()):
             for name in names:
-                for size in reversed(self.buckets):  # largest first: the smaller graphs reuse its memory
+                for size in reversed(self._buckets(name)):  # largest first: the smaller graphs reuse its memory
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=pool):
                         out = self._run(name, size)
@@ -316,7 +323,7 @@ class ModelRunner:
                 self.inputs.zero_()
                 self.inputs[1].fill_(pad)
                 self.short_lengths.fill_(self.short_prefill)
-                self._run("prefill", self.max_batch)
+                self._run("prefill", self.short_rows)
             log.info("prefill warmed up in %.1f s", time.perf_counter() - start)
         except Exception as err:  # Inductor's errors have no common base class
             if not self.prefill_compiled:
@@ -406,11 +413,15 @@ class ModelRunner:
 
     def prefill_short(self, chunks: list[list[int]], slots: list[int], starts: list[int]) -> torch.Tensor:
         """Feed each sequence its next chunk of at most `short_prefill` tokens (any lengths) from position starts[b]
-        in one static step: the logits after each chunk [n, vocab] (a view, as `decode`'s). No KDA checkpoints."""
-        n, S = len(chunks), self.short_prefill
+        in static steps of at most `short_rows` sequences: the logits after each chunk [n, vocab] (a view, as
+        `decode`'s, when one step holds them all). No KDA checkpoints."""
+        n, S, rows = len(chunks), self.short_prefill, self.short_rows
         if not 0 < max(map(len, chunks)) <= S or min(map(len, chunks)) < 1:
             raise ValueError(f"short prefill chunks hold 1 to {S} tokens, got lengths {[len(c) for c in chunks]}")
-        size = self._size(n)
+        if n > rows:
+            return torch.cat([self.prefill_short(chunks[i:i + rows], slots[i:i + rows], starts[i:i + rows]).clone()
+                              for i in range(0, n, rows)])  # (each step's logits copied before the next replay)
+        size = self._size(n, "prefill")
         self._set_inputs([0] * n, slots, starts, size)
         self.short_ids[:size].copy_(to_device([c + [0] * (S - len(c)) for c in chunks] + [[0] * S] * (size - n),
                                               self.device))
