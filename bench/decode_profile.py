@@ -1,10 +1,11 @@
 """Where the serving engine's time goes on one GPU: the decode step's parts and a long prefill, in one process.
 
-    python bench/decode_profile.py [--preset k3-debug] [--batches 1 8 32 64] [--prefill-tokens 12288]
-                                   [--prefill-chunks 4096 8192 16384]
+    python bench/decode_profile.py [--preset k3-debug] [--quantization mxfp4] [--batches 1 8 32 64]
+                                   [--prefill-tokens 12288] [--prefill-chunks 4096 8192 16384]
                                    [--compile both|on|off] [--compile-prefill] [--json F]
 
-For the decode step as the engine runs it by default on a GPU (torch.compile'd, then captured as CUDA graphs) and,
+The model is built on the device in bf16 (`openk3.build.build_model`, as `openk3 serve` builds it: a 48B model
+fits; `--quantization mxfp4` keeps its routed experts packed). For the decode step as the engine runs it by default on a GPU (torch.compile'd, then captured as CUDA graphs) and,
 with `--compile both`, captured without compiling (the comparison), and for each batch size B: B requests (16-token
 prompts, greedy, ignore_eos) run through `Engine.step` until all decode; then, averaged over `--steps` steady decode
 steps:
@@ -31,8 +32,8 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
+from openk3.build import build_model
 from openk3.config import get_preset
-from openk3.model import K3ForCausalLM
 from openk3.model.moe import decisive_routing
 from openk3.sampling import SamplingParams
 from openk3.serve.engine import GPU_PREFILL_CHUNK_TOKENS, Engine, EngineConfig
@@ -192,6 +193,8 @@ def main() -> None:
                     help="tokens per prefill forward to time (the engine's GPU default, or else the first, is "
                          "also profiled)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--quantization", choices=["none", "mxfp4"], default="none",
+                    help="mxfp4: the routed experts kept MXFP4 (as `openk3 serve --quantization mxfp4`)")
     ap.add_argument("--compile", choices=["both", "on", "off"], default="both",
                     help="decode step compiled before capture, not, or both (the comparison)")
     ap.add_argument("--compile-prefill", action="store_true",
@@ -201,7 +204,9 @@ def main() -> None:
     device = torch.device(args.device)
     cfg = get_preset(args.preset)
     torch.manual_seed(0)
-    model = K3ForCausalLM(cfg).to(device, torch.bfloat16 if device.type == "cuda" else torch.float32).eval()
+    model, report = build_model(cfg, device, torch.bfloat16 if device.type == "cuda" else torch.float32,
+                                quantization=args.quantization)
+    print(report.line(), flush=True)
     variants = {"both": [False, True], "on": [True], "off": [False]}[args.compile]
     decode, engines = {}, {}
     for compiled in variants:
@@ -253,6 +258,7 @@ def main() -> None:
                 print(f"  {e['device_ms_per_step']:8.3f} ms  {e['calls']:6d}x  {e['op'][:90]}", flush=True)
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "preset": args.preset,
+              "quantization": args.quantization,
               "compile_prefill": args.compile_prefill, "decode": decode, "profile": prof, "prefill": pre,
               "short_prefills": short}
     with open(args.json, "w") as f:
