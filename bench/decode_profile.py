@@ -5,10 +5,10 @@
                                    [--compile both|on|off] [--compile-prefill] [--json F]
 
 The model is built on the device in bf16 (`openk3.build.build_model`, as `openk3 serve` builds it: a 48B model
-fits; `--quantization mxfp4` keeps its routed experts packed). For the decode step as the engine runs it by default on a GPU (torch.compile'd, then captured as CUDA graphs) and,
-with `--compile both`, captured without compiling (the comparison), and for each batch size B: B requests (16-token
-prompts, greedy, ignore_eos) run through `Engine.step` until all decode; then, averaged over `--steps` steady decode
-steps:
+fits; `--quantization mxfp4` keeps its routed experts packed). For the decode step as the engine runs it by default
+on a GPU (torch.compile'd, then captured as CUDA graphs) and, with `--compile both`, captured without compiling (the
+comparison), and for each batch size B: B requests (16-token prompts, greedy, ignore_eos) run through `Engine.step`
+until all decode; then, averaged over `--steps` steady decode steps:
   - step_ms: one whole `Engine.step` (scheduling, the decode forward, sampling, bookkeeping, events);
   - forward_ms: `ModelRunner.decode` alone at the same batch (the CUDA-graph replay and its input copy), synced;
   - host_ms = step_ms - forward_ms: what the engine adds around the forward.

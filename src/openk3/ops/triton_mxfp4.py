@@ -20,6 +20,14 @@ width (the low and the high nibbles against x's even and odd columns), so the co
 E2M1 -> value: the 3 magnitude bits placed at the bottom of an fp16 exponent and the top of its mantissa give
 2^-14 times the E2M1 value, exactly, subnormal 0.5 included (fp16 arithmetic and conversions keep subnormals).
 
+Few rows (a decode step: at most one row per expert on average, `ROW_KERNEL_MAX_ROWS`) take the row kernel
+instead: one program per (row, BLOCK_N outputs), a matrix-vector product without tensor cores. A row tile of 16
+rows for one real row is where the tile kernel's instructions go (dequantizing and shuffling 32 weights into the
+operand layout, ~13 instructions a weight, for one row's products); here each weight costs its unpacking and one
+fused multiply-add, the codes of a 32-input group are summed before their scale multiplies them (once per group,
+not per weight), and a row's weights are read once per row (rows of one expert share them: at most one per expert
+on average, they are mostly distinct experts).
+
 `method="dot_scaled"` hands the packed codes and scales to `tl.dot_scaled` instead (bf16 / fp16 rows), which Triton
 lowers to its own upcast on Hopper and to native MX instructions on Blackwell.
 
@@ -36,6 +44,9 @@ import triton
 import triton.language as tl
 
 METHODS = ("dequant", "dot_scaled")
+KERNELS = ("auto", "rows", "tiles")  # the explicit dequantization's kernels: auto picks rows for few rows
+ROW_KERNEL_MAX_ROWS = 1.0  # mean rows per expert up to which the row kernel runs (auto)
+ROW_BLOCK_N, ROW_BLOCK_K, ROW_WARPS = 32, 256, 4  # the row kernel's outputs and inputs a step
 BLOCK_N = 64
 SPLIT_TARGET = 1024  # programs a launch aims for (~8 per SM of an H100 / H200) when it splits K
 # steps (of BLOCK_K inputs) each split keeps: kimi-linear-48b's experts at batch 1 on an H100 (bench/RESULTS.md,
@@ -126,6 +137,40 @@ def _mxfp4_grouped_matmul_kernel(x_ptr, counts_ptr, w_ptr, s_ptr, out_ptr, M, N,
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _mxfp4_rows_kernel(x_ptr, counts_ptr, w_ptr, s_ptr, out_ptr, M, N, K, E, K_SPLIT,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Row program_id(0)'s outputs [BLOCK_N] over inputs [k_start, k_start + K_SPLIT) of split program_id(2), written
+    to out[split] (out [splits, M, N]): the products in fp32, each 32-input group's sum times its scale."""
+    r = tl.program_id(0)
+    e_idx = tl.arange(0, BLOCK_E)
+    counts = tl.load(counts_ptr + e_idx, mask=e_idx < E, other=0).to(tl.int32)
+    e = tl.sum((tl.cumsum(counts, axis=0) <= r).to(tl.int32), axis=0)  # the expert whose rows hold row r
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < N
+    HALF: tl.constexpr = BLOCK_K // 2
+    GROUPS: tl.constexpr = BLOCK_K // 32
+    j = tl.arange(0, HALF)
+    g = tl.arange(0, GROUPS)
+    w_row = (e.to(tl.int64) * N + rn)[:, None]  # [BLOCK_N, 1]: the expert's output rows, inputs along a row
+    x_row = x_ptr + r.to(tl.int64) * K
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    k_start = tl.program_id(2) * K_SPLIT
+    for k0 in range(k_start, tl.minimum(k_start + K_SPLIT, K), BLOCK_K):
+        j_ok = k0 // 2 + j < K // 2
+        g_ok = k0 // 32 + g < K // 32
+        packed = tl.load(w_ptr + w_row * (K // 2) + (k0 // 2 + j)[None, :], mask=n_ok[:, None] & j_ok[None, :],
+                         other=0)
+        scale = tl.load(s_ptr + w_row * (K // 32) + (k0 // 32 + g)[None, :], mask=n_ok[:, None] & g_ok[None, :],
+                        other=127)
+        x_even = tl.load(x_row + k0 + 2 * j, mask=j_ok, other=0.0).to(tl.float32)
+        x_odd = tl.load(x_row + k0 + 2 * j + 1, mask=j_ok, other=0.0).to(tl.float32)
+        products = _e2m1(packed & 0xF) * x_even[None, :] + _e2m1(packed >> 4) * x_odd[None, :]
+        groups = tl.sum(tl.reshape(products, (BLOCK_N, GROUPS, HALF // GROUPS)), axis=2)
+        acc += tl.sum(groups * _e8m0(scale), axis=1)
+    tl.store(out_ptr + (tl.program_id(2) * M + r).to(tl.int64) * N + rn, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
 def dot_dtype(x: torch.Tensor) -> tl.dtype:
     """The product's operand type: x's 16-bit type on a GPU; fp32 for fp32 rows and for CPU tensors, which the kernel
     sees only under the Triton interpreter (whose 16-bit dot products are broken). Exact either way: the dequantized
@@ -139,6 +184,15 @@ def block_m(rows: int, experts: int) -> int:
     """Rows per tile from the mean rows per expert (shapes only): 16 for decode, up to 128 for long prefills."""
     mean = rows / max(experts, 1)
     return next((m for m in TILES if mean <= m), max(TILES))
+
+
+def row_kernel(kernel: str, method: str, rows: int, experts: int) -> bool:
+    """Whether the row kernel runs: asked for, or (auto, explicit dequantization) for few rows per expert."""
+    if kernel not in KERNELS:
+        raise ValueError(f"MXFP4 grouped matmul kernel must be one of {KERNELS}, got {kernel!r}")
+    if kernel == "rows" and method != "dequant":
+        raise ValueError(f"the row kernel dequantizes explicitly (method 'dequant'), got method {method!r}")
+    return kernel == "rows" or (kernel == "auto" and method == "dequant" and rows <= ROW_KERNEL_MAX_ROWS * experts)
 
 
 def k_splits(tiles: int, K: int, block_k: int) -> int:
@@ -169,11 +223,13 @@ def check_mxfp4_operands(x_sorted: torch.Tensor, counts: torch.Tensor, packed: t
 # A torch custom op, so that torch.compile (the compiled decode step) keeps the launch whole
 @torch.library.custom_op("openk3::mxfp4_grouped_matmul", mutates_args=())
 def mxfp4_grouped_matmul_triton(x_sorted: torch.Tensor, counts: torch.Tensor, packed: torch.Tensor,
-                                scales: torch.Tensor, method: str = "dequant", splits: int = 0) -> torch.Tensor:
+                                scales: torch.Tensor, method: str = "dequant", splits: int = 0,
+                                kernel: str = "auto") -> torch.Tensor:
     """x_sorted [M, K] grouped by expert (counts [E], summing to M) times each expert's MXFP4 weight (packed
     [E, N, K/2], scales [E, N, K/32]) transposed -> [M, N] in x_sorted's dtype. method: "dequant" (explicit, any
     float rows) or "dot_scaled" (16-bit rows). splits: programs per output tile, each over a part of K, their fp32
-    partial sums added after (0: `k_splits` chooses)."""
+    partial sums added after (0: `k_splits` chooses). kernel: "rows" (one row a program), "tiles" (row tiles,
+    tensor cores) or "auto" (`row_kernel`)."""
     check_mxfp4_operands(x_sorted, counts, packed, scales)
     if method not in METHODS:
         raise ValueError(f"MXFP4 grouped matmul method must be one of {METHODS}, got {method!r}")
@@ -184,24 +240,34 @@ def mxfp4_grouped_matmul_triton(x_sorted: torch.Tensor, counts: torch.Tensor, pa
         raise ValueError(f"splits must be >= 0 (0: chosen from the shapes), got {splits}")
     M, K = x_sorted.shape
     E, N, _ = packed.shape
+    rows = row_kernel(kernel, method, M, E)
     if M == 0 or N == 0:
         return torch.empty(M, N, dtype=x_sorted.dtype, device=x_sorted.device)
-    bm = block_m(M, E)
-    block_k, warps = TILES[bm]
-    dot = dot_dtype(x_sorted)
-    # tiles: at most ceil(M / bm) full ones plus one partial tile per expert that has rows (at most min(E, M))
-    grid = (triton.cdiv(M, bm) + min(E, M), triton.cdiv(N, BLOCK_N))
+    if rows:
+        block_k, warps = ROW_BLOCK_K, ROW_WARPS
+        grid = (M, triton.cdiv(N, ROW_BLOCK_N))
+    else:
+        bm = block_m(M, E)
+        block_k, warps = TILES[bm]
+        # tiles: at most ceil(M / bm) full ones plus one partial tile per expert that has rows (at most min(E, M))
+        grid = (triton.cdiv(M, bm) + min(E, M), triton.cdiv(N, BLOCK_N))
     splits = min(splits or k_splits(grid[0] * grid[1], K, block_k), triton.cdiv(K, block_k))
     k_split = triton.cdiv(triton.cdiv(K, splits), block_k) * block_k  # (whole steps: scales stay aligned)
     splits = triton.cdiv(K, k_split)
     out = torch.empty(splits, M, N, dtype=x_sorted.dtype if splits == 1 else torch.float32, device=x_sorted.device)
-    _mxfp4_grouped_matmul_kernel[(*grid, splits)](
-        x_sorted.contiguous(), counts.contiguous(), packed.contiguous(), scales.contiguous(), out, M, N, K, E,
-        k_split, BLOCK_M=bm, BLOCK_N=BLOCK_N, BLOCK_K=block_k, BLOCK_E=triton.next_power_of_2(E), DOT=dot,
-        PRECISION="ieee" if dot == tl.float32 else "tf32", SCALED_FORMAT=scaled, num_warps=warps)
+    operands = (x_sorted.contiguous(), counts.contiguous(), packed.contiguous(), scales.contiguous(), out, M, N, K, E,
+                k_split)
+    if rows:
+        _mxfp4_rows_kernel[(*grid, splits)](*operands, BLOCK_N=ROW_BLOCK_N, BLOCK_K=block_k,
+                                            BLOCK_E=triton.next_power_of_2(E), num_warps=warps)
+    else:
+        dot = dot_dtype(x_sorted)
+        _mxfp4_grouped_matmul_kernel[(*grid, splits)](
+            *operands, BLOCK_M=bm, BLOCK_N=BLOCK_N, BLOCK_K=block_k, BLOCK_E=triton.next_power_of_2(E), DOT=dot,
+            PRECISION="ieee" if dot == tl.float32 else "tf32", SCALED_FORMAT=scaled, num_warps=warps)
     return out[0] if splits == 1 else out.sum(0).to(x_sorted.dtype)
 
 
 @mxfp4_grouped_matmul_triton.register_fake
-def _(x_sorted, counts, packed, scales, method="dequant", splits=0):
+def _(x_sorted, counts, packed, scales, method="dequant", splits=0, kernel="auto"):
     return x_sorted.new_empty(x_sorted.shape[0], packed.shape[1])
