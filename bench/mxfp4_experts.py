@@ -5,10 +5,11 @@
 Experts of kimi-linear-48b by default (256 experts, top 8, hidden 2304, expert width 1024). For each batch of
 tokens (random routing, bf16 activations), each replayed as a CUDA graph and timed with triton's do_bench (median):
   bf16         `ops.moe.experts_forward` on bf16 weights (what `Experts` runs: gathered / dense / grouped GEMM)
-  mxfp4        `ops.moe.experts_forward_mxfp4`, the W4A16 kernels with their explicit dequantization, as
-               `PackedExperts` runs them (the row kernel for at most one row per expert, else the tile kernel)
-  mxfp4-tiles  the same with the tile kernel at every batch (the A/B of the row kernel)
-  mxfp4-scaled the tile kernel with tl.dot_scaled
+  mxfp4        `ops.moe.experts_forward_mxfp4` as `PackedExperts` runs it (method "auto": the kernel picked by the
+               rows per expert, `ops.triton_mxfp4.pick_method`)
+  mxfp4-rows   the row kernel at every batch
+  mxfp4-tiles  the row tiles with the explicit dequantization at every batch
+  mxfp4-scaled the row tiles with tl.dot_scaled at every batch
 with the weight bytes the batch's experts hold (the floor a step must read) and the bandwidth that makes, and the
 MXFP4 outputs' relative error against bf16 experts holding the dequantized values. --splits also times the two
 MXFP4 GEMMs alone at each split-K count for the decode-sized batches. --startup also builds
@@ -61,8 +62,9 @@ def timed(fn, device: torch.device) -> float:
 def formats(x, indices, weights, dense, packed, act) -> dict:
     """format -> the call that runs the batch's experts in it."""
     return {"bf16": lambda: experts_forward(x, indices, weights, *dense, act),
-            "mxfp4": lambda: experts_forward_mxfp4(x, indices, weights, *packed, act, "dequant"),
-            "mxfp4-tiles": lambda: experts_forward_mxfp4(x, indices, weights, *packed, act, "dequant", "tiles"),
+            "mxfp4": lambda: experts_forward_mxfp4(x, indices, weights, *packed, act, "auto"),
+            "mxfp4-rows": lambda: experts_forward_mxfp4(x, indices, weights, *packed, act, "rows"),
+            "mxfp4-tiles": lambda: experts_forward_mxfp4(x, indices, weights, *packed, act, "dequant"),
             "mxfp4-scaled": lambda: experts_forward_mxfp4(x, indices, weights, *packed, act, "dot_scaled")}
 
 
@@ -111,9 +113,9 @@ def bench_splits(E: int, k: int, dim: int, inter: int, batches: list[int], devic
         for name, (out, width) in shapes.items():
             x = torch.randn(n * k, width, generator=g, device=device, dtype=torch.bfloat16)
             read = int((counts > 0).sum()) * out * width * (0.5 + 1 / 32)
-            for kernel, splits in itertools.product(("tiles", "rows"), SPLITS):
-                ms = timed(functools.partial(mxfp4_grouped_matmul_triton, x, counts, *weights[name], "dequant",
-                                             splits, kernel), device)
+            for kernel, splits in itertools.product(("dequant", "rows"), SPLITS):
+                ms = timed(functools.partial(mxfp4_grouped_matmul_triton, x, counts, *weights[name], kernel, splits),
+                           device)
                 rows.append({"gemm": name, "tokens": n, "kernel": kernel, "splits": splits, "ms": ms,
                              "gb_per_s": read / ms / 1e6})
                 print(f"{name:8s} tokens {n:4d}  {kernel:5s}  splits {splits or 'auto':>4}  {ms * 1e3:8.1f} us  "

@@ -108,7 +108,7 @@ def _timed(phases: dict[str, float], name: str, device: torch.device, start: flo
 
 
 def build_model(cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype | None = None,
-                quantization: str | None = None, method: str = "dequant", check: bool = True,
+                quantization: str | None = None, method: str = "auto", check: bool = True,
                 reserve_bytes: int = 0) -> tuple[K3ForCausalLM, BuildReport]:
     """The random-init model of `cfg` on `device` in `dtype` (None: fp32), in eval mode, the same weights as
     `K3ForCausalLM(cfg).to(dtype)` built on that device under the same seed; quantization "mxfp4" keeps the routed
@@ -143,7 +143,7 @@ def build_model(cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype
 
 
 def load_model(path: str | Path, device: torch.device | str, dtype: torch.dtype | None = None,
-               quantization: str | None = None, method: str = "dequant", check: bool = True,
+               quantization: str | None = None, method: str = "auto", check: bool = True,
                reserve_bytes: int = 0) -> tuple[K3ForCausalLM, BuildReport]:
     """A checkpoint directory's model on `device`, in eval mode: `load_pretrained(path, dtype)` moved there, read
     shard by shard without a host copy; quantization None keeps MXFP4-stored experts packed (automatic for an MXFP4

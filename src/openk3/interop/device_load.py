@@ -125,7 +125,7 @@ class _Assembler:
 
 
 def load_to_device(path: str | Path, device: torch.device | str, dtype: torch.dtype | None = None,
-                   quantization: str | None = None, method: str = "dequant",
+                   quantization: str | None = None, method: str = "auto",
                    before_read: Callable[[CheckpointPlan, bool], None] | None = None,
                    ) -> tuple[K3ForCausalLM, dict[str, float]]:
     """(model in eval mode on `device`, seconds per phase: plan, read and, when plain experts are packed,

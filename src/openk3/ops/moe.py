@@ -259,16 +259,16 @@ def grouped_matmul_loop(x_sorted: torch.Tensor, counts: torch.Tensor, w: torch.T
 def experts_forward_mxfp4(x: torch.Tensor, routing_indices: torch.Tensor, routing_weights: torch.Tensor,
                           gate_up: tuple[torch.Tensor, torch.Tensor], down: tuple[torch.Tensor, torch.Tensor],
                           act: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                          method: str = "dequant", kernel: str = "auto") -> torch.Tensor:
+                          method: str = "auto") -> torch.Tensor:
     """`experts_forward` with each projection's weights MXFP4 (packed codes, E8M0 scales: `ops.triton_mxfp4`'s
-    layout), dequantized inside two grouped W4A16 Triton GEMMs over the sorted rows (`method`, `kernel`: as
+    layout), dequantized inside two grouped W4A16 Triton GEMMs over the sorted rows (`method`: as
     `mxfp4_grouped_matmul_triton` takes them), the GLU between them: the weights are read at 4.25 bits each and never
     expanded in memory. Forward only; no host sync."""
     from openk3.ops.triton_mxfp4 import mxfp4_grouped_matmul_triton  # triton is an optional dependency
 
     def mlp(x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        h = mxfp4_grouped_matmul_triton(x_sorted, counts, *gate_up, method, kernel=kernel)
-        return mxfp4_grouped_matmul_triton(apply_glu(act, h), counts, *down, method, kernel=kernel)
+        h = mxfp4_grouped_matmul_triton(x_sorted, counts, *gate_up, method)
+        return mxfp4_grouped_matmul_triton(apply_glu(act, h), counts, *down, method)
 
     return experts_forward_sorted(x.to(compute_dtype(x)), routing_indices, routing_weights, gate_up[0].shape[0],
                                   mlp).to(x.dtype)

@@ -20,9 +20,9 @@ width (the low and the high nibbles against x's even and odd columns), so the co
 E2M1 -> value: the 3 magnitude bits placed at the bottom of an fp16 exponent and the top of its mantissa give
 2^-14 times the E2M1 value, exactly, subnormal 0.5 included (fp16 arithmetic and conversions keep subnormals).
 
-Few rows (a decode step: at most one row per expert on average, `ROW_KERNEL_MAX_ROWS`) take the row kernel
-instead: one program per (row, BLOCK_N outputs), a matrix-vector product without tensor cores. A row tile of 16
-rows for one real row is where the tile kernel's instructions go (dequantizing and shuffling 32 weights into the
+`method="rows"`, the row kernel (what "auto" picks for at most one row per expert on average: a decode step): one
+program per (row, BLOCK_N outputs), a matrix-vector product without tensor cores. A row tile of 16 rows for one real
+row is where the tile kernel's instructions go (dequantizing and shuffling 32 weights into the
 operand layout, ~13 instructions a weight, for one row's products); here each weight costs its unpacking and one
 fused multiply-add, the codes of a 32-input group are summed before their scale multiplies them (once per group,
 not per weight), and a row's weights are read once per row (rows of one expert share them: at most one per expert
@@ -43,9 +43,14 @@ import torch
 import triton
 import triton.language as tl
 
-METHODS = ("dequant", "dot_scaled")
-KERNELS = ("auto", "rows", "tiles")  # the explicit dequantization's kernels: auto picks rows for few rows
-ROW_KERNEL_MAX_ROWS = 1.0  # mean rows per expert up to which the row kernel runs (auto)
+METHODS = ("auto", "rows", "dequant", "dot_scaled")
+# method "auto" by the mean rows per expert, from kimi-linear-48b's experts on an H100 (bench/mxfp4_experts.py,
+# bench/RESULTS.md 2026-12-07): the row kernel up to one (batch 1: 39 + 25 -> 27 + 17 us; 16 tokens 312 + 168 -> 255
+# + 145 us; at 64 tokens, two rows an expert, it was 1.5x slower than the tiles), tl.dot_scaled from 32 with 16-bit
+# rows (4096 tokens: 5.6 ms against 20.8 ms with the explicit dequantization; at 256 tokens, 8 rows an expert, 1.85
+# against 1.49 ms), the explicit dequantization's tiles between
+ROW_KERNEL_MAX_ROWS = 1.0
+DOT_SCALED_MIN_ROWS = 32.0
 ROW_BLOCK_N, ROW_BLOCK_K, ROW_WARPS = 32, 256, 4  # the row kernel's outputs and inputs a step
 BLOCK_N = 64
 SPLIT_TARGET = 1024  # programs a launch aims for (~8 per SM of an H100 / H200) when it splits K
@@ -186,13 +191,16 @@ def block_m(rows: int, experts: int) -> int:
     return next((m for m in TILES if mean <= m), max(TILES))
 
 
-def row_kernel(kernel: str, method: str, rows: int, experts: int) -> bool:
-    """Whether the row kernel runs: asked for, or (auto, explicit dequantization) for few rows per expert."""
-    if kernel not in KERNELS:
-        raise ValueError(f"MXFP4 grouped matmul kernel must be one of {KERNELS}, got {kernel!r}")
-    if kernel == "rows" and method != "dequant":
-        raise ValueError(f"the row kernel dequantizes explicitly (method 'dequant'), got method {method!r}")
-    return kernel == "rows" or (kernel == "auto" and method == "dequant" and rows <= ROW_KERNEL_MAX_ROWS * experts)
+def pick_method(method: str, rows: int, experts: int, dtype: torch.dtype) -> str:
+    """The kernel that runs: `method`, or for "auto" the one for the mean rows per expert (see DOT_SCALED_MIN_ROWS)."""
+    if method not in METHODS:
+        raise ValueError(f"MXFP4 grouped matmul method must be one of {METHODS}, got {method!r}")
+    if method != "auto":
+        return method
+    mean = rows / max(experts, 1)
+    if mean <= ROW_KERNEL_MAX_ROWS:
+        return "rows"
+    return "dot_scaled" if mean >= DOT_SCALED_MIN_ROWS and dtype in (torch.bfloat16, torch.float16) else "dequant"
 
 
 def k_splits(tiles: int, K: int, block_k: int) -> int:
@@ -223,26 +231,24 @@ def check_mxfp4_operands(x_sorted: torch.Tensor, counts: torch.Tensor, packed: t
 # A torch custom op, so that torch.compile (the compiled decode step) keeps the launch whole
 @torch.library.custom_op("openk3::mxfp4_grouped_matmul", mutates_args=())
 def mxfp4_grouped_matmul_triton(x_sorted: torch.Tensor, counts: torch.Tensor, packed: torch.Tensor,
-                                scales: torch.Tensor, method: str = "dequant", splits: int = 0,
-                                kernel: str = "auto") -> torch.Tensor:
+                                scales: torch.Tensor, method: str = "auto", splits: int = 0) -> torch.Tensor:
     """x_sorted [M, K] grouped by expert (counts [E], summing to M) times each expert's MXFP4 weight (packed
-    [E, N, K/2], scales [E, N, K/32]) transposed -> [M, N] in x_sorted's dtype. method: "dequant" (explicit, any
-    float rows) or "dot_scaled" (16-bit rows). splits: programs per output tile, each over a part of K, their fp32
-    partial sums added after (0: `k_splits` chooses). kernel: "rows" (one row a program), "tiles" (row tiles,
-    tensor cores) or "auto" (`row_kernel`)."""
+    [E, N, K/2], scales [E, N, K/32]) transposed -> [M, N] in x_sorted's dtype. method: "rows" (the row
+    kernel), "dequant" (row tiles, explicit dequantization; any float rows), "dot_scaled" (row tiles, 16-bit rows)
+    or "auto" (`pick_method`). splits: programs per output tile, each over a part of K, their fp32
+    partial sums added after (0: `k_splits` chooses)."""
     check_mxfp4_operands(x_sorted, counts, packed, scales)
-    if method not in METHODS:
-        raise ValueError(f"MXFP4 grouped matmul method must be one of {METHODS}, got {method!r}")
+    M, K = x_sorted.shape
+    E, N, _ = packed.shape
+    method = pick_method(method, M, E, x_sorted.dtype)
     scaled = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(x_sorted.dtype) if method == "dot_scaled" else ""
     if scaled is None:
         raise ValueError(f"method 'dot_scaled' takes bf16 or fp16 rows, got {x_sorted.dtype}")
     if splits < 0:
         raise ValueError(f"splits must be >= 0 (0: chosen from the shapes), got {splits}")
-    M, K = x_sorted.shape
-    E, N, _ = packed.shape
-    rows = row_kernel(kernel, method, M, E)
     if M == 0 or N == 0:
         return torch.empty(M, N, dtype=x_sorted.dtype, device=x_sorted.device)
+    rows = method == "rows"
     if rows:
         block_k, warps = ROW_BLOCK_K, ROW_WARPS
         grid = (M, triton.cdiv(N, ROW_BLOCK_N))
@@ -269,5 +275,5 @@ def mxfp4_grouped_matmul_triton(x_sorted: torch.Tensor, counts: torch.Tensor, pa
 
 
 @mxfp4_grouped_matmul_triton.register_fake
-def _(x_sorted, counts, packed, scales, method="dequant", splits=0, kernel="auto"):
+def _(x_sorted, counts, packed, scales, method="auto", splits=0):
     return x_sorted.new_empty(x_sorted.shape[0], packed.shape[1])

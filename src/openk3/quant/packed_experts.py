@@ -46,13 +46,14 @@ class PackedExperts(nn.Module):
     layout, packed along the input dimension):
       gate_up_packed [E, 2I, Din/2], gate_up_scales [E, 2I, Din/32]   (rows [:I] gate, [I:] up, as in Experts)
       down_packed    [E, Dout, I/2], down_scales    [E, Dout, I/32]
-    Forward: the grouped W4A16 Triton GEMMs where Triton runs (CUDA tensors, compiled code included; `method`
-    picks the explicit dequantization or tl.dot_scaled), else the reference: the weights dequantized to the
-    compute dtype and `ops.moe.experts_forward`, the plain experts' forward on the dequantized values. Inference
-    only: the weights take no gradient (with autograd on the reference runs, so gradients still reach x)."""
+    Forward: the grouped W4A16 Triton GEMMs where Triton runs (CUDA tensors, compiled code included; `method`:
+    `ops.triton_mxfp4`'s kernel, by default picked by the rows per expert), else the reference: the weights
+    dequantized to the compute dtype and `ops.moe.experts_forward`, the plain experts' forward on the dequantized
+    values. Inference only: the weights take no gradient (with autograd on the reference runs, so gradients still
+    reach x)."""
 
     def __init__(self, gate_up: tuple[torch.Tensor, torch.Tensor], down: tuple[torch.Tensor, torch.Tensor],
-                 act: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], method: str = "dequant"):
+                 act: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], method: str = "auto"):
         super().__init__()
         self.num_experts = gate_up[0].shape[0]
         self.register_buffer("gate_up_packed", gate_up[0])
@@ -63,7 +64,7 @@ class PackedExperts(nn.Module):
         self.method = method
 
     @classmethod
-    def from_experts(cls, experts: Experts, method: str = "dequant") -> PackedExperts:
+    def from_experts(cls, experts: Experts, method: str = "auto") -> PackedExperts:
         """The MXFP4 form of `experts`' weights (quantized per OCP MX: openk3.quant.mx)."""
         return cls(pack_mxfp4_chunked(experts.gate_up_proj), pack_mxfp4_chunked(experts.down_proj), experts.act,
                    method)
@@ -109,7 +110,7 @@ def _check_widths(experts: Experts) -> None:
                          f"hidden_size = {width}, moe.expert_hidden = {inter2 // 2}) must be multiples of {BLOCK}")
 
 
-def pack_experts_in(module: nn.Module, method: str = "dequant") -> ExpertsMemory:
+def pack_experts_in(module: nn.Module, method: str = "auto") -> ExpertsMemory:
     """Replace every `Experts` module below `module` by its `PackedExperts`, one at a time (each plain copy is
     dropped before the next is packed); modules already packed are left alone."""
     found = [(parent, name, child) for parent in module.modules() for name, child in parent.named_children()
@@ -130,7 +131,7 @@ def no_experts(model_name: str) -> ValueError:
                       "(config field 'moe' is None)")
 
 
-def quantize_experts_(model: nn.Module, method: str = "dequant") -> ExpertsMemory:
+def quantize_experts_(model: nn.Module, method: str = "auto") -> ExpertsMemory:
     """Keep `model`'s routed experts MXFP4 (in place); ValueError naming the config field when it has none."""
     if not any(isinstance(m, (Experts, PackedExperts)) for m in model.modules()):
         raise no_experts(getattr(getattr(model, "config", None), "name", type(model).__name__))
