@@ -224,13 +224,13 @@ def experts_forward(
 ) -> torch.Tensor:
     """sum_k w[n,k] * Expert_{idx[n,k]}(x[n]) for x [N,Din] -> [N,Dout] (x's dtype; combined in fp32).
 
-    Without autograd: one token whose k experts' weights fit GATHER_MAX_BYTES (decode at batch 1) takes
-    `experts_forward_gathered`; a few tokens that pick at least as many rows as there are experts (decode batches:
-    most experts are read anyway) take `experts_forward_dense`. Everything else sorts the rows by expert."""
+    Without autograd: one token (decode at batch 1) takes `experts_forward_gathered` when `gathers` says so; a few
+    tokens that pick at least as many rows as there are experts (decode batches: most experts are read anyway) take
+    `experts_forward_dense`. Everything else sorts the rows by expert."""
     N, k = routing_indices.shape
     E = gate_up.shape[0]
     if not torch.is_grad_enabled():
-        if N == 1 and k * (gate_up[0].numel() + down[0].numel()) * gate_up.element_size() <= GATHER_MAX_BYTES:
+        if gathers(N, k, E, (gate_up[0].numel() + down[0].numel()) * gate_up.element_size()):
             return experts_forward_gathered(x, routing_indices, routing_weights, gate_up, down, act)
         if N <= DENSE_MAX_TOKENS and N * k >= E and E * N * gate_up.shape[1] <= DENSE_MAX_ELEMENTS:
             return experts_forward_dense(x, routing_indices, routing_weights, gate_up, down, act)
@@ -277,8 +277,16 @@ def experts_forward_mxfp4(x: torch.Tensor, routing_indices: torch.Tensor, routin
 # Weights a single token's experts may gather (`experts_forward_gathered`): the k experts read three times (the
 # gather's read and write, the matmul's read) instead of once, against the sort, the group layout and the grouped
 # GEMM's set-up for k rows. k3-debug (4 experts of 1.5 MiB) on an H200, CUDA graphs without compile: batch-1 decode
-# 4.75 -> 3.68 ms per step (bench/RESULTS.md).
+# 4.75 -> 3.68 ms per step (bench/RESULTS.md). Larger experts gather too when 3 k < E: the grouped GEMM gives every
+# expert a group of at least 8 rows (`grouped_layout`), so it reads all E experts' weights (kimi-linear-48b, one
+# token: 1.42 ms a layer on an H100, the read time of all 256 experts, bench/RESULTS.md 2026-12-07).
 GATHER_MAX_BYTES = 16 << 20
+
+
+def gathers(tokens: int, k: int, num_experts: int, expert_bytes: int) -> bool:
+    """Whether `experts_forward` (without autograd) gathers the experts' weights: one token, and its k experts small
+    (GATHER_MAX_BYTES) or few against all E (3 k < E: three reads of k experts against one of all E)."""
+    return tokens == 1 and (k * expert_bytes <= GATHER_MAX_BYTES or 3 * k < num_experts)
 
 
 # `experts_forward_dense`: when N tokens pick N * k >= E rows, at least 1 - 1/e of the experts are picked on average,
