@@ -20,13 +20,9 @@ width (the low and the high nibbles against x's even and odd columns), so the co
 E2M1 -> value: the 3 magnitude bits placed at the bottom of an fp16 exponent and the top of its mantissa give
 2^-14 times the E2M1 value, exactly, subnormal 0.5 included (fp16 arithmetic and conversions keep subnormals).
 
-`method="rows"`, the row kernel (what "auto" picks for at most one row per expert on average: a decode step): one
-program per (row, BLOCK_N outputs), a matrix-vector product without tensor cores. A row tile of 16 rows for one real
-row is where the tile kernel's instructions go (dequantizing and shuffling 32 weights into the
-operand layout, ~13 instructions a weight, for one row's products); here each weight costs its unpacking and one
-fused multiply-add, the codes of a 32-input group are summed before their scale multiplies them (once per group,
-not per weight), and a row's weights are read once per row (rows of one expert share them: at most one per expert
-on average, they are mostly distinct experts).
+`method="rows"` takes the row kernel instead (`ops.triton_expert_rows`, what "auto" picks for at most one row per
+expert on average: a decode step): a row tile of 16 rows for one real row is where the tile kernel's instructions go
+(dequantizing and shuffling 32 weights into the operand layout, ~13 instructions a weight, for one row's products).
 
 `method="dot_scaled"` hands the packed codes and scales to `tl.dot_scaled` instead (bf16 / fp16 rows), which Triton
 lowers to its own upcast on Hopper and to native MX instructions on Blackwell.
@@ -51,7 +47,6 @@ METHODS = ("auto", "rows", "dequant", "dot_scaled")
 # against 1.49 ms), the explicit dequantization's tiles between
 ROW_KERNEL_MAX_ROWS = 1.0
 DOT_SCALED_MIN_ROWS = 32.0
-ROW_BLOCK_N, ROW_BLOCK_K, ROW_WARPS = 32, 256, 4  # the row kernel's outputs and inputs a step
 BLOCK_N = 64
 SPLIT_TARGET = 1024  # programs a launch aims for (~8 per SM of an H100 / H200) when it splits K
 # steps (of BLOCK_K inputs) each split keeps: kimi-linear-48b's experts at batch 1 on an H100 (bench/RESULTS.md,
@@ -63,7 +58,7 @@ TILES = {16: (128, 8), 32: (128, 8), 64: (64, 8), 128: (64, 8)}
 
 
 @triton.jit
-def _e8m0(s):
+def e8m0_values(s):
     """E8M0 bytes -> fp32 2^(s - 127): the bit pattern s << 23, except 0 (2^-127, an fp32 subnormal) and 0xFF (NaN)."""
     s = s.to(tl.int32)
     value = (s << 23).to(tl.float32, bitcast=True)
@@ -72,7 +67,7 @@ def _e8m0(s):
 
 
 @triton.jit
-def _e2m1(code):
+def e2m1_values(code):
     """4-bit E2M1 codes (sign in bit 3) -> fp32 values: bits 0-2 to fp16 bits 9-11, the sign to bit 15, times 2^14
     (in fp16, two values an instruction on a GPU; exact)."""
     c = code.to(tl.uint16)
@@ -86,7 +81,7 @@ def _dot_codes(x, codes, scale, acc, GROUPS: tl.constexpr, DOT: tl.constexpr, PR
     block scales [GROUPS, BLOCK_N] (fp32; HALF / GROUPS = 16 codes of a column share one), operands in DOT."""
     HALF: tl.constexpr = codes.shape[0]
     BLOCK_N: tl.constexpr = codes.shape[1]
-    w = tl.reshape(_e2m1(codes), (GROUPS, HALF // GROUPS, BLOCK_N)) * scale[:, None, :]
+    w = tl.reshape(e2m1_values(codes), (GROUPS, HALF // GROUPS, BLOCK_N)) * scale[:, None, :]
     return tl.dot(x.to(DOT), tl.reshape(w, (HALF, BLOCK_N)).to(DOT), acc, input_precision=PRECISION)
 
 
@@ -130,8 +125,8 @@ def _mxfp4_grouped_matmul_kernel(x_ptr, counts_ptr, w_ptr, s_ptr, out_ptr, M, N,
                 x_mask = m_ok[:, None] & j_ok[None, :]
                 x_even = tl.load(x_rows + k0 + 2 * j[None, :], mask=x_mask, other=0.0)
                 x_odd = tl.load(x_rows + k0 + 2 * j[None, :] + 1, mask=x_mask, other=0.0)
-                acc = _dot_codes(x_even, packed & 0xF, _e8m0(scale), acc, GROUPS, DOT, PRECISION)
-                acc = _dot_codes(x_odd, packed >> 4, _e8m0(scale), acc, GROUPS, DOT, PRECISION)
+                acc = _dot_codes(x_even, packed & 0xF, e8m0_values(scale), acc, GROUPS, DOT, PRECISION)
+                acc = _dot_codes(x_odd, packed >> 4, e8m0_values(scale), acc, GROUPS, DOT, PRECISION)
             else:
                 k = k0 + tl.arange(0, BLOCK_K)
                 x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
@@ -140,40 +135,6 @@ def _mxfp4_grouped_matmul_kernel(x_ptr, counts_ptr, w_ptr, s_ptr, out_ptr, M, N,
                 acc = tl.dot_scaled(x, None, SCALED_FORMAT, packed, scale, "e2m1", acc)
         out = out_ptr + (tl.program_id(2) * M + row0 + rm).to(tl.int64)[:, None] * N + rn[None, :]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
-
-
-@triton.jit
-def _mxfp4_rows_kernel(x_ptr, counts_ptr, w_ptr, s_ptr, out_ptr, M, N, K, E, K_SPLIT,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr):
-    """Row program_id(0)'s outputs [BLOCK_N] over inputs [k_start, k_start + K_SPLIT) of split program_id(2), written
-    to out[split] (out [splits, M, N]): the products in fp32, each 32-input group's sum times its scale."""
-    r = tl.program_id(0)
-    e_idx = tl.arange(0, BLOCK_E)
-    counts = tl.load(counts_ptr + e_idx, mask=e_idx < E, other=0).to(tl.int32)
-    e = tl.sum((tl.cumsum(counts, axis=0) <= r).to(tl.int32), axis=0)  # the expert whose rows hold row r
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = rn < N
-    HALF: tl.constexpr = BLOCK_K // 2
-    GROUPS: tl.constexpr = BLOCK_K // 32
-    j = tl.arange(0, HALF)
-    g = tl.arange(0, GROUPS)
-    w_row = (e.to(tl.int64) * N + rn)[:, None]  # [BLOCK_N, 1]: the expert's output rows, inputs along a row
-    x_row = x_ptr + r.to(tl.int64) * K
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    k_start = tl.program_id(2) * K_SPLIT
-    for k0 in range(k_start, tl.minimum(k_start + K_SPLIT, K), BLOCK_K):
-        j_ok = k0 // 2 + j < K // 2
-        g_ok = k0 // 32 + g < K // 32
-        packed = tl.load(w_ptr + w_row * (K // 2) + (k0 // 2 + j)[None, :], mask=n_ok[:, None] & j_ok[None, :],
-                         other=0)
-        scale = tl.load(s_ptr + w_row * (K // 32) + (k0 // 32 + g)[None, :], mask=n_ok[:, None] & g_ok[None, :],
-                        other=127)
-        x_even = tl.load(x_row + k0 + 2 * j, mask=j_ok, other=0.0).to(tl.float32)
-        x_odd = tl.load(x_row + k0 + 2 * j + 1, mask=j_ok, other=0.0).to(tl.float32)
-        products = _e2m1(packed & 0xF) * x_even[None, :] + _e2m1(packed >> 4) * x_odd[None, :]
-        groups = tl.sum(tl.reshape(products, (BLOCK_N, GROUPS, HALF // GROUPS)), axis=2)
-        acc += tl.sum(groups * _e8m0(scale), axis=1)
-    tl.store(out_ptr + (tl.program_id(2) * M + r).to(tl.int64) * N + rn, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
 def dot_dtype(x: torch.Tensor) -> tl.dtype:
@@ -213,6 +174,20 @@ def k_splits(tiles: int, K: int, block_k: int) -> int:
     return splits
 
 
+def split_output(x_sorted: torch.Tensor, N: int, splits: int, block_k: int) -> tuple[torch.Tensor, int]:
+    """The output buffer [splits, M, N] of `splits` programs per output over parts of K (whole steps of `block_k`
+    inputs: scales stay aligned; fp32 partial sums when split, else x's dtype) and the inputs each part takes."""
+    K = x_sorted.shape[1]
+    k_split = triton.cdiv(triton.cdiv(K, min(splits, triton.cdiv(K, block_k))), block_k) * block_k
+    splits = triton.cdiv(K, k_split)
+    dtype = x_sorted.dtype if splits == 1 else torch.float32
+    return torch.empty(splits, x_sorted.shape[0], N, dtype=dtype, device=x_sorted.device), k_split
+
+
+def add_splits(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return out[0] if out.shape[0] == 1 else out.sum(0).to(dtype)
+
+
 def check_mxfp4_operands(x_sorted: torch.Tensor, counts: torch.Tensor, packed: torch.Tensor,
                          scales: torch.Tensor) -> None:
     """ValueError naming the operand whose shape or dtype does not fit the others."""
@@ -248,30 +223,21 @@ def mxfp4_grouped_matmul_triton(x_sorted: torch.Tensor, counts: torch.Tensor, pa
         raise ValueError(f"splits must be >= 0 (0: chosen from the shapes), got {splits}")
     if M == 0 or N == 0:
         return torch.empty(M, N, dtype=x_sorted.dtype, device=x_sorted.device)
-    rows = method == "rows"
-    if rows:
-        block_k, warps = ROW_BLOCK_K, ROW_WARPS
-        grid = (M, triton.cdiv(N, ROW_BLOCK_N))
-    else:
-        bm = block_m(M, E)
-        block_k, warps = TILES[bm]
-        # tiles: at most ceil(M / bm) full ones plus one partial tile per expert that has rows (at most min(E, M))
-        grid = (triton.cdiv(M, bm) + min(E, M), triton.cdiv(N, BLOCK_N))
-    splits = min(splits or k_splits(grid[0] * grid[1], K, block_k), triton.cdiv(K, block_k))
-    k_split = triton.cdiv(triton.cdiv(K, splits), block_k) * block_k  # (whole steps: scales stay aligned)
-    splits = triton.cdiv(K, k_split)
-    out = torch.empty(splits, M, N, dtype=x_sorted.dtype if splits == 1 else torch.float32, device=x_sorted.device)
-    operands = (x_sorted.contiguous(), counts.contiguous(), packed.contiguous(), scales.contiguous(), out, M, N, K, E,
-                k_split)
-    if rows:
-        _mxfp4_rows_kernel[(*grid, splits)](*operands, BLOCK_N=ROW_BLOCK_N, BLOCK_K=block_k,
-                                            BLOCK_E=triton.next_power_of_2(E), num_warps=warps)
-    else:
-        dot = dot_dtype(x_sorted)
-        _mxfp4_grouped_matmul_kernel[(*grid, splits)](
-            *operands, BLOCK_M=bm, BLOCK_N=BLOCK_N, BLOCK_K=block_k, BLOCK_E=triton.next_power_of_2(E), DOT=dot,
-            PRECISION="ieee" if dot == tl.float32 else "tf32", SCALED_FORMAT=scaled, num_warps=warps)
-    return out[0] if splits == 1 else out.sum(0).to(x_sorted.dtype)
+    if method == "rows":
+        from openk3.ops.triton_expert_rows import expert_rows  # (it imports this module's E2M1 / E8M0 decoding)
+
+        return expert_rows(x_sorted, counts, packed, scales, splits)
+    bm = block_m(M, E)
+    block_k, warps = TILES[bm]
+    # tiles: at most ceil(M / bm) full ones plus one partial tile per expert that has rows (at most min(E, M))
+    grid = (triton.cdiv(M, bm) + min(E, M), triton.cdiv(N, BLOCK_N))
+    out, k_split = split_output(x_sorted, N, splits or k_splits(grid[0] * grid[1], K, block_k), block_k)
+    dot = dot_dtype(x_sorted)
+    _mxfp4_grouped_matmul_kernel[(*grid, out.shape[0])](
+        x_sorted.contiguous(), counts.contiguous(), packed.contiguous(), scales.contiguous(), out, M, N, K, E,
+        k_split, BLOCK_M=bm, BLOCK_N=BLOCK_N, BLOCK_K=block_k, BLOCK_E=triton.next_power_of_2(E), DOT=dot,
+        PRECISION="ieee" if dot == tl.float32 else "tf32", SCALED_FORMAT=scaled, num_warps=warps)
+    return add_splits(out, x_sorted.dtype)
 
 
 @mxfp4_grouped_matmul_triton.register_fake
