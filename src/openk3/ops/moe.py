@@ -16,6 +16,7 @@ values on the host, so a CUDA step has no host-device sync here. Experts kept MX
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -224,18 +225,45 @@ def experts_forward(
 ) -> torch.Tensor:
     """sum_k w[n,k] * Expert_{idx[n,k]}(x[n]) for x [N,Din] -> [N,Dout] (x's dtype; combined in fp32).
 
-    Without autograd: one token (decode at batch 1) takes `experts_forward_gathered` when `gathers` says so; a few
-    tokens that pick at least as many rows as there are experts (decode batches: most experts are read anyway) take
-    `experts_forward_dense`. Everything else sorts the rows by expert."""
+    Without autograd: one token (decode at batch 1) whose k experts are small (GATHER_MAX_BYTES) takes
+    `experts_forward_gathered`; a few tokens that pick at least as many rows as there are experts (decode batches:
+    most experts are read anyway) take `experts_forward_dense`; fewer rows than experts take the row kernel on a GPU
+    (`experts_forward_rows`: only the experts picked are read), else, for one token, the gathered path when `gathers`
+    says so. Everything else sorts the rows by expert for the grouped GEMM."""
     N, k = routing_indices.shape
     E = gate_up.shape[0]
     if not torch.is_grad_enabled():
-        if gathers(N, k, E, (gate_up[0].numel() + down[0].numel()) * gate_up.element_size()):
+        expert_bytes = (gate_up[0].numel() + down[0].numel()) * gate_up.element_size()
+        if N == 1 and k * expert_bytes <= GATHER_MAX_BYTES:
             return experts_forward_gathered(x, routing_indices, routing_weights, gate_up, down, act)
         if N <= DENSE_MAX_TOKENS and N * k >= E and E * N * gate_up.shape[1] <= DENSE_MAX_ELEMENTS:
             return experts_forward_dense(x, routing_indices, routing_weights, gate_up, down, act)
+        if N * k < E and use_triton(x, compiled=True) and gate_up.dtype == down.dtype == compute_dtype(x):
+            return experts_forward_rows(x, routing_indices, routing_weights, gate_up, down, act)
+        if gathers(N, k, E, expert_bytes):
+            return experts_forward_gathered(x, routing_indices, routing_weights, gate_up, down, act)
     return experts_forward_sorted(x, routing_indices, routing_weights, E,
                                   lambda x_sorted, counts: grouped_glu_mlp(x_sorted, counts, gate_up, down, act))
+
+
+def experts_forward_rows(x, routing_indices, routing_weights, gate_up, down, act) -> torch.Tensor:
+    """`experts_forward` over the rows sorted by expert with the row kernel (`ops.triton_expert_rows`: one row a
+    program, each row reading its own expert's weights), the GLU between: for fewer rows than experts, where the
+    grouped GEMM would read all E experts' weights. Forward only; no host sync."""
+    from openk3.ops.triton_expert_rows import expert_rows_matmul  # triton is an optional dependency
+
+    return sorted_glu(x, routing_indices, routing_weights, expert_rows_matmul, (gate_up,), (down,), act)
+
+
+def sorted_glu(x, routing_indices, routing_weights, matmul: Callable[..., torch.Tensor], gate_up: tuple,
+               down: tuple, act) -> torch.Tensor:
+    """`experts_forward_sorted` in x's compute dtype with the experts' GLU MLP as two grouped products
+    matmul(rows, counts, *weights) (weights: one tensor, or MXFP4's codes and scales) and the GLU between them."""
+    def mlp(x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        return matmul(apply_glu(act, matmul(x_sorted, counts, *gate_up)), counts, *down)
+
+    return experts_forward_sorted(x.to(compute_dtype(x)), routing_indices, routing_weights, gate_up[0].shape[0],
+                                  mlp).to(x.dtype)
 
 
 def experts_forward_sorted(x: torch.Tensor, routing_indices: torch.Tensor, routing_weights: torch.Tensor,
@@ -266,12 +294,8 @@ def experts_forward_mxfp4(x: torch.Tensor, routing_indices: torch.Tensor, routin
     expanded in memory. Forward only; no host sync."""
     from openk3.ops.triton_mxfp4 import mxfp4_grouped_matmul_triton  # triton is an optional dependency
 
-    def mlp(x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        h = mxfp4_grouped_matmul_triton(x_sorted, counts, *gate_up, method)
-        return mxfp4_grouped_matmul_triton(apply_glu(act, h), counts, *down, method)
-
-    return experts_forward_sorted(x.to(compute_dtype(x)), routing_indices, routing_weights, gate_up[0].shape[0],
-                                  mlp).to(x.dtype)
+    return sorted_glu(x, routing_indices, routing_weights, functools.partial(mxfp4_grouped_matmul_triton,
+                      method=method), gate_up, down, act)
 
 
 # Weights a single token's experts may gather (`experts_forward_gathered`): the k experts read three times (the
@@ -284,8 +308,9 @@ GATHER_MAX_BYTES = 16 << 20
 
 
 def gathers(tokens: int, k: int, num_experts: int, expert_bytes: int) -> bool:
-    """Whether `experts_forward` (without autograd) gathers the experts' weights: one token, and its k experts small
-    (GATHER_MAX_BYTES) or few against all E (3 k < E: three reads of k experts against one of all E)."""
+    """Whether `experts_forward` (without autograd, without the row kernel) gathers the experts' weights: one token,
+    and its k experts small (GATHER_MAX_BYTES) or few against all E (3 k < E: three reads of k experts against one of
+    all E)."""
     return tokens == 1 and (k * expert_bytes <= GATHER_MAX_BYTES or 3 * k < num_experts)
 
 
