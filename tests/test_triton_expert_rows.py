@@ -76,3 +76,16 @@ def test_experts_forward_rows_equals_the_sorted_path_and_is_dispatched(monkeypat
     with torch.no_grad():
         moe_ops.experts_forward(x9, r9.indices, r9.weights, gate_up9, down9, act)
     assert calls == [3]
+
+
+def test_rows_stay_whole_in_inductor_compiled_code():
+    """The compiled decode step (Inductor) keeps the row kernel's custom op whole around the rest of the MoE."""
+    (x, gate_up, down), r = moe_case(E=9, I=16, Din=40, Dout=24, N=3, k=2, seed=7)
+    act = glu_activation("swiglu")
+    dev = [t.to(DEV) for t in (x, r.indices, r.weights, gate_up, down)]
+    with torch.no_grad():
+        want = moe_ops.experts_forward_rows(*dev, act)
+        torch._dynamo.reset()
+        got = torch.compile(lambda x: moe_ops.experts_forward_rows(x, *dev[1:], act), backend="inductor",
+                            fullgraph=True)(dev[0])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
