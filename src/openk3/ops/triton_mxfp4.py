@@ -29,8 +29,8 @@ lowers to its own upcast on Hopper and to native MX instructions on Blackwell.
 
 Cost, read from the sm_90 code (triton 3.9's ptxas, no GPU run): a decode tile (16 rows, 64 outputs, 128 inputs a
 step, 8 warps) spends ~400 instructions a step per thread on 32 weights, both methods alike: ~13 per weight for
-unpacking, scaling and the operand shuffle. At batch 1 that is of the order of the weights' read time at HBM speed,
-so whether MXFP4 beats bf16 there is for the GPU to say (bench/mxfp4_experts.py).
+unpacking, scaling and the operand shuffle. Measured on an H100 (bench/mxfp4_experts.py, bench/RESULTS.md
+2026-12-07): 400-850 GB/s of weights at 1-64 tokens, and at 4096 tokens ~22 TFLOP/s, a quarter of tl.dot_scaled's.
 """
 
 from __future__ import annotations
