@@ -210,10 +210,11 @@ def test_gathered_experts_equal_the_sorted_path(N, k):
 
 def test_one_token_gathers_small_experts_or_few_of_many():
     """Gathering reads k experts three times: for small experts (GATHER_MAX_BYTES), or when 3 k < E, where the grouped
-    GEMM's groups of at least 8 rows read all E (kimi-linear-48b: 8 experts of 14 MiB among 256); never for two
-    tokens."""
+    GEMM's groups of at least 8 rows read all E (kimi-linear-48b: 8 experts of 14 MiB among 256) unless the row kernel
+    runs; never for two tokens."""
     big = 14 << 20
-    assert moe_ops.gathers(1, 4, 8, 1 << 20) and moe_ops.gathers(1, 8, 256, big)
+    assert moe_ops.gathers(1, 4, 8, 1 << 20) and moe_ops.gathers(1, 4, 8, 1 << 20, row_kernel=True)
+    assert moe_ops.gathers(1, 8, 256, big) and not moe_ops.gathers(1, 8, 256, big, row_kernel=True)
     assert not moe_ops.gathers(1, 8, 24, big) and not moe_ops.gathers(2, 8, 256, big)
 
 

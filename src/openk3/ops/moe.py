@@ -225,23 +225,20 @@ def experts_forward(
 ) -> torch.Tensor:
     """sum_k w[n,k] * Expert_{idx[n,k]}(x[n]) for x [N,Din] -> [N,Dout] (x's dtype; combined in fp32).
 
-    Without autograd: one token (decode at batch 1) whose k experts are small (GATHER_MAX_BYTES) takes
-    `experts_forward_gathered`; a few tokens that pick at least as many rows as there are experts (decode batches:
-    most experts are read anyway) take `experts_forward_dense`; fewer rows than experts take the row kernel on a GPU
-    (`experts_forward_rows`: only the experts picked are read), else, for one token, the gathered path when `gathers`
-    says so. Everything else sorts the rows by expert for the grouped GEMM."""
+    Without autograd: one token (decode at batch 1) takes `experts_forward_gathered` when `gathers` says so; a few
+    tokens that pick at least as many rows as there are experts (decode batches: most experts are read anyway) take
+    `experts_forward_dense`; fewer rows than experts take the row kernel on a GPU (`experts_forward_rows`: only the
+    experts picked are read). Everything else sorts the rows by expert for the grouped GEMM."""
     N, k = routing_indices.shape
     E = gate_up.shape[0]
     if not torch.is_grad_enabled():
-        expert_bytes = (gate_up[0].numel() + down[0].numel()) * gate_up.element_size()
-        if N == 1 and k * expert_bytes <= GATHER_MAX_BYTES:
+        rows = N * k < E and use_triton(x, compiled=True) and gate_up.dtype == down.dtype == compute_dtype(x)
+        if gathers(N, k, E, (gate_up[0].numel() + down[0].numel()) * gate_up.element_size(), rows):
             return experts_forward_gathered(x, routing_indices, routing_weights, gate_up, down, act)
         if N <= DENSE_MAX_TOKENS and N * k >= E and E * N * gate_up.shape[1] <= DENSE_MAX_ELEMENTS:
             return experts_forward_dense(x, routing_indices, routing_weights, gate_up, down, act)
-        if N * k < E and use_triton(x, compiled=True) and gate_up.dtype == down.dtype == compute_dtype(x):
+        if rows:
             return experts_forward_rows(x, routing_indices, routing_weights, gate_up, down, act)
-        if gathers(N, k, E, expert_bytes):
-            return experts_forward_gathered(x, routing_indices, routing_weights, gate_up, down, act)
     return experts_forward_sorted(x, routing_indices, routing_weights, E,
                                   lambda x_sorted, counts: grouped_glu_mlp(x_sorted, counts, gate_up, down, act))
 
@@ -307,11 +304,11 @@ def experts_forward_mxfp4(x: torch.Tensor, routing_indices: torch.Tensor, routin
 GATHER_MAX_BYTES = 16 << 20
 
 
-def gathers(tokens: int, k: int, num_experts: int, expert_bytes: int) -> bool:
-    """Whether `experts_forward` (without autograd, without the row kernel) gathers the experts' weights: one token,
-    and its k experts small (GATHER_MAX_BYTES) or few against all E (3 k < E: three reads of k experts against one of
-    all E)."""
-    return tokens == 1 and (k * expert_bytes <= GATHER_MAX_BYTES or 3 * k < num_experts)
+def gathers(tokens: int, k: int, num_experts: int, expert_bytes: int, row_kernel: bool = False) -> bool:
+    """Whether `experts_forward` (without autograd) gathers the experts' weights: one token, and its k experts small
+    (GATHER_MAX_BYTES: fewer launches than the sorted paths), or, where the row kernel does not run (it reads them
+    once), few against all E (3 k < E: three reads of k experts against the grouped GEMM's one of all E)."""
+    return tokens == 1 and (k * expert_bytes <= GATHER_MAX_BYTES or (not row_kernel and 3 * k < num_experts))
 
 
 # `experts_forward_dense`: when N tokens pick N * k >= E rows, at least 1 - 1/e of the experts are picked on average,
