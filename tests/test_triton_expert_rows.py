@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from openk3.ops import moe as moe_ops
-from openk3.ops import triton_expert_rows, triton_mxfp4
+from openk3.ops import triton_expert_rows, triton_experts_common
 from openk3.ops.activations import glu_activation
 from test_ops_fused import DEV, _Poisoned
 from test_ops_moe import moe_case
@@ -19,7 +19,7 @@ from test_ops_moe import moe_case
 
 @pytest.fixture(autouse=True)
 def poison(monkeypatch):
-    monkeypatch.setattr(triton_mxfp4, "torch", _Poisoned())  # (the output buffer comes from its split_output)
+    monkeypatch.setattr(triton_experts_common, "torch", _Poisoned())  # (the output buffers: split_output)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

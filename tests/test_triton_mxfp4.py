@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from openk3.ops import moe as moe_ops
-from openk3.ops import triton_mxfp4
+from openk3.ops import triton_experts_common, triton_mxfp4
 from openk3.ops.activations import glu_activation
 from openk3.quant.mx import pack_mxfp4, unpack_mxfp4
 from test_ops_fused import DEV, _Poisoned
@@ -20,7 +20,7 @@ from test_ops_fused import DEV, _Poisoned
 
 @pytest.fixture(autouse=True)
 def poison(monkeypatch):
-    monkeypatch.setattr(triton_mxfp4, "torch", _Poisoned())
+    monkeypatch.setattr(triton_experts_common, "torch", _Poisoned())  # (the output buffers: split_output)
 
 
 def weights(E: int, N: int, K: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,11 +87,11 @@ def test_inputs_split_over_programs_add_up(splits, method):
 def test_split_count_fills_the_gpu_for_few_tiles_only(tiles, K):
     """Splits double while the programs stay within SPLIT_TARGET and each keeps MIN_SPLIT_STEPS steps of 128
     inputs."""
-    splits = triton_mxfp4.k_splits(tiles, K, block_k=128)
+    splits = triton_experts_common.k_splits(tiles, K, block_k=128)
     assert splits & (splits - 1) == 0
-    steps = triton_mxfp4.MIN_SPLIT_STEPS
-    assert splits == 1 or (tiles * splits <= triton_mxfp4.SPLIT_TARGET and K // (128 * splits) >= steps)
-    assert tiles * splits * 2 > triton_mxfp4.SPLIT_TARGET or K // (128 * splits * 2) < steps  # (no further split fits)
+    steps, target = triton_experts_common.MIN_SPLIT_STEPS, triton_experts_common.SPLIT_TARGET
+    assert splits == 1 or (tiles * splits <= target and K // (128 * splits) >= steps)
+    assert tiles * splits * 2 > target or K // (128 * splits * 2) < steps  # (no further split fits)
 
 
 def test_a_negative_split_count_is_refused():

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from openk3.ops.triton_mxfp4 import add_splits, check_mxfp4_operands, e2m1_values, e8m0_values, k_splits, split_output
+from openk3.ops.triton_experts_common import add_splits, e2m1_values, e8m0_values, k_splits, split_output
 
 BLOCK_N, BLOCK_K, WARPS = 32, 256, 4  # outputs and inputs a program takes a step
 
@@ -74,12 +74,10 @@ def expert_rows(x_sorted: torch.Tensor, counts: torch.Tensor, weight: torch.Tens
     """x_sorted [M, K] grouped by expert (counts [E], summing to M) times each expert's weight transposed -> [M, N]
     in x_sorted's dtype: weight [E, N, K] plain, or with `scales` MXFP4 (packed [E, N, K / 2], scales [E, N, K / 32]).
     splits: programs per output over parts of K (0: `k_splits` chooses)."""
-    mxfp4 = scales is not None
+    mxfp4 = scales is not None  # (its operands as `ops.triton_mxfp4.check_mxfp4_operands` has checked them)
     M, K = x_sorted.shape
     E, N = weight.shape[:2]
-    if mxfp4:
-        check_mxfp4_operands(x_sorted, counts, weight, scales)
-    elif weight.dim() != 3 or weight.shape[2] != K or counts.shape != (E,):
+    if not mxfp4 and (weight.dim() != 3 or weight.shape[2] != K or counts.shape != (E,)):
         raise ValueError(f"expert rows: x_sorted [M, K] {list(x_sorted.shape)} needs weight [E, N, K] and counts [E], "
                          f"got {list(weight.shape)} and {list(counts.shape)}")
     if splits < 0:
