@@ -76,12 +76,12 @@ def expert_rows(x_sorted: torch.Tensor, counts: torch.Tensor, weight: torch.Tens
     splits: programs per output over parts of K (0: `k_splits` chooses)."""
     mxfp4 = scales is not None  # (its operands as `ops.triton_mxfp4.check_mxfp4_operands` has checked them)
     M, K = x_sorted.shape
-    E, N = weight.shape[:2]
-    if not mxfp4 and (weight.dim() != 3 or weight.shape[2] != K or counts.shape != (E,)):
+    if not mxfp4 and (weight.dim() != 3 or weight.shape[2] != K or counts.shape != weight.shape[:1]):
         raise ValueError(f"expert rows: x_sorted [M, K] {list(x_sorted.shape)} needs weight [E, N, K] and counts [E], "
                          f"got {list(weight.shape)} and {list(counts.shape)}")
     if splits < 0:
         raise ValueError(f"splits must be >= 0 (0: chosen from the shapes), got {splits}")
+    E, N = weight.shape[:2]
     if M == 0 or N == 0:
         return torch.empty(M, N, dtype=x_sorted.dtype, device=x_sorted.device)
     grid = (M, triton.cdiv(N, BLOCK_N))

@@ -324,7 +324,6 @@ class Engine:
         if gpu:  # the sampling kernel's first use compiles it (~0.2 s): not inside a request's first step
             sample_tokens(torch.zeros(1, mc.vocab_size, device=device), [SamplingParams(temperature=1.0)],
                           [request_rng(0)])
-        if gpu:
             log.info("device memory: %.2f GiB allocated at most before the cache (prefill graphs %.2f GiB)",
                      peak / GiB, prefill_graph_bytes / GiB)
         self.capacity = self._capacity(page_bytes, device, peak)
