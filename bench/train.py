@@ -509,15 +509,16 @@ def packed_result(cfg: ModelConfig, args: argparse.Namespace, batch, results: li
 
 def cli_default_result(args: argparse.Namespace, results: list[dict]) -> dict:
     """`openk3 train --preset P --device D --batch-size B --seq-len T` in this process: its TrainArgs built by the
-    command's own parser (every other flag at its default, --out a temporary directory), the Trainer's
-    `train_step` timed after the warm-up steps. `vs_best_k3`: its tokens/s over the best k3 row's."""
+    command's own parser (every other flag at its default, --out a temporary directory), its steps timed after the
+    warm-up steps as `openk3 train` runs them (`Trainer.steps`: each step's numbers read once the next is queued).
+    `vs_best_k3`: its tokens/s over the best k3 row's."""
     argv = ["train", "--preset", args.preset, "--device", DEVICE, "--batch-size", str(args.batch_size),
             "--seq-len", str(args.seq_len)]
     with tempfile.TemporaryDirectory() as out:
         trainer = Trainer(train_args(build_parser().parse_args(argv + ["--out", out])))
         reset_peak_memory()
         per_step = []
-        seconds, warmup_s = time_steps(trainer.train_step, args.steps, args.warmup, per_step)
+        seconds, warmup_s = time_steps(partial(next, trainer.steps()), args.steps, args.warmup, per_step)
     t = trainer.args
     fast = ["compile" if t.compile else "eager"] + ["CUDA graph"] * t.cuda_graphs + [f"packing {trainer.packing}"]
     row = result_row("cli-default", trainer.cfg.name, t.optimizer, f"openk3 train defaults ({', '.join(fast)})",

@@ -344,3 +344,39 @@ def test_heldout_evaluation_leaves_the_balancing_biases_frozen(tmp_path, monkeyp
     assert all(torch.equal(b, r.e_score_correction_bias) for b, r in zip(biases, routers))
     assert all(s is r.last_scores for s, r in zip(scores, routers))  # eval forwards record nothing
     assert trainer.model.training
+
+
+def test_the_run_reads_each_step_once_the_next_is_queued_and_evaluates_with_nothing_queued(tmp_path, monkeypatch):
+    """`Trainer.run` pipelines the steps (openk3.train.queued): step n's numbers are read after step n + 1 is
+    queued, except where it evaluates or ends; its metrics equal steps run and read one at a time."""
+    from openk3.train.loop import Trainer
+    from train_tiny import pytorch_muon, tiny_args
+
+    monkeypatch.setenv("OPENK3_CACHE", str(tmp_path / "cache"))
+    pytorch_muon(monkeypatch)
+    data = make_corpus(tmp_path / "d")
+    steps, every = 7, 3
+    with one_thread():
+        serial = Trainer(tiny_args(tmp_path / "serial", data, max_steps=steps, eval_every=every))
+        expected = []
+        for _ in range(steps):
+            record = serial.train_step()
+            if record["step"] % every == 0 or record["step"] == steps:
+                record["eval_loss"] = serial._heldout()
+            expected.append(record)
+        piped = Trainer(tiny_args(tmp_path / "piped", data, max_steps=steps, eval_every=every))
+        events = []
+        queue, read = piped.queue_step, piped._read
+        monkeypatch.setattr(piped, "queue_step", lambda: events.append(f"q{piped.step + 1}") or queue())
+        monkeypatch.setattr(piped, "_read", lambda queued: events.append(f"r{queued.step}") or read(queued))
+        piped.run()
+    assert " ".join(events) == "q1 q2 r1 q3 r2 r3 q4 q5 r4 q6 r5 r6 q7 r7"
+    got = [json.loads(line) for line in (tmp_path / "piped" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in got] == list(range(1, steps + 1))
+    for mine, theirs in zip(got, expected):
+        assert mine.keys() == theirs.keys()
+        for key in ("loss", "mtp_loss", "lr", "grad_norm", "eval_loss"):
+            if key in theirs:
+                assert mine[key] == pytest.approx(theirs[key], rel=1e-6), (mine["step"], key)
+        assert mine["maxvio"] == pytest.approx(theirs["maxvio"], rel=1e-6)
+        assert mine["tokens_per_s"] > 0

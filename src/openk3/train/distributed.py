@@ -73,6 +73,16 @@ def mean_across(world: World, value: float, device: torch.device) -> float:
     return float(t) / world.size
 
 
+def average_across(world: World, values: torch.Tensor) -> torch.Tensor:
+    """The mean of `values` over the ranks, as a new tensor; on a GPU queued behind the work that makes them
+    (no host sync)."""
+    values = values.detach().clone()
+    if world.distributed:
+        dist.all_reduce(values)
+        values /= world.size
+    return values
+
+
 def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
     """Scale the gradients so that their global L2 norm is at most max_norm (as `nn.utils.clip_grad_norm_`: by
     min(1, max_norm / (norm + 1e-6))); returns the norm before clipping, a 0-d fp64 tensor on the gradients'

@@ -3,9 +3,10 @@
 One step: WSD lr -> next global batch (each data-parallel rank takes its slice) -> forward under autocast
 (bf16 on GPU) -> loss = next-token CE + mtp_weight * MTP CE (position t predicts t+2) -> backward -> gradient
 clipping -> per-head Muon + AdamW -> router bias update (Quantile Balancing / sign rule / none) from that step's
-scores -> metrics line. Held-out loss every `eval_every` steps and at the end, checkpoints every `save_every`
-steps and at the end, then loss.png, a text sample, and the held-out loss beside the unigram baseline. With
---cuda-graphs the forward and backward replay as one CUDA graph after two warm-up steps (openk3.train.graphs).
+scores -> metrics line, read once the next step is queued (openk3.train.queued). Held-out loss every
+`eval_every` steps and at the end, checkpoints every `save_every` steps and at the end, then loss.png, a text
+sample, and the held-out loss beside the unigram baseline. With --cuda-graphs the forward and backward replay as
+one CUDA graph after two warm-up steps (openk3.train.graphs).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from openk3.train.data import (
 )
 from openk3.train.distributed import (
     World,
+    average_across,
     barrier,
     clip_grad_norm,
     close_world,
@@ -65,6 +67,7 @@ from openk3.train.distributed import (
 from openk3.train.graphs import GraphedForwardBackward
 from openk3.train.mfu import flops_per_token, peak_flops
 from openk3.train.optim import build_optimizer
+from openk3.train.queued import DeviceMark, QueuedStep
 from openk3.train.schedule import WSDSchedule
 from openk3.train.tensorboard import open_writer, write_scalars
 
@@ -280,6 +283,7 @@ class Trainer:
         self.schedule = WSDSchedule.for_run(args.lr, args.max_steps or self.DEFAULT_STEPS, args.warmup_frac,
                                             args.decay_frac)
         self.step = 0
+        self.steps_queued = 0  # by this process (the first ones compile)
         if args.resume:
             self._resume(args.resume)
         self.requested_steps = self.schedule.total_steps
@@ -426,30 +430,60 @@ class Trainer:
                 self.graphed = GraphedForwardBackward(self._forward_backward, list(self.model.parameters()))
             return (self.graphed or self._forward_backward)(batch)
 
-    def train_step(self) -> dict:
+    def queue_step(self) -> QueuedStep:
+        """Queue one step (lr, batch, forward and backward, clipping, optimizer, router bias) on the device; its
+        numbers are read by `.record()`. Nothing here waits for the device."""
         args = self.args
         lr = self.schedule(self.step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        start = DeviceMark(self.device)
         batch = self._next_batch()
-        start = time.perf_counter()
         lm, mtp = self._compiled_or_eager(batch)
+        losses = average_across(self.world, torch.stack([lm] if mtp is None else [lm, mtp]).float())
         grad_norm = clip_grad_norm(self.model, args.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         maxvio = self.balancer.step()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        elapsed = time.perf_counter() - start
         self.step += 1
-        record = {"step": self.step, "loss": mean_across(self.world, float(lm), self.device), "lr": lr,
-                  "grad_norm": float(grad_norm), "tokens_per_s": self._batch_tokens(batch) / elapsed,
-                  "maxvio": {layer: float(v) for layer, v in maxvio.items()}}
-        if self.peak_flops:  # per GPU: the global batch's tokens over all of them
-            record["mfu"] = record["tokens_per_s"] * self.flops_per_token / (self.peak_flops * self.world.size)
-        if mtp is not None:  # None when the model has no MTP layer or --mtp-weight is 0
-            record["mtp_loss"] = mean_across(self.world, float(mtp), self.device)
-        return record
+        self.steps_queued += 1
+        return QueuedStep(self.step, lr, self._batch_tokens(batch), losses, grad_norm, maxvio, start,
+                          DeviceMark(self.device))
+
+    def train_step(self) -> dict:
+        """One step, its metrics line read at once."""
+        return self._read(self.queue_step())
+
+    def _read(self, queued: QueuedStep) -> dict:
+        return queued.record(self.flops_per_token, self.peak_flops, self.world.size)
+
+    def _pauses_after(self, step: int) -> bool:
+        """Whether the run evaluates or saves after `step` (or ends there): nothing may be queued past it first."""
+        a = self.args
+        return step >= self.schedule.total_steps or bool(a.eval_every and step % a.eval_every == 0) or bool(
+            a.save_every and step % a.save_every == 0)
+
+    def steps(self, bar=None):
+        """The remaining steps' metrics lines, in order. Step n's numbers are read once step n + 1 is queued, so
+        the host's work between steps overlaps the device's; a step the run evaluates or saves after is read
+        before anything more is queued, and the caller does that work before asking for the next line. `bar`:
+        the progress bar whose description names a compile or a graph capture while it happens."""
+        waiting = None
+        while self.step < self.schedule.total_steps:
+            phase = self._phase(self.steps_queued)
+            if bar is not None and phase:
+                bar.set_description_str(f"train [{phase}]", refresh=True)
+            queued = self.queue_step()
+            if bar is not None and phase:
+                bar.set_description_str("train", refresh=False)
+            if waiting is not None:
+                yield self._read(waiting)
+            waiting = queued
+            if self._pauses_after(queued.step):
+                yield self._read(waiting)
+                waiting = None
+        if waiting is not None:
+            yield self._read(waiting)
 
     def run(self) -> dict:
         args, world = self.args, self.world
@@ -463,20 +497,13 @@ class Trainer:
         log = metrics_path.open("a") if world.is_main else None
         board = open_writer(args.tensorboard, self.step) if args.tensorboard and world.is_main else None
         last_eval = None
-        steps_run = 0
-        while self.step < self.schedule.total_steps:
-            step_started = time.perf_counter()
-            phase = self._phase(steps_run)
-            if bar is not None and phase:
-                bar.set_description_str(f"train [{phase}]", refresh=True)
-            record = self.train_step()
-            steps_run += 1
-            if bar is not None and phase:
-                bar.set_description_str("train", refresh=False)
-            if args.eval_every and (self.step % args.eval_every == 0 or self.step == self.schedule.total_steps):
+        last = time.perf_counter()
+        for record in self.steps(bar):
+            step = record["step"]  # the run has queued no step past it when it evaluates or saves (`steps`)
+            if args.eval_every and (step % args.eval_every == 0 or step == self.schedule.total_steps):
                 last_eval = record["eval_loss"] = self._heldout()
             if not math.isfinite(record["loss"]):
-                raise FloatingPointError(f"loss became {record['loss']} at step {self.step}; lower --lr")
+                raise FloatingPointError(f"loss became {record['loss']} at step {step}; lower --lr")
             if log is not None:
                 log.write(json.dumps(record) + "\n")
                 log.flush()
@@ -487,9 +514,11 @@ class Trainer:
                 bar.update(1)
                 mfu = {"mfu": f"{record['mfu']:.1%}"} if "mfu" in record else {}
                 bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}", **mfu)
-            if args.save_every and self.step % args.save_every == 0 and self.step < self.schedule.total_steps:
+            if args.save_every and step % args.save_every == 0 and step < self.schedule.total_steps:
                 self.save()
-            self._recent.append(time.perf_counter() - step_started)
+            now = time.perf_counter()
+            self._recent.append(now - last)
+            last = now
             self._fit_time_limit(bar)
             self._watch_pace(bar)
         if bar is not None:
