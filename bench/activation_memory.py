@@ -16,7 +16,8 @@ replaced by the PyTorch references, which write the same values; what each Funct
 experts' grouped GEMM (torch's CPU kernel), SDPA's flash kernel (the CPU one saves what the GPU's saves: q, k,
 padded v, the output and the log-sum-exp) and, for the dense model, torch's RMSNorm as CUDA's fused kernel (input
 and rstd). The KDA core is the exception: its Triton autograd Function (`ops/kda/triton/chunk.py`) saves q, k, v,
-g, beta and the state at the start of every 16-token chunk, so its row is that count
+g, beta and what its forward kernels formed (not the per-chunk states: the backward replays them), so its row is
+that count
 (`kda_core_bytes_per_token`; tests/test_activation_memory.py checks it against the Function run by Triton's
 interpreter); the CPU forward runs the chunked PyTorch form, whose saved tensors are left out. Bytes per token are
 the slope between --seq-len / 2 and --seq-len tokens (`per_token`).
@@ -249,11 +250,12 @@ def kda_core_bytes_per_token(heads: int, head_dim: int, v_dim: int, operand_byte
                              chunk: int = 16) -> float:
     """Bytes per token that the Triton KDA Function (`ops/kda/triton/chunk.py`, `_KDAChunkFunction`) saves for
     one layer: q, k, v in the operand dtype, g [H,K] fp32, beta [H] fp32, and what its kernels formed, in their
-    dot dtype (`state_bytes`: bf16 for bf16 inputs on a GPU): the state [H,K,V] at the start of every
-    `chunk`-token chunk, the pseudo-values [H,V], W, Qd, kg [H,K] and Aqk [H,chunk]; and in fp32 gc [H,K] and the
-    pair terms P and T [H,chunk,chunk] a chunk, the inverse norms of q and k [H,2] a token."""
+    dot dtype (`state_bytes`: bf16 for bf16 inputs on a GPU): the pseudo-values [H,V], W, Qd, kg [H,K] and Aqk
+    [H,chunk]; and in fp32 gc [H,K] and the pair terms P and T [H,chunk,chunk] a chunk, the inverse norms of q
+    and k [H,2] a token. The states at the chunk starts ([H,K,V] a chunk) are replayed in the backward, one
+    layer's at a time, after the peak at the end of the forward."""
     inputs = heads * ((2 * head_dim + v_dim) * operand_bytes + 4 * head_dim + 4)
-    formed = heads * (head_dim * v_dim / chunk + v_dim + 3 * head_dim + chunk) * state_bytes
+    formed = heads * (v_dim + 3 * head_dim + chunk) * state_bytes
     return inputs + formed + heads * (head_dim + 2 * chunk * chunk) * 4 / chunk + heads * 2 * 4
 
 

@@ -237,10 +237,12 @@ def stages(name, B, T, H, cu, tune=False):
     lay = chunk_layout(B, T, cu_t, "cuda")
     scale = K**-0.5
     saved = chunk_fwd.chunk_kda_fwd(q, k, v, g, beta, scale, None, False, lay, save_states=True, gate=gate)[2]
-    hs, pvs, W, *terms, PT, RN = saved
+    h0, pvs, W, *terms, PT, RN = saved
     do = torch.randn_like(v)
     rev = lambda bv=32: chunk_bwd.reverse_pass((W, None, *terms), do, None, False, lay, bv, q.dtype)
     dU, dhs, _ = rev()
+    replay = lambda: chunk_bwd.replay_states(h0, pvs, terms[1], terms[3], lay, q.dtype)
+    hs = replay()
     intra = lambda *xs, act=gate: chunk_bwd.intra_backward(*xs, scale, hs, pvs, dhs, (PT, RN), do, dU, lay, act)
     bwd = lambda: chunk_bwd.chunk_kda_bwd(q, k, v, g, beta, scale, saved, do, None, False, lay, gate)
     fwd = lambda *xs, act=gate, save=False: chunk_fwd.chunk_kda_fwd(*xs, scale, None, False, lay, save, act)
@@ -251,6 +253,7 @@ def stages(name, B, T, H, cu, tune=False):
            "fwd fused": ms(lambda: fwd(*raw, act=act)),
            "fwd saving states": ms(lambda: fwd(q, k, v, g, beta, save=True)),
            "reverse pass": ms(rev),
+           "state replay": ms(replay),
            "intra bwd": ms(lambda: intra(q, k, v, g, beta)),
            "intra bwd fused": ms(lambda: intra(*raw, act=act)),
            "bwd total": ms(bwd)}

@@ -265,6 +265,30 @@ def test_final_state_alone_matches_the_full_forward(gate_min, h0, cu):
     assert rel(got, expected) < 1e-6
 
 
+@pytest.mark.parametrize("h0, cu", [(True, None), (False, (0, 1, 20, 37)), (True, (0, 16, 37))])
+def test_backward_replays_the_forward_states_bit_for_bit(h0, cu):
+    """chunk_bwd.replay_states, from what the forward saves, equals the state before every chunk that the
+    forward's own pass held (its fp32 checkpoints at every chunk, in the saved terms' dtype), to the bit: the
+    backward reads the same states it would have read had the forward kept them."""
+    B = 2 if cu is None else 1
+    q, k, v, g, beta = (x.reshape(B * 37, *x.shape[2:]).contiguous()
+                        for x in make(B, 37, 2, 16, 12, torch.float32, seed=5))
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=DEV)
+    lay = chunk_layout(B, 37 if cu is None else B * 37, cu_t, DEV)
+    N = lay.n_seqs
+    state = torch.randn(N, 2, 16, 12).to(DEV) if h0 else None
+    chunks = -(-37 // chunk_fwd.CHUNK)
+    slots = (torch.arange(chunks, dtype=torch.int32, device=DEV), chunks)
+    _, _, saved, ckpt = chunk_fwd.chunk_kda_fwd(q, k, v, g, beta, 0.25, state, False, lay, True,
+                                                chunk_fwd.gate_spec(-5.0), checkpoints=slots)
+    h0_saved, pvs, _, _, KG, _, GC, *_ = saved
+    hs = chunk_bwd.replay_states(h0_saved, pvs, KG, GC, lay, q.dtype)
+    starts, offsets = lay.chunk_offsets.tolist(), lay.cu_seqlens.tolist()
+    for n in range(N):
+        for c in range(-(-(offsets[n + 1] - offsets[n]) // chunk_fwd.CHUNK)):
+            assert torch.equal(hs[starts[n] + c], ckpt[c, n].to(hs.dtype)), (n, c)
+
+
 def test_final_state_wider_than_v_takes_zero_values():
     """A state wider than v ([N,H,K,V+7]) evolves as if v were zero-padded: the full forward on [v | 0]."""
     q, k, v, g, beta = make(1, 40, 2, 16, 12, torch.float32, seed=40)

@@ -1,13 +1,13 @@
 """`kda_triton` and `kda_triton_fused`: the chunked Triton kernels behind an autograd.Function (SPEC-K3 §2).
 
 Saved for backward: the inputs as given (for the fused variant the raw projections and logits, so no
-activated copy stays alive; A_log and dt_bias are kept on the context), the initial state's presence, and what
-the forward's kernels produced that the backward reads: the state at the start of every chunk (hs), the
-pseudo-values U - W S (pvs, [T,H,V]) and the chunk terms W, Qd, kg, Aqk, gc, in the kernels' operand dtype
-(bf16 for 16-bit inputs, fp32 for fp32; gc fp32): about K V / 16 + V + 3 K + 16 values a token and head, where
-recomputing them would take a product with every state and a second prepare kernel (a faster forward + backward
-for somewhat more memory: docs/kernels.md, bench/RESULTS.md). Recomputed in backward: the activations (fused
-variant), inside the kernels.
+activated copy stays alive; A_log and dt_bias are kept on the context), the initial state, and what the
+forward's kernels produced that the backward reads: the pseudo-values U - W S (pvs, [T,H,V]) and the chunk
+terms W, Qd, kg, Aqk, gc, in the kernels' operand dtype (bf16 for 16-bit inputs, fp32 for fp32; gc fp32):
+about V + 3 K + 16 values a token and head, where recomputing them would take a product with every state and a
+second prepare kernel (a faster forward + backward for somewhat more memory: docs/kernels.md, bench/RESULTS.md).
+Recomputed in backward: the state at the start of every chunk (K V / 16 values a token and head), replayed from
+pvs, kg and gc (chunk_bwd.replay_states), and the activations (fused variant), inside the kernels.
 
 Gates: any g <= 0 is exact (to rounding). A declared floor (`gate_min`, K3's -5) clamps g there and, when it is
 >= BOUNDED_GATE_MIN, selects the faster bounded mode of the kernels (chunk_fwd.py); without one the kernels take

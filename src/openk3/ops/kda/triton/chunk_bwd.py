@@ -2,13 +2,16 @@
 
 Forward per chunk (chunk_fwd.py): pv = U - W S, O = Qd S + Aqk pv, S' = Diag(gc) S + kg^T pv. Walking the
 chunks backwards, the reverse pass carries only what the chain needs and stores dS' (the gradient of the state
-after each chunk) beside the forward's saved S (the state before it):
+after each chunk) beside S (the state before it), which the forward does not keep: a replay pass recomputes
+S' = Diag(gc) S + kg^T pv from the saved pv, kg and gc (the forward's own operands and order: the same bits),
+so the states (K V / 16 values a token and head, most of what the forward would otherwise keep) live only
+while their layer's backward runs:
 
     dpv = Aqk^T dO + kg dS'          dU = dpv
     dS  = Qd^T dO + Diag(gc) dS' - W^T dpv
 
 The chunk terms (W, Qd, kg, Aqk, gc) are the forward's prepare kernel's, saved: 3 K + 16 values a token and
-head beside the states' K V / 16, where recomputing them would take a second prepare kernel (docs/kernels.md).
+head, where recomputing them would take a second prepare kernel (docs/kernels.md).
 
 Everything else is token-parallel, one program per chunk and head with all of V, so nothing is summed across
 programs (T = (I + A)^-1, W = T Diag(beta) Kd, U = T Diag(beta) V, A = StrictTril(Diag(beta) Kd Ki^T),
@@ -228,6 +231,54 @@ def _intra_bwd_kernel(q, k, v, g, beta, A_log, dt_bias, sched, hs, pvs, dhs, PT,
     tl.store(dbeta + rows * H + h, dbeta_acc.to(dbeta.dtype.element_ty), mask=rmask)
 
 
+@triton.jit(do_not_specialize=["N"])
+def _state_replay_kernel(KG, GCX, pvs, h0, hs, cu, chunk_off, N, H, K: tl.constexpr, V: tl.constexpr,
+                         BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr,
+                         PREC: tl.constexpr, DT: tl.constexpr):
+    """The forward state pass's recurrence alone for one (sequence, head, block of BV columns), from its saved
+    pseudo-values: the state before each chunk to hs."""
+    n = tl.program_id(0)
+    h = tl.program_id(1)
+    iv = tl.program_id(2)
+    bos = tl.load(cu + n).to(tl.int64)
+    eos = tl.load(cu + n + 1)
+    c0 = tl.load(chunk_off + n).to(tl.int64)
+    ck = tl.arange(0, BK)
+    cv = iv * BV + tl.arange(0, BV)
+    smask = (ck[:, None] < K) & (cv[None, :] < V)
+    s_offs = ck[:, None] * V + cv[None, :]
+    if HAS_H0:
+        S = tl.load(h0 + (n * H + h) * K * V + s_offs, mask=smask, other=0.0).to(tl.float32)
+    else:
+        S = tl.zeros([BK, BV], dtype=tl.float32)
+    tt = tl.arange(0, BT)
+    for c in range(tl.cdiv(eos - bos, BT)):
+        rows = bos + c * BT + tt
+        rmask = rows < eos
+        tl.store(hs + ((c0 + c) * H + h) * K * V + s_offs, S.to(hs.dtype.element_ty), mask=smask)
+        kg = tl.load(KG + (rows[:, None] * H + h) * K + ck[None, :], mask=rmask[:, None] & (ck[None, :] < K),
+                     other=0.0).to(DT)
+        pv = tl.load(pvs + (rows[:, None] * H + h) * V + cv[None, :], mask=rmask[:, None] & (cv[None, :] < V),
+                     other=0.0).to(DT)
+        gc = tl.load(GCX + ((c0 + c) * H + h) * K + ck, mask=ck < K, other=0.0).to(tl.float32)
+        S = S * gc[:, None] + tl.dot(tl.trans(kg), pv, input_precision=PREC)
+
+
+def replay_states(h0, pvs, KG, GC, lay: ChunkLayout, dtype) -> torch.Tensor:
+    """The state before every chunk, [n_chunks, H, K, V] in the terms' dtype, replayed from what the forward saved
+    (chunk_fwd.chunk_kda_fwd: the initial state or None, the pseudo-values, kg and gc) with the forward's block of
+    V columns (`dtype`: q's)."""
+    T, H, K = KG.shape
+    V = pvs.shape[-1]
+    N = lay.n_seqs
+    hs = torch.empty(max(lay.n_chunks, 1), H, K, V, dtype=KG.dtype, device=KG.device)
+    BV = state_block(N, H, V)
+    _state_replay_kernel[(N, H, triton.cdiv(V, BV))](
+        KG, GC, pvs, h0, hs, lay.cu_seqlens, lay.chunk_offsets, N=N, H=H, K=K, V=V, BT=CHUNK, BK=_pow2(K), BV=BV,
+        HAS_H0=h0 is not None, PREC=precision(dtype), DT=dot_dtype(dtype, KG.device), num_warps=WARPS["state"])
+    return hs
+
+
 def reverse_pass(terms, do, dht, has_h0, lay: ChunkLayout, BV: int, dtype, store: bool = True):
     """The reverse state pass over the prepare kernel's `terms` (U unread): dU (fp32), the state gradient after
     every chunk (dhs, like the saved states) and dh0 (or None without `has_h0`). Without `store` only dh0 is
@@ -269,12 +320,13 @@ def intra_backward(q, k, v, g, beta, scale, hs, pvs, dhs, pairs, do, dU, lay: Ch
 
 
 def chunk_kda_bwd(q, k, v, g, beta, scale, saved, do, dht, has_h0, lay: ChunkLayout, gate: GateSpec):
-    """Flat [T,H,*] backward from what the forward saved (chunk_kda_fwd): the per-chunk states, the
+    """Flat [T,H,*] backward from what the forward saved (chunk_kda_fwd): the initial state (or None), the
     pseudo-values, the chunk terms W, Qd, kg, Aqk, gc and the pair terms P, T and the inverse norms. Returns dq,
     dk, dv, dg (fp32 with fused activations), dbeta, dh0; with fused activations the gradients are with respect
     to the activated q, k, g and beta."""
-    hs, pvs, W, QG, KG, AQK, GC, *pairs = saved
+    h0, pvs, W, QG, KG, AQK, GC, *pairs = saved
     H, V = q.shape[1], v.shape[-1]
     BV = state_block(lay.n_seqs, H, V)  # as the forward's pass (same chains, same trade-off)
     dU, dhs, dh0 = reverse_pass((W, None, QG, KG, AQK, GC), do, dht, has_h0, lay, BV, q.dtype)
+    hs = replay_states(h0, pvs, KG, GC, lay, q.dtype)
     return (*intra_backward(q, k, v, g, beta, scale, hs, pvs, dhs, pairs, do, dU, lay, gate), dh0)

@@ -242,13 +242,14 @@ def _prepare_kernel(q, k, v, g, beta, A_log, dt_bias, sched, W, U, QG, KG, AQK, 
 
 
 @triton.jit(do_not_specialize=["N"])  # one compile for every batch size (a serving engine meets them all)
-def _state_fwd_kernel(W, U, QG, KG, AQK, GCX, h0, ht, hs, pvs, ckpt_slot, ckpt, o, cu, chunk_off,
+def _state_fwd_kernel(W, U, QG, KG, AQK, GCX, h0, ht, pvs, ckpt_slot, ckpt, o, cu, chunk_off,
                       N, H, K: tl.constexpr, V: tl.constexpr, VU: tl.constexpr, BT: tl.constexpr,
                       BK: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr,
-                      SAVE_STATES: tl.constexpr, OUTPUT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
+                      SAVE_PV: tl.constexpr, OUTPUT: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
     """The chain of one (sequence, head, block of BV state columns). U has VU <= V columns, the state V: the
     columns past VU take zero values. Without OUTPUT only the state recurrence runs (QG, AQK and o unread). With
-    SAVE_STATES the state before each chunk goes to hs and the chunk's pseudo-values U - W S to pvs."""
+    SAVE_PV each chunk's pseudo-values U - W S go to pvs (from which the backward replays the states:
+    chunk_bwd.replay_states)."""
     n = tl.program_id(0)
     h = tl.program_id(1)
     iv = tl.program_id(2)
@@ -269,8 +270,6 @@ def _state_fwd_kernel(W, U, QG, KG, AQK, GCX, h0, ht, hs, pvs, ckpt_slot, ckpt, 
     for c in range(n_chunks):
         rows = bos + c * BT + tt
         rmask = rows < eos
-        if SAVE_STATES:
-            tl.store(hs + ((c0 + c) * H + h) * K * V + s_offs, S.to(hs.dtype.element_ty), mask=smask)
         if ckpt_slot is not None:  # an fp32 checkpoint of the state after c * BT tokens
             slot = tl.load(ckpt_slot + c)
             if slot >= 0:
@@ -288,7 +287,7 @@ def _state_fwd_kernel(W, U, QG, KG, AQK, GCX, h0, ht, hs, pvs, ckpt_slot, ckpt, 
         gc = tl.load(GCX + ((c0 + c) * H + h) * K + ck, mask=ck < K, other=0.0).to(tl.float32)
         Sd = S.to(dt)
         pv = (u - tl.dot(w, Sd, input_precision=PREC)).to(dt)
-        if SAVE_STATES:
+        if SAVE_PV:
             tl.store(pvs + xu, pv.to(pvs.dtype.element_ty), mask=rmask[:, None] & (cv[None, :] < VU))
         if OUTPUT:
             out = tl.dot(qg, Sd, input_precision=PREC) + tl.dot(aqk, pv, input_precision=PREC)
@@ -408,15 +407,15 @@ def prepare(q, k, v, g, beta, scale: float, lay: ChunkLayout, gate: GateSpec, wi
     return terms
 
 
-def state_pass(terms, v, dtype, initial_state, output_final_state, lay: ChunkLayout, save_states,
+def state_pass(terms, v, dtype, initial_state, output_final_state, lay: ChunkLayout, save_pv,
                checkpoints: tuple[torch.Tensor, int] | None = None, with_output=True):
     """The forward state pass over a prepare kernel's `terms` (`dtype`: q's, which set the terms' precision).
-    Returns o (v's dtype), the final state (fp32 or None), what the backward needs with `save_states` (else None):
-    the state before every chunk and the pseudo-values U - W S [T, H, VU], both in the terms' dtype, and, with
-    `checkpoints` = (slot per chunk of a sequence, int32, -1 for none; number of slots), the fp32 states before
-    the chunks that have a slot, [slots, N, H, K, V] (or None). Without `with_output` (terms without QG and AQK
-    will do) o is None and only the state recurrence runs; the state may then be wider than v (initial_state
-    [N, H, K, V'], V' > V): its columns past V take zero values."""
+    Returns o (v's dtype), the final state (fp32 or None), with `save_pv` the pseudo-values U - W S [T, H, VU]
+    in the terms' dtype, what the backward replays the states from (else None), and, with `checkpoints` = (slot
+    per chunk of a sequence, int32, -1 for none; number of slots), the fp32 states before the chunks that have a
+    slot, [slots, N, H, K, V] (or None). Without `with_output` (terms without QG and AQK will do) o is None and
+    only the state recurrence runs; the state may then be wider than v (initial_state [N, H, K, V'], V' > V):
+    its columns past V take zero values."""
     W, U, QG, KG, AQK, GC = terms
     T, H, K = W.shape
     VU = v.shape[-1]
@@ -426,38 +425,39 @@ def state_pass(terms, v, dtype, initial_state, output_final_state, lay: ChunkLay
     N = lay.n_seqs
     o = torch.empty(T, H, V, dtype=v.dtype, device=v.device) if with_output else None
     ht = torch.empty(N, H, K, V, dtype=torch.float32, device=v.device) if output_final_state else None
-    hs = torch.empty(max(lay.n_chunks, 1), H, K, V, dtype=W.dtype, device=v.device) if save_states else None
-    pvs = torch.empty(T, H, VU, dtype=W.dtype, device=v.device) if save_states else None
+    pvs = torch.empty(T, H, VU, dtype=W.dtype, device=v.device) if save_pv else None
     slots, ckpt = None, None
     if checkpoints is not None:
         slots, n_slots = checkpoints
         ckpt = torch.empty(n_slots, N, H, K, V, dtype=torch.float32, device=v.device)
     BV = state_block(N, H, V)
     _state_fwd_kernel[(N, H, triton.cdiv(V, BV))](
-        W, U, W if QG is None else QG, KG, W if AQK is None else AQK, GC, initial_state, ht, hs, pvs, slots, ckpt,
+        W, U, W if QG is None else QG, KG, W if AQK is None else AQK, GC, initial_state, ht, pvs, slots, ckpt,
         W if o is None else o, lay.cu_seqlens, lay.chunk_offsets, N=N, H=H, K=K, V=V, VU=VU, BT=CHUNK, BK=_pow2(K),
-        BV=BV, HAS_H0=initial_state is not None, STORE_FINAL=output_final_state, SAVE_STATES=save_states,
+        BV=BV, HAS_H0=initial_state is not None, STORE_FINAL=output_final_state, SAVE_PV=save_pv,
         OUTPUT=with_output, PREC=precision(dtype), DT=dot_dtype(dtype, v.device), num_warps=WARPS["state"])
-    return o, ht, None if hs is None else (hs, pvs), ckpt
+    return o, ht, pvs, ckpt
 
 
 def chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, lay: ChunkLayout, save_states,
                   gate: GateSpec, checkpoints: tuple[torch.Tensor, int] | None = None):
     """Flat [T,H,*] forward: the prepare kernel, then the state pass. Returns o (v's dtype), final state (fp32 or
-    None), with `save_states` what the backward reads (hs, pvs, W, QG, KG, AQK, GC, PT, RN: the per-chunk
-    states, the pseudo-values, the chunk terms but U and the pair terms, `pair_terms`; else None) and the
-    checkpoint states (`state_pass`). With fused activations in `gate`, g and beta are the gate and beta logits
-    and q, k are not yet normalised. `initial_state` may also be a function of the chunk terms that returns it
-    (or None), called between the two kernels (a state exchange: exchange.py)."""
+    None), with `save_states` what the backward reads (h0, pvs, W, QG, KG, AQK, GC, PT, RN: the initial state
+    or None, the pseudo-values, the chunk terms but U and the pair terms, `pair_terms`; the per-chunk states are
+    replayed from h0, pvs, KG and GC in the backward, chunk_bwd.replay_states; else None) and the checkpoint
+    states (`state_pass`). With fused activations in `gate`, g and beta are the gate and beta logits and q, k
+    are not yet normalised. `initial_state` may also be a function of the chunk terms that returns it (or None),
+    called between the two kernels (a state exchange: exchange.py)."""
     pairs = pair_terms(q, lay.n_chunks) if save_states else None
     terms = prepare(q, k, v, g, beta, scale, lay, gate, pairs=pairs)
     if callable(initial_state):
         initial_state = initial_state(terms)
-    o, ht, saved, ckpt = state_pass(terms, v, q.dtype, initial_state, output_final_state, lay, save_states,
-                                    checkpoints)
-    if saved is not None:  # the backward's reverse pass reads the chunk terms but U, its intra pass the pairs
+    o, ht, pvs, ckpt = state_pass(terms, v, q.dtype, initial_state, output_final_state, lay, save_states,
+                                  checkpoints)
+    saved = None
+    if save_states:  # the backward's reverse pass reads the chunk terms but U, its intra pass the pairs
         W, _, QG, KG, AQK, GC = terms
-        saved = (*saved, W, QG, KG, AQK, GC, *pairs)
+        saved = (initial_state, pvs, W, QG, KG, AQK, GC, *pairs)
     return o, ht, saved, ckpt
 
 
