@@ -9,7 +9,6 @@ tokens (random routing, bf16 activations), each replayed as a CUDA graph and tim
                rows per expert, `ops.triton_mxfp4.pick_method`)
   mxfp4-rows   the row kernel at every batch
   mxfp4-tiles  the row tiles with the explicit dequantization at every batch
-  mxfp4-swapped the same as W x^T (the dequantized weights the MMA's first operand) at every batch
   mxfp4-scaled the row tiles with tl.dot_scaled at every batch
 with the weight bytes the batch's experts hold (the floor a step must read) and the bandwidth that makes, and the
 MXFP4 outputs' relative error against bf16 experts holding the dequantized values. --splits also times the two
@@ -66,7 +65,6 @@ def formats(x, indices, weights, dense, packed, act) -> dict:
             "mxfp4": lambda: experts_forward_mxfp4(x, indices, weights, *packed, act, "auto"),
             "mxfp4-rows": lambda: experts_forward_mxfp4(x, indices, weights, *packed, act, "rows"),
             "mxfp4-tiles": lambda: experts_forward_mxfp4(x, indices, weights, *packed, act, "dequant"),
-            "mxfp4-swapped": lambda: experts_forward_mxfp4(x, indices, weights, *packed, act, "swapped"),
             "mxfp4-scaled": lambda: experts_forward_mxfp4(x, indices, weights, *packed, act, "dot_scaled")}
 
 
@@ -115,7 +113,7 @@ def bench_splits(E: int, k: int, dim: int, inter: int, batches: list[int], devic
         for name, (out, width) in shapes.items():
             x = torch.randn(n * k, width, generator=g, device=device, dtype=torch.bfloat16)
             read = int((counts > 0).sum()) * out * width * (0.5 + 1 / 32)
-            for kernel, splits in itertools.product(("dequant", "swapped", "rows"), SPLITS):
+            for kernel, splits in itertools.product(("dequant", "rows"), SPLITS):
                 ms = timed(functools.partial(mxfp4_grouped_matmul_triton, x, counts, *weights[name], kernel, splits),
                            device)
                 rows.append({"gemm": name, "tokens": n, "kernel": kernel, "splits": splits, "ms": ms,

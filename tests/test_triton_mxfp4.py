@@ -47,7 +47,7 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> N
     assert err <= 2 * eps, float(err)
 
 
-METHODS = ["rows", "dequant", "swapped", "dot_scaled"]
+METHODS = ["rows", "dequant", "dot_scaled"]
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -100,7 +100,7 @@ def test_a_negative_split_count_is_refused():
                                                  splits=-1)
 
 
-@pytest.mark.parametrize("method", ["dequant", "swapped", "rows"])
+@pytest.mark.parametrize("method", ["dequant", "rows"])
 def test_kernel_takes_fp32_rows_exactly(method):
     """fp32 rows: fp32 products (to fp32 rounding of the sums)."""
     counts = torch.tensor([2, 0, 7])
@@ -112,7 +112,6 @@ def test_kernel_takes_fp32_rows_exactly(method):
 
 
 @pytest.mark.parametrize(("method", "dtype"), [("dequant", torch.float32), ("dequant", torch.bfloat16),
-                                               ("swapped", torch.float32), ("swapped", torch.bfloat16),
                                                ("rows", torch.float32), ("rows", torch.bfloat16),
                                                ("dot_scaled", torch.bfloat16)])
 def test_extreme_scales_and_every_code(method, dtype):

@@ -15,26 +15,24 @@ expert and row tile from `counts` alone (the running sum of each expert's ceil(c
 is sized from M and E only (no host sync: CUDA graphs hold) and programs past the last tile return at once. A
 decode step's few rows per expert take BLOCK_M = 16, and so few tiles that each program's walk over K (one memory
 latency a step) sets the time: there the inputs are split over programs (split-K, `k_splits`; program_id(2) takes
-one part) whose fp32 partial sums are added after. Inside, the even and odd inputs are two products of half
-width (the low and the high nibbles against x's even and odd columns), so the codes are never interleaved.
-E2M1 -> value: the 3 magnitude bits placed at the bottom of an fp16 exponent and the top of its mantissa give
-2^-14 times the E2M1 value, exactly, subnormal 0.5 included (fp16 arithmetic and conversions keep subnormals).
+one part) whose fp32 partial sums are added after.
+
+`method="dequant"` (the explicit dequantization) computes the tile transposed, out^T = W x^T: the codes are read
+along K as stored, the dequantized weights are the MMA's first operand (on Hopper its register operand: no trip
+through shared memory to shuffle them into place) and the tile's few rows its narrow side. The even and odd inputs
+are two products of half width (the low and the high nibbles against x's even and odd columns), so the codes are
+never interleaved. E2M1 -> value: the 3 magnitude bits placed at the bottom of an fp16 exponent and the top of its
+mantissa give 2^-14 times the E2M1 value, exactly, subnormal 0.5 included (fp16 arithmetic and conversions keep
+subnormals). Against the same tile with the rows as the first operand and the codes read K-down (this kernel until
+2026-12-07), on an H200 with kimi-linear-48b's experts (bench/RESULTS.md, 2026-12-07 eighth session): 64 tokens
+1081 -> 969 us a layer, 256 tokens 1504 -> 1195 us, 4096 tokens 21.4 -> 7.2 ms.
 
 `method="rows"` takes the row kernel instead (`ops.triton_expert_rows`, what "auto" picks for at most one row per
 expert on average: a decode step): a row tile of 16 rows for one real row is where the tile kernel's instructions go
-(dequantizing and shuffling 32 weights into the operand layout, ~13 instructions a weight, for one row's products).
-
-`method="swapped"` computes the same tiles as out^T = W x^T: codes read along K as stored, the dequantized weights
-the MMA's first operand (on Hopper its register operand: no trip through shared memory for the operand shuffle)
-and the few rows its narrow side. Not yet timed on a GPU; "auto" does not pick it.
+(dequantizing 32 weights into an operand for one row's products).
 
 `method="dot_scaled"` hands the packed codes and scales to `tl.dot_scaled` instead (bf16 / fp16 rows), which Triton
-lowers to its own upcast on Hopper and to native MX instructions on Blackwell.
-
-Cost, read from the sm_90 code (triton 3.9's ptxas, no GPU run): a decode tile (16 rows, 64 outputs, 128 inputs a
-step, 8 warps) spends ~400 instructions a step per thread on 32 weights, both methods alike: ~13 per weight for
-unpacking, scaling and the operand shuffle. Measured on an H100 (bench/mxfp4_experts.py, bench/RESULTS.md
-2026-12-07): 400-850 GB/s of weights at 1-64 tokens, and at 4096 tokens ~22 TFLOP/s, a quarter of tl.dot_scaled's.
+lowers to its own upcast on Hopper and to native MX instructions on Blackwell; the rows are its first operand.
 """
 
 from __future__ import annotations
@@ -46,35 +44,26 @@ import triton.language as tl
 from openk3.ops.triton_expert_rows import expert_rows
 from openk3.ops.triton_experts_common import add_splits, e2m1_values, e8m0_values, k_splits, split_output
 
-METHODS = ("auto", "rows", "dequant", "swapped", "dot_scaled")
-# method "auto" by the mean rows per expert, from kimi-linear-48b's experts on an H100 (bench/mxfp4_experts.py,
-# bench/RESULTS.md 2026-12-07): the row kernel up to one (batch 1: 39 + 25 -> 27 + 17 us; 16 tokens 312 + 168 -> 255
-# + 145 us; at 64 tokens, two rows an expert, it was 1.5x slower than the tiles), tl.dot_scaled from 32 with 16-bit
-# rows (4096 tokens: 5.6 ms against 20.8 ms with the explicit dequantization; at 256 tokens, 8 rows an expert, 1.85
-# against 1.49 ms), the explicit dequantization's tiles between
+METHODS = ("auto", "rows", "dequant", "dot_scaled")
+# method "auto" by the mean rows per expert, from kimi-linear-48b's experts (bench/mxfp4_experts.py, bench/RESULTS.md
+# 2026-12-07): the row kernel up to one (H100: batch 1: 39 + 25 -> 27 + 17 us; 16 tokens 312 + 168 -> 255 + 145 us;
+# H200 at 16 tokens 457 us a layer, the explicit dequantization's tiles 463; at 64 tokens, two rows an expert, the
+# row kernel takes 1634 us, the tiles 969), tl.dot_scaled from 32 with 16-bit rows (H200, 4096 tokens: 5.3 ms, the
+# tiles 7.2; at 256 tokens, 8 rows an expert, 1.89 against 1.19 ms), the explicit dequantization's tiles between
 ROW_KERNEL_MAX_ROWS = 1.0
 DOT_SCALED_MIN_ROWS = 32.0
 BLOCK_N = 64
-# rows per tile -> (inputs per step, warps): the tiles that compile for sm_90 without register spills (both methods,
-# triton 3.9, cuobjdump -res-usage); timings on a GPU may pick others
+# rows per tile -> (inputs per step, warps of tl.dot_scaled's tiles): the tiles that compile for sm_90 without
+# register spills (triton 3.9, cuobjdump -res-usage); timings on a GPU may pick others
 TILES = {16: (128, 8), 32: (128, 8), 64: (64, 8), 128: (64, 8)}
-SWAPPED_WARPS = 4  # method "swapped": one warpgroup, whose MMA takes BLOCK_N = 64 weight rows
+DEQUANT_WARPS = 4  # the explicit dequantization's tiles: one warpgroup, whose MMA takes BLOCK_N = 64 weight rows
 
 
 @triton.jit
-def _dot_codes(x, codes, scale, acc, GROUPS: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr):
-    """acc + x [BLOCK_M, HALF] @ the weights of codes [HALF, BLOCK_N] (4-bit, one input of each byte) with their
-    block scales [GROUPS, BLOCK_N] (fp32; HALF / GROUPS = 16 codes of a column share one), operands in DOT."""
-    HALF: tl.constexpr = codes.shape[0]
-    BLOCK_N: tl.constexpr = codes.shape[1]
-    w = tl.reshape(e2m1_values(codes), (GROUPS, HALF // GROUPS, BLOCK_N)) * scale[:, None, :]
-    return tl.dot(x.to(DOT), tl.reshape(w, (HALF, BLOCK_N)).to(DOT), acc, input_precision=PRECISION)
-
-
-@triton.jit
-def _dot_codes_swapped(codes, scale, x_t, acc, GROUPS: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr):
-    """acc [BLOCK_N, BLOCK_M] + the weights of codes [BLOCK_N, HALF] (scales [BLOCK_N, GROUPS]) @ x_t [HALF,
-    BLOCK_M]: `_dot_codes` transposed, the dequantized weights the product's first operand."""
+def _dot_codes(codes, scale, x_t, acc, GROUPS: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_M] + the weights of codes [BLOCK_N, HALF] (4-bit, one input of each byte; fp32 block
+    scales [BLOCK_N, GROUPS], HALF / GROUPS = 16 codes of a row share one) @ x_t [HALF, BLOCK_M], operands in DOT,
+    the dequantized weights the first."""
     BLOCK_N: tl.constexpr = codes.shape[0]
     HALF: tl.constexpr = codes.shape[1]
     w = tl.reshape(e2m1_values(codes), (BLOCK_N, GROUPS, HALF // GROUPS)) * scale[:, :, None]
@@ -82,10 +71,11 @@ def _dot_codes_swapped(codes, scale, x_t, acc, GROUPS: tl.constexpr, DOT: tl.con
 
 
 @triton.jit
-def _tile(x_rows, w_ptr, s_ptr, w_rows, m_ok, n_ok, k_start, k_end, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-          DOT: tl.constexpr, PRECISION: tl.constexpr, SCALED_FORMAT: tl.constexpr):
+def _scaled_tile(x_rows, w_ptr, s_ptr, w_rows, m_ok, n_ok, k_start, k_end, K, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, SCALED_FORMAT: tl.constexpr):
     """The [BLOCK_M, BLOCK_N] products of rows x_rows (pointers [BLOCK_M]) and weight rows w_rows ([BLOCK_N]) over
-    inputs [k_start, k_end): codes read as [HALF, BLOCK_N] tiles (K down), the rows the product's first operand."""
+    inputs [k_start, k_end) by tl.dot_scaled: codes read as [HALF, BLOCK_N] tiles (K down), the rows the first
+    operand."""
     HALF: tl.constexpr = BLOCK_K // 2
     GROUPS: tl.constexpr = BLOCK_K // 32
     j = tl.arange(0, HALF)  # packed byte of the step
@@ -96,29 +86,19 @@ def _tile(x_rows, w_ptr, s_ptr, w_rows, m_ok, n_ok, k_start, k_end, K, BLOCK_N: 
         g_ok = k0 // 32 + g < K // 32
         packed = tl.load(w_ptr + w_rows[None, :] * (K // 2) + (k0 // 2 + j)[:, None],
                          mask=j_ok[:, None] & n_ok[None, :], other=0)
-        if SCALED_FORMAT == "":
-            scale = tl.load(s_ptr + w_rows[None, :] * (K // 32) + (k0 // 32 + g)[:, None],
-                            mask=g_ok[:, None] & n_ok[None, :], other=127)
-            x_mask = m_ok[:, None] & j_ok[None, :]
-            x_even = tl.load(x_rows[:, None] + k0 + 2 * j[None, :], mask=x_mask, other=0.0)
-            x_odd = tl.load(x_rows[:, None] + k0 + 2 * j[None, :] + 1, mask=x_mask, other=0.0)
-            acc = _dot_codes(x_even, packed & 0xF, e8m0_values(scale), acc, GROUPS, DOT, PRECISION)
-            acc = _dot_codes(x_odd, packed >> 4, e8m0_values(scale), acc, GROUPS, DOT, PRECISION)
-        else:
-            k = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_rows[:, None] + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
-            scale = tl.load(s_ptr + w_rows[:, None] * (K // 32) + (k0 // 32 + g)[None, :],
-                            mask=n_ok[:, None] & g_ok[None, :], other=127)
-            acc = tl.dot_scaled(x, None, SCALED_FORMAT, packed, scale, "e2m1", acc)
+        k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_rows[:, None] + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
+        scale = tl.load(s_ptr + w_rows[:, None] * (K // 32) + (k0 // 32 + g)[None, :],
+                        mask=n_ok[:, None] & g_ok[None, :], other=127)
+        acc = tl.dot_scaled(x, None, SCALED_FORMAT, packed, scale, "e2m1", acc)
     return acc
 
 
 @triton.jit
-def _swapped_tile(x_rows, w_ptr, s_ptr, w_rows, m_ok, n_ok, k_start, k_end, K, BLOCK_M: tl.constexpr,
+def _dequant_tile(x_rows, w_ptr, s_ptr, w_rows, m_ok, n_ok, k_start, k_end, K, BLOCK_M: tl.constexpr,
                   BLOCK_K: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr):
-    """`_tile` transposed, [BLOCK_N, BLOCK_M] = W x^T with the explicit dequantization: codes read as [BLOCK_N,
-    HALF] tiles (along K, as stored), the dequantized weights the product's first operand (on Hopper the MMA's
-    register operand, no trip through shared memory) and a decode step's few rows its narrow side."""
+    """The products of `_scaled_tile` transposed, [BLOCK_N, BLOCK_M] = W x^T, with the explicit dequantization:
+    codes read as [BLOCK_N, HALF] tiles (along K, as stored), the dequantized weights the first operand."""
     HALF: tl.constexpr = BLOCK_K // 2
     GROUPS: tl.constexpr = BLOCK_K // 32
     j = tl.arange(0, HALF)
@@ -134,8 +114,8 @@ def _swapped_tile(x_rows, w_ptr, s_ptr, w_rows, m_ok, n_ok, k_start, k_end, K, B
         x_mask = j_ok[:, None] & m_ok[None, :]
         x_even = tl.load(x_rows[None, :] + k0 + 2 * j[:, None], mask=x_mask, other=0.0)
         x_odd = tl.load(x_rows[None, :] + k0 + 2 * j[:, None] + 1, mask=x_mask, other=0.0)
-        acc = _dot_codes_swapped(packed & 0xF, scale, x_even, acc, GROUPS, DOT, PRECISION)
-        acc = _dot_codes_swapped(packed >> 4, scale, x_odd, acc, GROUPS, DOT, PRECISION)
+        acc = _dot_codes(packed & 0xF, scale, x_even, acc, GROUPS, DOT, PRECISION)
+        acc = _dot_codes(packed >> 4, scale, x_odd, acc, GROUPS, DOT, PRECISION)
     return acc
 
 
@@ -143,10 +123,10 @@ def _swapped_tile(x_rows, w_ptr, s_ptr, w_rows, m_ok, n_ok, k_start, k_end, K, B
 def _mxfp4_grouped_matmul_kernel(x_ptr, counts_ptr, w_ptr, s_ptr, out_ptr, M, N, K, E, K_SPLIT,
                                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                  BLOCK_E: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
-                                 SCALED_FORMAT: tl.constexpr, SWAP: tl.constexpr):
+                                 SCALED_FORMAT: tl.constexpr):
     """One [BLOCK_M, BLOCK_N] output tile over inputs [k_start, k_start + K_SPLIT) of split program_id(2), written
     to out[split] (out [splits, M, N]); SCALED_FORMAT ("bf16" / "fp16") takes tl.dot_scaled, "" the explicit
-    dequantization, as out^T = W x^T when SWAP (codes read along K, the weights the product's first operand)."""
+    dequantization."""
     e_idx = tl.arange(0, BLOCK_E)
     counts = tl.load(counts_ptr + e_idx, mask=e_idx < E, other=0).to(tl.int32)
     tiles = (counts + BLOCK_M - 1) // BLOCK_M
@@ -164,12 +144,12 @@ def _mxfp4_grouped_matmul_kernel(x_ptr, counts_ptr, w_ptr, s_ptr, out_ptr, M, N,
         w_rows = e.to(tl.int64) * N + rn  # [BLOCK_N]: the expert's output rows
         k_start = tl.program_id(2) * K_SPLIT
         k_end = tl.minimum(k_start + K_SPLIT, K)
-        if SWAP:
-            acc = tl.trans(_swapped_tile(x_rows, w_ptr, s_ptr, w_rows, m_ok, n_ok, k_start, k_end, K, BLOCK_M,
+        if SCALED_FORMAT == "":
+            acc = tl.trans(_dequant_tile(x_rows, w_ptr, s_ptr, w_rows, m_ok, n_ok, k_start, k_end, K, BLOCK_M,
                                          BLOCK_K, DOT, PRECISION))
         else:
-            acc = _tile(x_rows, w_ptr, s_ptr, w_rows, m_ok, n_ok, k_start, k_end, K, BLOCK_N, BLOCK_K, DOT,
-                        PRECISION, SCALED_FORMAT)
+            acc = _scaled_tile(x_rows, w_ptr, s_ptr, w_rows, m_ok, n_ok, k_start, k_end, K, BLOCK_N, BLOCK_K,
+                               SCALED_FORMAT)
         out = out_ptr + (tl.program_id(2) * M + row0 + rm).to(tl.int64)[:, None] * N + rn[None, :]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -222,9 +202,8 @@ def mxfp4_grouped_matmul_triton(x_sorted: torch.Tensor, counts: torch.Tensor, pa
                                 scales: torch.Tensor, method: str = "auto", splits: int = 0) -> torch.Tensor:
     """x_sorted [M, K] grouped by expert (counts [E], summing to M) times each expert's MXFP4 weight (packed
     [E, N, K/2], scales [E, N, K/32]) transposed -> [M, N] in x_sorted's dtype. method: "rows" (the row
-    kernel), "dequant" (row tiles, explicit dequantization; any float rows), "swapped" (the same products as
-    W x^T, the dequantized weights the MMA's first operand), "dot_scaled" (row tiles, 16-bit rows) or "auto"
-    (`pick_method`). splits: programs per output tile, each over a part of K, their fp32
+    kernel), "dequant" (row tiles, explicit dequantization; any float rows), "dot_scaled" (row tiles, 16-bit rows)
+    or "auto" (`pick_method`). splits: programs per output tile, each over a part of K, their fp32
     partial sums added after (0: `k_splits` chooses)."""
     check_mxfp4_operands(x_sorted, counts, packed, scales)
     M, K = x_sorted.shape
@@ -248,8 +227,8 @@ def mxfp4_grouped_matmul_triton(x_sorted: torch.Tensor, counts: torch.Tensor, pa
     _mxfp4_grouped_matmul_kernel[(*grid, out.shape[0])](
         x_sorted.contiguous(), counts.contiguous(), packed.contiguous(), scales.contiguous(), out, M, N, K, E,
         k_split, BLOCK_M=bm, BLOCK_N=BLOCK_N, BLOCK_K=block_k, BLOCK_E=triton.next_power_of_2(E), DOT=dot,
-        PRECISION="ieee" if dot == tl.float32 else "tf32", SCALED_FORMAT=scaled, SWAP=method == "swapped",
-        num_warps=SWAPPED_WARPS if method == "swapped" else warps)
+        PRECISION="ieee" if dot == tl.float32 else "tf32", SCALED_FORMAT=scaled,
+        num_warps=warps if scaled else DEQUANT_WARPS)
     return add_splits(out, x_sorted.dtype)
 
 
