@@ -10,6 +10,7 @@ tokens (random routing, bf16 activations), each replayed as a CUDA graph and tim
   mxfp4-rows   the row kernel at every batch
   mxfp4-tiles  the row tiles with the explicit dequantization at every batch
   mxfp4-scaled the row tiles with tl.dot_scaled at every batch
+  mxfp4-expand every expert expanded to bf16 in one pass, then the bf16 path (for prefill-sized batches)
 with the weight bytes the batch's experts hold (the floor a step must read) and the bandwidth that makes, and the
 MXFP4 outputs' relative error against bf16 experts holding the dequantized values. --splits also times the two
 MXFP4 GEMMs alone at each split-K count for the decode-sized batches. --startup also builds
@@ -65,7 +66,8 @@ def formats(x, indices, weights, dense, packed, act) -> dict:
             "mxfp4": lambda: experts_forward_mxfp4(x, indices, weights, *packed, act, "auto"),
             "mxfp4-rows": lambda: experts_forward_mxfp4(x, indices, weights, *packed, act, "rows"),
             "mxfp4-tiles": lambda: experts_forward_mxfp4(x, indices, weights, *packed, act, "dequant"),
-            "mxfp4-scaled": lambda: experts_forward_mxfp4(x, indices, weights, *packed, act, "dot_scaled")}
+            "mxfp4-scaled": lambda: experts_forward_mxfp4(x, indices, weights, *packed, act, "dot_scaled"),
+            "mxfp4-expand": lambda: experts_forward_mxfp4(x, indices, weights, *packed, act, "expand")}
 
 
 def bench_experts(E: int, k: int, dim: int, inter: int, batches: list[int], device: torch.device) -> list[dict]:

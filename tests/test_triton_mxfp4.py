@@ -167,8 +167,9 @@ def experts(E: int, inter: int, dim: int, seed: int):
     return gate_up, down
 
 
+@pytest.mark.parametrize("method", ["auto", "expand"])
 @pytest.mark.parametrize(("N", "E", "k"), [(1, 8, 2), (13, 6, 3)])  # decode (most experts empty), a prefill
-def test_experts_forward_mxfp4_matches_dequantized_experts(N, E, k):
+def test_experts_forward_mxfp4_matches_dequantized_experts(N, E, k, method):
     gate_up, down = experts(E, 32, 64, seed=N)
     g = torch.Generator().manual_seed(E)
     x = torch.randn(N, 64, generator=g).to(torch.bfloat16)
@@ -178,9 +179,31 @@ def test_experts_forward_mxfp4_matches_dequantized_experts(N, E, k):
     want = moe_ops.experts_forward(x, indices, w, unpack_mxfp4(*gate_up, torch.bfloat16),
                                    unpack_mxfp4(*down, torch.bfloat16), act)
     dev = [t.to(DEV) for t in (*gate_up, *down)]
-    got = moe_ops.experts_forward_mxfp4(x.to(DEV), indices.to(DEV), w.to(DEV), dev[:2], dev[2:], act)
+    got = moe_ops.experts_forward_mxfp4(x.to(DEV), indices.to(DEV), w.to(DEV), dev[:2], dev[2:], act, method)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.cpu().float(), want.float(), rtol=0.02, atol=0.02 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(3, 5, 64), (2, 19, 96), (1, 1, 32)])
+def test_expand_equals_unpack(shape, dtype):
+    """`expand_mxfp4` (one Triton pass) gives `unpack_mxfp4`'s values to the bit over random codes and scales, the
+    smallest E8M0 scale (2^-127) and the NaN one included; on CPU the interpreter's fp32 -> bf16 cast flushes the
+    bf16 subnormals (the smallest scale's values) to zero, so those are left out there."""
+    g = torch.Generator().manual_seed(shape[1])
+    packed = torch.randint(0, 256, (*shape[:-1], shape[-1] // 2), generator=g, dtype=torch.uint8)
+    scales = torch.randint(100, 140, (*shape[:-1], shape[-1] // 32), generator=g, dtype=torch.uint8)
+    scales.view(-1)[0], scales.view(-1)[-1] = 0, 255
+    got = triton_mxfp4.expand_mxfp4(packed.to(DEV), scales.to(DEV), dtype).cpu()
+    want = unpack_mxfp4(packed, scales, dtype)
+    assert got.dtype == dtype and got.shape == want.shape
+    kept = torch.ones_like(want, dtype=torch.bool)
+    if dtype == torch.bfloat16 and DEV == "cpu":
+        kept = (want == 0) | ~(want.float().abs() < torch.finfo(torch.float32).tiny)
+    same = (got == want) | (got.isnan() & want.isnan())
+    assert same[kept].all() and want.isnan().any()
+    with pytest.raises(ValueError, match="K/32"):
+        triton_mxfp4.expand_mxfp4(packed, scales[..., :0], dtype)
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])

@@ -288,9 +288,16 @@ def experts_forward_mxfp4(x: torch.Tensor, routing_indices: torch.Tensor, routin
     """`experts_forward` with each projection's weights MXFP4 (packed codes, E8M0 scales: `ops.triton_mxfp4`'s
     layout), dequantized inside two grouped W4A16 Triton GEMMs over the sorted rows (`method`: as
     `mxfp4_grouped_matmul_triton` takes them), the GLU between them: the weights are read at 4.25 bits each and never
-    expanded in memory. Forward only; no host sync."""
-    from openk3.ops.triton_mxfp4 import mxfp4_grouped_matmul_triton  # triton is an optional dependency
+    expanded in memory. Method "expand" instead expands all the experts' weights to x's dtype in one pass each
+    (`expand_mxfp4`) and runs `experts_forward` on them: for prefill-sized batches, where the bf16 grouped GEMM
+    outruns the W4A16 kernels (kimi-linear-48b on an H200 at 4096 tokens: 3.0 ms a layer in bf16, 5.3 with
+    tl.dot_scaled, bench/RESULTS.md 2026-12-07), at the price of a transient bf16 copy of the layer's experts; not
+    timed yet, so "auto" does not pick it. Forward only; no host sync."""
+    from openk3.ops.triton_mxfp4 import expand_mxfp4, mxfp4_grouped_matmul_triton  # (triton: optional)
 
+    if method == "expand":
+        return experts_forward(x, routing_indices, routing_weights, expand_mxfp4(*gate_up, x.dtype),
+                               expand_mxfp4(*down, x.dtype), act)
     return sorted_glu(x, routing_indices, routing_weights, functools.partial(mxfp4_grouped_matmul_triton,
                       method=method), gate_up, down, act)
 

@@ -235,3 +235,44 @@ def mxfp4_grouped_matmul_triton(x_sorted: torch.Tensor, counts: torch.Tensor, pa
 @mxfp4_grouped_matmul_triton.register_fake
 def _(x_sorted, counts, packed, scales, method="auto", splits=0):
     return x_sorted.new_empty(x_sorted.shape[0], packed.shape[1])
+
+
+@triton.jit
+def _expand_kernel(w_ptr, s_ptr, out_ptr, ROWS, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Rows [BLOCK_R] x inputs [BLOCK_K] of the dequantized weights: each byte's two codes times their block's
+    scale, the low nibble at the even input, written interleaved."""
+    HALF: tl.constexpr = BLOCK_K // 2
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    j = tl.program_id(1) * HALF + tl.arange(0, HALF)
+    ok = (r < ROWS)[:, None] & (j < K // 2)[None, :]
+    rows = r.to(tl.int64)[:, None]
+    packed = tl.load(w_ptr + rows * (K // 2) + j[None, :], mask=ok, other=0)
+    scale = e8m0_values(tl.load(s_ptr + rows * (K // 32) + (j // 16)[None, :], mask=ok, other=127))
+    values = tl.interleave(e2m1_values(packed & 0xF) * scale, e2m1_values(packed >> 4) * scale)
+    k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    tl.store(out_ptr + rows * K + k[None, :], values.to(out_ptr.dtype.element_ty),
+             mask=(r < ROWS)[:, None] & (k < K)[None, :])
+
+
+@torch.library.custom_op("openk3::mxfp4_expand", mutates_args=())
+def expand_mxfp4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """MXFP4 weights (packed uint8 [..., N, K/2], scales uint8 [..., N, K/32]) -> [..., N, K] in `dtype`, in one
+    pass (`quant.mx.unpack_mxfp4`'s values: exact in bf16 and fp32). For batches where the bf16 grouped GEMM on the
+    expanded experts beats the W4A16 kernels (`ops.moe.experts_forward_mxfp4`, method "expand")."""
+    if packed.dtype != torch.uint8 or scales.dtype != torch.uint8 or packed.shape[:-1] != scales.shape[:-1] or (
+            2 * packed.shape[-1] != 32 * scales.shape[-1]):
+        raise ValueError(f"MXFP4 weights: packed uint8 [..., N, K/2] and scales uint8 [..., N, K/32], got "
+                         f"{packed.dtype} {list(packed.shape)} and {scales.dtype} {list(scales.shape)}")
+    K = 2 * packed.shape[-1]
+    out = torch.empty(*packed.shape[:-1], K, dtype=dtype, device=packed.device)
+    rows = out.numel() // K if K else 0
+    if rows:
+        block_r, block_k = 16, 128
+        _expand_kernel[(triton.cdiv(rows, block_r), triton.cdiv(K, block_k))](
+            packed.contiguous(), scales.contiguous(), out, rows, K, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4)
+    return out
+
+
+@expand_mxfp4.register_fake
+def _(packed, scales, dtype):
+    return packed.new_empty(*packed.shape[:-1], 2 * packed.shape[-1], dtype=dtype)
