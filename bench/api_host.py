@@ -104,9 +104,11 @@ def serve(port: int, step_s: float, stack: str) -> None:
     import uvicorn
 
     from openk3.serve.api import create_app
+    from openk3.serve.core import keep_startup_objects
 
-    uvicorn.run(create_app(SyntheticCore(step_s), "synthetic"), host="127.0.0.1", port=port, log_level="warning",
-                **STACKS[stack])
+    app = create_app(SyntheticCore(step_s), "synthetic")
+    keep_startup_objects()  # as `openk3 serve` does before it runs uvicorn
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", **STACKS[stack])
 
 
 def installed_stack() -> dict:

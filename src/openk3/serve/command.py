@@ -166,6 +166,7 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from openk3.serve.api import create_app
+    from openk3.serve.core import keep_startup_objects
     from openk3.serve.vision import RemoteImages
 
     sock = listen_socket(args.host, args.port)
@@ -187,6 +188,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     remote = RemoteImages() if args.allow_remote_images else None
     config = uvicorn.Config(create_app(core, name, remote), host=args.host, port=args.port, log_level=args.log_level)
+    keep_startup_objects()
     Server(config).run(sockets=[sock])
     return 0
 

@@ -15,6 +15,7 @@ against `max_queue` + the running limit.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import multiprocessing
 import threading
@@ -202,6 +203,17 @@ def _event_in_sink(_event: RequestEvent) -> None:
     """The engine process's on_event: events reach the API through the step's sink, not one by one."""
 
 
+def keep_startup_objects() -> None:
+    """Take what start-up made (torch's modules, the model, compiled code and graphs) out of the garbage collector's
+    sight for the rest of the process (`gc.freeze`): they live as long as the server, and a full collection walks
+    every object it tracks, pausing every stream meanwhile. The API process streaming to 64 clients (bench/api_host.py's
+    app on a 2-core CPU, 40 s at ~7.5k tok/s) ran a full collection of 220.6 ms over 338k tracked objects, of 2.8 ms
+    with them frozen (bench/RESULTS.md, 2026-12-07 eighth session); the engine process holds far more (compiled
+    code and graphs)."""
+    gc.collect()
+    gc.freeze()
+
+
 def engine_process_main(args: argparse.Namespace, conn, build: Callable, describe: Callable[..., str]) -> None:
     """The engine process: build the engine, then run steps, taking requests and cancellations between them and
     sending each step's events with a metrics snapshot. Ends when the API says stop or its pipe closes."""
@@ -215,6 +227,7 @@ def engine_process_main(args: argparse.Namespace, conn, build: Callable, describ
             log.exception("the engine failed to start")
         conn.send(("failed", str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__))
         return
+    keep_startup_objects()
     tokenizer_dir = str(resolve_checkpoint(args.ckpt)) if args.ckpt else None
     conn.send(("ready", CoreInfo.of(engine, tokenizer_dir, describe(engine)), name, engine.snapshot()))
     requests = {}
