@@ -49,6 +49,7 @@ from openk3.ops.kda.triton.chunk_fwd import (
     _load_rows,
     _pow2,
     _store_rows,
+    chain_start,
     dot_dtype,
     load_beta,
     load_slice,
@@ -91,23 +92,9 @@ def _state_bwd_kernel(W, QG, KG, AQK, GCX, do, dht, dh0, dU, dhs, cu, chunk_off,
                       STORE: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
     """One (sequence, head, V block) chain of the reverse pass over a state of V columns; dO has VX <= V (the
     columns past it take zero dO). With STORE, dU and the state gradient after every chunk are written."""
-    n = tl.program_id(0)
-    h = tl.program_id(1)
-    iv = tl.program_id(2)
-    bos = tl.load(cu + n)
-    eos = tl.load(cu + n + 1)
-    c0 = tl.load(chunk_off + n).to(tl.int64)
+    n, h, bos, eos, c0, ck, cv, smask, s_offs, dS = chain_start(dht, cu, chunk_off, H, K, V, BK, BV, HAS_DHT)
     n_chunks = tl.cdiv(eos - bos, BT)
-    bos = bos.to(tl.int64)
-    ck = tl.arange(0, BK)
-    cv = iv * BV + tl.arange(0, BV)
     tt = tl.arange(0, BT)
-    smask = (ck[:, None] < K) & (cv[None, :] < V)
-    s_offs = ck[:, None] * V + cv[None, :]
-    if HAS_DHT:
-        dS = tl.load(dht + (n * H + h) * K * V + s_offs, mask=smask, other=0.0).to(tl.float32)
-    else:
-        dS = tl.zeros([BK, BV], dtype=tl.float32)
     # software pipelining by hand (Triton does not pipeline this loop): chunk c - 1's loads are in flight while
     # chunk c's products run; 15% faster at B1 T8192 H32 on an H200, 4% slower at B8 T4096 (NOTES-kda.md run 13)
     w_n, qg_n, kg_n, aqk_n, gc_n, do_n = _load_chunk_terms(W, QG, KG, AQK, GCX, do, n_chunks - 1, c0 + n_chunks - 1,
@@ -237,20 +224,7 @@ def _state_replay_kernel(KG, GCX, pvs, h0, hs, cu, chunk_off, N, H, K: tl.conste
                          PREC: tl.constexpr, DT: tl.constexpr):
     """The forward state pass's recurrence alone for one (sequence, head, block of BV columns), from its saved
     pseudo-values: the state before each chunk to hs."""
-    n = tl.program_id(0)
-    h = tl.program_id(1)
-    iv = tl.program_id(2)
-    bos = tl.load(cu + n).to(tl.int64)
-    eos = tl.load(cu + n + 1)
-    c0 = tl.load(chunk_off + n).to(tl.int64)
-    ck = tl.arange(0, BK)
-    cv = iv * BV + tl.arange(0, BV)
-    smask = (ck[:, None] < K) & (cv[None, :] < V)
-    s_offs = ck[:, None] * V + cv[None, :]
-    if HAS_H0:
-        S = tl.load(h0 + (n * H + h) * K * V + s_offs, mask=smask, other=0.0).to(tl.float32)
-    else:
-        S = tl.zeros([BK, BV], dtype=tl.float32)
+    n, h, bos, eos, c0, ck, cv, smask, s_offs, S = chain_start(h0, cu, chunk_off, H, K, V, BK, BV, HAS_H0)
     tt = tl.arange(0, BT)
     for c in range(tl.cdiv(eos - bos, BT)):
         rows = bos + c * BT + tt

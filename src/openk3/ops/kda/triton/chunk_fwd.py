@@ -241,6 +241,29 @@ def _prepare_kernel(q, k, v, g, beta, A_log, dt_bias, sched, W, U, QG, KG, AQK, 
             _store_rows(U, tl.dot(Tb, vv, input_precision=PREC), rows, rmask, H, h, V, BS, c0)
 
 
+@triton.jit
+def chain_start(state, cu, chunk_off, H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                HAS_STATE: tl.constexpr):
+    """Where the state chain of program (sequence n, head h, V block iv) lies, shared by the state passes: n, h,
+    its first token, its end, its first chunk's index, the state's channel and column ranges, their mask and
+    offsets, and the fp32 [BK, BV] block of `state` [N, H, K, V] it starts from (zeros without HAS_STATE)."""
+    n = tl.program_id(0)
+    h = tl.program_id(1)
+    iv = tl.program_id(2)
+    bos = tl.load(cu + n).to(tl.int64)
+    eos = tl.load(cu + n + 1)
+    c0 = tl.load(chunk_off + n).to(tl.int64)
+    ck = tl.arange(0, BK)
+    cv = iv * BV + tl.arange(0, BV)
+    smask = (ck[:, None] < K) & (cv[None, :] < V)
+    s_offs = ck[:, None] * V + cv[None, :]
+    if HAS_STATE:
+        S = tl.load(state + (n * H + h) * K * V + s_offs, mask=smask, other=0.0).to(tl.float32)
+    else:
+        S = tl.zeros([BK, BV], dtype=tl.float32)
+    return n, h, bos, eos, c0, ck, cv, smask, s_offs, S
+
+
 @triton.jit(do_not_specialize=["N"])  # one compile for every batch size (a serving engine meets them all)
 def _state_fwd_kernel(W, U, QG, KG, AQK, GCX, h0, ht, pvs, ckpt_slot, ckpt, o, cu, chunk_off,
                       N, H, K: tl.constexpr, V: tl.constexpr, VU: tl.constexpr, BT: tl.constexpr,
@@ -250,22 +273,9 @@ def _state_fwd_kernel(W, U, QG, KG, AQK, GCX, h0, ht, pvs, ckpt_slot, ckpt, o, c
     columns past VU take zero values. Without OUTPUT only the state recurrence runs (QG, AQK and o unread). With
     SAVE_PV each chunk's pseudo-values U - W S go to pvs (from which the backward replays the states:
     chunk_bwd.replay_states)."""
-    n = tl.program_id(0)
-    h = tl.program_id(1)
-    iv = tl.program_id(2)
-    bos = tl.load(cu + n).to(tl.int64)
-    eos = tl.load(cu + n + 1)
-    c0 = tl.load(chunk_off + n).to(tl.int64)
+    n, h, bos, eos, c0, ck, cv, smask, s_offs, S = chain_start(h0, cu, chunk_off, H, K, V, BK, BV, HAS_H0)
     n_chunks = tl.cdiv(eos - bos, BT)
     dt = DT
-    ck = tl.arange(0, BK)
-    cv = iv * BV + tl.arange(0, BV)
-    smask = (ck[:, None] < K) & (cv[None, :] < V)
-    s_offs = ck[:, None] * V + cv[None, :]
-    if HAS_H0:
-        S = tl.load(h0 + (n * H + h) * K * V + s_offs, mask=smask, other=0.0).to(tl.float32)
-    else:
-        S = tl.zeros([BK, BV], dtype=tl.float32)
     tt = tl.arange(0, BT)
     for c in range(n_chunks):
         rows = bos + c * BT + tt
