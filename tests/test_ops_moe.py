@@ -402,3 +402,20 @@ def test_grouped_gemm_path_keeps_no_copy_of_the_rows():
                     if dtype.is_floating_point and shape[0] != E and nbytes)
     assert floats == [((capacity, Din), torch.bfloat16), ((capacity, 2 * I), torch.bfloat16)]
     assert all(dtype in (torch.int32, torch.int64) for dtype, _, _ in kept if not dtype.is_floating_point)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sorted_path_without_autograd_sums_rows_in_place(dtype):
+    """Without autograd the sorted path puts the expert rows back in (token, slot) order and sums each token's k
+    (no atomic adds): the values of the autograd path's `combine_rows` up to the order of the k additions, over
+    an expert nobody picks and tokens picking their experts in any order."""
+    (x, gate_up, down), r = moe_case(E=7, I=12, Din=20, Dout=16, N=37, k=3, seed=11, dead=(2,))
+    x, gate_up, down = (t.to(dtype) for t in (x, gate_up, down))
+    act = glu_activation("swiglu")
+    mlp = lambda rows, counts: grouped_glu_mlp_loop(rows, counts, gate_up, down, act)  # noqa: E731
+    with torch.no_grad():
+        got = moe_ops.experts_forward_sorted(x, r.indices, r.weights, 7, mlp)
+    want = moe_ops.experts_forward_sorted(x, r.indices, r.weights, 7, mlp)
+    assert got.dtype == dtype
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * want.abs().max().item())

@@ -184,6 +184,22 @@ def test_experts_forward_mxfp4_matches_dequantized_experts(N, E, k, method):
     torch.testing.assert_close(got.cpu().float(), want.float(), rtol=0.02, atol=0.02 * want.abs().max().item())
 
 
+def test_auto_expands_prefill_sized_batches(monkeypatch):
+    """Method "auto" expands the experts (then the bf16 path) where `expands` says so: bf16 on a GPU with the
+    grouped GEMM, at least EXPAND_MIN_ROWS rows an expert; the W4A16 kernels otherwise."""
+    assert not moe_ops.expands(torch.bfloat16, torch.zeros(4096, 8, dtype=torch.long), 256)  # CPU
+    gate_up, down = experts(4, 32, 64, seed=3)
+    x, indices, w = torch.randn(5, 64).to(torch.bfloat16), torch.tensor([[0, 1]] * 5), torch.rand(5, 2)
+    calls = []
+    monkeypatch.setattr(triton_mxfp4, "expand_mxfp4", lambda *a: calls.append(a[-1]) or unpack_mxfp4(*a))
+    act = glu_activation("swiglu")
+    for expands in (False, True):
+        monkeypatch.setattr(moe_ops, "expands", lambda *a, e=expands: e)
+        moe_ops.experts_forward_mxfp4(x.to(DEV), indices.to(DEV), w.to(DEV), [t.to(DEV) for t in gate_up],
+                                      [t.to(DEV) for t in down], act)
+    assert calls == [torch.bfloat16, torch.bfloat16]  # gate_up and down, expanded once each, when it expands
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(3, 5, 64), (2, 19, 96), (1, 1, 32)])
 def test_expand_equals_unpack(shape, dtype):

@@ -271,8 +271,18 @@ def experts_forward_sorted(x: torch.Tensor, routing_indices: torch.Tensor, routi
     order, counts = group_by_expert(routing_indices, num_experts)
     token_of = order // k  # which token each sorted row came from
     y_sorted = mlp(x[token_of], counts)
+    if not torch.is_grad_enabled():  # the rows put back in (token, slot) order and summed: no atomic adds
+        return weighted_sum(torch.empty_like(y_sorted).index_copy_(0, order, y_sorted).view(N, k, -1),
+                            routing_weights, x.dtype)
     w_sorted = routing_weights.reshape(-1)[order].unsqueeze(-1)
     return combine_rows(y_sorted, w_sorted, token_of, N, acc_dtype(x.dtype)).to(x.dtype)
+
+
+def weighted_sum(y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Each token's k expert outputs y [N, k, D] combined with its routing weights [N, k] in `dtype`'s accumulation
+    type, cast to `dtype`."""
+    acc = acc_dtype(dtype)
+    return (y.to(acc) * weights.unsqueeze(-1).to(acc)).sum(1).to(dtype)
 
 
 def grouped_matmul_loop(x_sorted: torch.Tensor, counts: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -289,17 +299,33 @@ def experts_forward_mxfp4(x: torch.Tensor, routing_indices: torch.Tensor, routin
     layout), dequantized inside two grouped W4A16 Triton GEMMs over the sorted rows (`method`: as
     `mxfp4_grouped_matmul_triton` takes them), the GLU between them: the weights are read at 4.25 bits each and never
     expanded in memory. Method "expand" instead expands all the experts' weights to x's dtype in one pass each
-    (`expand_mxfp4`) and runs `experts_forward` on them: for prefill-sized batches, where the bf16 grouped GEMM
-    outruns the W4A16 kernels (kimi-linear-48b on an H200 at 4096 tokens: 3.0 ms a layer in bf16, 5.3 with
-    tl.dot_scaled, bench/RESULTS.md 2026-12-07), at the price of a transient bf16 copy of the layer's experts; not
-    timed yet, so "auto" does not pick it. Forward only; no host sync."""
+    (`expand_mxfp4`) and runs `experts_forward` on them, at the price of a transient copy of the layer's experts in
+    that dtype (kimi-linear-48b: 3.4 GiB in bf16); "auto" takes it for prefill-sized batches (EXPAND_MIN_ROWS) where
+    the bf16 grouped GEMM runs. Forward only; no host sync."""
     from openk3.ops.triton_mxfp4 import expand_mxfp4, mxfp4_grouped_matmul_triton  # (triton: optional)
 
-    if method == "expand":
-        return experts_forward(x, routing_indices, routing_weights, expand_mxfp4(*gate_up, x.dtype),
-                               expand_mxfp4(*down, x.dtype), act)
+    dtype = compute_dtype(x)
+    if method == "expand" or (method == "auto" and expands(dtype, routing_indices, gate_up[0].shape[0])):
+        return experts_forward(x, routing_indices, routing_weights, expand_mxfp4(*gate_up, dtype),
+                               expand_mxfp4(*down, dtype), act)
     return sorted_glu(x, routing_indices, routing_weights, functools.partial(mxfp4_grouped_matmul_triton,
                       method=method), gate_up, down, act)
+
+
+# Mean rows per expert from which MXFP4 experts are expanded to bf16 for the grouped GEMM (method "auto"):
+# kimi-linear-48b's layer on an H200 (bench/RESULTS.md 2026-12-07, ninth session): 4096 tokens (128 rows an
+# expert) 4.75 ms expanded against 5.33 with tl.dot_scaled, 16384 tokens 11.3 against 17.7; 256 tokens 3.09 against
+# 1.19 with the W4A16 tiles
+EXPAND_MIN_ROWS = 128
+
+
+def expands(dtype: torch.dtype, routing_indices: torch.Tensor, num_experts: int) -> bool:
+    """Whether "auto" expands MXFP4 experts: at least EXPAND_MIN_ROWS rows an expert on average, computing in bf16
+    where the grouped GEMM runs (`grouped_mm_usable`'s conditions)."""
+    device = routing_indices.device
+    return (routing_indices.numel() >= EXPAND_MIN_ROWS * num_experts and device.type == "cuda"
+            and _grouped_mm_fn() is not None and dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(device) >= (9, 0))
 
 
 # Weights a single token's experts may gather (`experts_forward_gathered`): the k experts read three times (the
@@ -334,8 +360,7 @@ def experts_forward_dense(x, routing_indices, routing_weights, gate_up, down, ac
     h = torch.matmul(x.to(dtype), gate_up.to(dtype).transpose(-2, -1))  # [E, N, 2I], the packed [gate | up]
     y = torch.matmul(apply_glu(act, h), down.to(dtype).transpose(-2, -1))  # [E, N, Dout]
     picked = y[routing_indices, torch.arange(N, device=x.device).unsqueeze(-1)]  # [N, k, Dout]
-    acc = acc_dtype(x.dtype)
-    return (picked.to(acc) * routing_weights.unsqueeze(-1).to(acc)).sum(1).to(x.dtype)
+    return weighted_sum(picked, routing_weights, x.dtype)
 
 
 def experts_forward_gathered(x, routing_indices, routing_weights, gate_up, down, act) -> torch.Tensor:
@@ -348,8 +373,7 @@ def experts_forward_gathered(x, routing_indices, routing_weights, gate_up, down,
     rows = x.to(dtype).repeat_interleave(k, dim=0).unsqueeze(-1)  # [N*k, Din, 1]: row n*k + j is token n
     h = torch.bmm(gate_up[flat].to(dtype), rows).squeeze(-1)  # [N*k, 2I], the packed [gate | up]
     y = torch.bmm(down[flat].to(dtype), apply_glu(act, h).unsqueeze(-1)).squeeze(-1)  # [N*k, Dout]
-    acc = acc_dtype(x.dtype)
-    return (y.view(N, k, -1).to(acc) * routing_weights.unsqueeze(-1).to(acc)).sum(1).to(x.dtype)
+    return weighted_sum(y.view(N, k, -1), routing_weights, x.dtype)
 
 
 def combine_rows(y_sorted: torch.Tensor, w_sorted: torch.Tensor, token_of: torch.Tensor, num_tokens: int,

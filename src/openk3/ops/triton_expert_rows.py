@@ -8,8 +8,12 @@ reads all E experts' weights: 1.42 ms a layer for kimi-linear-48b on an H100 at 
 kernel spends its instructions dequantizing 32 weights into a 16-row operand for one real row). Here program
 (r, n) finds row r's expert from `counts` alone (the number of experts whose cumulative count is <= r: no host
 sync, CUDA graphs hold), reads that expert's BLOCK_N output rows along K (contiguous) and multiplies them by the
-row in fp32: each weight is read once per row and costs its load (and unpacking) and one fused multiply-add; an
-MXFP4 row's 32-input groups are summed before their scale multiplies them. Rows of one expert re-read its weights,
+row in fp32: each weight is read once per row and costs its load (and unpacking) and one fused multiply-add, the
+products kept per thread and reduced across the block once, after the walk over K. MXFP4 codes are read as int32
+words of 8 and decoded by bit placement (`e2m1_word_values`), each word's 8 products summed before its block scale
+multiplies them. Set by instructions, not bytes: kimi-linear-48b's experts at 1-16 rows ran at ~750 GB/s on an
+H100 with ~15.7 instructions a weight in the loop (codes decoded byte by byte, the sums reduced across threads at
+every step); this loop takes ~7.2 (sm_90 SASS, triton 3.9, BLOCK_N 32). Rows of one expert re-read its weights,
 so this is for at most about one row per expert (`ops.triton_mxfp4.pick_method`; `ops.moe.experts_forward`).
 Split-K as in `ops.triton_mxfp4` (programs over parts of K, fp32 partial sums added after).
 
@@ -23,16 +27,34 @@ import torch
 import triton
 import triton.language as tl
 
-from openk3.ops.triton_experts_common import add_splits, e2m1_values, e8m0_values, k_splits, split_output
+from openk3.ops.triton_experts_common import (
+    add_splits,
+    e2m1_word_values,
+    e8m0_values,
+    k_splits,
+    split_output,
+    word_columns,
+)
 
 BLOCK_N, BLOCK_K, WARPS = 32, 256, 4  # outputs and inputs a program takes a step
+
+
+@triton.jit
+def _word_step(words_ptr, s_ptr, w_row, n_ok, w, k0, k_end, K):
+    """The MXFP4 codes (int32 words [BLOCK_N, WORDS]) and scale bytes (one per word, [BLOCK_N, WORDS]) of the step
+    at input k0 (nothing past k_end)."""
+    ok = n_ok[:, None] & (k0 // 8 + w < k_end // 8)[None, :]
+    words = tl.load(words_ptr + w_row * (K // 8) + (k0 // 8 + w)[None, :], mask=ok, other=0)
+    scales = tl.load(s_ptr + w_row * (K // 32) + (k0 // 32 + w // 4)[None, :], mask=ok, other=127)
+    return words, scales
 
 
 @triton.jit
 def _expert_rows_kernel(x_ptr, counts_ptr, w_ptr, s_ptr, out_ptr, M, N, K, E, K_SPLIT, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, MXFP4: tl.constexpr):
     """Row program_id(0)'s outputs [BLOCK_N] over inputs [k_start, k_start + K_SPLIT) of split program_id(2), written
-    to out[split] (out [splits, M, N])."""
+    to out[split] (out [splits, M, N]). The products are kept per thread ([BLOCK_N, inputs] partial sums) and
+    reduced across the block's threads once, after the walk over K."""
     r = tl.program_id(0)
     e_idx = tl.arange(0, BLOCK_E)
     counts = tl.load(counts_ptr + e_idx, mask=e_idx < E, other=0).to(tl.int32)
@@ -41,32 +63,38 @@ def _expert_rows_kernel(x_ptr, counts_ptr, w_ptr, s_ptr, out_ptr, M, N, K, E, K_
     n_ok = rn < N
     w_row = (e.to(tl.int64) * N + rn)[:, None]  # [BLOCK_N, 1]: the expert's output rows, inputs along a row
     x_row = x_ptr + r.to(tl.int64) * K
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     k_start = tl.program_id(2) * K_SPLIT
-    for k0 in range(k_start, tl.minimum(k_start + K_SPLIT, K), BLOCK_K):
-        if MXFP4:
-            HALF: tl.constexpr = BLOCK_K // 2
-            GROUPS: tl.constexpr = BLOCK_K // 32
-            j = tl.arange(0, HALF)  # packed byte of the step: inputs 2j (low nibble) and 2j + 1 (high)
-            g = tl.arange(0, GROUPS)
-            j_ok = k0 // 2 + j < K // 2
-            g_ok = k0 // 32 + g < K // 32
-            packed = tl.load(w_ptr + w_row * (K // 2) + (k0 // 2 + j)[None, :], mask=n_ok[:, None] & j_ok[None, :],
-                             other=0)
-            scale = tl.load(s_ptr + w_row * (K // 32) + (k0 // 32 + g)[None, :], mask=n_ok[:, None] & g_ok[None, :],
-                            other=127)
-            x_even = tl.load(x_row + k0 + 2 * j, mask=j_ok, other=0.0).to(tl.float32)
-            x_odd = tl.load(x_row + k0 + 2 * j + 1, mask=j_ok, other=0.0).to(tl.float32)
-            products = e2m1_values(packed & 0xF) * x_even[None, :] + e2m1_values(packed >> 4) * x_odd[None, :]
-            groups = tl.sum(tl.reshape(products, (BLOCK_N, GROUPS, HALF // GROUPS)), axis=2)
-            acc += tl.sum(groups * e8m0_values(scale), axis=1)
-        else:
-            k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = k < K
-            w = tl.load(w_ptr + w_row * K + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            x = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)
-            acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
-    tl.store(out_ptr + (tl.program_id(2) * M + r).to(tl.int64) * N + rn, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+    k_end = tl.minimum(k_start + K_SPLIT, K)
+    if MXFP4:  # int32 words of 8 codes (4 bytes: inputs 8w .. 8w + 7), one scale per 4 words
+        WORDS: tl.constexpr = BLOCK_K // 8
+        words_ptr = w_ptr.to(tl.pointer_type(tl.int32))
+        w = tl.arange(0, WORDS)
+        acc = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
+        # each step's codes and scales are loaded one step ahead: two steps' loads in flight, not one (a step is a
+        # memory round trip; a decode step's programs walk K serially)
+        words, scales = _word_step(words_ptr, s_ptr, w_row, n_ok, w, k_start, k_end, K)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            next_words, next_scales = _word_step(words_ptr, s_ptr, w_row, n_ok, w, k0 + BLOCK_K, k_end, K)
+            k = k0 + 8 * w[:, None] + tl.arange(0, 8)[None, :]
+            x = tl.load(x_row + k, mask=k < k_end, other=0.0).to(tl.float32)
+            c0, c1, c2, c3, c4, c5, c6, c7 = word_columns(x)
+            word = e2m1_word_values(words, 0) * c0[None, :] + e2m1_word_values(words, 1) * c1[None, :]
+            word += e2m1_word_values(words, 2) * c2[None, :] + e2m1_word_values(words, 3) * c3[None, :]
+            word += e2m1_word_values(words, 4) * c4[None, :] + e2m1_word_values(words, 5) * c5[None, :]
+            word += e2m1_word_values(words, 6) * c6[None, :] + e2m1_word_values(words, 7) * c7[None, :]
+            acc += word * e8m0_values(scales)
+            words, scales = next_words, next_scales
+        out = tl.sum(acc, axis=1)
+    else:
+        kb = tl.arange(0, BLOCK_K)
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            k_ok = k0 + kb < k_end
+            wt = tl.load(w_ptr + w_row * K + (k0 + kb)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            x = tl.load(x_row + k0 + kb, mask=k_ok, other=0.0).to(tl.float32)
+            acc += wt.to(tl.float32) * x[None, :]
+        out = tl.sum(acc, axis=1)
+    tl.store(out_ptr + (tl.program_id(2) * M + r).to(tl.int64) * N + rn, out.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
 def expert_rows(x_sorted: torch.Tensor, counts: torch.Tensor, weight: torch.Tensor,

@@ -42,7 +42,14 @@ import triton
 import triton.language as tl
 
 from openk3.ops.triton_expert_rows import expert_rows
-from openk3.ops.triton_experts_common import add_splits, e2m1_values, e8m0_values, k_splits, split_output
+from openk3.ops.triton_experts_common import (
+    add_splits,
+    e2m1_values,
+    e8m0_values,
+    k_splits,
+    mxfp4_word_weights,
+    split_output,
+)
 
 METHODS = ("auto", "rows", "dequant", "dot_scaled")
 # method "auto" by the mean rows per expert, from kimi-linear-48b's experts (bench/mxfp4_experts.py, bench/RESULTS.md
@@ -57,17 +64,6 @@ BLOCK_N = 64
 # register spills (triton 3.9, cuobjdump -res-usage); timings on a GPU may pick others
 TILES = {16: (128, 8), 32: (128, 8), 64: (64, 8), 128: (64, 8)}
 DEQUANT_WARPS = 4  # the explicit dequantization's tiles: one warpgroup, whose MMA takes BLOCK_N = 64 weight rows
-
-
-@triton.jit
-def _dot_codes(codes, scale, x_t, acc, GROUPS: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr):
-    """acc [BLOCK_N, BLOCK_M] + the weights of codes [BLOCK_N, HALF] (4-bit, one input of each byte; fp32 block
-    scales [BLOCK_N, GROUPS], HALF / GROUPS = 16 codes of a row share one) @ x_t [HALF, BLOCK_M], operands in DOT,
-    the dequantized weights the first."""
-    BLOCK_N: tl.constexpr = codes.shape[0]
-    HALF: tl.constexpr = codes.shape[1]
-    w = tl.reshape(e2m1_values(codes), (BLOCK_N, GROUPS, HALF // GROUPS)) * scale[:, :, None]
-    return tl.dot(tl.reshape(w, (BLOCK_N, HALF)).to(DOT), x_t.to(DOT), acc, input_precision=PRECISION)
 
 
 @triton.jit
@@ -98,24 +94,20 @@ def _scaled_tile(x_rows, w_ptr, s_ptr, w_rows, m_ok, n_ok, k_start, k_end, K, BL
 def _dequant_tile(x_rows, w_ptr, s_ptr, w_rows, m_ok, n_ok, k_start, k_end, K, BLOCK_M: tl.constexpr,
                   BLOCK_K: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr):
     """The products of `_scaled_tile` transposed, [BLOCK_N, BLOCK_M] = W x^T, with the explicit dequantization:
-    codes read as [BLOCK_N, HALF] tiles (along K, as stored), the dequantized weights the first operand."""
-    HALF: tl.constexpr = BLOCK_K // 2
-    GROUPS: tl.constexpr = BLOCK_K // 32
-    j = tl.arange(0, HALF)
-    g = tl.arange(0, GROUPS)
+    codes read as int32 words of 8 along K, as stored (`mxfp4_word_weights`), the dequantized weights the first
+    operand."""
+    WORDS: tl.constexpr = BLOCK_K // 8
+    words_ptr = w_ptr.to(tl.pointer_type(tl.int32))
+    w = tl.arange(0, WORDS)
+    k = tl.arange(0, BLOCK_K)
     acc = tl.zeros([w_rows.shape[0], BLOCK_M], dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
-        j_ok = k0 // 2 + j < K // 2
-        g_ok = k0 // 32 + g < K // 32
-        packed = tl.load(w_ptr + w_rows[:, None] * (K // 2) + (k0 // 2 + j)[None, :],
-                         mask=n_ok[:, None] & j_ok[None, :], other=0)
-        scale = e8m0_values(tl.load(s_ptr + w_rows[:, None] * (K // 32) + (k0 // 32 + g)[None, :],
-                                    mask=n_ok[:, None] & g_ok[None, :], other=127))
-        x_mask = j_ok[:, None] & m_ok[None, :]
-        x_even = tl.load(x_rows[None, :] + k0 + 2 * j[:, None], mask=x_mask, other=0.0)
-        x_odd = tl.load(x_rows[None, :] + k0 + 2 * j[:, None] + 1, mask=x_mask, other=0.0)
-        acc = _dot_codes(packed & 0xF, scale, x_even, acc, GROUPS, DOT, PRECISION)
-        acc = _dot_codes(packed >> 4, scale, x_odd, acc, GROUPS, DOT, PRECISION)
+        ok = n_ok[:, None] & (k0 // 8 + w < K // 8)[None, :]
+        words = tl.load(words_ptr + w_rows[:, None] * (K // 8) + (k0 // 8 + w)[None, :], mask=ok, other=0)
+        scales = tl.load(s_ptr + w_rows[:, None] * (K // 32) + (k0 // 32 + w // 4)[None, :], mask=ok, other=127)
+        x_t = tl.load(x_rows[None, :] + k0 + k[:, None], mask=(k0 + k < K)[:, None] & m_ok[None, :], other=0.0)
+        weights = mxfp4_word_weights(words, scales)
+        acc = tl.dot(weights.to(DOT), x_t.to(DOT), acc, input_precision=PRECISION)
     return acc
 
 
