@@ -107,7 +107,7 @@ def compare_engines(engines: dict, model, routing: str, batches: list[int], reco
         record.setdefault("vs_eager", {})[f"{routing}, batch {b}"] = {"rel_err": err, "same_argmax": same}
 
 
-def profiled_steps(engine: Engine, batch: int, vocab: int, steps: int = 5, rows: int = 12) -> dict:
+def profiled_steps(engine: Engine, batch: int, vocab: int, steps: int = 5, rows: int = 20) -> dict:
     gen = torch.Generator().manual_seed(7)
     params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
     requests = [engine.add_request(torch.randint(0, vocab, (16,), generator=gen).tolist(), params)
@@ -132,10 +132,14 @@ def top_operators(prof, steps: int, rows: int) -> dict:
     events = prof.key_averages()
     cpu = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:rows]
     dev = sorted(events, key=lambda e: getattr(e, "self_device_time_total", 0), reverse=True)[:rows]
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
     return {"cpu": [{"op": e.key, "self_cpu_ms_per_step": e.self_cpu_time_total / 1e3 / steps, "calls": e.count}
                     for e in cpu],
             "device": [{"op": e.key, "device_ms_per_step": getattr(e, "self_device_time_total", 0) / 1e3 / steps,
-                        "calls": e.count} for e in dev]}
+                        "calls": e.count} for e in dev],
+            # all of the step's kernels: their summed time (the step's time less this is the GPU's idle time)
+            "device_busy_ms_per_step": sum(e.self_device_time_total for e in kernels) / 1e3 / steps,
+            "kernels_per_step": sum(e.count for e in kernels) / steps}
 
 
 SHORT_PREFILLS = [(1, 16), (8, 16), (32, 16), (1, 779)]  # (prompts, tokens each): serve_gpu's clients, a chat turn
@@ -173,8 +177,7 @@ def prefill_time(engine: Engine, tokens: int, vocab: int, chunk: int, batch: int
         with profiled(engine.runner.device) as prof:
             run()
         result["profile"] = top_operators(prof, 1, 16)
-        result["device_busy_ms"] = sum(e.self_device_time_total for e in prof.key_averages()
-                                       if e.device_type == DeviceType.CUDA and not e.is_user_annotation) / 1e3
+        result["device_busy_ms"] = result["profile"]["device_busy_ms_per_step"]
     for slot in slots:
         engine.tables.set(slot, [])
         for page in pages[slot]:
@@ -235,7 +238,8 @@ def main() -> None:
         print(f"\n{name}, batch {b}: top operators by CPU self time per step:")
         for e in prof[b]["cpu"]:
             print(f"  {e['self_cpu_ms_per_step']:8.3f} ms  {e['calls']:6d}x  {e['op'][:90]}")
-        print("top operators by device time per step:")
+        print(f"top operators by device time per step (all kernels: {prof[b]['device_busy_ms_per_step']:.3f} ms, "
+              f"{prof[b]['kernels_per_step']:.0f} launches):")
         for e in prof[b]["device"]:
             print(f"  {e['device_ms_per_step']:8.3f} ms  {e['calls']:6d}x  {e['op'][:90]}")
     profiled_chunk = GPU_PREFILL_CHUNK_TOKENS if GPU_PREFILL_CHUNK_TOKENS in args.prefill_chunks else \
