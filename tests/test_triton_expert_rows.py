@@ -66,13 +66,13 @@ def test_experts_forward_rows_equals_the_sorted_path_and_is_dispatched(monkeypat
     with torch.no_grad():
         got = moe_ops.experts_forward_rows(*dev, act).cpu()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    calls = []
+    (x9, gate_up9, down9), r9 = moe_case(E=9, I=16, Din=40, Dout=24, N=5, k=2, seed=6)  # 10 rows >= 9 experts
+    calls = []  # (the cases are routed before use_triton is patched: on a GPU the routing kernel takes CUDA only)
     monkeypatch.setattr(moe_ops, "use_triton", lambda *a, **kw: True)
     monkeypatch.setattr(moe_ops, "experts_forward_rows", lambda *a: calls.append(a[0].shape[0]) or got)
     with torch.no_grad():
         moe_ops.experts_forward(x, r.indices, r.weights, gate_up, down, act)
     moe_ops.experts_forward(x, r.indices, r.weights, gate_up, down, act)  # autograd on: the sorted path
-    (x9, gate_up9, down9), r9 = moe_case(E=9, I=16, Din=40, Dout=24, N=5, k=2, seed=6)  # 10 rows >= 9 experts
     with torch.no_grad():
         moe_ops.experts_forward(x9, r9.indices, r9.weights, gate_up9, down9, act)
     assert calls == [3]
