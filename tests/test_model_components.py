@@ -1,16 +1,20 @@
 """Module structure the rest of openk3 relies on: HF-style parameter names and shapes, router buffers and scores,
-fp32-kept parameters, num_heads attributes, gradients, meta-device construction."""
+fp32-kept parameters, num_heads attributes, gradients, meta-device construction, the inference fusion of the
+Linears that read one input."""
 
 import copy
 import dataclasses
+from unittest import mock
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from openk3.config import get_preset
-from openk3.model import GatedMLA, K3ForCausalLM, KimiDeltaAttention, TopkRouter, configure_kda
-from openk3.model.common import linear, linear_concat
+from openk3.model import GLUMLP, GatedMLA, K3ForCausalLM, KimiDeltaAttention, MoE, TopkRouter, configure_kda
+from openk3.model.common import FusableLinears, fuse_linears, linear, linear_concat, linear_split
 from openk3.model.moe import decisive_routing, pinned_routing
+from test_model_decode import kimi_tiny
 
 
 def shapes(model):
@@ -248,9 +252,10 @@ def test_kda_layer_triton_path_matches_chunked(preset):
 
 
 def test_linear_concat_equals_the_linears_side_by_side():
-    """linear_concat: with autograd one product over the concatenated weights, without it one per Linear; both the
-    Linears' outputs side by side (fp64, odd sizes), and the gradients of x and every weight those of the separate
-    products."""
+    """linear_concat: with autograd one product over the concatenated weights, without it one per Linear or one over
+    their fused buffer; all the Linears' outputs side by side (fp64, odd sizes), the fused product bit for bit the
+    training one (the same product), linear_split's outputs views of it, and the gradients of x and every weight
+    those of the separate products."""
     g = torch.Generator().manual_seed(3)
     torch.manual_seed(3)
     linears = [linear(13, n, 0.5).double() for n in (5, 1, 7)]
@@ -258,6 +263,11 @@ def test_linear_concat_equals_the_linears_side_by_side():
     with torch.no_grad():
         want = torch.cat([lin(x) for lin in linears], dim=-1)
         torch.testing.assert_close(linear_concat(x, linears), want, rtol=1e-12, atol=1e-9)
+        fused = torch.cat([lin.weight for lin in linears])
+        got = linear_concat(x, linears, fused)
+        parts = linear_split(x, linears, fused)
+    assert torch.equal(got, linear_concat(x, linears)) and torch.equal(got, linear_concat(x, linears, fused))
+    assert all(part._base is not None for part in parts) and torch.equal(torch.cat(parts, dim=-1), got)
     dy = torch.randn(want.shape, generator=g, dtype=torch.float64)
     grads = []
     for fn in (lambda t: linear_concat(t, linears), lambda t: torch.cat([lin(t) for lin in linears], dim=-1)):
@@ -269,3 +279,120 @@ def test_linear_concat_equals_the_linears_side_by_side():
         grads.append([out.detach(), leaf.grad] + [lin.weight.grad.clone() for lin in linears])
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-9)
+
+
+def test_fuse_linears_makes_the_weights_row_views_of_one_buffer():
+    """fuse_linears: the buffer holds the weights in order, each Linear's weight an nn.Parameter over its rows
+    (requires_grad kept); a copy into a weight lands in the buffer."""
+    linears = [linear(6, n, 1.0) for n in (2, 3, 1)]
+    linears[1].weight.requires_grad_(False)
+    want = torch.cat([lin.weight.detach() for lin in linears])
+    fused = fuse_linears(linears)
+    assert torch.equal(fused, want) and not fused.requires_grad
+    rows = 0
+    for lin, grad in zip(linears, (True, False, True), strict=True):
+        assert isinstance(lin.weight, torch.nn.Parameter) and lin.weight.requires_grad == grad
+        assert lin.weight.data_ptr() == fused[rows].data_ptr() and lin.weight.shape == (lin.out_features, 6)
+        rows += lin.out_features
+    with torch.no_grad():
+        linears[2].weight.fill_(7.0)
+    assert (fused[5] == 7.0).all()
+
+
+def _config(k3: bool, **sections):
+    cfg = get_preset("k3-tiny") if k3 else kimi_tiny()
+    return cfg.with_overrides(sections)
+
+
+# every kind of fused group: KDA (full-rank and low-rank output gates); MLA with and without q_lora and g_proj; the
+# dense FFN; LatentMoE and plain MoE, with and without a shared expert: case -> (config, module of it)
+FUSION_CASES = {
+    "kda-k3": (_config(True), lambda cfg: KimiDeltaAttention(cfg, 0)),
+    "kda-kimi": (_config(False), lambda cfg: KimiDeltaAttention(cfg, 0)),
+    "mla-q-lora-gate": (_config(True), lambda cfg: GatedMLA(cfg, 3)),
+    "mla-q-lora": (_config(True, mla={"output_gate": False}), lambda cfg: GatedMLA(cfg, 3)),
+    "mla-gate": (_config(False, mla={"output_gate": True}), lambda cfg: GatedMLA(cfg, 1)),
+    "mla": (_config(False), lambda cfg: GatedMLA(cfg, 1)),
+    "glu": (_config(True), lambda cfg: GLUMLP(cfg, cfg.hidden_size, cfg.dense_hidden)),
+    "moe-latent-shared": (_config(True), MoE),
+    "moe-latent": (_config(True, moe={"num_shared_experts": 0}), MoE),
+    "moe-plain-shared": (_config(False), MoE),
+    "moe-plain": (_config(False, moe={"num_shared_experts": 0}), MoE),
+}
+
+
+def _fusable(module):
+    return [m for m in module.modules() if isinstance(m, FusableLinears)]
+
+
+def _randomized(module, seed):
+    """O(1) weights (the conv kernels kept), so that the comparisons are meaningful."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if p.dim() >= 2 and "conv1d" not in name:
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+    return module
+
+
+def _inference(module, x):
+    """(module(x) without autograd, the number of F.linear products it ran)."""
+    with torch.no_grad(), mock.patch.object(F, "linear", wraps=F.linear) as products:
+        return module(x), products.call_count
+
+
+@pytest.mark.parametrize("case", sorted(FUSION_CASES))
+def test_fused_projections_keep_the_weights_and_the_outputs(case):
+    """fuse_projections (every module of the case's that has groups): each group's Linears become row views of one
+    buffer, the state dict unchanged (same keys, same values); each group's fused product is the training product
+    bit for bit, and the module's inference forward runs fewer products (a group of one Linear: as many, without
+    the concatenation) and equals the unfused one (fp32, tight: one product in place of several); fusing again
+    keeps the buffers; a state dict loaded into the fused module lands in them (assign=True: new tensors, the
+    fusion dropped); `.to(torch.float64)` drops the fusion and the fp64 forward is the unfused module's, bit for
+    bit."""
+    cfg, build = FUSION_CASES[case]
+    torch.manual_seed(0)
+    module = _randomized(build(cfg), 1).eval()
+    reference = copy.deepcopy(module)
+    x = torch.randn(2, 7, cfg.hidden_size)
+    state = copy.deepcopy(module.state_dict())
+    want, products = _inference(module, x)
+    for m in _fusable(module):
+        m.fuse_projections()
+    buffers = {(m, name): buf for m in _fusable(module) for name, buf in m.fused.items()}
+    assert buffers or case == "moe-plain"
+    for (m, name), buf in buffers.items():
+        linears = m.fusion_groups()[name]
+        rows = 0
+        for lin in linears:
+            assert lin.weight.data_ptr() == buf[rows].data_ptr()
+            rows += lin.weight.shape[0]
+        assert rows == buf.shape[0]
+        with torch.no_grad():
+            fused = linear_concat(x, linears, buf)
+        assert torch.equal(fused, linear_concat(x, linears).detach())
+    fused_state = module.state_dict()
+    assert list(fused_state) == list(state) and all(torch.equal(fused_state[k], v) for k, v in state.items())
+    got, fused_products = _inference(module, x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    wide = any(len(m.fusion_groups()[name]) > 1 for m, name in buffers)
+    assert fused_products < products if wide else fused_products == products
+    for m in _fusable(module):
+        m.fuse_projections()
+    assert all(m.fused[name] is buf for (m, name), buf in buffers.items())
+
+    other = _randomized(build(cfg), 2).state_dict()
+    module.load_state_dict(other)
+    reference.load_state_dict(other)
+    assert all(m.fused[name] is buf for (m, name), buf in buffers.items())
+    with torch.no_grad():
+        torch.testing.assert_close(module(x), reference(x), rtol=1e-5, atol=1e-5)
+        module.load_state_dict(state, assign=True)
+        assert not any(m.fused for m in _fusable(module))
+        for m in _fusable(module):
+            m.fuse_projections()
+        module.to(torch.float64)
+        assert not any(m.fused for m in _fusable(module))
+        assert all(p.dtype == torch.float64 for n, p in module.named_parameters() if "proj" in n)
+        reference.load_state_dict(state)
+        assert torch.equal(module(x.double()), reference.double()(x.double()))

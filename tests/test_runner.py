@@ -15,7 +15,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from openk3.cache.paged import BlockTables, PagePool
 from openk3.cache.state_pool import StatePool
 from openk3.model import K3ForCausalLM
-from openk3.model.decode import fuse_kda_inputs, kda_input_projections
+from openk3.model.common import FusableLinears, fuse_inference_projections
+from openk3.model.decode import kda_input_projections
 from openk3.model.kda import KimiDeltaAttention
 from openk3.ops import fused
 from openk3.ops import moe as moe_ops
@@ -56,12 +57,14 @@ def give_pages(runner, slot, tokens, rng):
     runner.tables.set(slot, [free[i] for i in order])
 
 
-@pytest.mark.parametrize("kernels", ["torch", "triton"])
+@pytest.mark.parametrize("kernels", ["torch", "torch-fused", "triton"])  # the runner fuses for the Triton kernels
 @pytest.mark.parametrize("name", ["k3-small-mla-first", "kimi-tiny"])
 def test_prefill_chunks_then_decode_steps_equal_one_forward(name, kernels):
     torch.manual_seed(0)
     model = randomize(K3ForCausalLM(CONFIGS[name]()), seed=1)
-    runner = make_runner(model, kernels)
+    if kernels == "torch-fused":
+        fuse_inference_projections(model)
+    runner = make_runner(model, kernels.removesuffix("-fused"))
     rng = torch.Generator().manual_seed(2)
     V = model.config.vocab_size
     lengths, steps = [7, 12, 1], 4  # prompts of different lengths, in slots 2, 0, 3
@@ -430,27 +433,37 @@ def test_serving_copies_to_the_device_without_waiting_for_it():
 
 @pytest.mark.parametrize("name", ["k3-small-mla-first", "kimi-tiny"])  # full-rank and low-rank output gates
 def test_fused_input_projections_keep_the_values_in_one_buffer(name):
-    """fuse_kda_inputs (the engine's start-up): each KDA layer's six input Linears become views of one buffer with
-    the same values (the model's forward unchanged to the bit), fusing again keeps that buffer, one product over
-    it gives the six projections, and a dtype move drops the fusion."""
+    """fuse_inference_projections (the engine's start-up): every group of Linears that read one input (KDA's six,
+    MLA's query / latent / output gate, the FFNs' gate|up, LatentMoE's routed_down with the shared expert's) becomes
+    views of one buffer with the same values (the model's forward unchanged up to the order of the products' sums,
+    the state dict unchanged), fusing again keeps those buffers, one product over KDA's gives its six projections,
+    and a dtype move drops every fusion."""
     torch.manual_seed(0)
     model = randomize(K3ForCausalLM(CONFIGS[name]()), seed=7)
     ids = torch.randint(0, model.config.vocab_size, (2, 9))
+    state = {k: v.clone() for k, v in model.state_dict().items()}
     with torch.no_grad():
         before = model(ids).logits
-        fuse_kda_inputs(model)
+        fuse_inference_projections(model)
+        modules = [m for m in model.modules() if isinstance(m, FusableLinears)]
+        buffers = {(m, group): buf for m in modules for group, buf in m.fused.items()}
+        assert all(m.fused.keys() == m.fusion_groups().keys() for m in modules)
+        latent = {"MoE"} if model.config.moe.latent_dim is not None else set()  # else the shared GLUMLP's own
+        assert {type(m).__name__ for m, _ in buffers} == {"KimiDeltaAttention", "GatedMLA", "GLUMLP"} | latent
         layer = next(m for m in model.modules() if isinstance(m, KimiDeltaAttention))
-        fused = layer.fused_input_weight
+        fused = layer.fused["input"]
         assert all(lin.weight.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
                    for lin in layer.input_linears())
-        assert torch.equal(model(ids).logits, before)
-        fuse_kda_inputs(model)  # a second engine on the model: the buffer its first engine's graphs read stays
-        assert layer.fused_input_weight is fused and layer.q_proj.weight.data_ptr() == fused.data_ptr()
+        torch.testing.assert_close(model(ids).logits, before, rtol=1e-4, atol=1e-4)  # ~1e-5 here: sums in other orders
+        after = model.state_dict()
+        assert list(after) == list(state) and all(torch.equal(v, state[k]) for k, v in after.items())
+        fuse_inference_projections(model)  # a second engine on the model: the buffers its first engine's graphs read
+        assert all(m.fused[group] is buf for (m, group), buf in buffers.items())
         x = torch.randn(3, 1, model.config.hidden_size)
         got = kda_input_projections(layer, x)
-        layer.fused_input_weight = None
+        layer.fused = {}
         for a, b in zip(got, kda_input_projections(layer, x), strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    fuse_kda_inputs(model)
+    fuse_inference_projections(model)
     model.double()
-    assert layer.fused_input_weight is None and layer.q_proj.weight.dtype == torch.float64
+    assert not any(m.fused for m in modules) and layer.q_proj.weight.dtype == torch.float64

@@ -102,15 +102,16 @@ class EagleDraft(nn.Module):
         layer = self.layer
         return layer.eh_proj(torch.cat([layer.enorm(self.embed_tokens(tokens)), layer.hnorm(prev)], dim=-1))
 
-    def _block(self, x: torch.Tensor, a: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """The MTP block on its normed input a = input_layernorm(x): Gated MLA over the latents kv [B,L,R+r] with
-        the boolean mask [T,L] or [B,1,T,L], then the FFN; plain pre-norm residuals (as DecoderLayer.forward)."""
+    def _block(self, x: torch.Tensor, q: torch.Tensor, gate: torch.Tensor | None, kv: torch.Tensor,
+               mask: torch.Tensor) -> torch.Tensor:
+        """The MTP block from its Gated MLA's projections of input_layernorm(x) (q and the output gate's logits:
+        `GatedMLA.input_projections`): attention over the latents kv [B,L,R+r] with the boolean mask [T,L] or
+        [B,1,T,L], then the FFN; plain pre-norm residuals (as DecoderLayer.forward)."""
         block = self.layer.block
         attn = block.self_attn
-        q = attn.query(a).transpose(1, 2)  # [B,H,T,n+r]
         k, v = mla_expand_kv(kv, attn.kv_b_proj.weight, attn.num_heads, attn.nope_dim, attn.v_head_dim)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scale).transpose(1, 2)
-        h = x + attn.output(a, o)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, scale=attn.scale)
+        h = x + attn.output_gated(gate, o.transpose(1, 2), x.dtype)
         return h + block.mlp(block.post_attention_layernorm(h))
 
     def step(self, prev: torch.Tensor, tokens: torch.Tensor, latents: MLALayerCache,
@@ -120,9 +121,9 @@ class EagleDraft(nn.Module):
         hidden states [B,T,D] (`logits` turns them into predictions of the next tokens)."""
         T = tokens.shape[1]
         x = self._block_input(prev, tokens)
-        a = self.layer.block.input_layernorm(x)
-        kv = latents.append(self.layer.block.self_attn.latent(a), lengths, int(lengths.max()) + T)
-        return self._block(x, a, kv, mla_mask(lengths, T, kv.shape[1]))
+        q, latent, gate = self.layer.block.self_attn.input_projections(self.layer.block.input_layernorm(x))
+        kv = latents.append(latent, lengths, int(lengths.max()) + T)
+        return self._block(x, q, gate, kv, mla_mask(lengths, T, kv.shape[1]))
 
     def decode(self, prev: torch.Tensor, tokens: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
         """`step` over the serving engine's pools with static shapes (`openk3.model.decode`, CUDA-graph safe):
@@ -144,9 +145,9 @@ class EagleDraft(nn.Module):
         for i in range(steps):
             ahead = torch.cat([tokens[:, i:], tokens.new_zeros(B, i)], dim=1)  # x_{t+i} (0 past the window)
             x = self._block_input(prev, ahead)
-            a = self.layer.block.input_layernorm(x)
-            latents.append(self.layer.block.self_attn.latent(a))
-            prev = self._block(x, a, torch.cat(latents, dim=1), torch.cat([context] + [own] * i, dim=1))
+            q, latent, gate = self.layer.block.self_attn.input_projections(self.layer.block.input_layernorm(x))
+            latents.append(latent)
+            prev = self._block(x, q, gate, torch.cat(latents, dim=1), torch.cat([context] + [own] * i, dim=1))
             out.append(self.logits(prev))
         return out
 

@@ -1,6 +1,7 @@
 """Small building blocks shared by the layers: RMSNorm, the short conv's weight holder, init helpers, the
-fp32 guard for parameters that must stay fp32 (A_log, dt_bias, router weight and bias) and one autocast copy of
-an input shared by the matmuls that read it."""
+fp32 guard for parameters that must stay fp32 (A_log, dt_bias, router weight and bias), one autocast copy of
+an input shared by the matmuls that read it, and the Linears that read one input run as one product (training:
+over their concatenated weights; inference: over one buffer holding them, `FusableLinears`)."""
 
 from __future__ import annotations
 
@@ -70,22 +71,81 @@ class _SharedCast(torch.autograd.Function):
         return total, None, None
 
 
-def linear_concat(x: torch.Tensor, linears: list[nn.Linear]) -> torch.Tensor:
+def linear_concat(x: torch.Tensor, linears: list[nn.Linear], fused: torch.Tensor | None = None) -> torch.Tensor:
     """x through the bias-free `linears`: their outputs side by side on the last dim. With autograd on (training) one
     matrix product over their concatenated weights: one GEMM reads x once (under autocast, one cast of it), and x's
-    gradient is one GEMM instead of a sum of several. Without it (inference) a product per Linear, outputs
-    concatenated: copying the weights on every call would triple a decode step's weight reads, which are its cost."""
-    if not torch.is_grad_enabled():
-        return torch.cat([F.linear(x, lin.weight) for lin in linears], dim=-1)
-    return F.linear(x, torch.cat([lin.weight for lin in linears]))
+    gradient is one GEMM instead of a sum of several. Without it (inference) one product over `fused` when given (the
+    Linears' weights in one buffer, `fuse_linears`), else a product per Linear, outputs concatenated: concatenating
+    the weights on every call would triple a decode step's weight reads, which are its cost."""
+    if torch.is_grad_enabled():
+        return F.linear(x, torch.cat([lin.weight for lin in linears]))
+    if fused is not None:
+        return F.linear(x, fused)
+    return torch.cat([F.linear(x, lin.weight) for lin in linears], dim=-1)
 
 
-def linear_split(x: torch.Tensor, linears: list[nn.Linear]) -> list[torch.Tensor]:
-    """The outputs of the bias-free `linears` on x: with autograd on, views of one `linear_concat` product (x read,
-    and its gradient formed, once); without, one product each (no concatenated copy to split)."""
-    if not torch.is_grad_enabled():
+def linear_split(x: torch.Tensor, linears: list[nn.Linear], fused: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """The outputs of the bias-free `linears` on x: with autograd on, or without it over `fused` (`linear_concat`),
+    views of one product (x read, and its gradient formed, once); without either, one product each (no
+    concatenated copy to split)."""
+    if fused is None and not torch.is_grad_enabled():
         return [F.linear(x, lin.weight) for lin in linears]
-    return list(linear_concat(x, linears).split([lin.weight.shape[0] for lin in linears], dim=-1))
+    return list(linear_concat(x, linears, fused).split([lin.weight.shape[0] for lin in linears], dim=-1))
+
+
+def fuse_linears(linears: list[nn.Linear]) -> torch.Tensor:
+    """Put the weights of the bias-free `linears` (one input width, dtype and device) in one buffer [their rows, in]
+    and return it; each Linear's weight becomes an nn.Parameter over its rows (same values, same requires_grad, no
+    extra memory), so loading a state dict copies into the buffer and training updates it."""
+    fused = torch.cat([lin.weight.detach() for lin in linears])
+    row = 0
+    for lin in linears:
+        n = lin.weight.shape[0]
+        lin.weight = nn.Parameter(fused[row:row + n], requires_grad=lin.weight.requires_grad)
+        row += n
+    return fused
+
+
+class FusableLinears(nn.Module):
+    """Mixin: a module whose Linears read one input in groups (`fusion_groups`: name -> Linears, each Linear in at
+    most one group of a model). `fuse_projections` puts each group in one buffer (`fuse_linears`), kept in `fused`
+    by name, for its inference products to run as one (`linear_concat` / `linear_split` over it): one GEMM instead
+    of one per Linear, whose outputs need no concatenated copy. A later dtype or device move gives the Linears new
+    weights, and a load_state_dict(assign=True) new tensors: either drops the fusion. Fusing again keeps the
+    buffers: a second engine on the same model must not move the weights that the first one's CUDA graphs read."""
+
+    def __init__(self):
+        super().__init__()
+        self.fused: dict[str, torch.Tensor] = {}
+        self.register_load_state_dict_post_hook(_drop_replaced_fusion)
+
+    def fusion_groups(self) -> dict[str, list[nn.Linear]]:
+        """Group name -> its Linears, in the order of their product's output columns."""
+        raise NotImplementedError
+
+    def fuse_projections(self) -> None:
+        if not self.fused:  # already fused: keep the buffers
+            self.fused = {name: fuse_linears(linears) for name, linears in self.fusion_groups().items()}
+
+    def _apply(self, fn, recurse=True):
+        self.fused = {}
+        return super()._apply(fn, recurse)
+
+
+def _drop_replaced_fusion(module: FusableLinears, incompatible_keys) -> None:
+    """After a load_state_dict: a Linear whose weight is no longer a view of its group's buffer (assign=True) ends
+    the module's fusion, whose buffers would otherwise hold the old weights."""
+    groups = module.fusion_groups()
+    if any(lin.weight.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr()
+           for name, buffer in module.fused.items() for lin in groups[name]):
+        module.fused = {}
+
+
+def fuse_inference_projections(model: nn.Module) -> None:
+    """`FusableLinears.fuse_projections` on every module of `model` (the serving engine's start-up)."""
+    for module in model.modules():
+        if isinstance(module, FusableLinears):
+            module.fuse_projections()
 
 
 class ShortConv(nn.Module):

@@ -16,7 +16,8 @@ addressed per sequence (`DecodeBatch`):
 Two kernel sets, same math: "triton" (the GPU path: `kda_decode`, `causal_conv_step`, `paged_mla_decode`, updating
 the pools in place with no host synchronisation) and "torch" (the model's own ops on gathered states, one token at
 a time: the reference, the CPU default, bit-for-bit the model's single-token forward up to the padding of the
-latents).
+latents). Either set runs the Linears that read one input as one product over their fused buffer when the model
+has been fused (`openk3.model.common.fuse_inference_projections`, the engine's start-up).
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from openk3.model.attnres import BlockStream
+from openk3.model.common import linear_concat
 from openk3.model.kda import KimiDeltaAttention
 from openk3.model.mla import GatedMLA
 from openk3.ops.attention import mla_attention_absorbed
@@ -97,7 +98,8 @@ def kda_decode_step(layer: KimiDeltaAttention, x: torch.Tensor, j: int, batch: D
         qkv = layer.qkv(xt)[:, 0]  # [B,3HK]
         y, conv = causal_conv1d_step(qkv, layer.conv_weight(), conv_pool[batch.slots])
         q, k, v = (t_.reshape(B, 1, H, K) for t_ in y.split(H * K, dim=-1))
-        q, k, g, beta = layer.activate(q, k, xt, backend)
+        f, b, gate = layer.gate_projections(xt)
+        q, k, g, beta = layer.activate_logits(q, k, f, b, backend)
         o, state = kda(q, k, v, g, beta, initial_state=state_pool[batch.slots], output_final_state=True,
                        backend=backend, gate_min=layer.gate_min())
         if batch.num_tokens is not None:  # a padding token keeps its row's states
@@ -107,18 +109,18 @@ def kda_decode_step(layer: KimiDeltaAttention, x: torch.Tensor, j: int, batch: D
         conv_pool[batch.slots], state_pool[batch.slots] = conv, state
         if t < T - 1 and conv_out is not None:
             conv_out[:, t], state_out[:, t] = conv_pool[batch.slots], state_pool[batch.slots]
-        outputs.append(layer.output(xt, o))
+        outputs.append(layer.output_gated(gate, o, xt.dtype))
     return torch.cat(outputs, dim=1)
 
 
 def kda_input_projections(layer: KimiDeltaAttention, x: torch.Tensor):
-    """x [B,1,D] -> (q|k|v [B,1,3HK], beta's logits [B,1,H], the forget gate's logits [B,1,H,K], the output
-    gate's logits [B,1,HV]): one matrix-vector product over `fused_input_weight` when the layer has it
-    (`KimiDeltaAttention.fuse_input_projections`; the engine fuses at start-up), else one per projection."""
+    """x [B,T,D] -> (q|k|v [B,T,3HK], beta's logits [B,T,H], the forget gate's logits [B,T,H,K], the output
+    gate's logits [B,T,HV]): one product over the layer's `fused["input"]` when it has it
+    (`FusableLinears`; the engine fuses at start-up), else one per projection."""
     B, T, _ = x.shape
     H, K = layer.num_heads, layer.head_dim
-    linears, fused = layer.input_linears(), layer.fused_input_weight
-    y = F.linear(x, fused) if fused is not None else torch.cat([lin(x) for lin in linears], dim=-1)
+    linears = layer.input_linears()
+    y = linear_concat(x, linears, layer.fused.get("input"))
     qkv, b, f_low, g_low = y.split([3 * H * K, H, K, linears[-1].weight.shape[0]], dim=-1)
     gate = g_low if layer.output_gate == "full" else layer.g_b_proj(g_low)
     return qkv, b, layer.f_b_proj(f_low).view(B, T, H, K), gate
@@ -131,10 +133,10 @@ def mla_decode_step(layer: GatedMLA, x: torch.Tensor, j: int, batch: DecodeBatch
     H, n, v, R = layer.num_heads, layer.nope_dim, layer.v_head_dim, layer.kv_lora_rank
     pool = batch.latents[j]  # [pages, P, R+r]
     P, width = pool.shape[1], pool.shape[2]
-    q = layer.query(x)  # [B,T,H,n+r]
+    q, latent, gate = layer.input_projections(x)  # q [B,T,H,n+r]
     positions = batch.lengths.view(B, 1) + torch.arange(T, device=x.device)  # [B,T]
     write_latents(pool, paged_positions(batch.tables, batch.slots, positions, P).reshape(-1),
-                  layer.latent(x).reshape(B * T, width))
+                  latent.reshape(B * T, width))
     if batch.kernels == "triton":
         w = layer.kv_b_proj.weight.view(H, n + v, R)
         q_latent = torch.einsum("bhn,hnr->bhr", q[..., :n].reshape(B * T, H, n), w[:, :n])  # W_UK into the query
@@ -148,14 +150,7 @@ def mla_decode_step(layer: GatedMLA, x: torch.Tensor, j: int, batch: DecodeBatch
         kv = pool.view(-1, width)[paged_positions(batch.tables, batch.slots, every, P)]  # [B,L,R+r]
         o = mla_attention_absorbed(q, kv, layer.kv_b_proj.weight, nope_dim=n, v_dim=v, scale=layer.scale,
                                    lengths=batch.lengths)
-    return layer.output(x, o)
-
-
-def fuse_kda_inputs(model) -> None:
-    """`KimiDeltaAttention.fuse_input_projections` on every KDA layer of `model` (the serving engine's start-up)."""
-    for module in model.modules():
-        if isinstance(module, KimiDeltaAttention):
-            module.fuse_input_projections()
+    return layer.output_gated(gate, o, x.dtype)
 
 
 @torch.no_grad()

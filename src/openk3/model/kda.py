@@ -5,11 +5,20 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from openk3.config import ModelConfig
-from openk3.model.common import KeepFp32, RMSNorm, ShortConv, linear, linear_concat, linear_split, out_std, shared_cast
+from openk3.model.common import (
+    FusableLinears,
+    KeepFp32,
+    RMSNorm,
+    ShortConv,
+    linear,
+    linear_concat,
+    linear_split,
+    out_std,
+    shared_cast,
+)
 from openk3.model.documents import Documents
 from openk3.ops.conv import causal_conv1d, causal_conv1d_step, conv_windows
 from openk3.ops.fused import use_triton
@@ -18,7 +27,7 @@ from openk3.ops.kda import BACKENDS, kda, resolve_backend
 from openk3.ops.norms import acc_dtype, gated_rms_norm, l2_norm
 
 
-class KimiDeltaAttention(KeepFp32, nn.Module):
+class KimiDeltaAttention(FusableLinears, KeepFp32, nn.Module):
     """KDA token mixer. D = hidden_size, H = num_heads, K = V = head_dim, W = conv kernel.
 
     Parameters (names follow HF / the Kimi Linear hub checkpoint; [out, in] for Linear weights):
@@ -41,6 +50,8 @@ class KimiDeltaAttention(KeepFp32, nn.Module):
     Forward: q, k, v = SiLU(conv(proj(x))); q, k L2-normalised per head (fp32); g = gate(f_b(f_a(x))) (fp32);
     beta = sigmoid(b_proj x); o = KDA(q, k, v, g, beta) with scale K^-0.5;
     y = o_proj( RMSNorm_head(o) * sigmoid(output gate) ).
+    Fused for inference (`fuse_projections`, the serving engine's start-up): the six Linears that read x
+    (`input_linears`) in one buffer, `fused["input"]`.
     """
 
     _fp32_names = ("A_log", "dt_bias")
@@ -80,7 +91,6 @@ class KimiDeltaAttention(KeepFp32, nn.Module):
             self.g_b_proj = linear(K, H * K, std)
         self.o_norm = RMSNorm(K, eps=cfg.rms_eps)
         self.o_proj = linear(H * K, D, out_std(cfg))
-        self.fused_input_weight: torch.Tensor | None = None  # set by fuse_input_projections (serving)
 
     def conv_weight(self) -> torch.Tensor:
         """[2HK+HV, W]: the q|k|v conv kernels as one depthwise kernel (the fused and separate layouts alike)."""
@@ -92,10 +102,7 @@ class KimiDeltaAttention(KeepFp32, nn.Module):
         """[..., D] -> [..., 2HK+HV]: the q, k and v projections of x (q|k|v along the last dim) as one matrix
         product, whose output is the conv's input as it stands (three products would be concatenated: a copy of it
         each way, and three smaller GEMMs)."""
-        if self.fused_input_weight is not None and not torch.is_grad_enabled():
-            # `fuse_input_projections`' buffer starts with q|k|v: its rows as they are, not a copy
-            return F.linear(x, self.fused_input_weight[:3 * self.num_heads * self.head_dim])
-        return linear_concat(x, [self.q_proj, self.k_proj, self.v_proj])
+        return linear_concat(x, [self.q_proj, self.k_proj, self.v_proj], self._fused_input(qkv=True))
 
     def muon_blocks(self) -> dict[str, str]:
         """Per-head Muon blocks (SPEC §6) of this layer's matrices, by parameter name: the q/k/v projections by
@@ -106,11 +113,10 @@ class KimiDeltaAttention(KeepFp32, nn.Module):
 
     def gate_projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B,T,D] -> (f [B,T,H,K], the forget gate's logits; b [B,T,H], beta's; the output gate's [B,T,H*V]):
-        the three products of x (the gates' first matrices) as one (`linear_split`), then the low-rank second
-        matrices."""
+        the three products of x (the gates' first matrices, `input_linears()[3:]`) as one (`linear_split`), then the
+        low-rank second matrices."""
         B, T, _ = x.shape
-        first = self.g_proj if self.output_gate == "full" else self.g_a_proj
-        f_low, b, gate = linear_split(x, [self.f_a_proj, self.b_proj, first])
+        b, f_low, gate = linear_split(x, self.input_linears()[3:], self._fused_input(qkv=False))
         if self.output_gate != "full":
             gate = self.g_b_proj(gate)
         return self.f_b_proj(f_low).view(B, T, self.num_heads, self.head_dim), b, gate
@@ -147,31 +153,24 @@ class KimiDeltaAttention(KeepFp32, nn.Module):
         return self.g_proj(x) if self.output_gate == "full" else self.g_b_proj(self.g_a_proj(x))
 
     def input_linears(self) -> list[nn.Linear]:
-        """The projections that read the layer's input x, in `fuse_input_projections`' order: q, k, v, beta, the
-        forget gate's first matrix, the output gate's (first) matrix."""
+        """The projections that read the layer's input x, in the order of `fused["input"]`'s rows: q, k, v (`qkv`),
+        beta, the forget gate's first matrix, the output gate's (first) matrix (`gate_projections`)."""
         gate = self.g_proj if self.output_gate == "full" else self.g_a_proj
         return [self.q_proj, self.k_proj, self.v_proj, self.b_proj, self.f_a_proj, gate]
 
-    def fuse_input_projections(self) -> None:
-        """Put the weights of `input_linears` in one buffer, each Linear's weight now a view of its rows (same
-        values, no extra memory), kept as `fused_input_weight` [rows, D]: a decode step then reads x's six
-        projections with one matrix-vector product instead of six (`openk3.model.decode`). A later dtype or device
-        move drops the fusion (`_apply`). Fusing again keeps the buffer: a second engine on the same model must
-        not move the weights that the first one's captured CUDA graphs read."""
-        if self.fused_input_weight is not None:
-            return
-        linears = self.input_linears()
-        fused = torch.cat([lin.weight.detach() for lin in linears])
-        row = 0
-        for lin in linears:
-            n = lin.weight.shape[0]
-            lin.weight = nn.Parameter(fused[row:row + n], requires_grad=lin.weight.requires_grad)
-            row += n
-        self.fused_input_weight = fused
+    def fusion_groups(self) -> dict[str, list[nn.Linear]]:
+        """One buffer for the six: a decode step reads x's projections with one matrix-vector product
+        (`openk3.model.decode.kda_input_projections`), a prefill with two, q|k|v's and the gates' (row ranges)."""
+        return {"input": self.input_linears()}
 
-    def _apply(self, fn, recurse=True):
-        self.fused_input_weight = None  # a dtype or device move gives the Linears new weights: the fusion is gone
-        return super()._apply(fn, recurse)
+    def _fused_input(self, qkv: bool) -> torch.Tensor | None:
+        """The rows of `fused["input"]` that `qkv` reads (q|k|v, the first 3HK) or else `gate_projections` (the
+        rest), a view; None unfused."""
+        fused = self.fused.get("input")
+        if fused is None:
+            return None
+        rows = 3 * self.num_heads * self.head_dim
+        return fused[:rows] if qkv else fused[rows:]
 
     def gate_min(self) -> float | None:
         """The lower bound of this layer's gate: K3's g_min; none for Kimi Linear's softplus gate."""

@@ -6,13 +6,13 @@ import torch
 from torch import nn
 
 from openk3.config import ModelConfig
-from openk3.model.common import RMSNorm, linear, linear_split, out_std
+from openk3.model.common import FusableLinears, RMSNorm, linear, linear_split, out_std
 from openk3.model.documents import Documents
 from openk3.ops.attention import NO_CUDNN, mla_attention_absorbed, mla_attention_expanded
 from openk3.ops.norms import acc_dtype
 
 
-class GatedMLA(nn.Module):
+class GatedMLA(FusableLinears, nn.Module):
     """MLA with an optional sigmoid output gate. D = hidden_size, H = num_heads, n = qk_nope_head_dim,
     r = qk_rope_head_dim (the NoPE "rope" slice), v = v_head_dim, R = kv_lora_rank, Q = q_lora_rank.
 
@@ -31,7 +31,8 @@ class GatedMLA(nn.Module):
 
     Without a cache: expanded K/V through SDPA (causal). With a HybridCache: the new latents are appended to the
     layer's latent cache; T == 1 runs the absorbed form on the latent cache, T > 1 the expanded form, both with a
-    per-sequence mask (ragged lengths).
+    per-sequence mask (ragged lengths). The products that read x run as one (`input_projections`; fused for
+    inference: `fused["input"]`).
     """
 
     def __init__(self, cfg: ModelConfig, layer_idx: int):
@@ -76,6 +77,21 @@ class GatedMLA(nn.Module):
             q = self.q_b_proj(self.q_a_layernorm(q))
         return q.view(*q.shape[:2], self.num_heads, self.qk_head_dim)
 
+    def input_linears(self) -> list[nn.Linear]:
+        """The Linears that read x, in the order of `input_projections`' product: the query's first (q_proj, or
+        q_a_proj), the latent's (kv_a_proj_with_mqa), the output gate's (g_proj) when there is one."""
+        first = [self.q_proj if self.q_lora_rank is None else self.q_a_proj, self.kv_a_proj_with_mqa]
+        return first + ([self.g_proj] if self.g_proj is not None else [])
+
+    def fusion_groups(self) -> dict[str, list[nn.Linear]]:
+        return {"input": self.input_linears()}
+
+    def input_projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """x [B,T,D] -> (q [B,T,H,n+r], the cache entries [B,T,R+r], the output gate's logits [B,T,H*v] or None):
+        the products that read x as one (`linear_split`), then the query's and the latent's norms."""
+        q, c, *gate = linear_split(x, self.input_linears(), self.fused.get("input"))
+        return self._query_from(q), self._latent_from(c), gate[0] if gate else None
+
     def latent(self, x: torch.Tensor) -> torch.Tensor:
         """x [B,T,D] -> the per-token cache entry [B,T,R+r] = [RMSNorm(latent) | k_slice]."""
         return self._latent_from(self.kv_a_proj_with_mqa(x))
@@ -90,10 +106,7 @@ class GatedMLA(nn.Module):
             if cache is not None:
                 raise ValueError("packed documents are a training input: pass documents or a cache, not both")
             documents.check(B, T)
-        # the products that read x (the query's first, the latent's, the output gate's) as one (`linear_split`)
-        first = [self.q_proj if self.q_lora_rank is None else self.q_a_proj, self.kv_a_proj_with_mqa]
-        q, c, *gate = linear_split(x, first + ([self.g_proj] if self.g_proj is not None else []))
-        q, kv = self._query_from(q), self._latent_from(c)
+        q, kv, gate = self.input_projections(x)
         kw = dict(nope_dim=self.nope_dim, v_dim=self.v_head_dim, scale=self.scale)
         if cache is None:
             if documents is not None:
@@ -115,7 +128,7 @@ class GatedMLA(nn.Module):
                                for b, past in enumerate(cache.host_lengths)])
             else:
                 o = mla_attention_expanded(q, kv_all, self.kv_b_proj.weight, lengths=lengths, backends=NO_CUDNN, **kw)
-        return self.output_gated(gate[0] if gate else None, o, x.dtype)
+        return self.output_gated(gate, o, x.dtype)
 
     def output(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """x [B,T,D], attention output o [B,T,H,v] -> o_proj(sigmoid(g_proj(x)) * (o_norm(o) if any)) [B,T,D]."""

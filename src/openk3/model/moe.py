@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from openk3.config import ModelConfig
-from openk3.model.common import KeepFp32, RMSNorm, linear, linear_concat, out_std, shared_cast
+from openk3.model.common import FusableLinears, KeepFp32, RMSNorm, linear, linear_concat, out_std, shared_cast
 from openk3.ops.activations import apply_glu, glu_activation
 from openk3.ops.moe import Routing, experts_forward, routing_with, sigmoid_topk_routing
 from openk3.ops.norms import acc_dtype, fp32_island
@@ -19,24 +19,33 @@ def _act(cfg: ModelConfig):
     return glu_activation(cfg.activation, cfg.situ_beta_gate, cfg.situ_beta_up)
 
 
-class GLUMLP(nn.Module):
+class GLUMLP(FusableLinears, nn.Module):
     """down_proj(act(gate_proj x, up_proj x)); act = SiTU-GLU (K3) or SwiGLU (Kimi Linear).
     gate_proj, up_proj [I, D]; down_proj [D, I]. Used for the dense FFN and the shared experts. The two
-    projections run as one product ([gate | up], `linear_concat`)."""
+    projections run as one product ([gate | up], `linear_concat`; fused for inference: `fused["gate_up"]`). With
+    fusable=False a wider product reads them, whose module fuses them (the LatentMoE's shared expert)."""
 
-    def __init__(self, cfg: ModelConfig, dim: int, hidden: int):
+    def __init__(self, cfg: ModelConfig, dim: int, hidden: int, fusable: bool = True):
         super().__init__()
         self.gate_proj = linear(dim, hidden, cfg.init_std)
         self.up_proj = linear(dim, hidden, cfg.init_std)
         self.down_proj = linear(hidden, dim, out_std(cfg))
         self.act = _act(cfg)
+        self.fusable = fusable
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(linear_concat(x, self.projections()))
+        return self.down(self.gate_up(x))
 
     def projections(self) -> list[nn.Linear]:
         """The Linears that read the FFN's input, in the order of `down`'s packed input: gate, up."""
         return [self.gate_proj, self.up_proj]
+
+    def fusion_groups(self) -> dict[str, list[nn.Linear]]:
+        return {"gate_up": self.projections()} if self.fusable else {}
+
+    def gate_up(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., D] -> `down`'s packed input [..., 2I] = [gate | up]: one product."""
+        return linear_concat(x, self.projections(), self.fused.get("gate_up"))
 
     def down(self, gate_up: torch.Tensor) -> torch.Tensor:
         """The FFN's output from its packed projections gate_up [..., 2I] = [gate | up] (computed by `forward`, or
@@ -142,13 +151,15 @@ class Experts(nn.Module):
         return experts_forward(x, routing.indices, routing.weights, self.gate_up_proj, self.down_proj, self.act)
 
 
-class MoE(nn.Module):
+class MoE(FusableLinears, nn.Module):
     """Stable LatentMoE (moe.latent_dim set) or plain MoE (latent_dim None, Kimi Linear):
 
         out = routed_up( latent_norm( sum_k p_k Expert_k( routed_down(x) ) ) ) + shared_experts(x)
 
     gate: TopkRouter on full-width x. routed_down [L, D], routed_up [D, L], latent_norm.weight [L] (when
     moe.latent_norm). shared_experts: one GLUMLP of hidden expert_hidden * num_shared_experts at full width.
+    The LatentMoE runs routed_down and the shared expert's gate and up as one product (fused for inference:
+    `fused["input"]`); the plain MoE's shared expert runs its own (`GLUMLP.gate_up`).
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -163,8 +174,17 @@ class MoE(nn.Module):
             self.routed_up = linear(moe.latent_dim, D, out_std(cfg))
         self.experts = Experts(cfg, moe.latent_dim if moe.latent_dim is not None else D)
         self.shared_experts = (
-            GLUMLP(cfg, D, moe.expert_hidden * moe.num_shared_experts) if moe.num_shared_experts > 0 else None
+            GLUMLP(cfg, D, moe.expert_hidden * moe.num_shared_experts, fusable=moe.latent_dim is None)
+            if moe.num_shared_experts > 0 else None
         )
+
+    def input_linears(self) -> list[nn.Linear]:
+        """The LatentMoE's Linears that read x, in the order of its product's columns: routed_down, then the shared
+        expert's gate and up."""
+        return [self.routed_down] + (self.shared_experts.projections() if self.shared_experts is not None else [])
+
+    def fusion_groups(self) -> dict[str, list[nn.Linear]]:
+        return {} if self.latent_dim is None else {"input": self.input_linears()}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -174,10 +194,9 @@ class MoE(nn.Module):
         if self.latent_dim is None:  # the experts read x; with the shared expert, views of one autocast copy
             to_experts, *to_shared = shared_cast(flat, 1 + (shared is not None))
             y = self.experts(to_experts, routing)
-            gate_up = linear_concat(to_shared[0], shared.projections()) if shared is not None else None
+            gate_up = shared.gate_up(to_shared[0]) if shared is not None else None
         else:  # routed_down and the shared expert's gate and up: one product (`linear_concat`)
-            products = [self.routed_down] + (shared.projections() if shared is not None else [])
-            h = linear_concat(flat, products)
+            h = linear_concat(flat, self.input_linears(), self.fused.get("input"))
             latent, gate_up = h.split([self.latent_dim, h.shape[-1] - self.latent_dim], dim=-1)
             y = self.experts(latent, routing)
             if self.latent_norm is not None:

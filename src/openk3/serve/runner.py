@@ -51,8 +51,9 @@ from openk3.cache import HybridCache, KDALayerCache, MLALayerCache
 from openk3.cache.paged import BlockTables, PagePool
 from openk3.cache.state_pool import StatePool
 from openk3.draft import EagleDraft, tapped_hidden_states
+from openk3.model.common import fuse_inference_projections
 from openk3.model.compile import compile_blocks, uncompile_blocks
-from openk3.model.decode import DecodeBatch, decode_forward, decode_logits, fuse_kda_inputs
+from openk3.model.decode import DecodeBatch, decode_forward, decode_logits
 from openk3.ops.paged_mla import paged_positions
 from openk3.ops.transfer import to_device
 from openk3.serve.piecewise import PiecewisePrefill, run_to_end
@@ -117,7 +118,7 @@ class ModelRunner:
         self.capture_seconds = 0.0
         self.graph_error: str | None = None
         if kernels == "triton":
-            fuse_kda_inputs(model)  # each KDA layer's six input projections as one matrix-vector product
+            fuse_inference_projections(model)  # the Linears that read one input: one product each group
         self.prefill_compiled = prefill_compile_backend is not None
         if self.prefill_compiled:  # the FFN, norm and AttnRes units, in place, for any token count
             compile_blocks(model, token_mixers=False, backend=prefill_compile_backend, dynamic=True)
