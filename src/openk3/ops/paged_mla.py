@@ -11,7 +11,8 @@ Scores are scale * (q . [latent | k_slice]), softmax over the sequence's positio
 
 fp32 pools take exact fp32 products (input_precision "ieee"; tf32 would cost 1e-3), 16-bit pools the tensor cores.
 The kernel splits the positions ("flash decoding"): program (n, split, head block) walks one contiguous share of
-sequence n with an online softmax and writes its partial output and log-sum-exp; `combine_splits` merges them.
+sequence n with an online softmax and writes its partial output and log-sum-exp; one more launch merges them
+(`combine_splits_triton`; reference `combine_splits`).
 The split count is chosen inside the op from the number of queries (enough programs to fill the device), so a
 compiled caller never specialises on it; each split walks at least `min_split` positions, so a short sequence
 uses one or a few splits and the rest exit at once (lse = -inf: they weigh nothing). A long context at a small
@@ -84,7 +85,8 @@ def _(pool, rows, values):
 
 
 def combine_splits(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    """Merge split partials: out [N,S,H,R] (each normalised over its share), lse [N,S,H] -> [N,H,R]."""
+    """Merge split partials: out [N,S,H,R] (each normalised over its share), lse [N,S,H] -> [N,H,R] (the reference
+    of `combine_splits_triton`)."""
     m = lse.max(dim=1, keepdim=True).values  # every query has >= 1 position, so some split is finite
     w = torch.exp(lse - m)  # [N,S,H]
     return (out * w.unsqueeze(-1)).sum(1) / w.sum(1).unsqueeze(-1)
@@ -124,7 +126,19 @@ def paged_mla_attend(q: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, 
             BLOCK_RS=max(16, triton.next_power_of_2(max(r, 1))), BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N,
             MIN_SPLIT=min_split, PREC="ieee" if pool.dtype == torch.float32 else "tf32",
             num_warps=4)
-    return combine_splits(out, lse) if splits > 1 else out[:, 0]
+    return combine_splits_triton(out, lse) if splits > 1 else out[:, 0]
+
+
+def combine_splits_triton(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """`combine_splits` in one launch (fp32 out and lse, contiguous): in a decode step its six eager reductions and
+    element-wise kernels per MLA layer cost more than the merge's bytes."""
+    N, S, H, R = out.shape
+    merged = torch.empty(N, H, R, dtype=torch.float32, device=out.device)
+    if N and H:
+        _combine_splits_kernel[(N, triton.cdiv(H, BLOCK_H))](
+            out, lse, merged, S, H, R, BLOCK_S=triton.next_power_of_2(S), BLOCK_H=BLOCK_H,
+            BLOCK_R=triton.next_power_of_2(R), num_warps=4)
+    return merged
 
 
 @paged_mla_attend.register_fake
@@ -134,6 +148,29 @@ def _(q, pool, tables, rows, lengths, latent_dim, scale, num_splits, min_split):
 
 
 if triton is not None:
+
+    @triton.jit
+    def _combine_splits_kernel(out, lse, merged, S, H, R, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr,
+                               BLOCK_R: tl.constexpr):
+        """Query program_id(0)'s heads [BLOCK_H]: sum over splits s of exp(lse_s - m) out_s, over the sum of the
+        weights (m the largest lse; empty splits, lse = -inf, weigh 0)."""
+        n = tl.program_id(0)
+        heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        hm = heads < H
+        splits = tl.arange(0, BLOCK_S)
+        rows = (n * S + splits).to(tl.int64)[:, None] * H + heads[None, :]  # [BLOCK_S, BLOCK_H]
+        all_lse = tl.load(lse + rows, mask=(splits < S)[:, None] & hm[None, :], other=float("-inf"))
+        m = tl.max(all_lse, axis=0)
+        denom = tl.sum(tl.exp(all_lse - m[None, :]), axis=0)
+        cr = tl.arange(0, BLOCK_R)
+        acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
+        for s in range(S):
+            row = (n * S + s).to(tl.int64) * H + heads
+            w = tl.exp(tl.load(lse + row, mask=hm, other=float("-inf")) - m)
+            part = tl.load(out + row[:, None] * R + cr[None, :], mask=hm[:, None] & (cr[None, :] < R), other=0.0)
+            acc += w[:, None] * part
+        tl.store(merged + (n * H + heads).to(tl.int64)[:, None] * R + cr[None, :], acc / denom[:, None],
+                 mask=hm[:, None] & (cr[None, :] < R))
 
     @triton.jit
     def _paged_mla_decode_kernel(q, pool, tables, rows, lengths, out, lse, scale, H, table_stride, num_splits,
