@@ -329,3 +329,34 @@ def test_a_decoding_sequence_short_of_pages_ends_a_split_forward_before_preempti
         assert engine.metrics.preemptions == b.preemptions == 1
         assert a.output == generate_ids(model, a_prompt, 150, SamplingParams(max_tokens=150, temperature=0))
         assert b.output == generate_ids(model, b_prompt, 20, SamplingParams(max_tokens=20, temperature=0))
+
+
+def test_decode_checkpoints_the_kda_states_on_the_prefill_grid_only(model):
+    """With `checkpoint_every` = 2 a decoding sequence snapshots its KDA states at every second hash block only
+    (where a prefill would checkpoint), not at each block end; its blocks still go to the cache, and a later
+    request on its prompt and reply hits up to the last checkpointed block and decodes exactly."""
+    engine = make_engine(model, checkpoint_every=2)
+    rng = random.Random(7)
+    prompt = [rng.randrange(90) for _ in range(2 * H + 5)]
+    params = SamplingParams(max_tokens=5 * H, temperature=0, ignore_eos=True)
+    first = engine.add_request(prompt, params)
+    while first.prefilling:
+        engine.step()
+    snapshotted = {}  # block end a decode step reached -> whether that step snapshotted the slot
+    with mock.patch.object(engine.states, "snapshot", wraps=engine.states.snapshot) as snapshot:
+        while engine.has_work():
+            before = first.fed
+            engine.step()
+            snapshotted.update({end: snapshot.call_count == 1 for end in range(before + 1, first.fed + 1)
+                                if end % H == 0})
+            snapshot.reset_mock()
+    assert len(snapshotted) >= 4 and all(taken == (end % (2 * H) == 0) for end, taken in snapshotted.items())
+    history = first.prompt + first.output[:-1]
+    second = engine.add_request(history + [5] * 3, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    engine.step()
+    assert second.cached_tokens == (len(history) - 1) // (2 * H) * 2 * H
+    while engine.has_work():
+        engine.step()
+        check_references(engine)
+    assert second.output == generate_ids(model, second.prompt, 8, SamplingParams(max_tokens=8, temperature=0))
+    assert first.output == generate_ids(model, prompt, 5 * H, SamplingParams(max_tokens=5 * H, temperature=0))
