@@ -4,6 +4,7 @@ The model's weights are O(1)-scale (tests/random_weights.py), so its logits depe
 default init (std 0.02) greedy ids barely do. The cache-on / cache-off comparisons check every sampled logits row
 against a plain full forward of the same tokens, not only the ids."""
 
+import gc
 import random
 from collections import defaultdict
 
@@ -411,6 +412,16 @@ def test_step_timing_and_slow_steps_are_reported(model, monkeypatch, caplog):
     slow = [r.getMessage() for r in caplog.records if r.getMessage().startswith("slow engine step")]
     assert len(slow) == m.steps
     assert sum(int(line.split(" with ")[1].split()[0]) for line in slow) == m.prefill_forwards
+    # a collection inside a step is counted in its line (the collector's own time, from gc.callbacks)
+    step = engine._step
+    monkeypatch.setattr(engine, "_step", lambda: (gc.collect(), step()))
+    engine.add_request(tok.encode("again"), SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+    caplog.clear()
+    with caplog.at_level("INFO", logger="openk3.serve.engine"):
+        engine.step()
+    line = caplog.records[-1].getMessage()
+    assert line.startswith("slow engine step") and line.endswith("in 1 collections")
+    assert 0 < float(line.split("garbage collector ")[1].split(" ms")[0]) <= float(line.split(": ")[1].split(" ms")[0])
 
 
 def test_bad_prompts_are_refused(model):

@@ -51,6 +51,8 @@ before its next plain step (`_write_pending`), keeping the last, which the next 
 
 from __future__ import annotations
 
+import functools
+import gc
 import itertools
 import logging
 import threading
@@ -81,6 +83,31 @@ from openk3.tokenizer import TextStream
 log = logging.getLogger(__name__)
 
 SLOW_STEP_S = 0.25  # an engine step longer than this is logged (INFO) with what it held
+
+
+class CollectorClock:
+    """Seconds Python's garbage collector has run in this process, and its collections (`gc.callbacks`): a
+    collection holds the interpreter, so a slow step's log line says how much of it was collecting."""
+
+    def __init__(self):
+        self.seconds, self.collections, self._started = 0.0, 0, 0.0
+        gc.callbacks.append(self._on_collection)
+
+    def _on_collection(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._started
+            self.collections += 1
+
+    def read(self) -> tuple[float, int]:
+        return self.seconds, self.collections
+
+
+@functools.cache
+def collector_clock() -> CollectorClock:
+    """The process's one clock (engines come and go; the callback stays)."""
+    return CollectorClock()
 
 # A prefill forward costs ~25-30 ms of host time on an H200 whatever its length (k3-debug: ~1,500 eager ops), so a
 # long prompt goes in few, long forwards: 12k tokens took 141-151 ms in three of 4096 (bench/RESULTS.md, 2026-12-01).
@@ -448,19 +475,22 @@ class Engine:
     @torch.no_grad()
     def step(self) -> None:
         started, prefills = time.perf_counter(), self.metrics.prefill_forwards
+        collecting = collector_clock().read()
         try:
             self._step()
         finally:
             self._deliver_events()
-            self._time_step(time.perf_counter() - started, self.metrics.prefill_forwards - prefills)
+            self._time_step(time.perf_counter() - started, self.metrics.prefill_forwards - prefills, collecting)
 
-    def _time_step(self, seconds: float, prefills: int) -> None:
+    def _time_step(self, seconds: float, prefills: int, collecting: tuple[float, int]) -> None:
         m = self.metrics
         m.step_seconds += seconds
         m.slowest_step_seconds = max(m.slowest_step_seconds, seconds)
         if seconds > SLOW_STEP_S:  # one step stalls every running sequence: say what it held
-            log.info("slow engine step: %.0f ms with %d prefill forwards, %d running, %d waiting", seconds * 1e3,
-                     prefills, len(self.scheduler.running), len(self.scheduler.waiting))
+            gc_seconds, collections = (now - before for now, before in zip(collector_clock().read(), collecting))
+            log.info("slow engine step: %.0f ms with %d prefill forwards, %d running, %d waiting; garbage collector "
+                     "%.1f ms in %d collections", seconds * 1e3, prefills, len(self.scheduler.running),
+                     len(self.scheduler.waiting), gc_seconds * 1e3, collections)
 
     def _short_prefill_tokens(self, config: EngineConfig, gpu: bool) -> int:
         if config.short_prefill_tokens is not None:
