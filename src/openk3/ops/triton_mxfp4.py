@@ -19,13 +19,13 @@ one part) whose fp32 partial sums are added after.
 
 `method="dequant"` (the explicit dequantization) computes the tile transposed, out^T = W x^T: the codes are read
 along K as stored, the dequantized weights are the MMA's first operand (on Hopper its register operand: no trip
-through shared memory to shuffle them into place) and the tile's few rows its narrow side. The even and odd inputs
-are two products of half width (the low and the high nibbles against x's even and odd columns), so the codes are
-never interleaved. E2M1 -> value: the 3 magnitude bits placed at the bottom of an fp16 exponent and the top of its
-mantissa give 2^-14 times the E2M1 value, exactly, subnormal 0.5 included (fp16 arithmetic and conversions keep
-subnormals). Against the same tile with the rows as the first operand and the codes read K-down (this kernel until
-2026-12-07), on an H200 with kimi-linear-48b's experts (bench/RESULTS.md, 2026-12-07 eighth session): 64 tokens
-1081 -> 969 us a layer, 256 tokens 1504 -> 1195 us, 4096 tokens 21.4 -> 7.2 ms.
+through shared memory to shuffle them into place) and the tile's few rows its narrow side. The codes are read as
+int32 words of 8 and decoded by bit placement (`triton_experts_common.e2m1_word_values`: exact, ~5 instructions a
+code; the tile loop went from 11.7 to 10.2 instructions a weight and, at 16-row tiles, from 253 to 128 registers,
+sm_90 with triton 3.6: bench/RESULTS.md, 2026-12-07 ninth session, not yet timed). Against the same tile with the
+rows as the first operand and the codes read K-down (this kernel until 2026-12-07), on an H200 with
+kimi-linear-48b's experts (bench/RESULTS.md, 2026-12-07 eighth session): 64 tokens 1081 -> 969 us a layer, 256
+tokens 1504 -> 1195 us, 4096 tokens 21.4 -> 7.2 ms.
 
 `method="rows"` takes the row kernel instead (`ops.triton_expert_rows`, what "auto" picks for at most one row per
 expert on average: a decode step): a row tile of 16 rows for one real row is where the tile kernel's instructions go
