@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -25,10 +26,22 @@ def test_parallel_smoke_runs_the_checks_on_two_gloo_processes(tmp_path):
     """--smoke: k3-tiny's KDA and MLA layers under CP and its MoE layer under EP against one process (the script
     exits non-zero above its tolerance), then the timings; the JSON has every check, each within tolerance."""
     out = tmp_path / "parallel.json"
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                          str(BENCH / "parallel.py"), "--smoke", "--out", str(out)],
-                         capture_output=True, text=True, timeout=240, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert run.returncode == 0, run.stderr[-2000:]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+               str(BENCH / "parallel.py"), "--smoke", "--out", str(out)]
+    runs = []
+    for _ in range(2):  # a second try only when a rank died by a signal (below)
+        runs.append(subprocess.run(command, capture_output=True, text=True, timeout=240,
+                                   env=dict(os.environ, OMP_NUM_THREADS="1")))
+        # CI once saw rank 0 abort (SIGABRT) inside gloo's TCP transport after 1300 tests had passed; 26 runs here,
+        # 20 of them on two busy cores, did not repeat it. A check above its tolerance exits 1 with its name
+        # instead, and is never retried.
+        if runs[-1].returncode == 0 or "Signal 6 (SIGABRT)" not in runs[-1].stderr:
+            break
+    why = [line for r in runs for line in r.stderr.splitlines() if "terminate" in line or "what()" in line]
+    assert runs[-1].returncode == 0, "\n".join(why) + "\n" + runs[-1].stderr[-2000:]
+    if len(runs) > 1:
+        warnings.warn(f"bench/parallel.py --smoke: a rank aborted on the first try, the second passed: {why}",
+                      stacklevel=1)
     result = json.loads(out.read_text())
     assert result["ranks"] == 2 and result["backend"] == "gloo" and len(result["checks"]) == 8
     assert all(c["ok"] and max(c["output"], c["input_grad"], c["param_grad"]) <= c["tol"] for c in result["checks"])

@@ -68,17 +68,19 @@ def timed_413(http: httpx.Client, prompt):
 
 
 def test_tokenization_is_linear_and_off_the_event_loop(server):
-    """64k copies of a special-token string cost about what 64k plain characters do (the old byte tokenizer
-    re-scanned the rest of the text per special token: 32 s against milliseconds; 1-3x measured now, with 7x
-    the bytes), and /health answers while requests of 7.7 MB of special strings are parsed and tokenized."""
-    specials, plain = "<|eos|>" * 65536, "x" * 65536
+    """64k copies of a special-token string cost about what plain text of the same byte count does (the old byte
+    tokenizer re-scanned the rest of the text per special token: 32 s against milliseconds; 1-3x measured now), and
+    /health answers while requests of 7.7 MB of special strings are parsed and tokenized. Each side's fastest of
+    five tries: a few-millisecond request on two busy cores is noise in its slower tries."""
+    specials = "<|eos|>" * 65536
+    plain = "x" * len(specials)
     times = {"specials": [], "plain": []}
     with httpx.Client(base_url=server, timeout=60) as http:
-        for _ in range(3):
+        for _ in range(5):
             times["specials"].append(timed_413(http, specials))
             times["plain"].append(timed_413(http, plain))
-    ratio = statistics.median(times["specials"]) / statistics.median(times["plain"])
-    assert ratio < 10, f"64k special strings took {ratio:.1f}x as long as 64k characters (7x the bytes): {times}"
+    ratio = min(times["specials"]) / min(times["plain"])
+    assert ratio < 10, f"64k special strings took {ratio:.1f}x as long as plain text of their bytes: {times}"
 
     done, health = threading.Event(), []
 
