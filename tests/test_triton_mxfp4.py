@@ -2,9 +2,10 @@
 explicit dequantization or tl.dot_scaled) against dequantize-then-matmul
 (`quant.mx.unpack_mxfp4`, then `ops.moe.grouped_matmul_loop`): odd sizes, experts without rows (first, middle,
 last), every row in one expert, no rows at all, one to several row tiles per expert, extreme block scales (the
-smallest E8M0, the largest, NaN) and every E2M1 code; and `ops.moe.experts_forward_mxfp4` (sort, two kernels, GLU,
-combine) against `experts_forward` on the dequantized weights, eagerly and inside torch.compile. On CPU the kernel
-runs under TRITON_INTERPRET=1 (tests/conftest.py), its output NaN-poisoned."""
+smallest E8M0, the largest, NaN) and every E2M1 code, also through the PTX that decodes them on a GPU (emulated);
+and `ops.moe.experts_forward_mxfp4` (sort, two kernels, GLU, combine) against `experts_forward` on the dequantized
+weights, eagerly and inside torch.compile. On CPU the kernel runs under TRITON_INTERPRET=1 (tests/conftest.py), its
+output NaN-poisoned."""
 
 from __future__ import annotations
 
@@ -253,3 +254,59 @@ def test_auto_picks_by_rows_per_expert():
     assert pick("auto", 32 * 256, 256, torch.bfloat16) == pick("auto", 32 * 256, 256, torch.float16) == "dot_scaled"
     assert pick("auto", 64 * 256, 256, torch.float32) == "dequant"
     assert pick("dequant", 1, 256, torch.bfloat16) == "dequant" and pick("rows", 9, 1, torch.float32) == "rows"
+
+
+def run_code_pair_ptx(asm: str, words: torch.Tensor, scale_pairs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`triton_experts_common._code_pair_asm`'s PTX run instruction by instruction on int64 tensors holding 32-bit
+    registers ($2 the words, $3 the scale pairs; bf16x2 products rounded by torch's fp32 -> bf16 cast), for the
+    instructions it uses: the GPU runs the string itself, the CPU interpreter a Triton twin."""
+    regs = {"$2": words.to(torch.int64), "$3": scale_pairs.to(torch.int64)}
+    mask = 0xFFFFFFFF
+
+    def value(operand):
+        return regs[operand] if operand in regs else int(operand, 0)
+
+    def halves(r):  # a register's two bf16 halves, as fp32 bit patterns
+        return [((r >> shift) & 0xFFFF).to(torch.int32) << 16 for shift in (0, 16)]
+
+    for line in asm.strip("{} ").split(";"):
+        if not line.strip() or line.strip().startswith(".reg"):
+            continue
+        op, args = line.split(None, 1)
+        if op == "mov.b32" and args.startswith("{"):  # the unpack into the two 16-bit outputs
+            r = regs[args.split(",")[-1].strip()]
+            return tuple(h.view(torch.float32).to(torch.bfloat16) for h in halves(r))
+        d, *src = [a.strip() for a in args.split(",")]
+        a = value(src[0])
+        if op == "mov.b32":
+            regs[d] = a if isinstance(a, torch.Tensor) else torch.full_like(words, a, dtype=torch.int64)
+        elif op in ("shl.b32", "shr.u32"):
+            regs[d] = ((a << value(src[1])) if op == "shl.b32" else (a >> value(src[1]))) & mask
+        elif op in ("and.b32", "or.b32"):
+            regs[d] = (a & value(src[1])) if op == "and.b32" else (a | value(src[1]))
+        elif op == "mul.rn.bf16x2":
+            out = [(x.view(torch.float32) * y.view(torch.float32)).to(torch.bfloat16).float().view(torch.int32)
+                   .to(torch.int64) >> 16 & 0xFFFF for x, y in zip(halves(a), halves(value(src[1])))]
+            regs[d] = out[0] | (out[1] << 16)
+        else:
+            raise AssertionError(f"an instruction the emulation does not know: {line}")
+    raise AssertionError("no output")
+
+
+def test_the_code_pair_ptx_decodes_every_code_at_extreme_scales():
+    """The PTX of the tiles' decode on a GPU, emulated: codes i and i + 4 of each word, times 2^126 and the scale,
+    equal the reference's values in bf16 for every code in every position and the E8M0 bytes 0 (a subnormal
+    scale), 1, 127, 200, 254 and 255 (NaN)."""
+    codes = torch.arange(16).unsqueeze(1).add(torch.arange(8)).remainder(16)  # [16 words, 8 positions]
+    words = (codes << (4 * torch.arange(8))).sum(1)
+    packed = torch.stack([(codes[:, 2 * j] | (codes[:, 2 * j + 1] << 4)) for j in range(4)], 1).to(torch.uint8)
+    for s in (0, 1, 127, 200, 254, 255):
+        byte = torch.full((16,), s, dtype=torch.uint8)
+        want = unpack_mxfp4(packed.reshape(1, 64), byte[:4].reshape(1, 4), torch.float32).reshape(16, 8)
+        half = int(torch.tensor(float("nan") if s == 255 else 2.0 ** (s - 127)).to(torch.bfloat16).view(torch.int16))
+        for i in range(4):
+            lo, hi = run_code_pair_ptx(triton_experts_common._code_pair_asm(i), words,
+                                       torch.full((16,), half | (half << 16)))
+            for got, column in ((lo, i), (hi, i + 4)):
+                torch.testing.assert_close(got, want[:, column].to(torch.bfloat16), rtol=0, atol=0, equal_nan=True,
+                                           msg=f"E8M0 byte {s}, code position {column}")

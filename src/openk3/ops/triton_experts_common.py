@@ -57,16 +57,79 @@ def word_columns(x):
     return c0, c1, c2, c3, c4, c5, c6, c7
 
 
+def _code_pair_asm(i: int) -> str:
+    """PTX for `e2m1_code_pair`'s codes i and i + 4 of word $2 (bits 4i and 4i + 16 on: one shift moves both): their
+    magnitude bits to bf16 bits 6-8 of each half, their signs to bits 15, the pair times 2^126 (`e2m1_word_values`'
+    bit placement in bf16; code 0.5 is the bf16 subnormal 2^-127, kept) and times the scale pair $3; out $0, $1."""
+    magnitude = f"shl.b32 m, $2, {6 - 4 * i};" if i < 2 else f"shr.u32 m, $2, {4 * i - 6};"
+    sign = f"shl.b32 s, $2, {12 - 4 * i};" if i < 3 else "mov.b32 s, $2;"
+    return ("{ .reg .b32 m, s, c; mov.b32 c, 0x7E807E80; " + magnitude + " " + sign + " and.b32 m, m, 0x01C001C0; "
+            "and.b32 s, s, 0x80008000; or.b32 m, m, s; mul.rn.bf16x2 m, m, c; mul.rn.bf16x2 m, m, $3; "
+            "mov.b32 {$0, $1}, m; }")
+
+
+CODE_PAIR_0 = tl.constexpr(_code_pair_asm(0))
+CODE_PAIR_1 = tl.constexpr(_code_pair_asm(1))
+CODE_PAIR_2 = tl.constexpr(_code_pair_asm(2))
+CODE_PAIR_3 = tl.constexpr(_code_pair_asm(3))
+
+
 @triton.jit
-def mxfp4_word_weights(words, scales):
-    """int32 words [R, W] of 8 E2M1 codes each and their block scales (E8M0 bytes, one per word, [R, W]) -> the
-    weights [R, 8 W] in fp32, input 8 w + i from code i of word w (the inverse of `word_columns`' order)."""
-    scale = e8m0_values(scales)
-    even = tl.join(tl.join(e2m1_word_values(words, 0) * scale, e2m1_word_values(words, 4) * scale),
-                   tl.join(e2m1_word_values(words, 2) * scale, e2m1_word_values(words, 6) * scale))
-    odd = tl.join(tl.join(e2m1_word_values(words, 1) * scale, e2m1_word_values(words, 5) * scale),
-                  tl.join(e2m1_word_values(words, 3) * scale, e2m1_word_values(words, 7) * scale))
-    return tl.reshape(tl.join(even, odd), (words.shape[0], 8 * words.shape[1]))
+def e8m0_bf16_pairs(s):
+    """E8M0 bytes -> int32s holding the scale 2^(s - 127) as bf16 in both halves: the bits s << 7, except 0 (0x40,
+    the subnormal 2^-127) and 0xFF (0x7FC0, NaN: bit 6 added to infinity's 0x7F80 when s + 1 reaches 256)."""
+    s = s.to(tl.int32)
+    half = tl.maximum(s << 7, 0x40) | (((s + 1) >> 2) & 0x40)
+    return half | (half << 16)
+
+
+@triton.jit
+def e2m1_code_pair(words, scale_pairs, i: tl.constexpr, ASM: tl.constexpr):
+    """Codes i and i + 4 (i < 4) of each int32 word of 8 E2M1 codes, times their scale (`e8m0_bf16_pairs`), as two
+    tensors of the words' shape holding the exact values. ASM (a CUDA GPU): both at once in bf16x2 arithmetic, 6
+    instructions a pair on sm_90 (`_code_pair_asm`); else (the Triton interpreter, whose fp32 -> bf16 cast flushes
+    subnormals) in fp32 from `e2m1_word_values`."""
+    if ASM:
+        if i == 0:
+            lo, hi = tl.inline_asm_elementwise(CODE_PAIR_0, "=h,=h,r,r", [words, scale_pairs],
+                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
+        elif i == 1:
+            lo, hi = tl.inline_asm_elementwise(CODE_PAIR_1, "=h,=h,r,r", [words, scale_pairs],
+                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
+        elif i == 2:
+            lo, hi = tl.inline_asm_elementwise(CODE_PAIR_2, "=h,=h,r,r", [words, scale_pairs],
+                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
+        else:
+            lo, hi = tl.inline_asm_elementwise(CODE_PAIR_3, "=h,=h,r,r", [words, scale_pairs],
+                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
+    else:
+        scale = (scale_pairs << 16).to(tl.float32, bitcast=True)  # the low half's bf16, widened
+        lo = e2m1_word_values(words, i) * scale
+        hi = e2m1_word_values(words, i + 4) * scale
+    return lo, hi
+
+
+@triton.jit
+def mxfp4_pair_weights(words, scale_pairs, ASM: tl.constexpr):
+    """int32 words [R, W] of 8 E2M1 codes each and their scales (`e8m0_bf16_pairs`, [R, W]) -> the weights
+    [R, 8 W] (bf16 with ASM, else fp32), in pair order: input 8 w + 2 i + j holds code i + 4 j of word w (each pair
+    of `e2m1_code_pair` stays one register; `pair_order` puts the other operand's inputs in this order)."""
+    lo0, hi0 = e2m1_code_pair(words, scale_pairs, 0, ASM)
+    lo1, hi1 = e2m1_code_pair(words, scale_pairs, 1, ASM)
+    lo2, hi2 = e2m1_code_pair(words, scale_pairs, 2, ASM)
+    lo3, hi3 = e2m1_code_pair(words, scale_pairs, 3, ASM)
+    # tl.join stacks on a new last axis: [R, W, i // 2, i % 2] for each j, then j last, so each pair is adjacent
+    lo = tl.join(tl.join(lo0, lo2), tl.join(lo1, lo3))
+    hi = tl.join(tl.join(hi0, hi2), tl.join(hi1, hi3))
+    return tl.reshape(tl.join(lo, hi), (words.shape[0], 8 * words.shape[1]))
+
+
+@triton.jit
+def pair_order(x):
+    """x [M, K] (K a multiple of 8) with its inputs in `mxfp4_pair_weights`' order: position 8 w + 2 i + j takes
+    input 8 w + i + 4 j (register moves when a thread holds 8 consecutive inputs)."""
+    groups = tl.reshape(x, (x.shape[0], x.shape[1] // 8, 2, 4))  # [M, W, j, i]
+    return tl.reshape(tl.permute(groups, (0, 1, 3, 2)), (x.shape[0], x.shape[1]))
 
 
 def k_splits(tiles: int, K: int, block_k: int) -> int:

@@ -18,14 +18,16 @@ latency a step) sets the time: there the inputs are split over programs (split-K
 one part) whose fp32 partial sums are added after.
 
 `method="dequant"` (the explicit dequantization) computes the tile transposed, out^T = W x^T: the codes are read
-along K as stored, the dequantized weights are the MMA's first operand (on Hopper its register operand: no trip
-through shared memory to shuffle them into place) and the tile's few rows its narrow side. The codes are read as
-int32 words of 8 and decoded by bit placement (`triton_experts_common.e2m1_word_values`: exact, ~5 instructions a
-code; the tile loop went from 11.7 to 10.2 instructions a weight and, at 16-row tiles, from 253 to 128 registers,
-sm_90 with triton 3.6: bench/RESULTS.md, 2026-12-07 ninth session, not yet timed). Against the same tile with the
-rows as the first operand and the codes read K-down (this kernel until 2026-12-07), on an H200 with
-kimi-linear-48b's experts (bench/RESULTS.md, 2026-12-07 eighth session): 64 tokens 1081 -> 969 us a layer, 256
-tokens 1504 -> 1195 us, 4096 tokens 21.4 -> 7.2 ms.
+along K as stored, the dequantized weights are the MMA's first operand and the tile's few rows its narrow side.
+The codes are read as int32 words of 8 (a 32-input block's 4 words and its scale byte in one thread) and decoded two
+at a time: codes i and i + 4 of a word are 16 bits apart, so one shift and two masks place both in a bf16x2
+register and two bf16x2 multiplies scale them (`triton_experts_common.e2m1_code_pair`, PTX on a GPU); the weights
+come out in that pair order and the rows' inputs are permuted to match (`pair_order`, register moves). The tile
+loop went from 12.1 to 6.2 instructions a weight at 16-row tiles, 13.3 to 8.3 at 64 (bf16 rows; sm_90 SASS with
+triton 3.6, compiled offline: bench/RESULTS.md, 2026-12-07 tenth session, not yet timed). Earlier, on an H200
+with kimi-linear-48b's experts (bench/RESULTS.md, 2026-12-07 eighth session): the same tile with the rows as the
+first operand and the codes read K-down against this orientation, 64 tokens 1081 -> 969 us a layer, 256 tokens
+1504 -> 1195 us, 4096 tokens 21.4 -> 7.2 ms.
 
 `method="rows"` takes the row kernel instead (`ops.triton_expert_rows`, what "auto" picks for at most one row per
 expert on average: a decode step): a row tile of 16 rows for one real row is where the tile kernel's instructions go
@@ -45,9 +47,11 @@ from openk3.ops.triton_expert_rows import expert_rows
 from openk3.ops.triton_experts_common import (
     add_splits,
     e2m1_values,
+    e8m0_bf16_pairs,
     e8m0_values,
     k_splits,
-    mxfp4_word_weights,
+    mxfp4_pair_weights,
+    pair_order,
     split_output,
 )
 
@@ -92,22 +96,27 @@ def _scaled_tile(x_rows, w_ptr, s_ptr, w_rows, m_ok, n_ok, k_start, k_end, K, BL
 
 @triton.jit
 def _dequant_tile(x_rows, w_ptr, s_ptr, w_rows, m_ok, n_ok, k_start, k_end, K, BLOCK_M: tl.constexpr,
-                  BLOCK_K: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr):
+                  BLOCK_K: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr, ASM: tl.constexpr):
     """The products of `_scaled_tile` transposed, [BLOCK_N, BLOCK_M] = W x^T, with the explicit dequantization:
-    codes read as int32 words of 8 along K, as stored (`mxfp4_word_weights`), the dequantized weights the first
-    operand."""
-    WORDS: tl.constexpr = BLOCK_K // 8
+    codes read as int32 words of 8 along K, as stored, each block's 4 words and its scale byte (repeated) loaded as
+    [rows, blocks, 4] (one thread's: the decode needs no shuffle), decoded in pairs (`mxfp4_pair_weights`); the
+    dequantized weights are the first operand, the rows' inputs loaded in order and put in the weights'
+    (`pair_order`)."""
+    BLOCKS: tl.constexpr = BLOCK_K // 32
     words_ptr = w_ptr.to(tl.pointer_type(tl.int32))
-    w = tl.arange(0, WORDS)
+    b = tl.arange(0, BLOCKS)[None, :, None]
+    q = tl.arange(0, 4)[None, None, :]
+    rows = w_rows[:, None, None]
     k = tl.arange(0, BLOCK_K)
     acc = tl.zeros([w_rows.shape[0], BLOCK_M], dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
-        ok = n_ok[:, None] & (k0 // 8 + w < K // 8)[None, :]
-        words = tl.load(words_ptr + w_rows[:, None] * (K // 8) + (k0 // 8 + w)[None, :], mask=ok, other=0)
-        scales = tl.load(s_ptr + w_rows[:, None] * (K // 32) + (k0 // 32 + w // 4)[None, :], mask=ok, other=127)
-        x_t = tl.load(x_rows[None, :] + k0 + k[:, None], mask=(k0 + k < K)[:, None] & m_ok[None, :], other=0.0)
-        weights = mxfp4_word_weights(words, scales)
-        acc = tl.dot(weights.to(DOT), x_t.to(DOT), acc, input_precision=PRECISION)
+        ok = n_ok[:, None, None] & (k0 // 32 + b < K // 32)
+        words = tl.load(words_ptr + rows * (K // 8) + k0 // 8 + 4 * b + q, mask=ok, other=0)
+        scales = tl.load(s_ptr + rows * (K // 32) + k0 // 32 + b + 0 * q, mask=ok, other=127)
+        x = tl.load(x_rows[:, None] + k0 + k[None, :], mask=m_ok[:, None] & (k0 + k < K)[None, :], other=0.0)
+        pairs = e8m0_bf16_pairs(tl.reshape(scales, (w_rows.shape[0], BLOCK_K // 8)))
+        weights = mxfp4_pair_weights(tl.reshape(words, (w_rows.shape[0], BLOCK_K // 8)), pairs, ASM)
+        acc = tl.dot(weights.to(DOT), tl.trans(pair_order(x.to(DOT))), acc, input_precision=PRECISION)
     return acc
 
 
@@ -115,10 +124,10 @@ def _dequant_tile(x_rows, w_ptr, s_ptr, w_rows, m_ok, n_ok, k_start, k_end, K, B
 def _mxfp4_grouped_matmul_kernel(x_ptr, counts_ptr, w_ptr, s_ptr, out_ptr, M, N, K, E, K_SPLIT,
                                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                  BLOCK_E: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
-                                 SCALED_FORMAT: tl.constexpr):
+                                 SCALED_FORMAT: tl.constexpr, ASM: tl.constexpr):
     """One [BLOCK_M, BLOCK_N] output tile over inputs [k_start, k_start + K_SPLIT) of split program_id(2), written
     to out[split] (out [splits, M, N]); SCALED_FORMAT ("bf16" / "fp16") takes tl.dot_scaled, "" the explicit
-    dequantization."""
+    dequantization (ASM: its codes decoded by PTX, on a CUDA GPU)."""
     e_idx = tl.arange(0, BLOCK_E)
     counts = tl.load(counts_ptr + e_idx, mask=e_idx < E, other=0).to(tl.int32)
     tiles = (counts + BLOCK_M - 1) // BLOCK_M
@@ -138,7 +147,7 @@ def _mxfp4_grouped_matmul_kernel(x_ptr, counts_ptr, w_ptr, s_ptr, out_ptr, M, N,
         k_end = tl.minimum(k_start + K_SPLIT, K)
         if SCALED_FORMAT == "":
             acc = tl.trans(_dequant_tile(x_rows, w_ptr, s_ptr, w_rows, m_ok, n_ok, k_start, k_end, K, BLOCK_M,
-                                         BLOCK_K, DOT, PRECISION))
+                                         BLOCK_K, DOT, PRECISION, ASM))
         else:
             acc = _scaled_tile(x_rows, w_ptr, s_ptr, w_rows, m_ok, n_ok, k_start, k_end, K, BLOCK_N, BLOCK_K,
                                SCALED_FORMAT)
@@ -153,6 +162,12 @@ def dot_dtype(x: torch.Tensor) -> tl.dtype:
     if x.device.type == "cpu" or x.dtype == torch.float32:
         return tl.float32
     return tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16
+
+
+def ptx_decode(x: torch.Tensor) -> bool:
+    """Whether the tiles decode codes with PTX (`triton_experts_common.e2m1_code_pair`): on NVIDIA GPUs; the
+    Triton interpreter (CPU tensors) runs the same arithmetic in Triton."""
+    return x.device.type == "cuda" and torch.version.hip is None
 
 
 def block_m(rows: int, experts: int) -> int:
@@ -219,7 +234,7 @@ def mxfp4_grouped_matmul_triton(x_sorted: torch.Tensor, counts: torch.Tensor, pa
     _mxfp4_grouped_matmul_kernel[(*grid, out.shape[0])](
         x_sorted.contiguous(), counts.contiguous(), packed.contiguous(), scales.contiguous(), out, M, N, K, E,
         k_split, BLOCK_M=bm, BLOCK_N=BLOCK_N, BLOCK_K=block_k, BLOCK_E=triton.next_power_of_2(E), DOT=dot,
-        PRECISION="ieee" if dot == tl.float32 else "tf32", SCALED_FORMAT=scaled,
+        PRECISION="ieee" if dot == tl.float32 else "tf32", SCALED_FORMAT=scaled, ASM=ptx_decode(x_sorted),
         num_warps=warps if scaled else DEQUANT_WARPS)
     return add_splits(out, x_sorted.dtype)
 
