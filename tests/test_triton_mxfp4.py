@@ -256,11 +256,12 @@ def test_auto_picks_by_rows_per_expert():
     assert pick("dequant", 1, 256, torch.bfloat16) == "dequant" and pick("rows", 9, 1, torch.float32) == "rows"
 
 
-def run_code_pair_ptx(asm: str, words: torch.Tensor, scale_pairs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def run_code_pair_ptx(asm: str, words: torch.Tensor, scale_pairs: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
     """`triton_experts_common._code_pair_asm`'s PTX run instruction by instruction on int64 tensors holding 32-bit
     registers ($2 the words, $3 the scale pairs; bf16x2 products rounded by torch's fp32 -> bf16 cast), for the
-    instructions it uses: the GPU runs the string itself, the CPU interpreter a Triton twin."""
-    regs = {"$2": words.to(torch.int64), "$3": scale_pairs.to(torch.int64)}
+    instructions it uses: the GPU runs the string itself, the CPU interpreter a Triton twin. Returns the two
+    outputs: bf16 halves, or fp32 registers."""
+    regs = {"$2": words.to(torch.int64)} | ({} if scale_pairs is None else {"$3": scale_pairs.to(torch.int64)})
     mask = 0xFFFFFFFF
 
     def value(operand):
@@ -290,13 +291,13 @@ def run_code_pair_ptx(asm: str, words: torch.Tensor, scale_pairs: torch.Tensor) 
             regs[d] = out[0] | (out[1] << 16)
         else:
             raise AssertionError(f"an instruction the emulation does not know: {line}")
-    raise AssertionError("no output")
+    return tuple(regs[out].to(torch.int32).view(torch.float32) for out in ("$0", "$1"))  # the fp32 outputs
 
 
 def test_the_code_pair_ptx_decodes_every_code_at_extreme_scales():
     """The PTX of the tiles' decode on a GPU, emulated: codes i and i + 4 of each word, times 2^126 and the scale,
     equal the reference's values in bf16 for every code in every position and the E8M0 bytes 0 (a subnormal
-    scale), 1, 127, 200, 254 and 255 (NaN)."""
+    scale), 1, 127, 200, 254 and 255 (NaN); the row kernel's (unscaled, fp32) the codes' values."""
     codes = torch.arange(16).unsqueeze(1).add(torch.arange(8)).remainder(16)  # [16 words, 8 positions]
     words = (codes << (4 * torch.arange(8))).sum(1)
     packed = torch.stack([(codes[:, 2 * j] | (codes[:, 2 * j + 1] << 4)) for j in range(4)], 1).to(torch.uint8)
@@ -310,3 +311,6 @@ def test_the_code_pair_ptx_decodes_every_code_at_extreme_scales():
             for got, column in ((lo, i), (hi, i + 4)):
                 torch.testing.assert_close(got, want[:, column].to(torch.bfloat16), rtol=0, atol=0, equal_nan=True,
                                            msg=f"E8M0 byte {s}, code position {column}")
+            if s == 127:  # the row kernel's form: the codes' values in fp32, unscaled
+                lo, hi = run_code_pair_ptx(triton_experts_common._code_pair_asm(i, unscaled_fp32=True), words, None)
+                assert torch.equal(lo, want[:, i]) and torch.equal(hi, want[:, i + 4]), i

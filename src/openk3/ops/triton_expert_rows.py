@@ -10,10 +10,12 @@ kernel spends its instructions dequantizing 32 weights into a 16-row operand for
 sync, CUDA graphs hold), reads that expert's BLOCK_N output rows along K (contiguous) and multiplies them by the
 row in fp32: each weight is read once per row and costs its load (and unpacking) and one fused multiply-add, the
 products kept per thread and reduced across the block once, after the walk over K. MXFP4 codes are read as int32
-words of 8 and decoded by bit placement (`e2m1_word_values`), each word's 8 products summed before its block scale
-multiplies them. Set by instructions, not bytes: kimi-linear-48b's experts at 1-16 rows ran at ~750 GB/s on an
-H100 with ~15.7 instructions a weight in the loop (codes decoded byte by byte, the sums reduced across threads at
-every step); this loop takes ~7.2 (sm_90 SASS, triton 3.9, BLOCK_N 32). Rows of one expert re-read its weights,
+words of 8 and decoded two at a time (`e2m1_code_pair_fp32`: codes i and i + 4 placed by one shift into a bf16x2
+register, then widened), each word's 8 products summed before its block scale multiplies them. Set by
+instructions, not bytes: kimi-linear-48b's experts at 1-16 rows ran at ~750 GB/s on an H100 with ~15.7
+instructions a weight in the loop (codes decoded byte by byte, the sums reduced across threads at every step);
+decoded a code at a time in fp32 the loop took 9.0, now 7.2 (sm_90 SASS, triton 3.6, BLOCK_N 32, compiled offline
+on 2026-12-07, not yet timed). Rows of one expert re-read its weights,
 so this is for at most about one row per expert (`ops.triton_mxfp4.pick_method`; `ops.moe.experts_forward`).
 Split-K as in `ops.triton_mxfp4` (programs over parts of K, fp32 partial sums added after).
 
@@ -29,9 +31,10 @@ import triton.language as tl
 
 from openk3.ops.triton_experts_common import (
     add_splits,
-    e2m1_word_values,
+    e2m1_code_pair_fp32,
     e8m0_values,
     k_splits,
+    ptx_decode,
     split_output,
     word_columns,
 )
@@ -51,7 +54,7 @@ def _word_step(words_ptr, s_ptr, w_row, n_ok, w, k0, k_end, K):
 
 @triton.jit
 def _expert_rows_kernel(x_ptr, counts_ptr, w_ptr, s_ptr, out_ptr, M, N, K, E, K_SPLIT, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, MXFP4: tl.constexpr):
+                        BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, MXFP4: tl.constexpr, ASM: tl.constexpr):
     """Row program_id(0)'s outputs [BLOCK_N] over inputs [k_start, k_start + K_SPLIT) of split program_id(2), written
     to out[split] (out [splits, M, N]). The products are kept per thread ([BLOCK_N, inputs] partial sums) and
     reduced across the block's threads once, after the walk over K."""
@@ -78,10 +81,18 @@ def _expert_rows_kernel(x_ptr, counts_ptr, w_ptr, s_ptr, out_ptr, M, N, K, E, K_
             k = k0 + 8 * w[:, None] + tl.arange(0, 8)[None, :]
             x = tl.load(x_row + k, mask=k < k_end, other=0.0).to(tl.float32)
             c0, c1, c2, c3, c4, c5, c6, c7 = word_columns(x)
-            word = e2m1_word_values(words, 0) * c0[None, :] + e2m1_word_values(words, 1) * c1[None, :]
-            word += e2m1_word_values(words, 2) * c2[None, :] + e2m1_word_values(words, 3) * c3[None, :]
-            word += e2m1_word_values(words, 4) * c4[None, :] + e2m1_word_values(words, 5) * c5[None, :]
-            word += e2m1_word_values(words, 6) * c6[None, :] + e2m1_word_values(words, 7) * c7[None, :]
+            lo, hi = e2m1_code_pair_fp32(words, 0, ASM)
+            word = lo * c0[None, :]  # one product a statement: fused multiply-adds, not multiplies and adds
+            word += hi * c4[None, :]
+            lo, hi = e2m1_code_pair_fp32(words, 1, ASM)
+            word += lo * c1[None, :]
+            word += hi * c5[None, :]
+            lo, hi = e2m1_code_pair_fp32(words, 2, ASM)
+            word += lo * c2[None, :]
+            word += hi * c6[None, :]
+            lo, hi = e2m1_code_pair_fp32(words, 3, ASM)
+            word += lo * c3[None, :]
+            word += hi * c7[None, :]
             acc += word * e8m0_values(scales)
             words, scales = next_words, next_scales
         out = tl.sum(acc, axis=1)
@@ -117,7 +128,7 @@ def expert_rows(x_sorted: torch.Tensor, counts: torch.Tensor, weight: torch.Tens
     _expert_rows_kernel[(*grid, out.shape[0])](
         x_sorted.contiguous(), counts.contiguous(), weight.contiguous(), scales.contiguous() if mxfp4 else weight,
         out, M, N, K, E, k_split, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_E=triton.next_power_of_2(E), MXFP4=mxfp4,
-        num_warps=WARPS)
+        ASM=ptx_decode(x_sorted), num_warps=WARPS)
     return add_splits(out, x_sorted.dtype)
 
 

@@ -57,21 +57,27 @@ def word_columns(x):
     return c0, c1, c2, c3, c4, c5, c6, c7
 
 
-def _code_pair_asm(i: int) -> str:
+def _code_pair_asm(i: int, unscaled_fp32: bool = False) -> str:
     """PTX for `e2m1_code_pair`'s codes i and i + 4 of word $2 (bits 4i and 4i + 16 on: one shift moves both): their
     magnitude bits to bf16 bits 6-8 of each half, their signs to bits 15, the pair times 2^126 (`e2m1_word_values`'
-    bit placement in bf16; code 0.5 is the bf16 subnormal 2^-127, kept) and times the scale pair $3; out $0, $1."""
+    bit placement in bf16; code 0.5 is the bf16 subnormal 2^-127, kept), then times the scale pair $3 into bf16
+    outputs $0, $1, or (unscaled_fp32, `e2m1_code_pair_fp32`) widened into fp32 outputs $0, $1."""
     magnitude = f"shl.b32 m, $2, {6 - 4 * i};" if i < 2 else f"shr.u32 m, $2, {4 * i - 6};"
     sign = f"shl.b32 s, $2, {12 - 4 * i};" if i < 3 else "mov.b32 s, $2;"
+    out = "shl.b32 $0, m, 16; and.b32 $1, m, 0xFFFF0000;" if unscaled_fp32 else \
+        "mul.rn.bf16x2 m, m, $3; mov.b32 {$0, $1}, m;"
     return ("{ .reg .b32 m, s, c; mov.b32 c, 0x7E807E80; " + magnitude + " " + sign + " and.b32 m, m, 0x01C001C0; "
-            "and.b32 s, s, 0x80008000; or.b32 m, m, s; mul.rn.bf16x2 m, m, c; mul.rn.bf16x2 m, m, $3; "
-            "mov.b32 {$0, $1}, m; }")
+            "and.b32 s, s, 0x80008000; or.b32 m, m, s; mul.rn.bf16x2 m, m, c; " + out + " }")
 
 
 CODE_PAIR_0 = tl.constexpr(_code_pair_asm(0))
 CODE_PAIR_1 = tl.constexpr(_code_pair_asm(1))
 CODE_PAIR_2 = tl.constexpr(_code_pair_asm(2))
 CODE_PAIR_3 = tl.constexpr(_code_pair_asm(3))
+CODE_PAIR_FP32_0 = tl.constexpr(_code_pair_asm(0, unscaled_fp32=True))
+CODE_PAIR_FP32_1 = tl.constexpr(_code_pair_asm(1, unscaled_fp32=True))
+CODE_PAIR_FP32_2 = tl.constexpr(_code_pair_asm(2, unscaled_fp32=True))
+CODE_PAIR_FP32_3 = tl.constexpr(_code_pair_asm(3, unscaled_fp32=True))
 
 
 @triton.jit
@@ -110,6 +116,29 @@ def e2m1_code_pair(words, scale_pairs, i: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
+def e2m1_code_pair_fp32(words, i: tl.constexpr, ASM: tl.constexpr):
+    """Codes i and i + 4 (i < 4) of each int32 word of 8 E2M1 codes as fp32 values (no scale): PTX in bf16x2 on a
+    CUDA GPU (ASM; 7 instructions a pair on sm_90), `e2m1_word_values` in the interpreter."""
+    if ASM:
+        if i == 0:
+            lo, hi = tl.inline_asm_elementwise(CODE_PAIR_FP32_0, "=r,=r,r", [words], dtype=(tl.float32, tl.float32),
+                                               is_pure=True, pack=1)
+        elif i == 1:
+            lo, hi = tl.inline_asm_elementwise(CODE_PAIR_FP32_1, "=r,=r,r", [words], dtype=(tl.float32, tl.float32),
+                                               is_pure=True, pack=1)
+        elif i == 2:
+            lo, hi = tl.inline_asm_elementwise(CODE_PAIR_FP32_2, "=r,=r,r", [words], dtype=(tl.float32, tl.float32),
+                                               is_pure=True, pack=1)
+        else:
+            lo, hi = tl.inline_asm_elementwise(CODE_PAIR_FP32_3, "=r,=r,r", [words], dtype=(tl.float32, tl.float32),
+                                               is_pure=True, pack=1)
+    else:
+        lo = e2m1_word_values(words, i)
+        hi = e2m1_word_values(words, i + 4)
+    return lo, hi
+
+
+@triton.jit
 def mxfp4_pair_weights(words, scale_pairs, ASM: tl.constexpr):
     """int32 words [R, W] of 8 E2M1 codes each and their scales (`e8m0_bf16_pairs`, [R, W]) -> the weights
     [R, 8 W] (bf16 with ASM, else fp32), in pair order: input 8 w + 2 i + j holds code i + 4 j of word w (each pair
@@ -130,6 +159,12 @@ def pair_order(x):
     input 8 w + i + 4 j (register moves when a thread holds 8 consecutive inputs)."""
     groups = tl.reshape(x, (x.shape[0], x.shape[1] // 8, 2, 4))  # [M, W, j, i]
     return tl.reshape(tl.permute(groups, (0, 1, 3, 2)), (x.shape[0], x.shape[1]))
+
+
+def ptx_decode(x: torch.Tensor) -> bool:
+    """Whether the kernels decode MXFP4 codes with PTX (`e2m1_code_pair`, `e2m1_code_pair_fp32`): on NVIDIA GPUs;
+    the Triton interpreter (CPU tensors) runs the same arithmetic in Triton."""
+    return x.device.type == "cuda" and torch.version.hip is None
 
 
 def k_splits(tiles: int, K: int, block_k: int) -> int:

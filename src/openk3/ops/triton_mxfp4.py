@@ -52,6 +52,7 @@ from openk3.ops.triton_experts_common import (
     k_splits,
     mxfp4_pair_weights,
     pair_order,
+    ptx_decode,
     split_output,
 )
 
@@ -162,12 +163,6 @@ def dot_dtype(x: torch.Tensor) -> tl.dtype:
     if x.device.type == "cpu" or x.dtype == torch.float32:
         return tl.float32
     return tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16
-
-
-def ptx_decode(x: torch.Tensor) -> bool:
-    """Whether the tiles decode codes with PTX (`triton_experts_common.e2m1_code_pair`): on NVIDIA GPUs; the
-    Triton interpreter (CPU tensors) runs the same arithmetic in Triton."""
-    return x.device.type == "cuda" and torch.version.hip is None
 
 
 def block_m(rows: int, experts: int) -> int:
