@@ -11,6 +11,8 @@ tokens (random routing, bf16 activations), each replayed as a CUDA graph and tim
   mxfp4-tiles  the row tiles with the explicit dequantization at every batch
   mxfp4-scaled the row tiles with tl.dot_scaled at every batch
   mxfp4-expand every expert expanded to bf16 in one pass, then the bf16 path (for prefill-sized batches)
+  mxfp4-rows-triton, mxfp4-tiles-triton: the row kernel and the tiles with the codes decoded by their Triton twin
+               (what the interpreter runs) instead of PTX: the same-run peer of the PTX decode
 with the weight bytes the batch's experts hold (the floor a step must read) and the bandwidth that makes, and the
 MXFP4 outputs' relative error against bf16 experts holding the dequantized values. --splits also times the two
 MXFP4 GEMMs alone at each split-K count for the decode-sized batches. --startup also builds
@@ -27,10 +29,12 @@ import itertools
 import json
 import time
 from pathlib import Path
+from unittest.mock import patch
 
 import torch
 
 from openk3.config import get_preset
+from openk3.ops import triton_experts_common
 from openk3.ops.activations import glu_activation
 from openk3.ops.moe import experts_forward, experts_forward_mxfp4
 from openk3.quant.mx import unpack_mxfp4
@@ -60,6 +64,14 @@ def timed(fn, device: torch.device) -> float:
     return triton.testing.do_bench(graph.replay, warmup=10, rep=200, return_mode="median")
 
 
+def triton_decode(fn):
+    """fn with the MXFP4 kernels decoding their codes in Triton, not PTX (`triton_experts_common.ptx_decode`)."""
+    def run():
+        with patch.object(triton_experts_common, "PTX_DECODE", False):
+            return fn()
+    return run
+
+
 def formats(x, indices, weights, dense, packed, act) -> dict:
     """format -> the call that runs the batch's experts in it."""
     return {"bf16": lambda: experts_forward(x, indices, weights, *dense, act),
@@ -67,7 +79,11 @@ def formats(x, indices, weights, dense, packed, act) -> dict:
             "mxfp4-rows": lambda: experts_forward_mxfp4(x, indices, weights, *packed, act, "rows"),
             "mxfp4-tiles": lambda: experts_forward_mxfp4(x, indices, weights, *packed, act, "dequant"),
             "mxfp4-scaled": lambda: experts_forward_mxfp4(x, indices, weights, *packed, act, "dot_scaled"),
-            "mxfp4-expand": lambda: experts_forward_mxfp4(x, indices, weights, *packed, act, "expand")}
+            "mxfp4-expand": lambda: experts_forward_mxfp4(x, indices, weights, *packed, act, "expand"),
+            "mxfp4-rows-triton": triton_decode(lambda: experts_forward_mxfp4(x, indices, weights, *packed, act,
+                                                                             "rows")),
+            "mxfp4-tiles-triton": triton_decode(lambda: experts_forward_mxfp4(x, indices, weights, *packed, act,
+                                                                              "dequant"))}
 
 
 def bench_experts(E: int, k: int, dim: int, inter: int, batches: list[int], device: torch.device) -> list[dict]:
@@ -94,7 +110,7 @@ def bench_experts(E: int, k: int, dim: int, inter: int, batches: list[int], devi
                 read = values * (2 if name == "bf16" else 0.5 + 1 / 32)
                 rows.append({"format": name, "tokens": n, "experts_touched": touched, "ms": ms,
                              "weight_gb": read / 1e9, "gb_per_s": read / ms / 1e6, "rel_err_vs_bf16": err})
-                print(f"{name:13s} tokens {n:5d}  experts {touched:3d}  {ms * 1e3:9.1f} us  "
+                print(f"{name:18s} tokens {n:5d}  experts {touched:3d}  {ms * 1e3:9.1f} us  "
                       f"{read / 1e9:6.3f} GB  {read / ms / 1e6:7.0f} GB/s  rel err {err:.1e}", flush=True)
     return rows
 

@@ -161,10 +161,13 @@ def pair_order(x):
     return tl.reshape(tl.permute(groups, (0, 1, 3, 2)), (x.shape[0], x.shape[1]))
 
 
+PTX_DECODE = True  # False: the Triton twin on GPUs too (bench/mxfp4_experts.py's peer rows)
+
+
 def ptx_decode(x: torch.Tensor) -> bool:
     """Whether the kernels decode MXFP4 codes with PTX (`e2m1_code_pair`, `e2m1_code_pair_fp32`): on NVIDIA GPUs;
     the Triton interpreter (CPU tensors) runs the same arithmetic in Triton."""
-    return x.device.type == "cuda" and torch.version.hip is None
+    return PTX_DECODE and x.device.type == "cuda" and torch.version.hip is None
 
 
 def k_splits(tiles: int, K: int, block_k: int) -> int:
