@@ -422,6 +422,12 @@ def test_step_timing_and_slow_steps_are_reported(model, monkeypatch, caplog):
     line = caplog.records[-1].getMessage()
     assert line.startswith("slow engine step") and line.endswith("in 1 collections")
     assert 0 < float(line.split("garbage collector ")[1].split(" ms")[0]) <= float(line.split(": ")[1].split(" ms")[0])
+    # and which phases held it: the phases of over 1 ms, longest first, within the step's time
+    phases = dict(p.rsplit(" ", 2)[:2] for p in line.split("; phases: ")[1].split("; ")[0].split(", "))
+    assert set(phases) <= {"admit", "decode launch", "device wait", "accept", "prefix cache", "sample and accept",
+                           "speculate", "prefill", "events"} and "prefill" in phases, line
+    assert sum(map(float, phases.values())) <= float(line.split(": ")[1].split(" ms")[0]) + len(phases)
+    assert list(map(float, phases.values())) == sorted(map(float, phases.values()), reverse=True)
 
 
 def test_bad_prompts_are_refused(model):

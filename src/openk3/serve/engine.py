@@ -109,6 +109,28 @@ def collector_clock() -> CollectorClock:
     """The process's one clock (engines come and go; the callback stays)."""
     return CollectorClock()
 
+
+class StepPhases:
+    """Where one engine step's host time went: `mark(name)` adds the time since the previous mark to `name` (a
+    perf_counter call a phase boundary, a few a step), so a slow step's log line can say which phase held it (the
+    wait for the device's previous step is its own phase, "device wait")."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.last, self.spent = time.perf_counter(), {}
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self.spent[name] = self.spent.get(name, 0.0) + now - self.last
+        self.last = now
+
+    def line(self, at_least: float = 1e-3) -> str:
+        """The phases of at least `at_least` seconds, longest first."""
+        spent = sorted(((s, n) for n, s in self.spent.items() if s >= at_least), reverse=True)
+        return ", ".join(f"{name} {seconds * 1e3:.0f} ms" for seconds, name in spent) or "none over 1 ms"
+
 # A prefill forward costs ~25-30 ms of host time on an H200 whatever its length (k3-debug: ~1,500 eager ops), so a
 # long prompt goes in few, long forwards: 12k tokens took 141-151 ms in three of 4096 (bench/RESULTS.md, 2026-12-01).
 GPU_PREFILL_CHUNK_TOKENS = 16384  # tokens per prefill forward on a GPU, rounded to hash blocks
@@ -380,6 +402,7 @@ class Engine:
         ), store=self.pages) if config.prefix_cache else None
         self.scheduler = Scheduler(sched)
         self.metrics = EngineMetrics()
+        self.phases = StepPhases()
         self.stop_ids = set(tokenizer.stop_ids)
         self.vocab_limit = min(tokenizer.vocab_size, mc.vocab_size)
         self.overlap = (config.overlap if config.overlap is not None else gpu) and self.draft is None
@@ -476,10 +499,12 @@ class Engine:
     def step(self) -> None:
         started, prefills = time.perf_counter(), self.metrics.prefill_forwards
         collecting = collector_clock().read()
+        self.phases.reset()
         try:
             self._step()
         finally:
             self._deliver_events()
+            self.phases.mark("events")
             self._time_step(time.perf_counter() - started, self.metrics.prefill_forwards - prefills, collecting)
 
     def _time_step(self, seconds: float, prefills: int, collecting: tuple[float, int]) -> None:
@@ -488,9 +513,9 @@ class Engine:
         m.slowest_step_seconds = max(m.slowest_step_seconds, seconds)
         if seconds > SLOW_STEP_S:  # one step stalls every running sequence: say what it held
             gc_seconds, collections = (now - before for now, before in zip(collector_clock().read(), collecting))
-            log.info("slow engine step: %.0f ms with %d prefill forwards, %d running, %d waiting; garbage collector "
-                     "%.1f ms in %d collections", seconds * 1e3, prefills, len(self.scheduler.running),
-                     len(self.scheduler.waiting), gc_seconds * 1e3, collections)
+            log.info("slow engine step: %.0f ms with %d prefill forwards, %d running, %d waiting; phases: %s; garbage "
+                     "collector %.1f ms in %d collections", seconds * 1e3, prefills, len(self.scheduler.running),
+                     len(self.scheduler.waiting), self.phases.line(), gc_seconds * 1e3, collections)
 
     def _short_prefill_tokens(self, config: EngineConfig, gpu: bool) -> int:
         if config.short_prefill_tokens is not None:
@@ -514,6 +539,7 @@ class Engine:
         for r in admitted:
             with self._isolated([r]):
                 self._start(r)
+        self.phases.mark("admit")
         ready = [r for r in self.scheduler.running if not r.prefilling and not self._ends_in_flight(r)]
         K, limit = self._drafts_per_round(len(ready)), self.max_model_len
         speculating, decoding = [], []
@@ -527,6 +553,7 @@ class Engine:
         if speculating:
             with self._isolated(speculating):
                 self._speculate(speculating)
+            self.phases.mark("speculate")
         if decoding:
             with self._isolated(decoding):
                 self._decode(decoding)
@@ -560,6 +587,7 @@ class Engine:
                     break
             if held:
                 break
+        self.phases.mark("prefill")
         self.metrics.steps += 1
 
     def _drafts_per_round(self, batch: int) -> int:
@@ -791,6 +819,7 @@ class Engine:
             logits, features = self.runner.decode_with_features(ids, slots, lengths)
         plain = self.overlap and all(r.params.plain for r in requests)
         tokens = self._batch_tokens(requests, logits[:, : self.vocab_limit]) if plain else None
+        self.phases.mark("decode launch")
         self._drain()
         if tokens is not None:
             for r in requests:
@@ -800,6 +829,7 @@ class Engine:
                 if r.finish_reason is None and r.slot is not None:
                     with self._isolated([r]):
                         self._register_blocks(r, r.fed - 1)
+            self.phases.mark("prefix cache")
             return
         sample = self._sampler(requests, logits)
         for row, r in enumerate(requests):
@@ -812,6 +842,7 @@ class Engine:
                     self.features[r] = torch.cat([self._pending(r), features[row : row + 1]])
                 self._register_blocks(r, r.fed - 1)
                 self._accept(r, token)
+        self.phases.mark("sample and accept")
 
     def _ends_in_flight(self, r: Request) -> bool:
         """Whether the token of r's queued step ends it for length (`_accept`): then it takes no step more."""
@@ -824,10 +855,13 @@ class Engine:
         inflight, self._inflight = self._inflight, None
         if inflight is None:
             return
-        for r, token in zip(inflight.requests, inflight.copy.tolist()):
+        tokens = inflight.copy.tolist()
+        self.phases.mark("device wait")
+        for r, token in zip(inflight.requests, tokens):
             if r.finish_reason is None:
                 with self._isolated([r]):
                     self._accept(r, token)
+        self.phases.mark("accept")
 
     def _write_pending(self, requests: list[Request]) -> None:
         """Before a plain step: the draft's latents of the sequences whose pending positions fill a first draft
