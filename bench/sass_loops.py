@@ -1,6 +1,7 @@
 """The MXFP4 expert kernels compiled for sm_90 without a GPU: registers, spills and the SASS instructions of each
-kernel's main loop per weight, with the PTX decode of the codes (what runs on an NVIDIA GPU) and with its Triton
-twin (what the interpreter runs; the plain-Triton decode, as the peer).
+kernel's main loop per weight (a thread's loop instructions over the weights it takes a step), with the PTX decode
+of the codes (what runs on an NVIDIA GPU), with its Triton twin (what the interpreter runs) and, for the tiles,
+with Triton's own MXFP4 path, tl.dot_scaled (the peers).
 
 Where a kernel is bound by instructions, not bytes (a decode step's expert GEMMs dequantize every weight they read),
 the loop's instructions a weight are a proxy for its time that needs no GPU: ptxas and cuobjdump ship with Triton.
@@ -60,23 +61,27 @@ def main_loop(sass: str) -> collections.Counter:
 
 
 def cases():
-    """(kernel, tile, function, signature, constexprs, warps, weights a thread takes per loop step)."""
+    """(kernel, tile, decodes, function, signature, constexprs, warps, weights a thread takes per loop step): the
+    decodes are (name, constexprs, warps) variants of the kernel."""
     import triton.language as tl
 
     from openk3.ops import triton_expert_rows, triton_mxfp4
 
     types = dict(x_ptr="*bf16", counts_ptr="*i32", w_ptr="*u8", s_ptr="*u8", out_ptr="*bf16", M="i32", N="i32",
                  K="i32", E="i32", K_SPLIT="i32")
-    warps = triton_mxfp4.DEQUANT_WARPS
-    for block_m, (block_k, _) in triton_mxfp4.TILES.items():
-        constexprs = dict(BLOCK_M=block_m, BLOCK_N=triton_mxfp4.BLOCK_N, BLOCK_K=block_k, BLOCK_E=256,
-                          DOT=tl.bfloat16, PRECISION="tf32", SCALED_FORMAT="")
-        yield ("mxfp4 tiles", f"{block_m} rows", triton_mxfp4._mxfp4_grouped_matmul_kernel, types, constexprs, warps,
-               triton_mxfp4.BLOCK_N * block_k / (32 * warps))
+    dequant = triton_mxfp4.DEQUANT_WARPS
+    for block_m, (block_k, scaled_warps) in triton_mxfp4.TILES.items():
+        tile = dict(BLOCK_M=block_m, BLOCK_N=triton_mxfp4.BLOCK_N, BLOCK_K=block_k, BLOCK_E=256, DOT=tl.bfloat16,
+                    PRECISION="tf32")
+        decodes = [("PTX", dict(SCALED_FORMAT="", ASM=True), dequant),
+                   ("Triton", dict(SCALED_FORMAT="", ASM=False), dequant),
+                   ("tl.dot_scaled", dict(SCALED_FORMAT="bf16", ASM=False), scaled_warps)]
+        yield ("mxfp4 tiles", f"{block_m} rows", decodes, triton_mxfp4._mxfp4_grouped_matmul_kernel, types, tile,
+               triton_mxfp4.BLOCK_N * block_k / 32)
     rows = triton_expert_rows
-    yield ("mxfp4 rows", "1 row", rows._expert_rows_kernel, types,
-           dict(BLOCK_N=rows.BLOCK_N, BLOCK_K=rows.BLOCK_K, BLOCK_E=256, MXFP4=True), rows.WARPS,
-           rows.BLOCK_N * rows.BLOCK_K / (32 * rows.WARPS))
+    yield ("mxfp4 rows", "1 row", [("PTX", dict(ASM=True), rows.WARPS), ("Triton", dict(ASM=False), rows.WARPS)],
+           rows._expert_rows_kernel, types, dict(BLOCK_N=rows.BLOCK_N, BLOCK_K=rows.BLOCK_K, BLOCK_E=256, MXFP4=True),
+           rows.BLOCK_N * rows.BLOCK_K / 32)
 
 
 def main() -> None:
@@ -92,17 +97,17 @@ def main() -> None:
     bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     rows = []
     print(f"sm_90 SASS, triton {triton.__version__}, bf16 rows: the main loop per weight\n")
-    print("| kernel | tile | decode | registers | spill bytes | loop instructions | a weight |")
-    print("|---|---|---|---|---|---|---|")
-    for kernel, tile, fn, types, constexprs, warps, weights in cases():
-        for asm in (True, False):
-            sass, registers, spill = compile_sm90(fn, types, dict(constexprs, ASM=asm), warps, bin_dir)
+    print("| kernel | tile | decode | warps | registers | spill bytes | loop instructions | a weight |")
+    print("|---|---|---|---|---|---|---|---|")
+    for kernel, tile, decodes, fn, types, constexprs, step_weights in cases():
+        for decode, variant, warps in decodes:
+            sass, registers, spill = compile_sm90(fn, types, dict(constexprs, **variant), warps, bin_dir)
             loop = main_loop(sass)
-            row = dict(kernel=kernel, tile=tile, decode="PTX" if asm else "Triton", registers=registers,
+            row = dict(kernel=kernel, tile=tile, decode=decode, warps=warps, registers=registers,
                        spill_bytes=spill, loop_instructions=sum(loop.values()),
-                       per_weight=sum(loop.values()) / weights, top_opcodes=dict(loop.most_common(8)))
+                       per_weight=sum(loop.values()) * warps / step_weights, top_opcodes=dict(loop.most_common(8)))
             rows.append(row)
-            print(f"| {kernel} | {tile} | {row['decode']} | {registers} | {spill} | {row['loop_instructions']} | "
+            print(f"| {kernel} | {tile} | {decode} | {warps} | {registers} | {spill} | {row['loop_instructions']} | "
                   f"{row['per_weight']:.2f} |")
     with open(args.out, "w") as f:
         json.dump(dict(triton=triton.__version__, target="sm_90", date=time.strftime("%Y-%m-%d"), rows=rows), f,
