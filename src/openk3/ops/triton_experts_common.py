@@ -70,14 +70,9 @@ def _code_pair_asm(i: int, unscaled_fp32: bool = False) -> str:
             "and.b32 s, s, 0x80008000; or.b32 m, m, s; mul.rn.bf16x2 m, m, c; " + out + " }")
 
 
-CODE_PAIR_0 = tl.constexpr(_code_pair_asm(0))
-CODE_PAIR_1 = tl.constexpr(_code_pair_asm(1))
-CODE_PAIR_2 = tl.constexpr(_code_pair_asm(2))
-CODE_PAIR_3 = tl.constexpr(_code_pair_asm(3))
-CODE_PAIR_FP32_0 = tl.constexpr(_code_pair_asm(0, unscaled_fp32=True))
-CODE_PAIR_FP32_1 = tl.constexpr(_code_pair_asm(1, unscaled_fp32=True))
-CODE_PAIR_FP32_2 = tl.constexpr(_code_pair_asm(2, unscaled_fp32=True))
-CODE_PAIR_FP32_3 = tl.constexpr(_code_pair_asm(3, unscaled_fp32=True))
+# the PTX of each code pair i (Triton takes inline assembly as a constexpr string)
+CODE_PAIRS = tl.constexpr(tuple(_code_pair_asm(i) for i in range(4)))
+CODE_PAIRS_FP32 = tl.constexpr(tuple(_code_pair_asm(i, unscaled_fp32=True) for i in range(4)))
 
 
 @triton.jit
@@ -96,18 +91,8 @@ def e2m1_code_pair(words, scale_pairs, i: tl.constexpr, ASM: tl.constexpr):
     instructions a pair on sm_90 (`_code_pair_asm`); else (the Triton interpreter, whose fp32 -> bf16 cast flushes
     subnormals) in fp32 from `e2m1_word_values`."""
     if ASM:
-        if i == 0:
-            lo, hi = tl.inline_asm_elementwise(CODE_PAIR_0, "=h,=h,r,r", [words, scale_pairs],
-                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
-        elif i == 1:
-            lo, hi = tl.inline_asm_elementwise(CODE_PAIR_1, "=h,=h,r,r", [words, scale_pairs],
-                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
-        elif i == 2:
-            lo, hi = tl.inline_asm_elementwise(CODE_PAIR_2, "=h,=h,r,r", [words, scale_pairs],
-                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
-        else:
-            lo, hi = tl.inline_asm_elementwise(CODE_PAIR_3, "=h,=h,r,r", [words, scale_pairs],
-                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
+        lo, hi = tl.inline_asm_elementwise(CODE_PAIRS[i], "=h,=h,r,r", [words, scale_pairs],
+                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
     else:
         scale = (scale_pairs << 16).to(tl.float32, bitcast=True)  # the low half's bf16, widened
         lo = e2m1_word_values(words, i) * scale
@@ -120,18 +105,8 @@ def e2m1_code_pair_fp32(words, i: tl.constexpr, ASM: tl.constexpr):
     """Codes i and i + 4 (i < 4) of each int32 word of 8 E2M1 codes as fp32 values (no scale): PTX in bf16x2 on a
     CUDA GPU (ASM; 7 instructions a pair on sm_90), `e2m1_word_values` in the interpreter."""
     if ASM:
-        if i == 0:
-            lo, hi = tl.inline_asm_elementwise(CODE_PAIR_FP32_0, "=r,=r,r", [words], dtype=(tl.float32, tl.float32),
-                                               is_pure=True, pack=1)
-        elif i == 1:
-            lo, hi = tl.inline_asm_elementwise(CODE_PAIR_FP32_1, "=r,=r,r", [words], dtype=(tl.float32, tl.float32),
-                                               is_pure=True, pack=1)
-        elif i == 2:
-            lo, hi = tl.inline_asm_elementwise(CODE_PAIR_FP32_2, "=r,=r,r", [words], dtype=(tl.float32, tl.float32),
-                                               is_pure=True, pack=1)
-        else:
-            lo, hi = tl.inline_asm_elementwise(CODE_PAIR_FP32_3, "=r,=r,r", [words], dtype=(tl.float32, tl.float32),
-                                               is_pure=True, pack=1)
+        lo, hi = tl.inline_asm_elementwise(CODE_PAIRS_FP32[i], "=r,=r,r", [words], dtype=(tl.float32, tl.float32),
+                                           is_pure=True, pack=1)
     else:
         lo = e2m1_word_values(words, i)
         hi = e2m1_word_values(words, i + 4)
