@@ -5,6 +5,7 @@ over their concatenated weights; inference: over one buffer holding them, `Fusab
 
 from __future__ import annotations
 
+import abc
 import math
 
 import torch
@@ -106,7 +107,7 @@ def fuse_linears(linears: list[nn.Linear]) -> torch.Tensor:
     return fused
 
 
-class FusableLinears(nn.Module):
+class FusableLinears(nn.Module, metaclass=abc.ABCMeta):
     """Mixin: a module whose Linears read one input in groups (`fusion_groups`: name -> Linears, each Linear in at
     most one group of a model). `fuse_projections` puts each group in one buffer (`fuse_linears`), kept in `fused`
     by name, for its inference products to run as one (`linear_concat` / `linear_split` over it): one GEMM instead
@@ -119,9 +120,9 @@ class FusableLinears(nn.Module):
         self.fused: dict[str, torch.Tensor] = {}
         self.register_load_state_dict_post_hook(_drop_replaced_fusion)
 
+    @abc.abstractmethod
     def fusion_groups(self) -> dict[str, list[nn.Linear]]:
-        """Group name -> its Linears, in the order of their product's output columns."""
-        raise NotImplementedError
+        """Group name -> its Linears, in the order of their product's output columns (each subclass says which)."""
 
     def fuse_projections(self) -> None:
         if not self.fused:  # already fused: keep the buffers
