@@ -85,6 +85,19 @@ def e8m0_bf16_pairs(s):
 
 
 @triton.jit
+def e2m1_code_pair_fp32(words, i: tl.constexpr, ASM: tl.constexpr):
+    """Codes i and i + 4 (i < 4) of each int32 word of 8 E2M1 codes as fp32 values (no scale): PTX in bf16x2 on a
+    CUDA GPU (ASM; 7 instructions a pair on sm_90), `e2m1_word_values` in the interpreter."""
+    if ASM:
+        lo, hi = tl.inline_asm_elementwise(CODE_PAIRS_FP32[i], "=r,=r,r", [words], dtype=(tl.float32, tl.float32),
+                                           is_pure=True, pack=1)
+    else:
+        lo = e2m1_word_values(words, i)
+        hi = e2m1_word_values(words, i + 4)
+    return lo, hi
+
+
+@triton.jit
 def e2m1_code_pair(words, scale_pairs, i: tl.constexpr, ASM: tl.constexpr):
     """Codes i and i + 4 (i < 4) of each int32 word of 8 E2M1 codes, times their scale (`e8m0_bf16_pairs`), as two
     tensors of the words' shape holding the exact values. ASM (a CUDA GPU): both at once in bf16x2 arithmetic, 6
@@ -95,21 +108,8 @@ def e2m1_code_pair(words, scale_pairs, i: tl.constexpr, ASM: tl.constexpr):
                                            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
     else:
         scale = (scale_pairs << 16).to(tl.float32, bitcast=True)  # the low half's bf16, widened
-        lo = e2m1_word_values(words, i) * scale
-        hi = e2m1_word_values(words, i + 4) * scale
-    return lo, hi
-
-
-@triton.jit
-def e2m1_code_pair_fp32(words, i: tl.constexpr, ASM: tl.constexpr):
-    """Codes i and i + 4 (i < 4) of each int32 word of 8 E2M1 codes as fp32 values (no scale): PTX in bf16x2 on a
-    CUDA GPU (ASM; 7 instructions a pair on sm_90), `e2m1_word_values` in the interpreter."""
-    if ASM:
-        lo, hi = tl.inline_asm_elementwise(CODE_PAIRS_FP32[i], "=r,=r,r", [words], dtype=(tl.float32, tl.float32),
-                                           is_pure=True, pack=1)
-    else:
-        lo = e2m1_word_values(words, i)
-        hi = e2m1_word_values(words, i + 4)
+        lo, hi = e2m1_code_pair_fp32(words, i, False)
+        lo, hi = lo * scale, hi * scale
     return lo, hi
 
 

@@ -131,6 +131,7 @@ class StepPhases:
         spent = sorted(((s, n) for n, s in self.spent.items() if s >= at_least), reverse=True)
         return ", ".join(f"{name} {seconds * 1e3:.0f} ms" for seconds, name in spent) or "none over 1 ms"
 
+
 # A prefill forward costs ~25-30 ms of host time on an H200 whatever its length (k3-debug: ~1,500 eager ops), so a
 # long prompt goes in few, long forwards: 12k tokens took 141-151 ms in three of 4096 (bench/RESULTS.md, 2026-12-01).
 GPU_PREFILL_CHUNK_TOKENS = 16384  # tokens per prefill forward on a GPU, rounded to hash blocks
