@@ -38,6 +38,7 @@ MIN_SPLIT = 256  # positions a split walks at least (a multiple of BLOCK_N)
 MAX_SPLITS = 64
 PROGRAMS_PER_PROCESSOR = 4
 COMBINE_R = 128  # latent columns a program of the split merge takes
+COMBINE_TILE = 8192  # elements of a split-merge program's [splits, heads, columns] tile at most
 
 
 @functools.cache
@@ -132,16 +133,19 @@ def paged_mla_attend(q: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, 
 
 def combine_splits_triton(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     """`combine_splits` in one launch (fp32 out and lse, contiguous): in a decode step its six eager reductions and
-    element-wise kernels per MLA layer cost more than the merge's bytes. One program per (query, head, COMBINE_R
-    latent columns) loads all its splits at once, so the launch is one memory round trip wide at any batch (a
-    program per head block walking the splits in turn took 33 us a layer at batch 1, 64 splits: H100, 2026-12-07);
-    the splits without positions (lse = -inf) are not read."""
+    element-wise kernels per MLA layer cost more than the merge's bytes. A program takes one query's splits for a
+    block of heads and COMBINE_R latent columns, all loaded at once ([splits, heads, columns], COMBINE_TILE elements
+    at most): one memory round trip, with many programs at batch 1 (64 splits: one head each) and few wide ones at
+    large batches (H100, 2026-12-07: a program per head block walking the splits in turn took 33 us a layer at
+    batch 1; one per (query, head) 24 us at batch 64)."""
     N, S, H, R = out.shape
     merged = torch.empty(N, H, R, dtype=torch.float32, device=out.device)
     if N and H:
+        block_s = triton.next_power_of_2(S)
         block_r = min(COMBINE_R, triton.next_power_of_2(R))
-        _combine_splits_kernel[(N, H, triton.cdiv(R, block_r))](
-            out, lse, merged, S, H, R, BLOCK_S=triton.next_power_of_2(S), BLOCK_R=block_r, num_warps=4)
+        block_h = max(1, min(triton.next_power_of_2(H), COMBINE_TILE // (block_s * block_r)))
+        _combine_splits_kernel[(N, triton.cdiv(H, block_h), triton.cdiv(R, block_r))](
+            out, lse, merged, S, H, R, BLOCK_S=block_s, BLOCK_H=block_h, BLOCK_R=block_r, num_warps=4)
     return merged
 
 
@@ -154,21 +158,26 @@ def _(q, pool, tables, rows, lengths, latent_dim, scale, num_splits, min_split):
 if triton is not None:
 
     @triton.jit
-    def _combine_splits_kernel(out, lse, merged, S, H, R, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr):
-        """Query program_id(0), head program_id(1), latent columns [BLOCK_R] of block program_id(2): the sum over
-        splits s of exp(lse_s - m) out_s, over the sum of the weights (m the largest lse; empty splits, lse = -inf,
-        weigh 0 and are not read)."""
+    def _combine_splits_kernel(out, lse, merged, S, H, R, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr,
+                               BLOCK_R: tl.constexpr):
+        """Query program_id(0), heads [BLOCK_H] of block program_id(1), latent columns [BLOCK_R] of block
+        program_id(2): the sum over splits s of exp(lse_s - m) out_s, over the sum of the weights (m the largest
+        lse; empty splits, lse = -inf and zero partials, weigh 0)."""
         n = tl.program_id(0)
-        head = tl.program_id(1)
+        heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         cr = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
         splits = tl.arange(0, BLOCK_S)
-        rows = (n * S + splits).to(tl.int64) * H + head  # [BLOCK_S]
-        all_lse = tl.load(lse + rows, mask=splits < S, other=float("-inf"))
-        w = tl.exp(all_lse - tl.max(all_lse, axis=0))
-        read = (w > 0)[:, None] & (cr < R)[None, :]
-        parts = tl.load(out + rows[:, None] * R + cr[None, :], mask=read, other=0.0)  # [BLOCK_S, BLOCK_R]
-        merged_cols = tl.sum(w[:, None] * parts, axis=0) / tl.sum(w, axis=0)
-        tl.store(merged + (n * H + head).to(tl.int64) * R + cr, merged_cols, mask=cr < R)
+        ok = (splits < S)[:, None] & (heads < H)[None, :]  # [BLOCK_S, BLOCK_H]
+        rows = (n * S + splits).to(tl.int64)[:, None] * H + heads[None, :]
+        all_lse = tl.load(lse + rows, mask=ok, other=float("-inf"))
+        parts = tl.load(out + rows[:, :, None] * R + cr[None, None, :],
+                        mask=ok[:, :, None] & (cr < R)[None, None, :], other=0.0)  # [BLOCK_S, BLOCK_H, BLOCK_R]
+        # a real head has a finite lse (some split holds positions), so its weights sum to >= 1; the bounds only
+        # keep the heads past H (never stored) free of -inf - -inf and 0 / 0
+        w = tl.exp(all_lse - tl.maximum(tl.max(all_lse, axis=0), -3.0e38)[None, :])
+        merged_cols = tl.sum(w[:, :, None] * parts, axis=0) / tl.maximum(tl.sum(w, axis=0), 1.0)[:, None]
+        tl.store(merged + (n * H + heads).to(tl.int64)[:, None] * R + cr[None, :], merged_cols,
+                 mask=(heads < H)[:, None] & (cr < R)[None, :])
 
     @triton.jit
     def _paged_mla_decode_kernel(q, pool, tables, rows, lengths, out, lse, scale, H, table_stride, num_splits,
