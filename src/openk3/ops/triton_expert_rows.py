@@ -14,8 +14,9 @@ words of 8 and decoded two at a time (`e2m1_code_pair_fp32`: codes i and i + 4 p
 register, then widened), each word's 8 products summed before its block scale multiplies them. Set by
 instructions, not bytes: kimi-linear-48b's experts at 1-16 rows ran at ~750 GB/s on an H100 with ~15.7
 instructions a weight in the loop (codes decoded byte by byte, the sums reduced across threads at every step);
-decoded a code at a time in fp32 the loop took 9.0, now 7.2 (sm_90 SASS, triton 3.6, BLOCK_N 32, compiled offline
-on 2026-12-07, not yet timed). Rows of one expert re-read its weights,
+decoded a code at a time in fp32 the loop took 9.0, now 7.2 (sm_90 SASS, triton 3.6, BLOCK_N 32), which on an H100
+made a 16-token MoE layer 1.06x faster (bench/RESULTS.md, 2026-12-07 eleventh session: at one token the launch has
+too few warps to cover memory latency, 126 registers a thread). Rows of one expert re-read its weights,
 so this is for at most about one row per expert (`ops.triton_mxfp4.pick_method`; `ops.moe.experts_forward`).
 Split-K as in `ops.triton_mxfp4` (programs over parts of K, fp32 partial sums added after).
 

@@ -24,7 +24,9 @@ at a time: codes i and i + 4 of a word are 16 bits apart, so one shift and two m
 register and two bf16x2 multiplies scale them (`triton_experts_common.e2m1_code_pair`, PTX on a GPU); the weights
 come out in that pair order and the rows' inputs are permuted to match (`pair_order`, register moves). The tile
 loop went from 12.1 to 6.2 instructions a weight at 16-row tiles, 13.3 to 8.3 at 64 (bf16 rows; sm_90 SASS with
-triton 3.6, compiled offline: bench/RESULTS.md, 2026-12-07 tenth session, not yet timed). Earlier, on an H200
+triton 3.6), yet the 64-token layer only went 979 -> 929 us on an H100: the tiles are bound by shared-memory
+traffic (the dequantized operand staged for the MMA), not by the decode (Nsight Compute: bench/RESULTS.md,
+2026-12-07 eleventh session). Earlier, on an H200
 with kimi-linear-48b's experts (bench/RESULTS.md, 2026-12-07 eighth session): the same tile with the rows as the
 first operand and the codes read K-down against this orientation, 64 tokens 1081 -> 969 us a layer, 256 tokens
 1504 -> 1195 us, 4096 tokens 21.4 -> 7.2 ms.
