@@ -157,3 +157,93 @@ def test_sample_tokens_and_accept_drafts_on_logits_take_the_kernels_where_triton
         kept = speculative.accept_drafts_on_logits(drafted, draft.to(DEV), target.to(DEV), params, rngs)
         results.append((tokens, kept, [r.random() for r in rngs]))
     assert results[0] == results[1] == results[2] and speculative._reject_kernel_failed
+
+
+def separated_top_p(row: torch.Tensor, temperature: float, top_k: int, wanted: float) -> float:
+    """A top_p near `wanted` halfway between two of the row's sorted cumulative masses (fp64), so that the nucleus
+    does not hang on fp32 rounding (the reference sums in fp32, the kernel in fp64)."""
+    z = (row.double() - row.double().max()) / temperature
+    if 0 < top_k < z.numel():
+        z = z.masked_fill(z < z.sort(descending=True).values[top_k - 1], -INF)
+    masses = torch.softmax(z.sort(descending=True).values, 0)
+    before = torch.cat([torch.zeros(1, dtype=torch.float64), masses.cumsum(0)])
+    i = int(torch.searchsorted(before, torch.tensor([wanted], dtype=torch.float64)).clamp(1, before.numel() - 1))
+    return float((before[i - 1] + before[i]) / 2)
+
+
+@pytest.mark.parametrize("V", [1, 7, 300, 512 + 77, 3 * 4096 + 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cut_kernel_draws_what_the_reference_draws(V, dtype, monkeypatch):
+    """sample_rows_cut_triton against `sample_tokens`' sort (the reference), same uniforms: top-k (1, below V, V and
+    more), top-p (a nucleus of one token to nearly all, its last key shared by many tokens), both, neither;
+    greedy rows, ties, NaN, +inf, all -inf and fp32-limit logits."""
+    monkeypatch.setattr(sampling, "use_triton", lambda t, compiled=False: False)
+    gen, rng = torch.Generator().manual_seed(V + 1), random.Random(V)
+    rows, params, sources = [], [], []
+    for i in range(16):
+        x = torch.randn(V, generator=gen) * rng.choice([0.5, 4.0, 30.0])
+        case = i % 8
+        if case == 1:
+            x[rng.randrange(V)] = float("nan")
+        elif case == 2:
+            x[rng.randrange(V)] = INF
+        elif case == 3:
+            x.fill_(-INF)
+        elif case == 4:
+            x = x.sign() * 3e38 * (x.abs() > 1)
+        elif case in (5, 6):  # ties: a few distinct values over the whole row
+            x = torch.randint(0, 3, (V,), generator=gen).float() * rng.choice([0.01, 1.0])
+        x = x.to(dtype).float()
+        temperature = 0.0 if i % 7 == 0 else rng.choice([TEMPERATURE_FLOOR, 0.3, 1.0, 7.0])
+        top_k = rng.choice([0, 0, 1, max(1, V // 3), V, V + 5])
+        top_p = 1.0
+        if rng.random() < 0.8 and torch.isfinite(x).any() and temperature > 0:
+            top_p = separated_top_p(torch.nan_to_num(x, nan=-INF), max(temperature, TEMPERATURE_FLOOR), top_k,
+                                    rng.choice([0.01, 0.5, 0.9, 0.999]))
+        rows.append(x)
+        params.append(SamplingParams(temperature=temperature, top_k=top_k, top_p=min(top_p, 1.0)))
+        sources.append(rng.choice([random.Random(rng.randrange(1 << 30)), FixedUniforms(0.0),
+                                   FixedUniforms(1 - 2.0**-53)]))
+    logits = torch.stack(rows)
+    copies = [FixedUniforms(s.value) if isinstance(s, FixedUniforms) else random.Random() for s in sources]
+    for c, s in zip(copies, sources):
+        if isinstance(s, random.Random):
+            c.setstate(s.getstate())
+    want = sample_tokens(logits, params, copies).tolist()
+    temperature = torch.tensor([p.temperature if not p.greedy else 0.0 for p in params], dtype=torch.float64)
+    u = torch.tensor([s.random() if not p.greedy else 0.0 for s, p in zip(sources, params)], dtype=torch.float64)
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64)
+    top_k = torch.tensor([p.top_k for p in params], dtype=torch.float64)
+    got = triton_sampling.sample_rows_cut_triton(logits.to(dtype).to(DEV), temperature, u, top_p, top_k).tolist()
+    assert got == want
+
+
+def test_the_nucleus_takes_tied_tokens_in_index_order():
+    """Every logit equal: top_p = (r + 1/2) / V keeps the first r + 1 tokens (the reference's stable sort), so the
+    largest uniform draws token r."""
+    V = 1000
+    u = torch.full((3,), 1 - 2.0**-53, dtype=torch.float64)
+    top_p = torch.tensor([0.5 / V, 10.5 / V, 700.5 / V], dtype=torch.float64)
+    got = triton_sampling.sample_rows_cut_triton(torch.zeros(3, V, device=DEV), torch.ones(3, dtype=torch.float64),
+                                                 u, top_p, torch.zeros(3, dtype=torch.float64)).tolist()
+    assert got == [0, 10, 700]
+
+
+def test_sample_tokens_takes_the_cut_kernel_from_enough_rows(monkeypatch):
+    """Batches of rows with cuts (no bias or penalties) take sample_rows_cut_triton from CUT_KERNEL_MIN_ROWS rows on,
+    with the reference's tokens; smaller batches, and any row with a bias, take the sort."""
+    calls = []
+    kernel = triton_sampling.sample_rows_cut_triton
+    monkeypatch.setattr(triton_sampling, "sample_rows_cut_triton", lambda *a: calls.append(1) or kernel(*a))
+    B = sampling.CUT_KERNEL_MIN_ROWS
+    logits = torch.randn(B, 200, generator=torch.Generator().manual_seed(5)) * 3
+    params = [SamplingParams(temperature=0.9, top_p=0.9, top_k=i % 3 * 50) for i in range(B)]
+    results = []
+    for kernels, rows, bias in ((False, B, False), (True, B, False), (True, B - 1, False), (True, B, True)):
+        monkeypatch.setattr(sampling, "use_triton", lambda t, compiled=False, on=kernels: on)
+        chosen = [SamplingParams(temperature=0.9, logit_bias={3: 1.0})] + params[1:] if bias else params
+        calls.clear()
+        tokens = sample_tokens(logits[:rows].to(DEV), chosen[:rows], [random.Random(i) for i in range(rows)])
+        results.append((tokens.tolist(), len(calls)))
+    assert results[1] == (results[0][0], 1)
+    assert results[2] == (results[0][0][: B - 1], 0) and results[3][1] == 0
