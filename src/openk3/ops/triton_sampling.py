@@ -196,8 +196,9 @@ def _reject_kernel(draft_ptr, target_ptr, params_ptr, out_ptr, V, draft_row, dra
     tl.store(out_ptr + 2 * row + 1, tl.minimum(below, last))
 
 
-# vocabulary entries a step of the cut kernel's selection passes: [16, CUT_BLOCK] fp64 sums per program
-CUT_BLOCK = 512
+# vocabulary entries a step of the cut kernel's selection passes take: [16, SELECT_BLOCK] fp32 sums a program
+# (sm_90, triton 3.6, 8 warps: 512 spilled 80 bytes a thread at 128 registers)
+SELECT_BLOCK = 256
 
 
 @triton.jit
@@ -224,24 +225,25 @@ def _scaled_row(base, start, cols, V, best, t):
 @triton.jit
 def _digit_sums(base, V, best, t, prefix, known, shift, floor_key, MASS: tl.constexpr, BLOCK: tl.constexpr):
     """For each 4-bit digit d at bit `shift`: the mass exp(z) (MASS) or the number of the row's tokens whose key is
-    >= floor_key, has `prefix`'s bits where `known` is set, and digit d; [16] fp64."""
+    >= floor_key, has `prefix`'s bits where `known` is set, and digit d; [16] fp64, summed per lane in fp32 (as
+    exact as the reference's fp32 cumulative sum; counts exact below 2^24 a lane)."""
     cols = tl.arange(0, BLOCK)
     digits = tl.arange(0, 16)
-    sums = tl.zeros([16, BLOCK], tl.float64)
+    sums = tl.zeros([16, BLOCK], tl.float32)
     for start in range(0, V, BLOCK):
         z, key = _scaled_row(base, start, cols, V, best, t)
         live = (start + cols < V) & ((key & known) == prefix) & (key >= floor_key)
         if MASS:
-            weight = tl.exp(z).to(tl.float64)
+            weight = tl.exp(z)
         else:
-            weight = tl.full([BLOCK], 1.0, tl.float64)
+            weight = tl.full([BLOCK], 1.0, tl.float32)
         at = (((key >> shift) & 15).to(tl.int32)[None, :] == digits[:, None]) & live[None, :]
         sums += tl.where(at, weight[None, :], 0.0)
-    return tl.sum(sums, axis=1)
+    return tl.sum(sums.to(tl.float64), axis=1)
 
 
 @triton.jit
-def _select_key(base, V, best, t, floor_key, goal, MASS: tl.constexpr, BLOCK: tl.constexpr):
+def _select_key(base, V, best, t, floor_key, goal, MASS: tl.constexpr, SELECT: tl.constexpr):
     """Radix selection, 4 bits a pass from the top: walking the tokens with key >= floor_key from the largest key
     down, the key b at which their summed count or mass (MASS) first reaches `goal`, and that sum over the keys
     above b (all keys above b, and b's own, sum to >= goal; without b's, to < goal). Where rounding leaves the
@@ -251,8 +253,8 @@ def _select_key(base, V, best, t, floor_key, goal, MASS: tl.constexpr, BLOCK: tl
     above = tl.zeros([], tl.float64)
     digits = tl.arange(0, 16)
     for i in tl.static_range(8):
-        shift: tl.constexpr = 28 - 4 * i
-        sums = _digit_sums(base, V, best, t, prefix, known, shift, floor_key, MASS, BLOCK)
+        shift = 28 - 4 * i
+        sums = _digit_sums(base, V, best, t, prefix, known, shift, floor_key, MASS, SELECT)
         from_top = tl.sum(tl.where(digits[None, :] >= digits[:, None], sums[None, :], 0.0), axis=1)  # digits >= d
         digit = tl.maximum(tl.max(tl.where(above + from_top >= goal, digits, -1), axis=0), 0)
         above += tl.sum(tl.where(digits > digit, sums, 0.0), axis=0)
@@ -271,7 +273,7 @@ def _kept_block(key, valid, bound, ties_before, ties_kept):
 
 
 @triton.jit
-def _sample_cut_kernel(logits_ptr, params_ptr, out_ptr, V, stride, BLOCK: tl.constexpr):
+def _sample_cut_kernel(logits_ptr, params_ptr, out_ptr, V, stride, BLOCK: tl.constexpr, SELECT: tl.constexpr):
     """One row's draw under temperature, top-k and top-p (`sampling_probs` then `draw_by_inversion`, the reference):
     params per row = [temperature (0: greedy), u, top_p (>= 1: none), top_k (0: none)] in fp64. The k-th largest
     scaled logit and the nucleus's last key come from radix selection (`_select_key`) instead of a sort; the
@@ -288,7 +290,7 @@ def _sample_cut_kernel(logits_ptr, params_ptr, out_ptr, V, stride, BLOCK: tl.con
         cols = tl.arange(0, BLOCK)
         floor_key = tl.zeros([], tl.uint32)
         if (top_k > 0) & (top_k < V):  # the reference keeps every logit >= the k-th largest
-            floor_key, _ = _select_key(base, V, best, t, floor_key, top_k.to(tl.float64), False, BLOCK)
+            floor_key, _ = _select_key(base, V, best, t, floor_key, top_k.to(tl.float64), False, SELECT)
         bound = floor_key
         ties_kept = tl.zeros([], tl.int64) + V
         if top_p < 1:
@@ -297,7 +299,7 @@ def _sample_cut_kernel(logits_ptr, params_ptr, out_ptr, V, stride, BLOCK: tl.con
                 z, key = _scaled_row(base, start, cols, V, best, t)
                 total += tl.sum(tl.where(key >= floor_key, tl.exp(z).to(tl.float64), 0.0), axis=0)
             goal = top_p * total
-            bound, above = _select_key(base, V, best, t, floor_key, goal, True, BLOCK)
+            bound, above = _select_key(base, V, best, t, floor_key, goal, True, SELECT)
             # the bound's ties, each of mass m, in index order: the r-th (from 0) is kept while above + r m < goal
             m = tl.exp(_key_value(bound)).to(tl.float64)
             ties_kept = tl.minimum(tl.ceil((goal - above) / m), V).to(tl.int64)
@@ -355,8 +357,8 @@ def sample_rows_cut_triton(logits: torch.Tensor, temperature: torch.Tensor, u: t
     params = queued(params, logits.device)
     out = torch.empty(B, dtype=torch.int64, device=logits.device)
     if B:
-        _sample_cut_kernel[(B,)](logits, params, out, V, logits.stride(0), BLOCK=min(CUT_BLOCK, _block(V)),
-                                 num_warps=8)
+        _sample_cut_kernel[(B,)](logits, params, out, V, logits.stride(0), BLOCK=_block(V),
+                                 SELECT=min(SELECT_BLOCK, _block(V)), num_warps=8)
     return out
 
 
