@@ -1,0 +1,43 @@
+"""Kernels that the CPU tests run under the Triton interpreter also compile for sm_90 (ptxas ships with Triton; no
+GPU needed): the interpreter accepts code that the compiler refuses (a constexpr rebound in a static_range loop
+reached the GPU that way, 2026-12-07), and registers spilled to local memory cost a kernel its speed. Compiled in a
+child process, where TRITON_INTERPRET is unset before Triton is imported."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+COMPILE = f"""
+import json, os, sys
+os.environ.pop("TRITON_INTERPRET", None)
+sys.path.insert(0, {str(BENCH)!r})
+import triton
+from sass_loops import compile_sm90
+from openk3.ops import paged_mla, triton_routing, triton_sampling
+bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+cases = {{
+    "sample cut": (triton_sampling._sample_cut_kernel, dict(logits_ptr="*fp32", params_ptr="*fp64", out_ptr="*i64",
+                   V="i32", stride="i32"), dict(BLOCK=4096, SELECT=triton_sampling.SELECT_BLOCK), 8),
+    "split merge": (paged_mla._combine_splits_kernel, dict(out="*fp32", lse="*fp32", merged="*fp32", S="i32",
+                    H="i32", R="i32"), dict(BLOCK_S=64, BLOCK_H=1, BLOCK_R=128), 4),
+    "routing": (triton_routing._routing_kernel, dict(logits_ptr="*fp32", bias_ptr="*fp32", scores_ptr="*fp32",
+                weights_ptr="*fp32", indices_ptr="*i64", N="i32", E="i32", scaling="fp32"),
+                dict(TOP_K=8, HAS_BIAS=True, RENORMALIZE=True, BLOCK_N=1, BLOCK_E=256, BLOCK_K=8), 4),
+}}
+out = {{}}
+for name, (fn, types, constexprs, warps) in cases.items():
+    _, registers, spill = compile_sm90(fn, types, constexprs, warps, bin_dir)
+    out[name] = dict(registers=registers, spill=spill)
+print(json.dumps(out))
+"""
+
+
+def test_kernels_compile_for_sm90_without_spills():
+    run = subprocess.run([sys.executable, "-c", COMPILE], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert set(result) == {"sample cut", "split merge", "routing"}
+    assert all(r["registers"] > 0 and r["spill"] == 0 for r in result.values()), result
