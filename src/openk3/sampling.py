@@ -164,9 +164,10 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, rng: random.Rando
 # that finds the k-th logit and the nucleus by radix selection (`ops.triton_sampling.sample_rows_cut_triton`);
 # smaller ones take the sort below. On an H100 (2026-12-07, 163,840 logits a row, host launch included) the sort's
 # path took 0.79 / 1.16 / 2.43 / 7.63 ms at 1 / 16 / 64 / 256 rows with top_p 0.95. The kernel is one program a
-# row, ~1,300 instructions a logit (sm_90 SASS, counted offline): an estimated ~1.6 ms a row on one SM, so ~1.5x
-# the sort at 64 rows and ~2.3x at 256, slower below ~32 rows. Not yet timed on a GPU: bench/sampling.py.
-CUT_KERNEL_MIN_ROWS = 64
+# row on one SM (176 registers a thread), ~840 instructions a logit with top-p alone and ~1,400 with top-k too
+# (sm_90 SASS, counted offline): an estimated 1.7-2.5 ms a row, so from 128 rows (one wave of programs) it should
+# take about half the sort's time, and below 64 rows it loses. Not yet timed on a GPU: bench/sampling.py.
+CUT_KERNEL_MIN_ROWS = 128
 
 
 def sample_tokens(logits: torch.Tensor, params: Sequence[SamplingParams], rngs: Sequence[random.Random],
