@@ -250,15 +250,15 @@ def test_kernel_stays_whole_in_compiled_code(backend):
 
 
 def test_auto_picks_by_rows_per_expert():
-    """A decode step's rows (at most one per expert on average) go one a program; prefill-sized groups of 16-bit
-    rows to tl.dot_scaled's tiles; between them, and fp32 rows, to the explicit dequantization's tiles; a method
-    asked for is kept."""
+    """A decode step's rows (at most one per expert on average) go one a program, larger groups (fp32 rows too) to
+    the explicit dequantization's tiles, never to tl.dot_scaled's; a method asked for is kept."""
     pick = triton_mxfp4.pick_method
-    assert pick("auto", 8, 256, torch.bfloat16) == pick("auto", 256, 256, torch.float32) == "rows"
-    assert pick("auto", 257, 256, torch.bfloat16) == pick("auto", 32 * 256 - 1, 256, torch.bfloat16) == "dequant"
-    assert pick("auto", 32 * 256, 256, torch.bfloat16) == pick("auto", 32 * 256, 256, torch.float16) == "dot_scaled"
-    assert pick("auto", 64 * 256, 256, torch.float32) == "dequant"
-    assert pick("dequant", 1, 256, torch.bfloat16) == "dequant" and pick("rows", 9, 1, torch.float32) == "rows"
+    assert pick("auto", 8, 256) == pick("auto", 256, 256) == "rows"
+    assert pick("auto", 257, 256) == pick("auto", 32 * 256, 256) == pick("auto", 1 << 20, 256) == "dequant"
+    assert pick("dequant", 1, 256) == "dequant" and pick("rows", 9, 1) == "rows"
+    assert pick("dot_scaled", 5, 256) == "dot_scaled"
+    with pytest.raises(ValueError, match="method must be one of"):
+        pick("scaled", 5, 256)
 
 
 def run_code_pair_ptx(asm: str, words: torch.Tensor, scale_pairs: torch.Tensor | None) -> tuple[torch.Tensor, ...]:

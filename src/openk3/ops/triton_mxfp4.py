@@ -36,7 +36,8 @@ expert on average: a decode step): a row tile of 16 rows for one real row is whe
 (dequantizing 32 weights into an operand for one row's products).
 
 `method="dot_scaled"` hands the packed codes and scales to `tl.dot_scaled` instead (bf16 / fp16 rows), which Triton
-lowers to its own upcast on Hopper and to native MX instructions on Blackwell; the rows are its first operand.
+lowers to its own upcast on Hopper and to native MX instructions on Blackwell; the rows are its first operand. "auto"
+no longer takes it on Hopper, where the tiles are faster (ROW_KERNEL_MAX_ROWS' note).
 """
 
 from __future__ import annotations
@@ -62,10 +63,11 @@ METHODS = ("auto", "rows", "dequant", "dot_scaled")
 # method "auto" by the mean rows per expert, from kimi-linear-48b's experts (bench/mxfp4_experts.py, bench/RESULTS.md
 # 2026-12-07): the row kernel up to one (H100: batch 1: 39 + 25 -> 27 + 17 us; 16 tokens 312 + 168 -> 255 + 145 us;
 # H200 at 16 tokens 457 us a layer, the explicit dequantization's tiles 463; at 64 tokens, two rows an expert, the
-# row kernel takes 1634 us, the tiles 969), tl.dot_scaled from 32 with 16-bit rows (H200, 4096 tokens: 5.3 ms, the
-# tiles 7.2; at 256 tokens, 8 rows an expert, 1.89 against 1.19 ms), the explicit dequantization's tiles between
+# row kernel takes 1634 us, the tiles 969), the explicit dequantization's tiles above it (`ops.moe` expands the
+# experts to bf16 from EXPAND_MIN_ROWS). tl.dot_scaled, Triton's own MXFP4 path, stays a method of its own: since
+# the tiles read a block's words in one thread, they beat it at every mean timed (H100, eleventh session: 2 rows an
+# expert 929 against 1,537 us a layer, 8 rows 1,115 against 1,847, 128 rows 4,770 against 5,410)
 ROW_KERNEL_MAX_ROWS = 1.0
-DOT_SCALED_MIN_ROWS = 32.0
 BLOCK_N = 64
 # rows per tile -> (inputs per step, warps of tl.dot_scaled's tiles): the tiles that compile for sm_90 without
 # register spills (triton 3.9, cuobjdump -res-usage); timings on a GPU may pick others
@@ -173,16 +175,13 @@ def block_m(rows: int, experts: int) -> int:
     return next((m for m in TILES if mean <= m), max(TILES))
 
 
-def pick_method(method: str, rows: int, experts: int, dtype: torch.dtype) -> str:
-    """The kernel that runs: `method`, or for "auto" the one for the mean rows per expert (see DOT_SCALED_MIN_ROWS)."""
+def pick_method(method: str, rows: int, experts: int) -> str:
+    """The kernel that runs: `method`, or for "auto" the one for the mean rows per expert (see ROW_KERNEL_MAX_ROWS)."""
     if method not in METHODS:
         raise ValueError(f"MXFP4 grouped matmul method must be one of {METHODS}, got {method!r}")
     if method != "auto":
         return method
-    mean = rows / max(experts, 1)
-    if mean <= ROW_KERNEL_MAX_ROWS:
-        return "rows"
-    return "dot_scaled" if mean >= DOT_SCALED_MIN_ROWS and dtype in (torch.bfloat16, torch.float16) else "dequant"
+    return "rows" if rows / max(experts, 1) <= ROW_KERNEL_MAX_ROWS else "dequant"
 
 
 def check_mxfp4_operands(x_sorted: torch.Tensor, counts: torch.Tensor, packed: torch.Tensor,
@@ -212,7 +211,7 @@ def mxfp4_grouped_matmul_triton(x_sorted: torch.Tensor, counts: torch.Tensor, pa
     check_mxfp4_operands(x_sorted, counts, packed, scales)
     M, K = x_sorted.shape
     E, N, _ = packed.shape
-    method = pick_method(method, M, E, x_sorted.dtype)
+    method = pick_method(method, M, E)
     scaled = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(x_sorted.dtype) if method == "dot_scaled" else ""
     if scaled is None:
         raise ValueError(f"method 'dot_scaled' takes bf16 or fp16 rows, got {x_sorted.dtype}")
