@@ -112,10 +112,12 @@ def test_reference_is_the_absorbed_attention_of_the_last_position():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("N,S,H,R", [(1, 64, 32, 512), (3, 5, 20, 24), (2, 1, 1, 7), (2, 7, 3, 200), (64, 5, 32, 512)])
+@pytest.mark.parametrize("N,S,H,R", [(1, 64, 32, 512), (3, 5, 20, 24), (2, 1, 1, 7), (2, 7, 3, 200), (64, 5, 32, 512),
+                                         (2, 15, 5, 130), (2, 16, 5, 130)])
 def test_combine_splits_kernel_matches_reference(N, S, H, R):
-    """The one-launch merge against `combine_splits`: empty splits (lse -inf, zero partials) first and between,
-    lse spread over +-80 (exp of the differences near fp32's limits), heads past a block, odd widths."""
+    """The one-launch merge against `combine_splits`, in both forms (the splits walked, below
+    COMBINE_ALL_SPLITS_FROM, and all at once): empty splits (lse -inf, zero partials) first and between, lse spread
+    over +-80 (exp of the differences near fp32's limits), heads past a block, odd widths."""
     g = torch.Generator().manual_seed(N * S + H)
     out = torch.randn(N, S, H, R, generator=g)
     lse = torch.randn(N, S, H, generator=g) * 40

@@ -39,6 +39,7 @@ MAX_SPLITS = 64
 PROGRAMS_PER_PROCESSOR = 4
 COMBINE_R = 128  # latent columns a program of the split merge takes
 COMBINE_TILE = 8192  # elements of a split-merge program's [splits, heads, columns] tile at most
+COMBINE_ALL_SPLITS_FROM = 16  # splits from which a merge program loads them all at once
 
 
 @functools.cache
@@ -134,18 +135,22 @@ def paged_mla_attend(q: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, 
 def combine_splits_triton(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     """`combine_splits` in one launch (fp32 out and lse, contiguous): in a decode step its six eager reductions and
     element-wise kernels per MLA layer cost more than the merge's bytes. A program takes one query's splits for a
-    block of heads and COMBINE_R latent columns, all loaded at once ([splits, heads, columns], COMBINE_TILE elements
-    at most): one memory round trip, with many programs at batch 1 (64 splits: one head each) and few wide ones at
-    large batches (H100, 2026-12-07: a program per head block walking the splits in turn took 33 us a layer at
-    batch 1; one per (query, head) 24 us at batch 64)."""
+    block of heads and latent columns, BLOCK_S splits at a time. Measured on an H100 (2026-12-07, kimi-linear-48b,
+    bench/RESULTS.md eleventh session), each form where it is taken: a split at a time over [16 heads, all columns]
+    under 10.6 us a layer at batch 64 (5 splits) but 33 us at batch 1 (64 splits walked in turn); all splits at once
+    over [splits, heads, COMBINE_R columns] (COMBINE_TILE elements at most) under 4.3 us at batch 1 but 25 us at
+    batch 64. So from COMBINE_ALL_SPLITS_FROM splits a program loads them all at once, below it walks them."""
     N, S, H, R = out.shape
     merged = torch.empty(N, H, R, dtype=torch.float32, device=out.device)
     if N and H:
-        block_s = triton.next_power_of_2(S)
-        block_r = min(COMBINE_R, triton.next_power_of_2(R))
-        block_h = max(1, min(triton.next_power_of_2(H), COMBINE_TILE // (block_s * block_r)))
+        if S >= COMBINE_ALL_SPLITS_FROM:
+            block_s, block_r = triton.next_power_of_2(S), min(COMBINE_R, triton.next_power_of_2(R))
+            block_h = max(1, min(triton.next_power_of_2(H), COMBINE_TILE // (block_s * block_r)))
+        else:
+            block_s, block_h, block_r = 1, BLOCK_H, triton.next_power_of_2(R)
         _combine_splits_kernel[(N, triton.cdiv(H, block_h), triton.cdiv(R, block_r))](
-            out, lse, merged, S, H, R, BLOCK_S=block_s, BLOCK_H=block_h, BLOCK_R=block_r, num_warps=4)
+            out, lse, merged, S, H, R, ALL_S=triton.next_power_of_2(S), BLOCK_S=block_s, BLOCK_H=block_h,
+            BLOCK_R=block_r, num_warps=4)
     return merged
 
 
@@ -158,26 +163,33 @@ def _(q, pool, tables, rows, lengths, latent_dim, scale, num_splits, min_split):
 if triton is not None:
 
     @triton.jit
-    def _combine_splits_kernel(out, lse, merged, S, H, R, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr,
-                               BLOCK_R: tl.constexpr):
+    def _combine_splits_kernel(out, lse, merged, S, H, R, ALL_S: tl.constexpr, BLOCK_S: tl.constexpr,
+                               BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr):
         """Query program_id(0), heads [BLOCK_H] of block program_id(1), latent columns [BLOCK_R] of block
         program_id(2): the sum over splits s of exp(lse_s - m) out_s, over the sum of the weights (m the largest
-        lse; empty splits, lse = -inf and zero partials, weigh 0)."""
+        lse; empty splits, lse = -inf and zero partials, weigh 0), the partials read BLOCK_S splits a step."""
         n = tl.program_id(0)
         heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         cr = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
-        splits = tl.arange(0, BLOCK_S)
-        ok = (splits < S)[:, None] & (heads < H)[None, :]  # [BLOCK_S, BLOCK_H]
-        rows = (n * S + splits).to(tl.int64)[:, None] * H + heads[None, :]
-        all_lse = tl.load(lse + rows, mask=ok, other=float("-inf"))
-        parts = tl.load(out + rows[:, :, None] * R + cr[None, None, :],
-                        mask=ok[:, :, None] & (cr < R)[None, None, :], other=0.0)  # [BLOCK_S, BLOCK_H, BLOCK_R]
+        hm, cm = heads < H, cr < R
+        every = tl.arange(0, ALL_S)
+        all_lse = tl.load(lse + (n * S + every).to(tl.int64)[:, None] * H + heads[None, :],
+                          mask=(every < S)[:, None] & hm[None, :], other=float("-inf"))
         # a real head has a finite lse (some split holds positions), so its weights sum to >= 1; the bounds only
         # keep the heads past H (never stored) free of -inf - -inf and 0 / 0
-        w = tl.exp(all_lse - tl.maximum(tl.max(all_lse, axis=0), -3.0e38)[None, :])
-        merged_cols = tl.sum(w[:, :, None] * parts, axis=0) / tl.maximum(tl.sum(w, axis=0), 1.0)[:, None]
-        tl.store(merged + (n * H + heads).to(tl.int64)[:, None] * R + cr[None, :], merged_cols,
-                 mask=(heads < H)[:, None] & (cr < R)[None, :])
+        m = tl.maximum(tl.max(all_lse, axis=0), -3.0e38)
+        denom = tl.maximum(tl.sum(tl.exp(all_lse - m[None, :]), axis=0), 1.0)
+        acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
+        for s0 in range(0, S, BLOCK_S):
+            splits = s0 + tl.arange(0, BLOCK_S)
+            ok = (splits < S)[:, None] & hm[None, :]  # [BLOCK_S, BLOCK_H]
+            rows = (n * S + splits).to(tl.int64)[:, None] * H + heads[None, :]
+            w = tl.exp(tl.load(lse + rows, mask=ok, other=float("-inf")) - m[None, :])
+            parts = tl.load(out + rows[:, :, None] * R + cr[None, None, :], mask=ok[:, :, None] & cm[None, None, :],
+                            other=0.0)  # [BLOCK_S, BLOCK_H, BLOCK_R]
+            acc += tl.sum(w[:, :, None] * parts, axis=0)
+        tl.store(merged + (n * H + heads).to(tl.int64)[:, None] * R + cr[None, :], acc / denom[:, None],
+                 mask=hm[:, None] & cm[None, :])
 
     @triton.jit
     def _paged_mla_decode_kernel(q, pool, tables, rows, lengths, out, lse, scale, H, table_stride, num_splits,
