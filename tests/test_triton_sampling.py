@@ -39,35 +39,48 @@ class FixedUniforms:
         return self.value
 
 
+def awkward_row(V: int, kind: str, gen: torch.Generator, rng: random.Random) -> torch.Tensor:
+    """Random logits [V] of a kind: "plain", "nan" / "inf" (one such entry), "-inf" / "all nan" (every entry),
+    "limits" (+-3e38 and 0: exp of a huge difference underflows to 0), "ties" (a few distinct values)."""
+    x = torch.randn(V, generator=gen) * rng.choice([0.5, 4.0, 30.0])
+    if kind == "nan":
+        x[rng.randrange(V)] = float("nan")
+    elif kind == "inf":
+        x[rng.randrange(V)] = INF
+    elif kind == "-inf":
+        x.fill_(-INF)
+    elif kind == "limits":
+        x = x.sign() * 3e38 * (x.abs() > 1)
+    elif kind == "all nan":
+        x.fill_(float("nan"))
+    elif kind == "ties":
+        x = torch.randint(0, 3, (V,), generator=gen).float() * rng.choice([0.01, 1.0])
+    return x
+
+
+def replayed(sources: list) -> list:
+    """Copies of the random sources that will draw what they draw."""
+    copies = [FixedUniforms(s.value) if isinstance(s, FixedUniforms) else random.Random() for s in sources]
+    for c, s in zip(copies, sources):
+        if isinstance(s, random.Random):
+            c.setstate(s.getstate())
+    return copies
+
+
 @pytest.mark.parametrize("V", [1, 7, 4096, 4096 + 77, 3 * 4096 + 5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_draws_what_the_reference_draws(V, dtype):
     gen, rng = torch.Generator().manual_seed(V), random.Random(V)
     rows, params, sources = [], [], []
     for i in range(14):
-        x = torch.randn(V, generator=gen) * rng.choice([0.5, 4.0, 30.0])
-        case = i % 7
-        if case == 1:
-            x[rng.randrange(V)] = float("nan")
-        elif case == 2:
-            x[rng.randrange(V)] = INF
-        elif case == 3:
-            x.fill_(-INF)
-        elif case == 4:
-            x = x.sign() * 3e38 * (x.abs() > 1)  # the fp32 limits: exp of a huge difference underflows to 0
-        elif case == 5:
-            x.fill_(float("nan"))
+        x = awkward_row(V, ("plain", "nan", "inf", "-inf", "limits", "all nan", "plain")[i % 7], gen, rng)
         rows.append(x.to(dtype).float())  # the reference sees the same values as the kernel
         temperature = 0.0 if i % 5 == 0 else rng.choice([TEMPERATURE_FLOOR, 0.3, 1.0, 7.0])
         params.append(SamplingParams(temperature=temperature))
         sources.append(rng.choice([random.Random(rng.randrange(1 << 30)), FixedUniforms(0.0),
                                    FixedUniforms(1 - 2.0**-53)]))
     logits = torch.stack(rows)
-    copies = [FixedUniforms(s.value) if isinstance(s, FixedUniforms) else random.Random() for s in sources]
-    for c, s in zip(copies, sources):
-        if isinstance(s, random.Random):
-            c.setstate(s.getstate())
-    want = sample_tokens(logits, params, copies).tolist()
+    want = sample_tokens(logits, params, replayed(sources)).tolist()
     temperature = torch.tensor([p.temperature if not p.greedy else 0.0 for p in params], dtype=torch.float64)
     u = torch.tensor([s.random() if not p.greedy else 0.0 for s, p in zip(sources, params)], dtype=torch.float64)
     got = triton_sampling.sample_rows_triton(logits.to(dtype).to(DEV), temperature, u).tolist()
@@ -115,11 +128,7 @@ def test_rejection_kernel_keeps_what_the_reference_keeps(K, V):
             drafted.append([rng.randrange(V) for _ in range(K)])
         else:  # drawn from the draft
             drafted.append([int(torch.multinomial(q[b, i], 1, generator=gen)) for i in range(K)])
-    copies = [FixedUniforms(s.value) if isinstance(s, FixedUniforms) else random.Random() for s in sources]
-    for c, s in zip(copies, sources):
-        if isinstance(s, random.Random):
-            c.setstate(s.getstate())
-    want = accept_drafts(drafted, q, target, params, copies)
+    want = accept_drafts(drafted, q, target, params, replayed(sources))
     u = torch.tensor([[s.random() for _ in range(K + 1)] if not p.greedy else [0.0] * (K + 1)
                       for s, p in zip(sources, params)], dtype=torch.float64)
     temperature = torch.tensor([0.0 if p.greedy else p.temperature for p in params], dtype=torch.float64)
@@ -181,19 +190,8 @@ def test_cut_kernel_draws_what_the_reference_draws(V, dtype, monkeypatch):
     gen, rng = torch.Generator().manual_seed(V + 1), random.Random(V)
     rows, params, sources = [], [], []
     for i in range(16):
-        x = torch.randn(V, generator=gen) * rng.choice([0.5, 4.0, 30.0])
-        case = i % 8
-        if case == 1:
-            x[rng.randrange(V)] = float("nan")
-        elif case == 2:
-            x[rng.randrange(V)] = INF
-        elif case == 3:
-            x.fill_(-INF)
-        elif case == 4:
-            x = x.sign() * 3e38 * (x.abs() > 1)
-        elif case in (5, 6):  # ties: a few distinct values over the whole row
-            x = torch.randint(0, 3, (V,), generator=gen).float() * rng.choice([0.01, 1.0])
-        x = x.to(dtype).float()
+        kind = ("plain", "nan", "inf", "-inf", "limits", "ties", "ties", "plain")[i % 8]
+        x = awkward_row(V, kind, gen, rng).to(dtype).float()
         temperature = 0.0 if i % 7 == 0 else rng.choice([TEMPERATURE_FLOOR, 0.3, 1.0, 7.0])
         top_k = rng.choice([0, 0, 1, max(1, V // 3), V, V + 5])
         top_p = 1.0
@@ -205,11 +203,7 @@ def test_cut_kernel_draws_what_the_reference_draws(V, dtype, monkeypatch):
         sources.append(rng.choice([random.Random(rng.randrange(1 << 30)), FixedUniforms(0.0),
                                    FixedUniforms(1 - 2.0**-53)]))
     logits = torch.stack(rows)
-    copies = [FixedUniforms(s.value) if isinstance(s, FixedUniforms) else random.Random() for s in sources]
-    for c, s in zip(copies, sources):
-        if isinstance(s, random.Random):
-            c.setstate(s.getstate())
-    want = sample_tokens(logits, params, copies).tolist()
+    want = sample_tokens(logits, params, replayed(sources)).tolist()
     temperature = torch.tensor([p.temperature if not p.greedy else 0.0 for p in params], dtype=torch.float64)
     u = torch.tensor([s.random() if not p.greedy else 0.0 for s, p in zip(sources, params)], dtype=torch.float64)
     top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64)

@@ -100,6 +100,16 @@ def _residual(p_base, q_base, start, cols, V, t, with_q, p_best, p_point, p_at, 
 
 
 @triton.jit
+def _inversion_step(e, start, cols, V, target, below, last, running):
+    """One block of a draw by inversion (masses e, fp64, in index order): (tokens whose cumulative mass is <=
+    target, the last token of positive mass, the running mass) carried past the block."""
+    cdf = running + tl.cumsum(e, axis=0)
+    below += tl.sum(((cdf <= target) & (start + cols < V)).to(tl.int64), axis=0)
+    last = tl.maximum(last, tl.max(tl.where(e > 0, start + cols, 0), axis=0).to(tl.int64))
+    return below, last, running + tl.sum(e, axis=0)
+
+
+@triton.jit
 def _sample_kernel(logits_ptr, params_ptr, out_ptr, V, stride, BLOCK: tl.constexpr):
     # (as run on the H200, bench/decode_profile_runs/20-device-sampling.log; `_reject_kernel` builds on the helpers)
     row = tl.program_id(0).to(tl.int64)
@@ -132,10 +142,7 @@ def _sample_kernel(logits_ptr, params_ptr, out_ptr, V, stride, BLOCK: tl.constex
         for start in range(0, V, BLOCK):
             x = tl.load(base + start + cols, mask=start + cols < V, other=float("-inf")).to(tl.float32)
             e = tl.exp((tl.where(x == x, x, float("-inf")) - best) / t).to(tl.float64)
-            cdf = running + tl.cumsum(e, axis=0)
-            below += tl.sum(((cdf <= target) & (start + cols < V)).to(tl.int64), axis=0)
-            last = tl.maximum(last, tl.max(tl.where(e > 0, start + cols, 0), axis=0).to(tl.int64))
-            running += tl.sum(e, axis=0)
+            below, last, running = _inversion_step(e, start, cols, V, target, below, last, running)
         token = tl.minimum(below, last)
     tl.store(out_ptr + row, token)
 
@@ -188,10 +195,7 @@ def _reject_kernel(draft_ptr, target_ptr, params_ptr, out_ptr, V, draft_row, dra
     for start in range(0, V, BLOCK):
         r = _residual(p_base, q_base, start, cols, V, t, with_q, p_best, p_point, p_at, p_total, q_best, q_point,
                       q_at, q_total)
-        cdf = running + tl.cumsum(r, axis=0)
-        below += tl.sum(((cdf <= target) & (start + cols < V)).to(tl.int64), axis=0)
-        last = tl.maximum(last, tl.max(tl.where(r > 0, start + cols, 0), axis=0).to(tl.int64))
-        running += tl.sum(r, axis=0)
+        below, last, running = _inversion_step(r, start, cols, V, target, below, last, running)
     tl.store(out_ptr + 2 * row, accepted)
     tl.store(out_ptr + 2 * row + 1, tl.minimum(below, last))
 
@@ -318,10 +322,7 @@ def _sample_cut_kernel(logits_ptr, params_ptr, out_ptr, V, stride, BLOCK: tl.con
             z, key = _scaled_row(base, start, cols, V, best, t)
             kept, ties = _kept_block(key, start + cols < V, bound, ties, ties_kept)
             e = tl.where(kept, tl.exp(z).to(tl.float64), 0.0)
-            cdf = running + tl.cumsum(e, axis=0)
-            below += tl.sum(((cdf <= target) & (start + cols < V)).to(tl.int64), axis=0)
-            last = tl.maximum(last, tl.max(tl.where(e > 0, start + cols, 0), axis=0).to(tl.int64))
-            running += tl.sum(e, axis=0)
+            below, last, running = _inversion_step(e, start, cols, V, target, below, last, running)
         token = tl.minimum(below, last)
     tl.store(out_ptr + row, token)
 
