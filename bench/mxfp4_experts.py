@@ -8,11 +8,14 @@ tokens (random routing, bf16 activations), each replayed as a CUDA graph and tim
   mxfp4        `ops.moe.experts_forward_mxfp4` as `PackedExperts` runs it (method "auto": the kernel picked by the
                rows per expert, `ops.triton_mxfp4.pick_method`)
   mxfp4-rows   the row kernel at every batch
-  mxfp4-tiles  the row tiles with the explicit dequantization at every batch
+  mxfp4-tiles  the row tiles with the explicit dequantization at every batch (bf16 rows on Hopper: in Gluon,
+               `ops.gluon_mxfp4`, up to 64 rows a tile)
   mxfp4-scaled the row tiles with tl.dot_scaled at every batch
   mxfp4-expand every expert expanded to bf16 in one pass, then the bf16 path (for prefill-sized batches)
   mxfp4-rows-triton, mxfp4-tiles-triton: the row kernel and the tiles with the codes decoded by their Triton twin
                (what the interpreter runs) instead of PTX: the same-run peer of the PTX decode
+  mxfp4-tiles-no-gluon: the tiles in Triton (PTX decode, the weights staged through shared memory for the MMA):
+               the same-run peer of the Gluon tiles
 with the weight bytes the batch's experts hold (the floor a step must read) and the bandwidth that makes, and the
 MXFP4 outputs' relative error against bf16 experts holding the dequantized values. --splits also times the two
 MXFP4 GEMMs alone at each split-K count for the decode-sized batches. --startup also builds
@@ -34,7 +37,7 @@ from unittest.mock import patch
 import torch
 
 from openk3.config import get_preset
-from openk3.ops import triton_experts_common
+from openk3.ops import gluon_mxfp4, triton_experts_common
 from openk3.ops.activations import glu_activation
 from openk3.ops.moe import experts_forward, experts_forward_mxfp4
 from openk3.quant.mx import unpack_mxfp4
@@ -64,10 +67,11 @@ def timed(fn, device: torch.device) -> float:
     return triton.testing.do_bench(graph.replay, warmup=10, rep=200, return_mode="median")
 
 
-def triton_decode(fn):
-    """fn with the MXFP4 kernels decoding their codes in Triton, not PTX (`triton_experts_common.ptx_decode`)."""
+def patched(module, flag: str, fn):
+    """fn with module.flag off: `triton_experts_common.PTX_DECODE` (the MXFP4 kernels decode their codes in
+    Triton, not PTX) or `gluon_mxfp4.GLUON_TILES` (the tiles in Triton on Hopper too)."""
     def run():
-        with patch.object(triton_experts_common, "PTX_DECODE", False):
+        with patch.object(module, flag, False):
             return fn()
     return run
 
@@ -80,10 +84,12 @@ def formats(x, indices, weights, dense, packed, act) -> dict:
             "mxfp4-tiles": lambda: experts_forward_mxfp4(x, indices, weights, *packed, act, "dequant"),
             "mxfp4-scaled": lambda: experts_forward_mxfp4(x, indices, weights, *packed, act, "dot_scaled"),
             "mxfp4-expand": lambda: experts_forward_mxfp4(x, indices, weights, *packed, act, "expand"),
-            "mxfp4-rows-triton": triton_decode(lambda: experts_forward_mxfp4(x, indices, weights, *packed, act,
-                                                                             "rows")),
-            "mxfp4-tiles-triton": triton_decode(lambda: experts_forward_mxfp4(x, indices, weights, *packed, act,
-                                                                              "dequant"))}
+            "mxfp4-rows-triton": patched(triton_experts_common, "PTX_DECODE", lambda: experts_forward_mxfp4(
+                x, indices, weights, *packed, act, "rows")),
+            "mxfp4-tiles-triton": patched(triton_experts_common, "PTX_DECODE", lambda: experts_forward_mxfp4(
+                x, indices, weights, *packed, act, "dequant")),
+            "mxfp4-tiles-no-gluon": patched(gluon_mxfp4, "GLUON_TILES", lambda: experts_forward_mxfp4(
+                x, indices, weights, *packed, act, "dequant"))}
 
 
 def bench_experts(E: int, k: int, dim: int, inter: int, batches: list[int], device: torch.device) -> list[dict]:

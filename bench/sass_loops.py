@@ -24,8 +24,9 @@ import time
 
 
 def compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int, bin_dir: str) -> tuple[str, int, int]:
-    """SASS text, registers and spill (stack) bytes of `fn` compiled for sm_90 with the given argument types and
-    constexprs (integer and pointer arguments assumed divisible by 16, as Triton specializes real launches)."""
+    """SASS text, registers and spill (stack) bytes of `fn` (a Triton or Gluon kernel) compiled for sm_90 with the
+    given argument types and constexprs (integer and pointer arguments assumed divisible by 16, as Triton
+    specializes real launches)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
@@ -34,7 +35,10 @@ def compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int, bin_dir:
     fixed = {(i,): constexprs[n] for i, n in enumerate(names) if n in constexprs}
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
                if n not in constexprs and n != "M" and (signature[n].startswith("*") or signature[n] == "i32")}
-    kernel = compile(ASTSource(fn=fn, signature=sig, constexprs=fixed, attrs=aligned),
+    source = ASTSource
+    if fn.is_gluon():
+        from triton.experimental.gluon._runtime import GluonASTSource as source
+    kernel = compile(source(fn=fn, signature=sig, constexprs=fixed, attrs=aligned),
                      target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(kernel.asm["cubin"])

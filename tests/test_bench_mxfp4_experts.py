@@ -11,7 +11,7 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 FORMATS = {"bf16", "mxfp4", "mxfp4-rows", "mxfp4-tiles", "mxfp4-scaled", "mxfp4-expand", "mxfp4-rows-triton",
-           "mxfp4-tiles-triton"}
+           "mxfp4-tiles-triton", "mxfp4-tiles-no-gluon"}
 
 
 def test_every_format_runs_and_matches_the_bf16_experts():

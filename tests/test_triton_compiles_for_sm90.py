@@ -1,7 +1,9 @@
 """Kernels that the CPU tests run under the Triton interpreter also compile for sm_90 (ptxas ships with Triton; no
 GPU needed): the interpreter accepts code that the compiler refuses (a constexpr rebound in a static_range loop
-reached the GPU that way, 2026-12-07), and registers spilled to local memory cost a kernel its speed. Compiled in a
-child process, where TRITON_INTERPRET is unset before Triton is imported."""
+reached the GPU that way, 2026-12-07), and registers spilled to local memory cost a kernel its speed. The Gluon
+MXFP4 tiles, which the interpreter cannot run, compile here too: their weights reach the MMA without a shared-memory
+load in the main loop (the convert to the operand layout is checked trivial as they compile). Compiled in a child
+process, where TRITON_INTERPRET is unset before Triton is imported."""
 
 import json
 import subprocess
@@ -15,8 +17,8 @@ import json, os, sys
 os.environ.pop("TRITON_INTERPRET", None)
 sys.path.insert(0, {str(BENCH)!r})
 import triton
-from sass_loops import compile_sm90
-from openk3.ops import paged_mla, triton_routing, triton_sampling
+from sass_loops import compile_sm90, main_loop
+from openk3.ops import gluon_mxfp4, paged_mla, triton_routing, triton_sampling
 bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 cases = {{
     "sample cut": (triton_sampling._sample_cut_kernel, dict(logits_ptr="*fp32", params_ptr="*fp64", out_ptr="*i64",
@@ -29,10 +31,14 @@ cases = {{
                 weights_ptr="*fp32", indices_ptr="*i64", N="i32", E="i32", scaling="fp32"),
                 dict(TOP_K=8, HAS_BIAS=True, RENORMALIZE=True, BLOCK_N=1, BLOCK_E=256, BLOCK_K=8), 4),
 }}
+for rows in (16, 32, 64):
+    cases[f"gluon mxfp4 tiles, {{rows}} rows"] = (gluon_mxfp4._mxfp4_tiles_kernel, dict(
+        x_ptr="*bf16", counts_ptr="*i32", w_ptr="*u8", s_ptr="*u8", out_ptr="*bf16", M="i32", N="i32", K="i32",
+        E="i32", K_SPLIT="i32"), dict(BLOCK_M=rows, BLOCK_E=256), gluon_mxfp4.WARPS)
 out = {{}}
 for name, (fn, types, constexprs, warps) in cases.items():
-    _, registers, spill = compile_sm90(fn, types, constexprs, warps, bin_dir)
-    out[name] = dict(registers=registers, spill=spill)
+    sass, registers, spill = compile_sm90(fn, types, constexprs, warps, bin_dir)
+    out[name] = dict(registers=registers, spill=spill, loop=dict(main_loop(sass)))
 print(json.dumps(out))
 """
 
@@ -41,5 +47,9 @@ def test_kernels_compile_for_sm90_without_spills():
     run = subprocess.run([sys.executable, "-c", COMPILE], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
-    assert set(result) == {"sample cut", "split merge, all at once", "split merge, walked", "routing"}
+    assert set(result) == {"sample cut", "split merge, all at once", "split merge, walked", "routing",
+                           *(f"gluon mxfp4 tiles, {rows} rows" for rows in (16, 32, 64))}
     assert all(r["registers"] > 0 and r["spill"] == 0 for r in result.values()), result
+    for rows in (16, 32, 64):
+        loop = result[f"gluon mxfp4 tiles, {rows} rows"]["loop"]
+        assert loop.get("HGMMA") and loop.get("STS") and not loop.get("LDS"), loop  # x stored; no operand loaded

@@ -250,13 +250,17 @@ def test_kernel_stays_whole_in_compiled_code(backend):
 
 
 def test_auto_picks_by_rows_per_expert():
-    """A decode step's rows (at most one per expert on average) go one a program, larger groups (fp32 rows too) to
-    the explicit dequantization's tiles, never to tl.dot_scaled's; a method asked for is kept."""
+    """A decode step's rows (at most one per expert on average; 1/16 where the Gluon tiles run) go one a program,
+    larger groups (fp32 rows too) to the explicit dequantization's tiles, never to tl.dot_scaled's; a method asked
+    for is kept."""
     pick = triton_mxfp4.pick_method
     assert pick("auto", 8, 256) == pick("auto", 256, 256) == "rows"
     assert pick("auto", 257, 256) == pick("auto", 32 * 256, 256) == pick("auto", 1 << 20, 256) == "dequant"
     assert pick("dequant", 1, 256) == "dequant" and pick("rows", 9, 1) == "rows"
     assert pick("dot_scaled", 5, 256) == "dot_scaled"
+    # where the Gluon tiles run, they take all but the sparsest batches (up to 1/16 row an expert)
+    assert pick("auto", 16, 256, gluon=True) == "rows" and pick("auto", 17, 256, gluon=True) == "dequant"
+    assert pick("rows", 1 << 20, 256, gluon=True) == "rows"
     with pytest.raises(ValueError, match="method must be one of"):
         pick("scaled", 5, 256)
 

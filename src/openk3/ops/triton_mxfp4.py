@@ -46,6 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
+from openk3.ops import gluon_mxfp4
 from openk3.ops.triton_expert_rows import expert_rows
 from openk3.ops.triton_experts_common import (
     add_splits,
@@ -68,11 +69,18 @@ METHODS = ("auto", "rows", "dequant", "dot_scaled")
 # the tiles read a block's words in one thread, they beat it at every mean timed (H100, eleventh session: 2 rows an
 # expert 929 against 1,537 us a layer, 8 rows 1,115 against 1,847, 128 rows 4,770 against 5,410)
 ROW_KERNEL_MAX_ROWS = 1.0
+# where the Gluon tiles run (`ops.gluon_mxfp4`: bf16 rows on Hopper) the row kernel only up to 1/16 row an expert:
+# on an H100 (2026-12-07, twelfth session) 1 token (1/32 row an expert) 77.9 us a layer against the Gluon tiles'
+# 81.4, 16 tokens (1/2) 364 against 290
+GLUON_ROW_KERNEL_MAX_ROWS = 1 / 16
 BLOCK_N = 64
 # rows per tile -> (inputs per step, warps of tl.dot_scaled's tiles): the tiles that compile for sm_90 without
 # register spills (triton 3.9, cuobjdump -res-usage); timings on a GPU may pick others
 TILES = {16: (128, 8), 32: (128, 8), 64: (64, 8), 128: (64, 8)}
 DEQUANT_WARPS = 4  # the explicit dequantization's tiles: one warpgroup, whose MMA takes BLOCK_N = 64 weight rows
+# the Gluon tiles take at most 64 rows (larger groups take several tiles): at 128 they spill (sm_90, triton 3.6 and
+# 3.9: 255 registers and a stack)
+GLUON_MAX_ROWS = 64
 
 
 @triton.jit
@@ -175,13 +183,15 @@ def block_m(rows: int, experts: int) -> int:
     return next((m for m in TILES if mean <= m), max(TILES))
 
 
-def pick_method(method: str, rows: int, experts: int) -> str:
-    """The kernel that runs: `method`, or for "auto" the one for the mean rows per expert (see ROW_KERNEL_MAX_ROWS)."""
+def pick_method(method: str, rows: int, experts: int, gluon: bool = False) -> str:
+    """The kernel that runs: `method`, or for "auto" the one for the mean rows per expert (see ROW_KERNEL_MAX_ROWS;
+    gluon: where the Gluon tiles run, GLUON_ROW_KERNEL_MAX_ROWS)."""
     if method not in METHODS:
         raise ValueError(f"MXFP4 grouped matmul method must be one of {METHODS}, got {method!r}")
     if method != "auto":
         return method
-    return "rows" if rows / max(experts, 1) <= ROW_KERNEL_MAX_ROWS else "dequant"
+    row_kernel_max = GLUON_ROW_KERNEL_MAX_ROWS if gluon else ROW_KERNEL_MAX_ROWS
+    return "rows" if rows / max(experts, 1) <= row_kernel_max else "dequant"
 
 
 def check_mxfp4_operands(x_sorted: torch.Tensor, counts: torch.Tensor, packed: torch.Tensor,
@@ -211,7 +221,8 @@ def mxfp4_grouped_matmul_triton(x_sorted: torch.Tensor, counts: torch.Tensor, pa
     check_mxfp4_operands(x_sorted, counts, packed, scales)
     M, K = x_sorted.shape
     E, N, _ = packed.shape
-    method = pick_method(method, M, E)
+    gluon = gluon_mxfp4.usable(x_sorted)
+    method = pick_method(method, M, E, gluon)
     scaled = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(x_sorted.dtype) if method == "dot_scaled" else ""
     if scaled is None:
         raise ValueError(f"method 'dot_scaled' takes bf16 or fp16 rows, got {x_sorted.dtype}")
@@ -221,14 +232,20 @@ def mxfp4_grouped_matmul_triton(x_sorted: torch.Tensor, counts: torch.Tensor, pa
         return torch.empty(M, N, dtype=x_sorted.dtype, device=x_sorted.device)
     if method == "rows":
         return expert_rows(x_sorted, counts, packed, scales, splits)
-    bm = block_m(M, E)
-    block_k, warps = TILES[bm]
+    gluon = gluon and method == "dequant"
+    bm = min(block_m(M, E), GLUON_MAX_ROWS) if gluon else block_m(M, E)
+    block_k, warps = (gluon_mxfp4.BLOCK_K, gluon_mxfp4.WARPS) if gluon else TILES[bm]
     # tiles: at most ceil(M / bm) full ones plus one partial tile per expert that has rows (at most min(E, M))
     grid = (triton.cdiv(M, bm) + min(E, M), triton.cdiv(N, BLOCK_N))
     out, k_split = split_output(x_sorted, N, splits or k_splits(grid[0] * grid[1], K, block_k), block_k)
+    x_sorted, counts, packed, scales = x_sorted.contiguous(), counts.contiguous(), packed.contiguous(), \
+        scales.contiguous()
+    if gluon:
+        gluon_mxfp4.launch(x_sorted, counts, packed, scales, out, k_split, bm, grid[0])
+        return add_splits(out, x_sorted.dtype)
     dot = dot_dtype(x_sorted)
     _mxfp4_grouped_matmul_kernel[(*grid, out.shape[0])](
-        x_sorted.contiguous(), counts.contiguous(), packed.contiguous(), scales.contiguous(), out, M, N, K, E,
+        x_sorted, counts, packed, scales, out, M, N, K, E,
         k_split, BLOCK_M=bm, BLOCK_N=BLOCK_N, BLOCK_K=block_k, BLOCK_E=triton.next_power_of_2(E), DOT=dot,
         PRECISION="ieee" if dot == tl.float32 else "tf32", SCALED_FORMAT=scaled, ASM=ptx_decode(x_sorted),
         num_warps=warps if scaled else DEQUANT_WARPS)
