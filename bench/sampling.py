@@ -7,12 +7,12 @@ For each vocabulary (k3-debug's 32,768; Kimi Linear's and K3's 163,840) and batc
 are sampled through `openk3.sampling.sample_tokens` as the engine calls it (temperature 0.8, the cuts below, a
 seeded random source per row), 20 calls between CUDA events after 3 warm-up calls, host launch included:
   temperature   temperature alone (one launch of `sample_rows_triton`)
-  top_p sort    top_p 0.95 through the sort (`sampling.CUT_KERNEL_MIN_ROWS` raised past the batch)
-  top_p kernel  top_p 0.95 through `sample_rows_cut_triton` (the threshold lowered to 1)
+  top_p sort    top_p 0.95 through the sort (`sampling.cut_kernel_takes` answering no)
+  top_p kernel  top_p 0.95 through `sample_rows_cut_triton` (`cut_kernel_takes` answering yes)
   top_k kernel  top_k 50 and top_p 0.95 through the kernel (its count selection first)
 and whether the sort and the kernel drew the same tokens (they agree up to fp32 rounding at a nucleus boundary).
 Prints a table and writes JSON rows {vocab, batch, case, us_per_call}, with the same-token counts; the batch from
-which the kernel beats the sort is what `CUT_KERNEL_MIN_ROWS` should be. `--device cpu --tiny` runs a small case
+which the kernel beats the sort, by vocabulary, is what `CUT_KERNEL_MIN_ROWS` and `CUT_KERNEL_MAX_VOCAB` should be. `--device cpu --tiny` runs a small case
 under TRITON_INTERPRET=1 (a smoke test: no timings worth reading).
 """
 
@@ -32,8 +32,8 @@ from openk3.sampling import SamplingParams, sample_tokens
 
 HERE = Path(__file__).parent
 CASES = {"temperature": (SamplingParams(temperature=0.8), None), "top_p sort": (SamplingParams(temperature=0.8,
-         top_p=0.95), 1 << 30), "top_p kernel": (SamplingParams(temperature=0.8, top_p=0.95), 1),
-         "top_k kernel": (SamplingParams(temperature=0.8, top_p=0.95, top_k=50), 1)}
+         top_p=0.95), False), "top_p kernel": (SamplingParams(temperature=0.8, top_p=0.95), True),
+         "top_k kernel": (SamplingParams(temperature=0.8, top_p=0.95, top_k=50), True)}
 
 
 def time_calls(fn, device: torch.device, reps: int) -> float:
@@ -69,7 +69,7 @@ def main() -> None:
         parser.error("the kernels need a CUDA device (or --device cpu --tiny under TRITON_INTERPRET=1)")
     use_triton = sampling.use_triton
     sampling.use_triton = lambda t, compiled=False: True  # the kernels on the CPU too (the interpreter, --tiny)
-    default_threshold = sampling.CUT_KERNEL_MIN_ROWS
+    default_rule = sampling.cut_kernel_takes
     rows = []
     print(f"| vocab | batch | {' | '.join(f'{c} (us)' for c in CASES)} | same tokens, sort / kernel |")
     print(f"|---|---|{'---|' * len(CASES)}---|")
@@ -77,8 +77,8 @@ def main() -> None:
         for batch in batches:
             logits = torch.randn(batch, vocab, generator=torch.Generator().manual_seed(batch)).mul(3).to(device)
             times, tokens = {}, {}
-            for case, (params, threshold) in CASES.items():
-                sampling.CUT_KERNEL_MIN_ROWS = threshold or default_threshold
+            for case, (params, kernel) in CASES.items():
+                sampling.cut_kernel_takes = default_rule if kernel is None else lambda rows, vocab, on=kernel: on
                 draw = functools.partial(sample_tokens, logits, [params] * batch,
                                          [random.Random(i) for i in range(batch)])
                 tokens[case] = draw().tolist()
@@ -88,9 +88,10 @@ def main() -> None:
             rows[-1]["same_tokens_sort_kernel"] = same
             print(f"| {vocab:,} | {batch} | {' | '.join(f'{times[c]:,.1f}' for c in CASES)} | {same}/{batch} |",
                   flush=True)
-    sampling.use_triton, sampling.CUT_KERNEL_MIN_ROWS = use_triton, default_threshold
+    sampling.use_triton, sampling.cut_kernel_takes = use_triton, default_rule
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "cut_kernel_min_rows": default_threshold, "rows": rows}
+              "torch": torch.__version__, "cut_kernel_min_rows": sampling.CUT_KERNEL_MIN_ROWS,
+              "cut_kernel_max_vocab": sampling.CUT_KERNEL_MAX_VOCAB, "rows": rows}
     if not args.tiny:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.json}")

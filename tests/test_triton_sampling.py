@@ -225,7 +225,9 @@ def test_the_nucleus_takes_tied_tokens_in_index_order():
 
 def test_sample_tokens_takes_the_cut_kernel_from_enough_rows(monkeypatch):
     """Batches of rows with cuts (no bias or penalties) take sample_rows_cut_triton from CUT_KERNEL_MIN_ROWS rows on,
-    with the reference's tokens; smaller batches, and any row with a bias, take the sort."""
+    with the reference's tokens; smaller batches (over a vocabulary past CUT_KERNEL_MAX_VOCAB), and any row with a
+    bias, take the sort."""
+    monkeypatch.setattr(sampling, "CUT_KERNEL_MAX_VOCAB", 199)
     calls = []
     kernel = triton_sampling.sample_rows_cut_triton
     monkeypatch.setattr(triton_sampling, "sample_rows_cut_triton", lambda *a: calls.append(1) or kernel(*a))
@@ -241,3 +243,4 @@ def test_sample_tokens_takes_the_cut_kernel_from_enough_rows(monkeypatch):
         results.append((tokens.tolist(), len(calls)))
     assert results[1] == (results[0][0], 1)
     assert results[2] == (results[0][0][: B - 1], 0) and results[3][1] == 0
+    assert sampling.cut_kernel_takes(1, 199) and not sampling.cut_kernel_takes(B - 1, 200)

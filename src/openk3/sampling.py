@@ -160,14 +160,20 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, rng: random.Rando
     return int(sample_tokens(logits.unsqueeze(0), [params], [rng], [previous])[0])
 
 
-# Batches of at least this many rows with top-k / top-p cuts (and no bias or penalties) sample in one Triton launch
-# that finds the k-th logit and the nucleus by radix selection (`ops.triton_sampling.sample_rows_cut_triton`);
-# smaller ones take the sort below. On an H100 (2026-12-07, 163,840 logits a row, host launch included) the sort's
-# path took 0.79 / 1.16 / 2.43 / 7.63 ms at 1 / 16 / 64 / 256 rows with top_p 0.95. The kernel is one program a
-# row on one SM (176 registers a thread), ~840 instructions a logit with top-p alone and ~1,400 with top-k too
-# (sm_90 SASS, counted offline): an estimated 1.7-2.5 ms a row, so from 128 rows (one wave of programs) it should
-# take about half the sort's time, and below 64 rows it loses. Not yet timed on a GPU: bench/sampling.py.
+# Batches of rows with top-k / top-p cuts (and no bias or penalties) sample in one Triton launch that finds the k-th
+# logit and the nucleus by radix selection (`ops.triton_sampling.sample_rows_cut_triton`) from CUT_KERNEL_MIN_ROWS
+# rows, or at any batch over at most CUT_KERNEL_MAX_VOCAB logits a row; others take the sort below. The kernel is
+# one program a row, so its time is a row's walk on one SM until the rows fill the GPU. Measured with top_p 0.95 on
+# an H100 (bench/sampling.py, 2026-12-07, host launch included), sort against kernel: 163,840 logits a row
+# 0.56 / 1.15 / 2.42 / 7.61 ms against 1.74 / 1.76 / 2.32 / 6.01 at 1 / 16 / 64 / 256 rows; 32,768 logits
+# 0.87 / 0.69 / 0.64 / 1.66 against 0.24 / 0.24 / 0.25 / 0.49.
 CUT_KERNEL_MIN_ROWS = 128
+CUT_KERNEL_MAX_VOCAB = 65536
+
+
+def cut_kernel_takes(rows: int, vocab: int) -> bool:
+    """Whether a batch of `rows` rows of `vocab` logits with cuts samples in the Triton kernel (see above)."""
+    return rows >= CUT_KERNEL_MIN_ROWS or vocab <= CUT_KERNEL_MAX_VOCAB
 
 
 def sample_tokens(logits: torch.Tensor, params: Sequence[SamplingParams], rngs: Sequence[random.Random],
@@ -179,7 +185,7 @@ def sample_tokens(logits: torch.Tensor, params: Sequence[SamplingParams], rngs: 
     all the randomness it uses: a seeded row draws the same token whatever rows run beside it, on any device. Ties
     in the argmax and the sorts resolve to the lower id."""
     whole = all(p.whole_distribution for p in params)
-    if use_triton(logits) and (whole or (len(params) >= CUT_KERNEL_MIN_ROWS and all(p.unadjusted for p in params))):
+    if use_triton(logits) and (whole or (cut_kernel_takes(*logits.shape) and all(p.unadjusted for p in params))):
         from openk3.ops import triton_sampling  # one launch; triton is an optional dependency
 
         temperature = torch.tensor([0.0 if p.greedy else p.temperature for p in params], dtype=torch.float64)
