@@ -31,10 +31,11 @@ cases = {{
                 weights_ptr="*fp32", indices_ptr="*i64", N="i32", E="i32", scaling="fp32"),
                 dict(TOP_K=8, HAS_BIAS=True, RENORMALIZE=True, BLOCK_N=1, BLOCK_E=256, BLOCK_K=8), 4),
 }}
-for rows in (16, 32, 64):
+for rows in (16, 32, 64, 128):
+    warps = gluon_mxfp4.tile_warps(rows)
     cases[f"gluon mxfp4 tiles, {{rows}} rows"] = (gluon_mxfp4._mxfp4_tiles_kernel, dict(
         x_ptr="*bf16", counts_ptr="*i32", w_ptr="*u8", s_ptr="*u8", out_ptr="*bf16", M="i32", N="i32", K="i32",
-        E="i32", K_SPLIT="i32"), dict(BLOCK_M=rows, BLOCK_E=256), gluon_mxfp4.WARPS)
+        E="i32", K_SPLIT="i32"), dict(BLOCK_M=rows, BLOCK_E=256, WARPS=warps), warps)
 out = {{}}
 for name, (fn, types, constexprs, warps) in cases.items():
     sass, registers, spill = compile_sm90(fn, types, constexprs, warps, bin_dir)
@@ -48,8 +49,8 @@ def test_kernels_compile_for_sm90_without_spills():
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert set(result) == {"sample cut", "split merge, all at once", "split merge, walked", "routing",
-                           *(f"gluon mxfp4 tiles, {rows} rows" for rows in (16, 32, 64))}
+                           *(f"gluon mxfp4 tiles, {rows} rows" for rows in (16, 32, 64, 128))}
     assert all(r["registers"] > 0 and r["spill"] == 0 for r in result.values()), result
-    for rows in (16, 32, 64):
+    for rows in (16, 32, 64, 128):
         loop = result[f"gluon mxfp4 tiles, {rows} rows"]["loop"]
         assert loop.get("HGMMA") and loop.get("STS") and not loop.get("LDS"), loop  # x stored; no operand loaded

@@ -58,6 +58,7 @@ METHODS = ["rows", "dequant", "dot_scaled"]
     ([1] * 9, 33, 32),  # decode: one row per expert, one scale group
     ([5], 64, 256),  # one expert, whole tiles
     ([150, 0, 7], 40, 96),  # prefill-sized groups: 64-row tiles, 64 inputs a step
+    ([300, 130], 24, 160),  # more than 64 rows an expert: 128-row tiles (the Gluon tiles' 8 warps on Hopper)
 ])
 def test_kernel_matches_dequantize_then_matmul(counts, N, K, method):
     counts = torch.tensor(counts)

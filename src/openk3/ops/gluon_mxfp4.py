@@ -17,8 +17,9 @@ form one bf16 pair of the operand, at operand position kk = 32 w + 8 p + 2 q + t
 the input at step offset 32 q + 8 w + p + 4 t. x's tile is loaded in order and permuted to kk in registers before
 it is stored to shared memory as the MMA's second operand.
 
-Grid, tiles of one expert's rows, split-K and output as `ops.triton_mxfp4._mxfp4_grouped_matmul_kernel`; bf16
-rows, NVIDIA sm_90 (wgmma) only: `usable` says when; elsewhere the Triton tile runs.
+Grid, tiles of one expert's rows, split-K and output as `ops.triton_mxfp4._mxfp4_grouped_matmul_kernel` (16 to
+128 rows a tile; 64 or 128 weight rows, `tile_warps`); bf16 rows, NVIDIA sm_90 (wgmma) only: `usable` says when;
+elsewhere the Triton tile runs.
 """
 
 from __future__ import annotations
@@ -32,22 +33,37 @@ try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
+    from triton.runtime.jit import constexpr_function
 except ImportError:  # a Triton without Gluon: the Triton tile serves
     gluon = None
 
-BLOCK_N = 64  # weight rows a tile: one warpgroup's MMA
 BLOCK_K = 128  # inputs a step: one MXFP4 block for each lane of a quad
-WARPS = 4  # one warpgroup (the layouts below are written for it)
+# warps a tile (16 weight rows each; a warpgroup's MMA takes 64) by its rows: 4 up to 64 rows, 8 for 128 (where 4
+# spill: 255 registers). kimi-linear-48b's layer on an H100 (2026-12-07, twelfth session): 4 warps faster by 1-3% at
+# 2-256 tokens; 4096 tokens 4,753 us with 4 warps and 64-row tiles, 3,735 with 8 and 128-row tiles
+def tile_warps(block_m: int) -> int:
+    return 8 if block_m > 64 else 4
 GLUON_TILES = True  # False: the Triton tile on Hopper too (bench/mxfp4_experts.py's peer rows)
 
 
-def usable(x: torch.Tensor) -> bool:
-    """Whether the Gluon tile runs for rows x: bf16 rows on an NVIDIA sm_90 GPU (Hopper's wgmma) with Gluon."""
-    return (GLUON_TILES and gluon is not None and x.dtype == torch.bfloat16 and ptx_decode(x)
-            and torch.cuda.get_device_capability(x.device) == (9, 0))
+def usable(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the Gluon tile runs for rows of this dtype on this device: bf16 rows on an NVIDIA sm_90 GPU (Hopper's
+    wgmma) with Gluon."""
+    return (GLUON_TILES and gluon is not None and dtype == torch.bfloat16 and ptx_decode(device)
+            and torch.cuda.get_device_capability(device) == (9, 0))
 
 
 if gluon is not None:
+
+    @constexpr_function
+    def _words_layout(warps):
+        """Words [16 warps rows, 4 blocks, 4 words]: warp v takes rows 16 v + l // 4 and + 8 (lane l), block l % 4,
+        its 4 words in registers (one 16-byte load a row)."""
+        return gl.DistributedLinearLayout(
+            reg_bases=[[0, 0, 1], [0, 0, 2], [8, 0, 0]],
+            lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+            warp_bases=[[16 << i, 0, 0] for i in range(warps.bit_length() - 1)], block_bases=[],
+            shape=[16 * warps, 4, 4])
 
     @gluon.jit
     def _add(a, b):
@@ -55,7 +71,7 @@ if gluon is not None:
 
     @gluon.jit
     def _step(words_ptr, s_ptr, x_ptr, word_offs, scale_offs, x_offs, w_ok, x_ok, q, kx, k0, k_end):
-        """A step's codes (int32 words [64, 4 blocks, 4]), scale bytes ([64, 4 blocks]) and rows' inputs
+        """A step's codes (int32 words [BLOCK_N, 4 blocks, 4]), scale bytes ([BLOCK_N, 4 blocks]) and rows' inputs
         ([BLOCK_M, 128], in order) at input k0; nothing at or past k_end."""
         blocks_ok = w_ok & (k0 // 32 + q < k_end // 32)
         words = gl.load(words_ptr + word_offs + k0 // 8, mask=gl.expand_dims(blocks_ok, 2), other=0)
@@ -65,18 +81,18 @@ if gluon is not None:
 
     @gluon.jit
     def _operand(words, scales, A_LAYOUT: gl.constexpr):
-        """Words [64, 4 blocks q, 4 words w] and their blocks' scale bytes [64, 4] -> the dequantized bf16 weights
-        [64, 128] in the MMA's operand layout, position kk = 32 w + 8 p + 2 q + t holding code p + 4 t of word w."""
+        """Words [R, 4 blocks q, 4 words w] and their blocks' scale bytes [R, 4] -> the dequantized bf16 weights
+        [R, 128] in the MMA's operand layout, position kk = 32 w + 8 p + 2 q + t holding code p + 4 t of word w."""
         pairs = gl.expand_dims(e8m0_bf16_pairs(scales), 2) + words * 0
         lo0, hi0 = e2m1_code_pair(words, pairs, 0, True)
         lo1, hi1 = e2m1_code_pair(words, pairs, 1, True)
         lo2, hi2 = e2m1_code_pair(words, pairs, 2, True)
         lo3, hi3 = e2m1_code_pair(words, pairs, 3, True)
-        # join stacks on a new last axis: [64, q, w, t] for each p, then p = p0 + 2 p1: [64, q, w, t, p0, p1]
+        # join stacks on a new last axis: [R, q, w, t] for each p, then p = p0 + 2 p1: [R, q, w, t, p0, p1]
         low = gl.join(gl.join(lo0, hi0), gl.join(lo1, hi1))
         high = gl.join(gl.join(lo2, hi2), gl.join(lo3, hi3))
-        values = gl.permute(gl.join(low, high), (0, 2, 5, 4, 1, 3))  # [64, w, p1, p0, q, t]
-        return gl.convert_layout(gl.reshape(values, (64, 128)), A_LAYOUT, assert_trivial=True)
+        values = gl.permute(gl.join(low, high), (0, 2, 5, 4, 1, 3))  # [R, w, p1, p0, q, t]
+        return gl.convert_layout(gl.reshape(values, (words.shape[0], 128)), A_LAYOUT, assert_trivial=True)
 
     @gluon.jit
     def _operand_order(x):
@@ -87,19 +103,16 @@ if gluon is not None:
 
     @gluon.jit
     def _mxfp4_tiles_kernel(x_ptr, counts_ptr, w_ptr, s_ptr, out_ptr, M, N, K, E, K_SPLIT,
-                            BLOCK_M: gl.constexpr, BLOCK_E: gl.constexpr):
-        """One [BLOCK_M rows, 64 weight rows] output tile over inputs [k_start, k_start + K_SPLIT) of split
+                            BLOCK_M: gl.constexpr, BLOCK_E: gl.constexpr, WARPS: gl.constexpr):
+        """One [BLOCK_M rows, 16 WARPS weight rows] output tile over inputs [k_start, k_start + K_SPLIT) of split
         program_id(2), written to out[split] (out [splits, M, N]); the tile is found from `counts` as in the
         Triton tile."""
-        COUNTS: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-        # words [64 rows, 4 blocks, 4 words]: warp v rows 16 v + l // 4 (and + 8), block l % 4, its 4 words
-        WORDS: gl.constexpr = gl.DistributedLinearLayout(
-            reg_bases=[[0, 0, 1], [0, 0, 2], [8, 0, 0]],
-            lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
-            warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[64, 4, 4])
+        BLOCK_N: gl.constexpr = 16 * WARPS
+        COUNTS: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+        WORDS: gl.constexpr = _words_layout(WARPS)
         SCALES: gl.constexpr = gl.SliceLayout(2, WORDS)
-        ROWS: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+        ROWS: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                       instr_shape=[16, BLOCK_M, 16])
         A_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
         X_SHARED: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 128], gl.bfloat16)
@@ -117,8 +130,8 @@ if gluon is not None:
             k_start = gl.program_id(2) * K_SPLIT
             k_end = gl.minimum(k_start + K_SPLIT, K)
 
-            rn = gl.program_id(1) * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, SCALES))
-            w_rows = gl.expand_dims(e.to(gl.int64) * N + rn, 1)  # [64, 1]: the expert's output rows
+            rn = gl.program_id(1) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, SCALES))
+            w_rows = gl.expand_dims(e.to(gl.int64) * N + rn, 1)  # [BLOCK_N, 1]: the expert's output rows
             q = gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, SCALES)), 0)
             w = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, WORDS)))
             word_offs = gl.expand_dims(w_rows * (K // 8) + 4 * q, 2) + gl.expand_dims(gl.expand_dims(w, 0), 1)
@@ -131,7 +144,7 @@ if gluon is not None:
 
             words_ptr = w_ptr.to(gl.pointer_type(gl.int32))
             x_tile = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, 128], X_SHARED)
-            acc = gl.zeros([64, BLOCK_M], gl.float32, layout=MMA)
+            acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=MMA)
             # each step's loads are issued one step ahead, so that two steps' loads are in flight
             words, scales, x = _step(words_ptr, s_ptr, x_ptr, word_offs, scale_offs, x_offs, w_ok, x_ok, q, kx,
                                      k_start, k_end)
@@ -143,7 +156,7 @@ if gluon is not None:
                 acc = warpgroup_mma(_operand(words, scales, A_LAYOUT), x_tile.permute((1, 0)), acc)
                 words, scales, x = next_words, next_scales, next_x
 
-            on = gl.program_id(1) * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
+            on = gl.program_id(1) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
             om = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
             out = out_ptr + gl.expand_dims((gl.program_id(2) * M + row0 + om).to(gl.int64) * N, 0) + \
                 gl.expand_dims(on, 1)
@@ -153,10 +166,11 @@ if gluon is not None:
 
 def launch(x_sorted: torch.Tensor, counts: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
            out: torch.Tensor, k_split: int, block_m: int, tiles_m: int) -> None:
-    """The Gluon tiles into out [splits, M, N] (`ops.triton_mxfp4.mxfp4_grouped_matmul_triton` sizes the grid,
-    the splits and the tile rows, as for the Triton tile)."""
+    """The Gluon tiles into out [splits, M, N] (`ops.triton_mxfp4.mxfp4_grouped_matmul_triton` sizes the row
+    tiles, the splits and the grid's row-tile axis, as for the Triton tile)."""
     M, K = x_sorted.shape
     E, N, _ = packed.shape
-    _mxfp4_tiles_kernel[(tiles_m, triton.cdiv(N, BLOCK_N), out.shape[0])](
+    warps = tile_warps(block_m)
+    _mxfp4_tiles_kernel[(tiles_m, triton.cdiv(N, 16 * warps), out.shape[0])](
         x_sorted, counts, packed, scales, out, M, N, K, E, k_split, BLOCK_M=block_m,
-        BLOCK_E=triton.next_power_of_2(E), num_warps=WARPS)
+        BLOCK_E=triton.next_power_of_2(E), WARPS=warps, num_warps=warps)

@@ -315,17 +315,24 @@ def experts_forward_mxfp4(x: torch.Tensor, routing_indices: torch.Tensor, routin
 # Mean rows per expert from which MXFP4 experts are expanded to bf16 for the grouped GEMM (method "auto"):
 # kimi-linear-48b's layer on an H200 (bench/RESULTS.md 2026-12-07, ninth session): 4096 tokens (128 rows an
 # expert) 4.75 ms expanded against 5.33 with tl.dot_scaled, 16384 tokens 11.3 against 17.7; 256 tokens 3.09 against
-# 1.19 with the W4A16 tiles
+# 1.19 with the W4A16 tiles. Where the Gluon tiles run (bf16 rows on Hopper, `ops.gluon_mxfp4`), from 512: on an
+# H100 (twelfth session) 4096 tokens 3.74 ms in the Gluon tiles against 5.48 expanded, 16384 tokens 12.62 against
+# 12.54
 EXPAND_MIN_ROWS = 128
+GLUON_EXPAND_MIN_ROWS = 512
 
 
 def expands(dtype: torch.dtype, routing_indices: torch.Tensor, num_experts: int) -> bool:
-    """Whether "auto" expands MXFP4 experts: at least EXPAND_MIN_ROWS rows an expert on average, computing in bf16
-    where the grouped GEMM runs (`grouped_mm_usable`'s conditions)."""
+    """Whether "auto" expands MXFP4 experts: at least EXPAND_MIN_ROWS rows an expert on average (GLUON_EXPAND_MIN_ROWS
+    where the Gluon tiles run), computing in bf16 where the grouped GEMM runs (`grouped_mm_usable`'s conditions)."""
+    from openk3.ops import gluon_mxfp4
+
     device = routing_indices.device
-    return (routing_indices.numel() >= EXPAND_MIN_ROWS * num_experts and device.type == "cuda"
-            and _grouped_mm_fn() is not None and dtype == torch.bfloat16
-            and torch.cuda.get_device_capability(device) >= (9, 0))
+    if device.type != "cuda" or _grouped_mm_fn() is None or dtype != torch.bfloat16 or \
+            torch.cuda.get_device_capability(device) < (9, 0):
+        return False
+    gluon = gluon_mxfp4.usable(dtype, device)
+    return routing_indices.numel() >= (GLUON_EXPAND_MIN_ROWS if gluon else EXPAND_MIN_ROWS) * num_experts
 
 
 # Weights a single token's experts may gather (`experts_forward_gathered`): the k experts read three times (the

@@ -139,10 +139,12 @@ def pair_order(x):
 PTX_DECODE = True  # False: the Triton twin on GPUs too (bench/mxfp4_experts.py's peer rows)
 
 
-def ptx_decode(x: torch.Tensor) -> bool:
-    """Whether the kernels decode MXFP4 codes with PTX (`e2m1_code_pair`, `e2m1_code_pair_fp32`): on NVIDIA GPUs;
-    the Triton interpreter (CPU tensors) runs the same arithmetic in Triton."""
-    return PTX_DECODE and x.device.type == "cuda" and torch.version.hip is None
+def ptx_decode(where: torch.Tensor | torch.device) -> bool:
+    """Whether the kernels decode MXFP4 codes with PTX (`e2m1_code_pair`, `e2m1_code_pair_fp32`) for tensors on this
+    device (or this tensor's): on NVIDIA GPUs; the Triton interpreter (CPU tensors) runs the same arithmetic in
+    Triton."""
+    device = where.device if isinstance(where, torch.Tensor) else where
+    return PTX_DECODE and device.type == "cuda" and torch.version.hip is None
 
 
 def k_splits(tiles: int, K: int, block_k: int) -> int:

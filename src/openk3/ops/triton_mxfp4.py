@@ -78,10 +78,6 @@ BLOCK_N = 64
 # register spills (triton 3.9, cuobjdump -res-usage); timings on a GPU may pick others
 TILES = {16: (128, 8), 32: (128, 8), 64: (64, 8), 128: (64, 8)}
 DEQUANT_WARPS = 4  # the explicit dequantization's tiles: one warpgroup, whose MMA takes BLOCK_N = 64 weight rows
-# the Gluon tiles take at most 64 rows (larger groups take several tiles): at 128 they spill (sm_90, triton 3.6 and
-# 3.9: 255 registers and a stack)
-GLUON_MAX_ROWS = 64
-
 
 @triton.jit
 def _scaled_tile(x_rows, w_ptr, s_ptr, w_rows, m_ok, n_ok, k_start, k_end, K, BLOCK_N: tl.constexpr,
@@ -221,7 +217,7 @@ def mxfp4_grouped_matmul_triton(x_sorted: torch.Tensor, counts: torch.Tensor, pa
     check_mxfp4_operands(x_sorted, counts, packed, scales)
     M, K = x_sorted.shape
     E, N, _ = packed.shape
-    gluon = gluon_mxfp4.usable(x_sorted)
+    gluon = gluon_mxfp4.usable(x_sorted.dtype, x_sorted.device)
     method = pick_method(method, M, E, gluon)
     scaled = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(x_sorted.dtype) if method == "dot_scaled" else ""
     if scaled is None:
@@ -233,10 +229,10 @@ def mxfp4_grouped_matmul_triton(x_sorted: torch.Tensor, counts: torch.Tensor, pa
     if method == "rows":
         return expert_rows(x_sorted, counts, packed, scales, splits)
     gluon = gluon and method == "dequant"
-    bm = min(block_m(M, E), GLUON_MAX_ROWS) if gluon else block_m(M, E)
-    block_k, warps = (gluon_mxfp4.BLOCK_K, gluon_mxfp4.WARPS) if gluon else TILES[bm]
+    bm = block_m(M, E)
+    block_k, warps = (gluon_mxfp4.BLOCK_K, gluon_mxfp4.tile_warps(bm)) if gluon else TILES[bm]
     # tiles: at most ceil(M / bm) full ones plus one partial tile per expert that has rows (at most min(E, M))
-    grid = (triton.cdiv(M, bm) + min(E, M), triton.cdiv(N, BLOCK_N))
+    grid = (triton.cdiv(M, bm) + min(E, M), triton.cdiv(N, 16 * warps if gluon else BLOCK_N))
     out, k_split = split_output(x_sorted, N, splits or k_splits(grid[0] * grid[1], K, block_k), block_k)
     x_sorted, counts, packed, scales = x_sorted.contiguous(), counts.contiguous(), packed.contiguous(), \
         scales.contiguous()
