@@ -12,8 +12,8 @@ seeded random source per row), 20 calls between CUDA events after 3 warm-up call
   top_k kernel  top_k 50 and top_p 0.95 through the kernel (its count selection first)
 and whether the sort and the kernel drew the same tokens (they agree up to fp32 rounding at a nucleus boundary).
 Prints a table and writes JSON rows {vocab, batch, case, us_per_call}, with the same-token counts; the batch from
-which the kernel beats the sort, by vocabulary, is what `CUT_KERNEL_MIN_ROWS` and `CUT_KERNEL_MAX_VOCAB` should be. `--device cpu --tiny` runs a small case
-under TRITON_INTERPRET=1 (a smoke test: no timings worth reading).
+which the kernel beats the sort, by vocabulary, is what `CUT_KERNEL_MIN_ROWS` and `CUT_KERNEL_MAX_VOCAB` should
+be. `--device cpu --tiny` runs a small case under TRITON_INTERPRET=1 (a smoke test: no timings worth reading).
 """
 
 from __future__ import annotations
