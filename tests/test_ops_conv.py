@@ -7,7 +7,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from openk3.ops.conv import causal_conv1d, causal_conv1d_reference, causal_conv1d_step
+from openk3.ops.conv import (
+    causal_conv1d,
+    causal_conv1d_reference,
+    causal_conv1d_step,
+    conv_window_after,
+    conv_windows,
+)
 from openk3.ops.gates import k3_gate, kimi_gate
 from openk3.ops.norms import l2_norm, rms_norm
 from saved_tensors import saved_storages
@@ -128,3 +134,23 @@ def test_norms():
     assert torch.allclose(y.float(), (xf / torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5) * w), atol=1e-2)
     z = l2_norm(torch.tensor([[3.0, 4.0]]))
     assert torch.allclose(z, torch.tensor([[3.0, 4.0]]) / math.sqrt(25 + 1e-6))
+
+
+@pytest.mark.parametrize(("W", "T"), [(4, 1), (4, 2), (4, 3), (4, 9), (2, 5), (6, 4)])
+def test_conv_windows_equal_slices_of_the_history(W, T):
+    """The conv state after any number of each row's inputs (`conv_windows`: per-row ends on the device;
+    `conv_window_after`: one host end) equals W-1 columns of the history [state | x^T], which neither forms: ends
+    inside the state (fewer inputs than the window), at 0 and at T, in bf16 x with an fp32 state."""
+    g = torch.Generator().manual_seed(W * 10 + T)
+    B, C = 5, 7
+    state = torch.randn(B, C, W - 1, generator=g)
+    x = torch.randn(B, T, C, generator=g).to(torch.bfloat16)
+    history = torch.cat([state, x.transpose(1, 2).float()], dim=-1)
+    ends = torch.randint(0, T + 1, (B,), generator=g)
+    ends[0], ends[-1] = 0, T
+    want = torch.stack([history[b, :, int(e):int(e) + W - 1] for b, e in enumerate(ends)])
+    got = conv_windows(state, x, ends)
+    assert got.shape == (B, C, W - 1) and got.dtype == state.dtype and torch.equal(got, want)
+    for end in range(T + 1):
+        assert torch.equal(conv_window_after(state, x, end), history[..., end:end + W - 1])
+    assert torch.equal(conv_windows(state, x[:, :0], torch.zeros(B, dtype=torch.long)), state)

@@ -20,7 +20,7 @@ from openk3.model.common import (
     shared_cast,
 )
 from openk3.model.documents import Documents
-from openk3.ops.conv import causal_conv1d, causal_conv1d_step, conv_windows
+from openk3.ops.conv import causal_conv1d, causal_conv1d_step, conv_window_after, conv_windows
 from openk3.ops.fused import use_triton
 from openk3.ops.gates import k3_gate, kimi_gate
 from openk3.ops.kda import BACKENDS, kda, resolve_backend
@@ -179,12 +179,10 @@ class KimiDeltaAttention(FusableLinears, KeepFp32, nn.Module):
     def _kda_with_checkpoints(self, q, k, v, g, beta, initial, conv_state, qkv_in, offsets, cache, backend):
         """KDA over the T new tokens, recording the layer's state (conv window and recurrent state) after each of
         `offsets` tokens in the cache, from the same call."""
-        window = conv_state.shape[-1]
-        history = torch.cat([conv_state, qkv_in.transpose(1, 2).to(conv_state.dtype)], dim=-1)  # [B,C,W-1+T]
         o, state, states = kda(q, k, v, g, beta, initial_state=initial, output_final_state=True, backend=backend,
                                gate_min=self.gate_min(), state_offsets=tuple(offsets))
         for end, s in zip(offsets, states):
-            cache.record_checkpoint(end, self.layer_idx, history[..., end:end + window], s)
+            cache.record_checkpoint(end, self.layer_idx, conv_window_after(conv_state, qkv_in, end), s)
         return o, state
 
     def _documents_kda(self, q, k, v, g, beta, documents: Documents, backend: str) -> torch.Tensor:
