@@ -18,7 +18,7 @@ os.environ.pop("TRITON_INTERPRET", None)
 sys.path.insert(0, {str(BENCH)!r})
 import triton
 from sass_loops import compile_sm90, main_loop
-from openk3.ops import gluon_mxfp4, paged_mla, triton_routing, triton_sampling
+from openk3.ops import gluon_mxfp4, paged_mla, triton_combine, triton_routing, triton_sampling
 bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 cases = {{
     "sample cut": (triton_sampling._sample_cut_kernel, dict(logits_ptr="*fp32", params_ptr="*fp64", out_ptr="*i64",
@@ -30,6 +30,8 @@ cases = {{
     "routing": (triton_routing._routing_kernel, dict(logits_ptr="*fp32", bias_ptr="*fp32", scores_ptr="*fp32",
                 weights_ptr="*fp32", indices_ptr="*i64", N="i32", E="i32", scaling="fp32"),
                 dict(TOP_K=8, HAS_BIAS=True, RENORMALIZE=True, BLOCK_N=1, BLOCK_E=256, BLOCK_K=8), 4),
+    "moe combine": (triton_combine._combine_kernel, dict(y_ptr="*bf16", position_ptr="*i64", weights_ptr="*fp32",
+                    out_ptr="*bf16", D="i32"), dict(K=8, BLOCK_D=triton_combine.BLOCK_D), 4),
 }}
 for rows in (16, 32, 64, 128):
     warps = gluon_mxfp4.tile_warps(rows)
@@ -48,7 +50,7 @@ def test_kernels_compile_for_sm90_without_spills():
     run = subprocess.run([sys.executable, "-c", COMPILE], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
-    assert set(result) == {"sample cut", "split merge, all at once", "split merge, walked", "routing",
+    assert set(result) == {"sample cut", "split merge, all at once", "split merge, walked", "routing", "moe combine",
                            *(f"gluon mxfp4 tiles, {rows} rows" for rows in (16, 32, 64, 128))}
     assert all(r["registers"] > 0 and r["spill"] == 0 for r in result.values()), result
     for rows in (16, 32, 64, 128):

@@ -272,6 +272,10 @@ def experts_forward_sorted(x: torch.Tensor, routing_indices: torch.Tensor, routi
     token_of = order // k  # which token each sorted row came from
     y_sorted = mlp(x[token_of], counts)
     if not torch.is_grad_enabled():  # the rows put back in (token, slot) order and summed: no atomic adds
+        if use_triton(y_sorted):  # (in one launch; while torch.compile traces, Inductor fuses the reference)
+            from openk3.ops.triton_combine import combine_sorted_triton
+
+            return combine_sorted_triton(y_sorted, order, routing_weights, x.dtype)
         return weighted_sum(torch.empty_like(y_sorted).index_copy_(0, order, y_sorted).view(N, k, -1),
                             routing_weights, x.dtype)
     w_sorted = routing_weights.reshape(-1)[order].unsqueeze(-1)
