@@ -29,21 +29,28 @@ import triton
 
 from openk3.ops.triton_experts_common import e2m1_code_pair, e8m0_bf16_pairs, ptx_decode
 
+# the Gluon versions this kernel was compiled with (3.6 on a GPU, 3.9 offline); Gluon's API moves between releases
+MIN_TRITON = (3, 6)
+
 try:
+    if tuple(int(part) for part in triton.__version__.split(".")[:2]) < MIN_TRITON:
+        raise ImportError(f"triton {triton.__version__}")
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
     from triton.runtime.jit import constexpr_function
-except ImportError:  # a Triton without Gluon: the Triton tile serves
+except ImportError:  # a Triton without Gluon, or older: the Triton tile serves
     gluon = None
 
 BLOCK_K = 128  # inputs a step: one MXFP4 block for each lane of a quad
+GLUON_TILES = True  # False: the Triton tile on Hopper too (bench/mxfp4_experts.py's peer rows)
+
+
 # warps a tile (16 weight rows each; a warpgroup's MMA takes 64) by its rows: 4 up to 64 rows, 8 for 128 (where 4
 # spill: 255 registers). kimi-linear-48b's layer on an H100 (2026-12-07, twelfth session): 4 warps faster by 1-3% at
 # 2-256 tokens; 4096 tokens 4,753 us with 4 warps and 64-row tiles, 3,735 with 8 and 128-row tiles
 def tile_warps(block_m: int) -> int:
     return 8 if block_m > 64 else 4
-GLUON_TILES = True  # False: the Triton tile on Hopper too (bench/mxfp4_experts.py's peer rows)
 
 
 def usable(dtype: torch.dtype, device: torch.device) -> bool:
