@@ -58,6 +58,18 @@ def awkward_row(V: int, kind: str, gen: torch.Generator, rng: random.Random) -> 
     return x
 
 
+def awkward_source(rng: random.Random):
+    """A row's random source: seeded, or one that always gives the extreme uniforms 0 and 1 - 2^-53."""
+    return rng.choice([random.Random(rng.randrange(1 << 30)), FixedUniforms(0.0), FixedUniforms(1 - 2.0**-53)])
+
+
+def kernel_draws(params: list, sources: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' per-row temperature (0: greedy) and uniform (drawn from the row's source unless greedy), fp64."""
+    temperature = torch.tensor([p.temperature if not p.greedy else 0.0 for p in params], dtype=torch.float64)
+    u = torch.tensor([s.random() if not p.greedy else 0.0 for s, p in zip(sources, params)], dtype=torch.float64)
+    return temperature, u
+
+
 def replayed(sources: list) -> list:
     """Copies of the random sources that will draw what they draw."""
     copies = [FixedUniforms(s.value) if isinstance(s, FixedUniforms) else random.Random() for s in sources]
@@ -77,12 +89,10 @@ def test_kernel_draws_what_the_reference_draws(V, dtype):
         rows.append(x.to(dtype).float())  # the reference sees the same values as the kernel
         temperature = 0.0 if i % 5 == 0 else rng.choice([TEMPERATURE_FLOOR, 0.3, 1.0, 7.0])
         params.append(SamplingParams(temperature=temperature))
-        sources.append(rng.choice([random.Random(rng.randrange(1 << 30)), FixedUniforms(0.0),
-                                   FixedUniforms(1 - 2.0**-53)]))
+        sources.append(awkward_source(rng))
     logits = torch.stack(rows)
     want = sample_tokens(logits, params, replayed(sources)).tolist()
-    temperature = torch.tensor([p.temperature if not p.greedy else 0.0 for p in params], dtype=torch.float64)
-    u = torch.tensor([s.random() if not p.greedy else 0.0 for s, p in zip(sources, params)], dtype=torch.float64)
+    temperature, u = kernel_draws(params, sources)
     got = triton_sampling.sample_rows_triton(logits.to(dtype).to(DEV), temperature, u).tolist()
     assert got == want
     assert [want[i] for i in range(3, 14, 7)] == [0, 0]  # all -inf: the argmax, whatever the temperature
@@ -200,12 +210,10 @@ def test_cut_kernel_draws_what_the_reference_draws(V, dtype, monkeypatch):
                                     rng.choice([0.01, 0.5, 0.9, 0.999]))
         rows.append(x)
         params.append(SamplingParams(temperature=temperature, top_k=top_k, top_p=min(top_p, 1.0)))
-        sources.append(rng.choice([random.Random(rng.randrange(1 << 30)), FixedUniforms(0.0),
-                                   FixedUniforms(1 - 2.0**-53)]))
+        sources.append(awkward_source(rng))
     logits = torch.stack(rows)
     want = sample_tokens(logits, params, replayed(sources)).tolist()
-    temperature = torch.tensor([p.temperature if not p.greedy else 0.0 for p in params], dtype=torch.float64)
-    u = torch.tensor([s.random() if not p.greedy else 0.0 for s, p in zip(sources, params)], dtype=torch.float64)
+    temperature, u = kernel_draws(params, sources)
     top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64)
     top_k = torch.tensor([p.top_k for p in params], dtype=torch.float64)
     got = triton_sampling.sample_rows_cut_triton(logits.to(dtype).to(DEV), temperature, u, top_p, top_k).tolist()

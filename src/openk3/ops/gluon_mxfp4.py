@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from openk3.ops.triton_experts_common import e2m1_code_pair, e8m0_bf16_pairs, ptx_decode
+from openk3.ops.triton_experts_common import e2m1_code_pairs, e8m0_bf16_pairs, ptx_decode
 
 # the Gluon versions this kernel was compiled with (3.6 on a GPU, 3.9 offline); Gluon's API moves between releases
 MIN_TRITON = (3, 6)
@@ -91,10 +91,7 @@ if gluon is not None:
         """Words [R, 4 blocks q, 4 words w] and their blocks' scale bytes [R, 4] -> the dequantized bf16 weights
         [R, 128] in the MMA's operand layout, position kk = 32 w + 8 p + 2 q + t holding code p + 4 t of word w."""
         pairs = gl.expand_dims(e8m0_bf16_pairs(scales), 2) + words * 0
-        lo0, hi0 = e2m1_code_pair(words, pairs, 0, True)
-        lo1, hi1 = e2m1_code_pair(words, pairs, 1, True)
-        lo2, hi2 = e2m1_code_pair(words, pairs, 2, True)
-        lo3, hi3 = e2m1_code_pair(words, pairs, 3, True)
+        lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3 = e2m1_code_pairs(words, pairs, True)
         # join stacks on a new last axis: [R, q, w, t] for each p, then p = p0 + 2 p1: [R, q, w, t, p0, p1]
         low = gl.join(gl.join(lo0, hi0), gl.join(lo1, hi1))
         high = gl.join(gl.join(lo2, hi2), gl.join(lo3, hi3))

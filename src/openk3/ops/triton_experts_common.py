@@ -114,14 +114,21 @@ def e2m1_code_pair(words, scale_pairs, i: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def mxfp4_pair_weights(words, scale_pairs, ASM: tl.constexpr):
-    """int32 words [R, W] of 8 E2M1 codes each and their scales (`e8m0_bf16_pairs`, [R, W]) -> the weights
-    [R, 8 W] (bf16 with ASM, else fp32), in pair order: input 8 w + 2 i + j holds code i + 4 j of word w (each pair
-    of `e2m1_code_pair` stays one register; `pair_order` puts the other operand's inputs in this order)."""
+def e2m1_code_pairs(words, scale_pairs, ASM: tl.constexpr):
+    """All four `e2m1_code_pair`s of each word: (code 0, code 4, code 1, code 5, code 2, code 6, code 3, code 7)."""
     lo0, hi0 = e2m1_code_pair(words, scale_pairs, 0, ASM)
     lo1, hi1 = e2m1_code_pair(words, scale_pairs, 1, ASM)
     lo2, hi2 = e2m1_code_pair(words, scale_pairs, 2, ASM)
     lo3, hi3 = e2m1_code_pair(words, scale_pairs, 3, ASM)
+    return lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3
+
+
+@triton.jit
+def mxfp4_pair_weights(words, scale_pairs, ASM: tl.constexpr):
+    """int32 words [R, W] of 8 E2M1 codes each and their scales (`e8m0_bf16_pairs`, [R, W]) -> the weights
+    [R, 8 W] (bf16 with ASM, else fp32), in pair order: input 8 w + 2 i + j holds code i + 4 j of word w (each pair
+    of `e2m1_code_pair` stays one register; `pair_order` puts the other operand's inputs in this order)."""
+    lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3 = e2m1_code_pairs(words, scale_pairs, ASM)
     # tl.join stacks on a new last axis: [R, W, i // 2, i % 2] for each j, then j last, so each pair is adjacent
     lo = tl.join(tl.join(lo0, lo2), tl.join(lo1, lo3))
     hi = tl.join(tl.join(hi0, hi2), tl.join(hi1, hi3))
