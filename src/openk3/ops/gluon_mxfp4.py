@@ -53,6 +53,11 @@ def tile_warps(block_m: int) -> int:
     return 8 if block_m > 64 else 4
 
 
+def block_n(block_m: int) -> int:
+    """Weight rows a tile of block_m rows takes: 16 a warp (the MMA's row slices)."""
+    return 16 * tile_warps(block_m)
+
+
 def usable(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether the Gluon tile runs for rows of this dtype on this device: bf16 rows on an NVIDIA sm_90 GPU (Hopper's
     wgmma) with Gluon."""
@@ -170,12 +175,13 @@ if gluon is not None:
 
 
 def launch(x_sorted: torch.Tensor, counts: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
-           out: torch.Tensor, k_split: int, block_m: int, tiles_m: int) -> None:
-    """The Gluon tiles into out [splits, M, N] (`ops.triton_mxfp4.mxfp4_grouped_matmul_triton` sizes the row
-    tiles, the splits and the grid's row-tile axis, as for the Triton tile)."""
+           out: torch.Tensor, k_split: int, block_m: int, grid: tuple[int, int]) -> None:
+    """The Gluon tiles into out [splits, M, N] over grid (row tiles, tiles of `block_n(block_m)` weight rows):
+    `ops.triton_mxfp4.mxfp4_grouped_matmul_triton` sizes it, the splits and the tile rows, as for the Triton
+    tile."""
     M, K = x_sorted.shape
     E, N, _ = packed.shape
     warps = tile_warps(block_m)
-    _mxfp4_tiles_kernel[(tiles_m, triton.cdiv(N, 16 * warps), out.shape[0])](
+    _mxfp4_tiles_kernel[(*grid, out.shape[0])](
         x_sorted, counts, packed, scales, out, M, N, K, E, k_split, BLOCK_M=block_m,
         BLOCK_E=triton.next_power_of_2(E), WARPS=warps, num_warps=warps)

@@ -79,6 +79,7 @@ BLOCK_N = 64
 TILES = {16: (128, 8), 32: (128, 8), 64: (64, 8), 128: (64, 8)}
 DEQUANT_WARPS = 4  # the explicit dequantization's tiles: one warpgroup, whose MMA takes BLOCK_N = 64 weight rows
 
+
 @triton.jit
 def _scaled_tile(x_rows, w_ptr, s_ptr, w_rows, m_ok, n_ok, k_start, k_end, K, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, SCALED_FORMAT: tl.constexpr):
@@ -230,14 +231,15 @@ def mxfp4_grouped_matmul_triton(x_sorted: torch.Tensor, counts: torch.Tensor, pa
         return expert_rows(x_sorted, counts, packed, scales, splits)
     gluon = gluon and method == "dequant"
     bm = block_m(M, E)
-    block_k, warps = (gluon_mxfp4.BLOCK_K, gluon_mxfp4.tile_warps(bm)) if gluon else TILES[bm]
+    block_k, warps = TILES[bm]
+    block_k, tile_n = (gluon_mxfp4.BLOCK_K, gluon_mxfp4.block_n(bm)) if gluon else (block_k, BLOCK_N)
     # tiles: at most ceil(M / bm) full ones plus one partial tile per expert that has rows (at most min(E, M))
-    grid = (triton.cdiv(M, bm) + min(E, M), triton.cdiv(N, 16 * warps if gluon else BLOCK_N))
+    grid = (triton.cdiv(M, bm) + min(E, M), triton.cdiv(N, tile_n))
     out, k_split = split_output(x_sorted, N, splits or k_splits(grid[0] * grid[1], K, block_k), block_k)
     x_sorted, counts, packed, scales = x_sorted.contiguous(), counts.contiguous(), packed.contiguous(), \
         scales.contiguous()
     if gluon:
-        gluon_mxfp4.launch(x_sorted, counts, packed, scales, out, k_split, bm, grid[0])
+        gluon_mxfp4.launch(x_sorted, counts, packed, scales, out, k_split, bm, grid)
         return add_splits(out, x_sorted.dtype)
     dot = dot_dtype(x_sorted)
     _mxfp4_grouped_matmul_kernel[(*grid, out.shape[0])](
