@@ -426,7 +426,12 @@ def main() -> None:
     dist.destroy_process_group()
     failed = [r["check"] for r in checks if not r["ok"]]
     if failed:
-        raise SystemExit(f"bench/parallel.py: {len(failed)} check(s) above the tolerance: {failed}")
+        print(f"bench/parallel.py: {len(failed)} check(s) above the tolerance: {failed}", file=sys.stderr)
+    # Leave without the interpreter's teardown: after a clean run and destroy_process_group, a rank's exit aborted
+    # in it ("terminate called without an active exception", gloo on two CPU processes, torch 2.13: 1 run in 3-6)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1 if failed else 0)
 
 
 if __name__ == "__main__":
