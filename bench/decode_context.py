@@ -95,8 +95,8 @@ def main() -> None:
     result: dict = {"preset": args.preset, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     for cache in (True, False):
         started = time.perf_counter()
-        engine = Engine(model, tok, EngineConfig(prefix_cache=cache, scheduler=SchedulerConfig(
-            max_running=64, prefill_tokens_per_step=16384, max_live_tokens=1 << 20)))
+        engine = Engine(model, tok, EngineConfig(prefix_cache=cache, max_model_len=max(args.contexts) + args.steps + 64,
+                                                 scheduler=SchedulerConfig(max_running=64)))
         print(f"engine (prefix cache {cache}) built in {time.perf_counter() - started:.1f} s", flush=True)
         rows = []
         for length in (args.contexts if cache else args.contexts[-1:]):

@@ -35,7 +35,9 @@ except ImportError:  # triton is optional (the gpu extra); the reference needs n
 BLOCK_H = 16  # heads per program (tl.dot needs >= 16 rows)
 BLOCK_N = 32  # positions per tile
 MIN_SPLIT = 256  # positions a split walks at least (a multiple of BLOCK_N)
-MAX_SPLITS = 64
+# a query's splits at most: one 262,144-token context at batch 1 took 215 us a layer at 64 splits (4,096 positions
+# walked by each program, latency-bound) and 130 us at 256 (H200, 2026-12-07, bench/decode_context.py)
+MAX_SPLITS = 512
 PROGRAMS_PER_PROCESSOR = 4
 COMBINE_R = 128  # latent columns a program of the split merge takes
 COMBINE_TILE = 8192  # elements of a split-merge program's [splits, heads, columns] tile at most
@@ -89,8 +91,9 @@ def _(pool, rows, values):
 
 def combine_splits(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     """Merge split partials: out [N,S,H,R] (each normalised over its share), lse [N,S,H] -> [N,H,R] (the reference
-    of `combine_splits_triton`)."""
+    of `combine_splits_triton`). An empty split (lse -inf) weighs nothing, whatever its partial holds."""
     m = lse.max(dim=1, keepdim=True).values  # every query has >= 1 position, so some split is finite
+    out = out.masked_fill((lse == float("-inf")).unsqueeze(-1), 0.0)  # an empty split's partial is never written
     w = torch.exp(lse - m)  # [N,S,H]
     return (out * w.unsqueeze(-1)).sum(1) / w.sum(1).unsqueeze(-1)
 
@@ -144,7 +147,8 @@ def combine_splits_triton(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     merged = torch.empty(N, H, R, dtype=torch.float32, device=out.device)
     if N and H:
         if S >= COMBINE_ALL_SPLITS_FROM:
-            block_s, block_r = triton.next_power_of_2(S), min(COMBINE_R, triton.next_power_of_2(R))
+            block_r = min(COMBINE_R, triton.next_power_of_2(R))
+            block_s = min(triton.next_power_of_2(S), max(1, COMBINE_TILE // block_r))
             block_h = max(1, min(triton.next_power_of_2(H), COMBINE_TILE // (block_s * block_r)))
         else:
             block_s, block_h, block_r = 1, BLOCK_H, triton.next_power_of_2(R)
@@ -184,9 +188,12 @@ if triton is not None:
             splits = s0 + tl.arange(0, BLOCK_S)
             ok = (splits < S)[:, None] & hm[None, :]  # [BLOCK_S, BLOCK_H]
             rows = (n * S + splits).to(tl.int64)[:, None] * H + heads[None, :]
-            w = tl.exp(tl.load(lse + rows, mask=ok, other=float("-inf")) - m[None, :])
-            parts = tl.load(out + rows[:, :, None] * R + cr[None, None, :], mask=ok[:, :, None] & cm[None, None, :],
-                            other=0.0)  # [BLOCK_S, BLOCK_H, BLOCK_R]
+            part_lse = tl.load(lse + rows, mask=ok, other=float("-inf"))
+            w = tl.exp(part_lse - m[None, :])
+            # an empty split's partial is never written (nor read: no memory traffic for it)
+            full = ok & (part_lse > float("-inf"))
+            parts = tl.load(out + rows[:, :, None] * R + cr[None, None, :],
+                            mask=full[:, :, None] & cm[None, None, :], other=0.0)  # [BLOCK_S, BLOCK_H, BLOCK_R]
             acc += tl.sum(w[:, :, None] * parts, axis=0)
         tl.store(merged + (n * H + heads).to(tl.int64)[:, None] * R + cr[None, :], acc / denom[:, None],
                  mask=hm[:, None] & cm[None, :])
@@ -237,6 +244,8 @@ if triton is not None:
         live = denom > 0
         o = acc / tl.where(live, denom, 1.0)[:, None]
         part = (n * num_splits + split) * H + heads
-        tl.store(out + part.to(tl.int64)[:, None] * R + cr[None, :], o, mask=hm[:, None] & (cr[None, :] < R))
+        # an empty split (past a short sequence's end) stores its lse only: the merge does not read its partial
+        tl.store(out + part.to(tl.int64)[:, None] * R + cr[None, :], o,
+                 mask=(hm & live)[:, None] & (cr[None, :] < R))
         tl.store(lse + part, tl.where(live, m + tl.log(tl.where(live, denom, 1.0)), float("-inf")), mask=hm)
 
