@@ -51,6 +51,47 @@ def test_kernel_matches_reference(lengths, page_size, splits):
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
 
 
+def several_queries(q_single: torch.Tensor, T: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    N, H, D = q_single.shape
+    return (torch.randn(N, T, H, D, generator=g) * 2).to(q_single.device, q_single.dtype)
+
+
+def test_reference_with_several_queries_is_each_query_alone():
+    """Query t of a sequence attends its first lengths + t positions: the [N,T,H,D] reference equals T calls of the
+    one-query reference with those lengths; padding queries (past num_tokens) give 0."""
+    q1, pool, tables, rows, lens, _ = paged_setup([9, 30, 64], 8, latent_dim=16, slice_dim=8, heads=3, seed=5)
+    q = several_queries(q1, 4, seed=6)
+    real = torch.tensor([4, 1, 3], device=q.device)
+    got = paged_mla_decode_reference(q, pool, tables, rows, lens - 3, 16, scale=0.4, num_tokens=real)
+    for t in range(4):
+        want = paged_mla_decode_reference(q[:, t], pool, tables, rows, lens - 3 + t, 16, scale=0.4)
+        want = want * (t < real).view(-1, 1, 1)
+        torch.testing.assert_close(got[:, t], want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("T,heads,latent,splits", [(4, 3, 24, 0), (4, 3, 24, 3), (7, 5, 24, 2), (3, 20, 512, 0),
+                                                   (2, 1, 16, 5)])
+def test_kernel_with_several_queries_matches_reference(T, heads, latent, splits):
+    """T queries a sequence read its past once (row blocks of several queries' heads; at R = 512 the 60 rows take
+    two blocks), causal among themselves, odd lengths over page boundaries, padding queries past num_tokens (one
+    sequence all but one), more splits than its positions hold, one query's past a single position."""
+    lengths = [1, 5, 17, 40, 70]
+    q1, pool, tables, rows, lens, _ = paged_setup([n + T for n in lengths], 8, latent_dim=latent, slice_dim=8,
+                                                  heads=heads, seed=T + heads)
+    q = several_queries(q1, T, seed=T)
+    lens = torch.tensor(lengths, device=q.device)  # positions the first query attends
+    real = torch.tensor([T, 1, T - 1, T, max(1, T - 2)], device=q.device)
+    want = paged_mla_decode_reference(q, pool, tables, rows, lens, latent, scale=0.3, num_tokens=real)
+    got = paged_mla_decode(q, pool, tables, rows, lens, latent, scale=0.3, num_splits=splits, min_split=32,
+                           num_tokens=real)
+    assert got.shape == (5, T, heads, latent) and torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+    whole = paged_mla_decode(q, pool, tables, rows, lens, latent, scale=0.3, num_splits=splits, min_split=32)
+    torch.testing.assert_close(whole, paged_mla_decode_reference(q, pool, tables, rows, lens, latent, scale=0.3),
+                               rtol=2e-5, atol=2e-5)
+
+
 @pytest.mark.parametrize("queries", [1, 5])
 def test_split_count_by_queries_and_a_long_sequence(queries):
     """The op's own split count (0): a long sequence at a small batch spreads over many splits, each at least

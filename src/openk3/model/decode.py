@@ -10,8 +10,8 @@ addressed per sequence (`DecodeBatch`):
   verification's rollback points);
 - Gated MLA (SPEC §3): the new tokens' latents are written into the sequence's pages (block table row = its slot)
   at positions lengths[b] .. lengths[b] + T - 1, then attention runs in the absorbed form on the paged latents:
-  W_UK folded into the query, W_UV applied to p . latent; the k_slice is used unrotated (NoPE). Each of the T
-  queries is one row of the paged kernel, attending to the positions up to its own.
+  W_UK folded into the query, W_UV applied to p . latent; the k_slice is used unrotated (NoPE). A sequence's T
+  queries are one row of the paged kernel, each attending to the positions up to its own (the past read once).
 
 Two kernel sets, same math: "triton" (the GPU path: `kda_decode`, `causal_conv_step`, `paged_mla_decode`, updating
 the pools in place with no host synchronisation) and "torch" (the model's own ops on gathered states, one token at
@@ -140,10 +140,11 @@ def mla_decode_step(layer: GatedMLA, x: torch.Tensor, j: int, batch: DecodeBatch
     if batch.kernels == "triton":
         w = layer.kv_b_proj.weight.view(H, n + v, R)
         q_latent = torch.einsum("bhn,hnr->bhr", q[..., :n].reshape(B * T, H, n), w[:, :n])  # W_UK into the query
-        q_absorbed = torch.cat([q_latent, q[..., n:].reshape(B * T, H, -1)], dim=-1)
-        rows = batch.slots.repeat_interleave(T)  # one kernel row per query, each with its own length
-        o_latent = paged_mla_decode(q_absorbed, pool, batch.tables, rows, positions.reshape(-1) + 1, R, layer.scale)
-        o = torch.einsum("bhr,hvr->bhv", o_latent.to(q.dtype), w[:, n:]).view(B, T, H, v)  # W_UV on the way out
+        q_absorbed = torch.cat([q_latent, q[..., n:].reshape(B * T, H, -1)], dim=-1).view(B, T, H, -1)
+        # a sequence's T queries in one kernel row: its past is read once for all of them (padding reads nothing)
+        o_latent = paged_mla_decode(q_absorbed, pool, batch.tables, batch.slots, batch.lengths + 1, R, layer.scale,
+                                    num_tokens=batch.num_tokens)
+        o = torch.einsum("bhr,hvr->bhv", o_latent.reshape(B * T, H, R).to(q.dtype), w[:, n:]).view(B, T, H, v)
     else:
         L = int(batch.lengths.max()) + T
         every = torch.arange(L, device=x.device).expand(B, L)

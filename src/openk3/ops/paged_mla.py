@@ -1,17 +1,22 @@
 """Absorbed MLA decode over a paged latent cache (SPEC-K3 §3): a Triton kernel and its plain-PyTorch reference.
 
 Layout (R = kv_lora_rank, r = the 64-wide "rope" slice in K3, stored and used unrotated: NoPE):
-  q          [N,H,R+r]      per head [q_nope W_UK (W_UK folded into the query) | q_slice]
+  q          [N,H,R+r]      per head [q_nope W_UK (W_UK folded into the query) | q_slice]; or [N,T,H,R+r]: T
+                            consecutive queries of each sequence (a verification, a short prefill)
   pool       [pages,P,R+r]  one MLA layer's latent pages: per token [RMSNorm(latent) | k_slice], shared by heads
   tables     [S,M] int32    block tables: row s lists the physical pages of the sequence in slot s, in order
   rows       [N] int        the table row (the sequence's slot) each query reads
-  lengths    [N] int        positions each query attends to, >= 1: 0 .. lengths-1 of its pages
-  out        [N,H,R] fp32   p . latent (the caller applies W_UV: the output absorption)
+  lengths    [N] int        positions each query attends to, >= 1: 0 .. lengths-1 of its pages; query t of T attends
+                            lengths + t (causal among the T)
+  num_tokens [N] int | None with T queries: row n's first num_tokens[n] are real, the rest padding (output 0,
+                            nothing read for them)
+  out        [N,H,R] / [N,T,H,R] fp32   p . latent (the caller applies W_UV: the output absorption)
 Scores are scale * (q . [latent | k_slice]), softmax over the sequence's positions.
 
 fp32 pools take exact fp32 products (input_precision "ieee"; tf32 would cost 1e-3), 16-bit pools the tensor cores.
-The kernel splits the positions ("flash decoding"): program (n, split, head block) walks one contiguous share of
-sequence n with an online softmax and writes its partial output and log-sum-exp; one more launch merges them
+The kernel splits the positions ("flash decoding"): program (n, split, row block) walks one contiguous share of
+sequence n with an online softmax for a block of its (query, head) rows, which share every latent tile it loads:
+T queries of a sequence read its past once, not T times and writes its partial output and log-sum-exp; one more launch merges them
 (`combine_splits_triton`; reference `combine_splits`).
 The split count is chosen inside the op from the number of queries (enough programs to fill the device), so a
 compiled caller never specialises on it; each split walks at least `min_split` positions, so a short sequence
@@ -32,7 +37,8 @@ try:
 except ImportError:  # triton is optional (the gpu extra); the reference needs none
     triton = None
 
-BLOCK_H = 16  # heads per program (tl.dot needs >= 16 rows)
+BLOCK_H = 16  # heads per program at one query a sequence (tl.dot needs >= 16 rows)
+ROW_BLOCK_ELEMENTS = 16384  # a program's [rows, R] accumulator at most, with several queries a sequence
 BLOCK_N = 32  # positions per tile
 MIN_SPLIT = 256  # positions a split walks at least (a multiple of BLOCK_N)
 # a query's splits at most: one 262,144-token context at batch 1 took 215 us a layer at 64 splits (4,096 positions
@@ -65,15 +71,24 @@ def paged_positions(tables: torch.Tensor, rows: torch.Tensor, positions: torch.T
 
 
 def paged_mla_decode_reference(q: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, rows: torch.Tensor,
-                               lengths: torch.Tensor, latent_dim: int, scale: float) -> torch.Tensor:
-    """Plain PyTorch: gather each sequence's latents through its block table, masked softmax. [N,H,R] fp32."""
-    N, L = q.shape[0], int(lengths.max()) if lengths.numel() else 0
+                               lengths: torch.Tensor, latent_dim: int, scale: float,
+                               num_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain PyTorch: gather each sequence's latents through its block table, masked softmax. [N,H,R] fp32, or
+    [N,T,H,R] for q [N,T,H,D] (query t attends lengths + t positions; padding rows past num_tokens are 0)."""
+    single = q.dim() == 3
+    q = q.unsqueeze(1) if single else q
+    N, T = q.shape[:2]
+    count = lengths.view(N, 1) + torch.arange(T, device=q.device)  # [N,T] positions each query attends
+    real = torch.arange(T, device=q.device).expand(N, T) < (num_tokens.view(N, 1) if num_tokens is not None else T)
+    L = int(count.max()) if N else 0
     pos = torch.arange(L, device=q.device).expand(N, L)
-    valid = pos < lengths.view(-1, 1)
-    kv = pool.reshape(-1, pool.shape[-1])[paged_positions(tables, rows, pos * valid, pool.shape[1])].float()
-    scores = torch.einsum("nhd,nld->nhl", q.float(), kv) * scale
-    p = scores.masked_fill(~valid.unsqueeze(1), float("-inf")).softmax(-1)
-    return torch.einsum("nhl,nlr->nhr", p, kv[..., :latent_dim])
+    inside = pos < count[:, -1:]  # a sequence's own positions (others index its table's first page instead)
+    kv = pool.reshape(-1, pool.shape[-1])[paged_positions(tables, rows, pos * inside, pool.shape[1])].float()
+    valid = pos.unsqueeze(1) < count.unsqueeze(-1)  # [N,T,L]
+    scores = torch.einsum("nthd,nld->nthl", q.float(), kv) * scale
+    p = scores.masked_fill(~valid.unsqueeze(2), float("-inf")).softmax(-1)
+    out = torch.einsum("nthl,nlr->nthr", p, kv[..., :latent_dim]) * real.view(N, T, 1, 1)
+    return out[:, 0] if single else out
 
 
 # A torch custom op declared in place on the pool: traced as an index_copy_, Inductor copied the whole page pool
@@ -100,39 +115,58 @@ def combine_splits(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
 
 def paged_mla_decode(q: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, rows: torch.Tensor,
                      lengths: torch.Tensor, latent_dim: int, scale: float, num_splits: int = 0,
-                     min_split: int = MIN_SPLIT) -> torch.Tensor:
-    """The Triton kernel (same contract as `paged_mla_decode_reference`). Returns [N,H,R] fp32. num_splits 0: by
-    the number of queries and the device (`split_count`); min_split: positions a split walks at least."""
+                     min_split: int = MIN_SPLIT, num_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    """The Triton kernel (same contract as `paged_mla_decode_reference`). Returns [N,H,R] (q [N,H,D]) or [N,T,H,R]
+    (q [N,T,H,D]) fp32. num_splits 0: by the number of sequences and row blocks and the device (`split_count`);
+    min_split: positions a split walks at least."""
     D = q.shape[-1]
+    if q.dim() not in (3, 4):
+        raise ValueError(f"q must be [N, H, {D}] or [N, T, H, {D}], got {tuple(q.shape)}")
     if pool.shape[-1] != D or not pool.is_contiguous():
         raise ValueError(f"pool must be a contiguous [pages, P, {D}] tensor, got {tuple(pool.shape)}")
     if num_splits < 0:
         raise ValueError(f"num_splits must be >= 0 (0: chosen by the op), got {num_splits}")
     if min_split < 1 or min_split % BLOCK_N:
         raise ValueError(f"min_split must be a positive multiple of {BLOCK_N}, got {min_split}")
-    return paged_mla_attend(q, pool, tables, rows, lengths, latent_dim, scale, num_splits, min_split)
+    single = q.dim() == 3
+    out = paged_mla_attend(q.unsqueeze(1) if single else q, pool, tables, rows, lengths, latent_dim, scale,
+                           num_splits, min_split, num_tokens)
+    return out[:, 0] if single else out
+
+
+def row_block(queries: int, heads: int, latent_dim: int) -> int:
+    """(query, head) rows a program takes: one query's heads in blocks of BLOCK_H (decode: more programs), or with
+    several queries a sequence, as many of its rows as fit the registers beside a [rows, R] fp32 accumulator (64 at
+    R = 256, 32 at K3's 512): each latent tile loaded serves them all."""
+    if queries == 1:
+        return BLOCK_H
+    rows = triton.next_power_of_2(queries * heads)
+    return max(BLOCK_H, min(rows, ROW_BLOCK_ELEMENTS // triton.next_power_of_2(latent_dim)))
 
 
 # A torch custom op, so that torch.compile keeps the launch whole in a compiled decode step (`openk3.serve.runner`)
 # and never sees the split count, which depends on the batch
 @torch.library.custom_op("openk3::paged_mla_attend", mutates_args=())
 def paged_mla_attend(q: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, rows: torch.Tensor,
-                     lengths: torch.Tensor, latent_dim: int, scale: float, num_splits: int, min_split: int
-                     ) -> torch.Tensor:
-    N, H, D = q.shape
+                     lengths: torch.Tensor, latent_dim: int, scale: float, num_splits: int, min_split: int,
+                     num_tokens: torch.Tensor | None) -> torch.Tensor:
+    N, T, H, D = q.shape
     R, r = latent_dim, D - latent_dim
-    head_blocks = triton.cdiv(H, BLOCK_H)  # heads share every latent tile
-    splits = num_splits or split_count(N, head_blocks, q.device)
-    out = torch.empty(N, splits, H, R, dtype=torch.float32, device=q.device)
-    lse = torch.empty(N, splits, H, dtype=torch.float32, device=q.device)
+    block = row_block(T, H, R)
+    row_blocks = triton.cdiv(T * H, block)  # the rows of a block share every latent tile
+    splits = num_splits or split_count(N, row_blocks, q.device)
+    out = torch.empty(N, splits, T * H, R, dtype=torch.float32, device=q.device)
+    lse = torch.empty(N, splits, T * H, dtype=torch.float32, device=q.device)
     if N:
-        _paged_mla_decode_kernel[(N, splits, head_blocks)](
-            q.contiguous(), pool, tables, rows.to(torch.int32), lengths.to(torch.int32), out, lse, scale, H,
-            tables.stride(0), splits, P=pool.shape[1], R=R, RS=r, BLOCK_R=triton.next_power_of_2(R),
-            BLOCK_RS=max(16, triton.next_power_of_2(max(r, 1))), BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N,
-            MIN_SPLIT=min_split, PREC="ieee" if pool.dtype == torch.float32 else "tf32",
-            num_warps=4)
-    return combine_splits_triton(out, lse) if splits > 1 else out[:, 0]
+        real = num_tokens if num_tokens is not None else lengths  # (unread without HAS_REAL)
+        _paged_mla_decode_kernel[(N, splits, row_blocks)](
+            q.contiguous(), pool, tables, rows.to(torch.int32), lengths.to(torch.int32), real.to(torch.int32), out,
+            lse, scale, H, T, tables.stride(0), splits, P=pool.shape[1], R=R, RS=r,
+            BLOCK_R=triton.next_power_of_2(R), BLOCK_RS=max(16, triton.next_power_of_2(max(r, 1))),
+            BLOCK_M=block, BLOCK_N=BLOCK_N, MIN_SPLIT=min_split, HAS_REAL=num_tokens is not None,
+            PREC="ieee" if pool.dtype == torch.float32 else "tf32", num_warps=4 if block <= BLOCK_H else 8)
+    merged = combine_splits_triton(out, lse) if splits > 1 else out[:, 0]
+    return merged.view(N, T, H, R)
 
 
 def combine_splits_triton(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
@@ -159,9 +193,9 @@ def combine_splits_triton(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
 
 
 @paged_mla_attend.register_fake
-def _(q, pool, tables, rows, lengths, latent_dim, scale, num_splits, min_split):
-    N, H, _ = q.shape
-    return q.new_empty(N, H, latent_dim, dtype=torch.float32)
+def _(q, pool, tables, rows, lengths, latent_dim, scale, num_splits, min_split, num_tokens):
+    N, T, H, _ = q.shape
+    return q.new_empty(N, T, H, latent_dim, dtype=torch.float32)
 
 
 if triton is not None:
@@ -199,32 +233,39 @@ if triton is not None:
                  mask=hm[:, None] & cm[None, :])
 
     @triton.jit
-    def _paged_mla_decode_kernel(q, pool, tables, rows, lengths, out, lse, scale, H, table_stride, num_splits,
-                                P: tl.constexpr, R: tl.constexpr, RS: tl.constexpr, BLOCK_R: tl.constexpr,
-                                BLOCK_RS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                                MIN_SPLIT: tl.constexpr, PREC: tl.constexpr):
+    def _paged_mla_decode_kernel(q, pool, tables, rows, lengths, real, out, lse, scale, H, T, table_stride,
+                                num_splits, P: tl.constexpr, R: tl.constexpr, RS: tl.constexpr,
+                                BLOCK_R: tl.constexpr, BLOCK_RS: tl.constexpr, BLOCK_M: tl.constexpr,
+                                BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr, HAS_REAL: tl.constexpr,
+                                PREC: tl.constexpr):
+        """Sequence program_id(0), its share program_id(1) of the positions, its (query, head) rows [BLOCK_M] of
+        block program_id(2) (row i: query i // H, head i % H): partial outputs and log-sum-exps of those rows."""
         n = tl.program_id(0)
         split = tl.program_id(1)
-        heads = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
-        hm = heads < H
+        qr = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
         D: tl.constexpr = R + RS
-        length = tl.load(lengths + n)
+        first = tl.load(lengths + n)  # positions the sequence's first query attends
+        tokens = tl.load(real + n) if HAS_REAL else T
+        t = qr // H
+        rm = (qr < T * H) & (t < tokens)  # real rows (padding queries read nothing and output 0)
+        count = tl.where(rm, first + t, 0)  # positions each row attends (causal among the T queries)
         table = tables + tl.load(rows + n).to(tl.int64) * table_stride
-        share = tl.maximum(tl.cdiv(tl.cdiv(length, num_splits), BLOCK_N) * BLOCK_N, MIN_SPLIT)  # whole tiles
+        # every block of the sequence splits its longest row's positions alike (the merge pairs a row's splits)
+        share = tl.maximum(tl.cdiv(tl.cdiv(first + tokens - 1, num_splits), BLOCK_N) * BLOCK_N, MIN_SPLIT)
         start = split * share
-        end = tl.minimum(length, start + share)
+        end = tl.minimum(tl.max(count, axis=0), start + share)  # this block's longest row
 
         cr = tl.arange(0, BLOCK_R)
         cs = tl.arange(0, BLOCK_RS)
-        q_rows = q + (n * H + heads).to(tl.int64)[:, None] * D
-        q_lat = tl.load(q_rows + cr[None, :], mask=hm[:, None] & (cr[None, :] < R), other=0.0)
-        q_pe = tl.load(q_rows + R + cs[None, :], mask=hm[:, None] & (cs[None, :] < RS), other=0.0)
+        q_rows = q + (n * T * H + qr).to(tl.int64)[:, None] * D
+        q_lat = tl.load(q_rows + cr[None, :], mask=rm[:, None] & (cr[None, :] < R), other=0.0)
+        q_pe = tl.load(q_rows + R + cs[None, :], mask=rm[:, None] & (cs[None, :] < RS), other=0.0)
         q_lat = q_lat.to(pool.dtype.element_ty)
         q_pe = q_pe.to(pool.dtype.element_ty)
 
-        m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        denom = tl.zeros([BLOCK_H], tl.float32)
-        acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        denom = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
         for n0 in range(start, end, BLOCK_N):
             pos = n0 + tl.arange(0, BLOCK_N)
             pm = pos < end
@@ -233,19 +274,23 @@ if triton is not None:
             kv = tl.load(pool + base[:, None] + cr[None, :], mask=pm[:, None] & (cr[None, :] < R), other=0.0)
             kpe = tl.load(pool + base[:, None] + R + cs[None, :], mask=pm[:, None] & (cs[None, :] < RS), other=0.0)
             s = tl.dot(q_lat, tl.trans(kv), input_precision=PREC) + tl.dot(q_pe, tl.trans(kpe), input_precision=PREC)
-            s = tl.where(pm[None, :], s * scale, float("-inf"))
+            s = tl.where(pos[None, :] < count[:, None], s * scale, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, axis=1))
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(s - m_new[:, None])
+            # a row with no position yet (a later query's first tile, or none in this share) keeps m = -inf: its
+            # exponentials are taken from 0 instead, so they are exp(-inf) = 0, not NaN
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m - m_ref)
+            p = tl.exp(s - m_ref[:, None])
             denom = denom * alpha + tl.sum(p, axis=1)
             acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv, input_precision=PREC)
             m = m_new
 
         live = denom > 0
         o = acc / tl.where(live, denom, 1.0)[:, None]
-        part = (n * num_splits + split) * H + heads
-        # an empty split (past a short sequence's end) stores its lse only: the merge does not read its partial
+        part = (n * num_splits + split) * T * H + qr
+        hm = qr < T * H
+        # an empty split (past a short sequence's end) stores its lse only: the merge does not read its partial;
+        # split 0 always stores (a padding row's 0 is the output where one split leaves nothing to merge)
         tl.store(out + part.to(tl.int64)[:, None] * R + cr[None, :], o,
-                 mask=(hm & live)[:, None] & (cr[None, :] < R))
+                 mask=(hm & (live | ((tl.zeros([BLOCK_M], tl.int32) + split) == 0)))[:, None] & (cr[None, :] < R))
         tl.store(lse + part, tl.where(live, m + tl.log(tl.where(live, denom, 1.0)), float("-inf")), mask=hm)
-
