@@ -16,12 +16,12 @@ Scores are scale * (q . [latent | k_slice]), softmax over the sequence's positio
 fp32 pools take exact fp32 products (input_precision "ieee"; tf32 would cost 1e-3), 16-bit pools the tensor cores.
 The kernel splits the positions ("flash decoding"): program (n, split, row block) walks one contiguous share of
 sequence n with an online softmax for a block of its (query, head) rows, which share every latent tile it loads:
-T queries of a sequence read its past once, not T times and writes its partial output and log-sum-exp; one more launch merges them
-(`combine_splits_triton`; reference `combine_splits`).
-The split count is chosen inside the op from the number of queries (enough programs to fill the device), so a
-compiled caller never specialises on it; each split walks at least `min_split` positions, so a short sequence
-uses one or a few splits and the rest exit at once (lse = -inf: they weigh nothing). A long context at a small
-batch thus spreads over the whole device. The launch is the same whatever the lengths (CUDA-graph friendly); no
+T queries of a sequence read its past once, not T times. It writes its partial outputs and log-sum-exps; one more
+launch merges them (`combine_splits_triton`; reference `combine_splits`).
+The split count is chosen inside the op from the number of sequences and row blocks (enough programs to fill the
+device), so a compiled caller never specialises on it; each split walks at least `min_split` positions, so a short
+sequence uses one or a few splits and the rest exit at once (lse = -inf: they weigh nothing). A long context at a
+small batch thus spreads over the whole device. The launch is the same whatever the lengths (CUDA-graph friendly); no
 host synchronisation.
 """
 
