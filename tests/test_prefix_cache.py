@@ -322,3 +322,16 @@ def test_random_operation_sequences_keep_the_invariants(ops, seed, tiers):
         check_invariants(cache, leases)
         cache.evict(cache.used[DEVICE])
         assert all(p.tier != DEVICE for p in cache.pages), "with nothing locked everything can leave the device"
+
+
+def test_chain_key_is_blake2b_of_signed_little_endian_words():
+    """The key format stays what disk tiers written earlier hold: H(parent) updated with each token as a signed
+    64-bit little-endian word (image keys are negative)."""
+    import hashlib
+
+    from openk3.serve.prefix_cache import chain_key
+
+    for parent, tokens in ((b"", [0, 1, 32767]), (b"\x01" * 16, [-(2**40), 2**62, -1]), (b"\x02" * 16, [])):
+        digest = hashlib.blake2b(parent, digest_size=16)
+        digest.update(b"".join(t.to_bytes(8, "little", signed=True) for t in tokens))
+        assert chain_key(parent, tokens) == digest.digest()
