@@ -348,3 +348,40 @@ def test_serve_speculates_by_default_when_the_checkpoint_holds_a_draft(trained, 
     assert engine.draft is None and engine.policy is None and engine.config.speculative == 0
     assert main(["serve", "--preset", "k3-tiny", "--port", "0", "--speculative", "auto"]) == 2
     assert "--speculative needs --ckpt" in capsys.readouterr().err
+
+
+def host_reads_per_round(engine: Engine, prompts, params, monkeypatch) -> float:
+    """Copies to the host (`HostCopy.tolist`, which `host_list` uses too) inside speculative rounds, per round."""
+    from openk3.ops.transfer import HostCopy
+
+    reads, rounds, inside = [0], [0], [False]
+    speculate, tolist = engine._speculate, HostCopy.tolist
+
+    def counting_round(requests):
+        inside[0], rounds[0] = True, rounds[0] + 1
+        try:
+            speculate(requests)
+        finally:
+            inside[0] = False
+
+    def counting_read(self):
+        reads[0] += inside[0]
+        return tolist(self)
+
+    monkeypatch.setattr(engine, "_speculate", counting_round)
+    monkeypatch.setattr(HostCopy, "tolist", counting_read)
+    run(engine, prompts, lambda i: params)
+    monkeypatch.undo()
+    assert rounds[0] > 0
+    return reads[0] / rounds[0]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_a_rounds_host_reads_do_not_grow_with_k(trained, temperature, monkeypatch):
+    """Greedy rows and rows shaped by the temperature alone: the K draft passes and the verification are queued
+    back to back, each pass reading the last one's tokens on the device; the host reads the K drafts at once."""
+    _, model, draft, tok = trained
+    prompts = prompts_sharing_a_prefix(model.config.vocab_size)[:2]
+    params = SamplingParams(max_tokens=8, temperature=temperature, seed=3, ignore_eos=True)
+    per_round = [host_reads_per_round(engine_for(tok, model, draft, k), prompts, params, monkeypatch) for k in (1, 3)]
+    assert per_round[0] == per_round[1] <= 2

@@ -898,13 +898,22 @@ class Engine:
         hidden, logits = runner.draft_pass(prev, ids, slots, [n + 1 - len(p) for n, p in zip(starts, pending)],
                                            [len(p) - 1 for p in pending])
         drafts = DraftRound(requests, [[] for _ in requests])
+        # where no draw needs the drafts so far on the host (greedy rows, or the temperature alone shaping every
+        # row), the K draft passes and the verification are queued back to back, each pass reading the last one's
+        # tokens on the device; the host reads the K drafts at once
+        chained = drafts.plain_greedy or drafts.on_logits
+        drawn = []
         for i in range(K):
-            self._draw_drafts(drafts, logits[:, : self.vocab_limit])
+            drawn.append(self._draw_drafts(drafts, logits[:, : self.vocab_limit], to_host=not chained))
             if i + 1 < K:
-                hidden, logits = runner.draft_pass(hidden.unsqueeze(1), [[d[-1]] for d in drafts.drafted], slots,
+                hidden, logits = runner.draft_pass(hidden.unsqueeze(1), drawn[-1].unsqueeze(1), slots,
                                                    [n + 1 + i for n in starts], [0] * len(requests))
-        logits, features = runner.verify([[r.output[-1], *d] for r, d in zip(requests, drafts.drafted)], slots,
-                                         starts)
+        drafted = torch.stack(drawn, 1)  # [B, K]
+        copy = HostCopy(drafted) if chained else None  # (queued before the verification: it waits for the drafts)
+        last = to_device([[r.output[-1]] for r in requests], drafted.device)
+        logits, features = runner.verify(torch.cat([last, drafted], 1), slots, starts)
+        if copy is not None:
+            drafts.drafted = copy.tolist()
         logits = logits[..., : self.vocab_limit]
         kept = self._verify(drafts, logits)
         runner.roll_back(slots, [len(tokens) for tokens in kept])
@@ -929,21 +938,23 @@ class Engine:
                     if r.finish_reason is not None:
                         break
 
-    def _draw_drafts(self, drafts: DraftRound, logits: torch.Tensor) -> None:
-        """Each row's next drafted token from the draft's logits [B, V] (on the device, one copy of the tokens to
-        the host), and the distributions they came from."""
+    def _draw_drafts(self, drafts: DraftRound, logits: torch.Tensor, to_host: bool) -> torch.Tensor:
+        """Each row's next drafted token [B] (on the device) from the draft's logits [B, V], and the distributions
+        they came from; with `to_host` also appended to `drafts.drafted` now (one copy of the tokens to the host)."""
         params, requests = [r.params for r in drafts.requests], drafts.requests
         if drafts.plain_greedy:
-            tokens = host_list(logits.argmax(-1))
+            tokens = logits.argmax(-1)
         elif drafts.on_logits:
-            tokens = host_list(sample_tokens(logits, params, [r.rng for r in requests]))
+            tokens = sample_tokens(logits, params, [r.rng for r in requests])
             drafts.steps.append(logits.clone())  # the draft pass's output buffer is rewritten by the next pass
         else:
             q = target_distributions(logits, params, [[*r.output, *d] for r, d in zip(requests, drafts.drafted)])
-            tokens = host_list(draw(q, params, [r.rng for r in requests]))
+            tokens = draw(q, params, [r.rng for r in requests])
             drafts.steps.append(q)
-        for d, token in zip(drafts.drafted, tokens):
-            d.append(token)
+        if to_host:
+            for d, token in zip(drafts.drafted, host_list(tokens)):
+                d.append(token)
+        return tokens
 
     def _verify(self, drafts: DraftRound, logits: torch.Tensor) -> list[list[int]]:
         """Each row's accepted drafts plus one target token, from the verification's logits [B, K+1, V]."""

@@ -401,14 +401,15 @@ class ModelRunner:
             costs[size] = (seconds("verify", size) + first + (K - 1) * rest) / plain
         return costs
 
-    def verify(self, ids: list[list[int]], slots: list[int], lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The target over K + 1 tokens per sequence (its last token and K drafts) from position lengths[b]:
-        (logits [n, K+1, vocab], the draft's features [n, K+1, D]). The pools advance by all K + 1 tokens; the KDA
-        states after each of the first K are in `conv_out` / `recurrent_out` [n_kda, n, K, ...] until the next
-        verification (`roll_back`). Outputs are views, as `decode`'s."""
+    def verify(self, ids: list[list[int]] | torch.Tensor, slots: list[int], lengths: list[int]
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target over K + 1 tokens per sequence (its last token and K drafts; host lists or a device tensor
+        [n, K+1]) from position lengths[b]: (logits [n, K+1, vocab], the draft's features [n, K+1, D]). The pools
+        advance by all K + 1 tokens; the KDA states after each of the first K are in `conv_out` / `recurrent_out`
+        [n_kda, n, K, ...] until the next verification (`roll_back`). Outputs are views, as `decode`'s."""
         n, size = len(ids), self._size(len(ids))
         self._set_inputs([0] * n, slots, lengths, size)
-        self.spec_ids[:size].copy_(to_device(ids + [[0] * (self.speculative + 1)] * (size - n), self.device))
+        self._set_spec_ids(ids, size, self.speculative + 1)
         logits, features = self._run("verify", size)
         return logits[:n], features[:n]
 
@@ -439,15 +440,25 @@ class ModelRunner:
         self.states.conv[:, slot] = self.conv_out[:, row, offset]
         self.states.recurrent[:, slot] = self.recurrent_out[:, row, offset]
 
-    def draft_pass(self, prev: torch.Tensor, ids: list[list[int]], slots: list[int], starts: list[int],
-                   last: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _set_spec_ids(self, ids: list[list[int]] | torch.Tensor, size: int, T: int) -> None:
+        """The first T ids of each of `size` rows of a draft pass or verification: host lists, or a device tensor
+        [n, T] (tokens drawn on the device that the host has not read: no synchronisation); padding rows 0."""
+        if isinstance(ids, torch.Tensor):
+            self.spec_ids[:len(ids), :T].copy_(ids)
+            self.spec_ids[len(ids):size, :T].zero_()
+        else:
+            self.spec_ids[:size, :T].copy_(to_device(ids + [[0] * T] * (size - len(ids)), self.device))
+
+    def draft_pass(self, prev: torch.Tensor, ids: list[list[int]] | torch.Tensor, slots: list[int],
+                   starts: list[int], last: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The draft over T positions per sequence (T = 1 or K + 1) from position starts[b]: prev [n, T, D] (target
-        features or the draft's own hidden states), ids [n][T]. Writes the draft latents of those positions and
-        returns (hidden [n, D], logits [n, vocab]) at each row's position `last[b]` (views, as `decode`'s)."""
-        n, T = len(ids), len(ids[0])
+        features or the draft's own hidden states), ids [n][T] (or a device tensor [n, T]). Writes the draft latents
+        of those positions and returns (hidden [n, D], logits [n, vocab]) at each row's position `last[b]` (views,
+        as `decode`'s)."""
+        n, T = len(ids), (ids.shape[1] if isinstance(ids, torch.Tensor) else len(ids[0]))
         size = self._size(n)
         self._set_inputs([0] * n, slots, starts, size)
-        self.spec_ids[:size, :T].copy_(to_device(ids + [[0] * T] * (size - n), self.device))
+        self._set_spec_ids(ids, size, T)
         self.spec_last[:size].copy_(to_device(last + [0] * (size - n), self.device))
         self.spec_prev[:n, :T].copy_(prev)
         hidden, logits = self._run(f"draft{T}", size)
