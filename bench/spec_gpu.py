@@ -12,7 +12,8 @@ accepted drafts per verification, and acceptance by context length with the pref
    embedded corpus (the Python stdlib sources; --train-steps of 16 x 1024 tokens, 200 by default: past that it
    overfits the corpus; --train-seconds guards the time; ~0.16 s a step on an H100 after the compile), then
    `openk3 draft --loss L` from it for each of --losses (lk, kl, hybrid; --draft-steps of 16 x 512 tokens, a
-   minute or two each). Both run as subprocesses, their output appended to WORKDIR/recipe.log; the target's
+   minute or two, side by side). All run as subprocesses, their output appended to WORKDIR/recipe.log (the target)
+   and WORKDIR/draft-L.log; the target's
    held-out loss (its summary.json, and every 50 steps from its metrics.jsonl) and each draft's last training loss
    and evaluated acceptance length go to the JSON ("recipe").
 2. Throughput, in-process on `openk3.serve.engine.Engine` in bf16 as `openk3 serve` runs it (prefix cache off, so
@@ -101,37 +102,43 @@ SMOKE = Sizes("k3-tiny", 3, 2, 64, 0, 0, 2, 2, 64, 2, 8,
 
 # ---- 1. the recipe ---------------------------------------------------------------------------------------------
 
-def run_logged(cmd: list[str], log: Path) -> None:
-    """Run an `openk3` command (the openk3 this script imports), its output appended to `log`; a failure ends the
-    script with one line."""
+def run_logged(commands: list[tuple[list[str], Path]]) -> None:
+    """Run `openk3` commands side by side (the openk3 this script imports), each one's output appended to its log;
+    a failure ends the script with one line once all have ended."""
     src = str(Path(openk3.__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (src, os.environ.get("PYTHONPATH"))))}
-    with log.open("a") as fh:
+    started, running = time.perf_counter(), []
+    for cmd, log in commands:
+        fh = log.open("a")
         fh.write(f"\n$ {' '.join(cmd)}\n")
         fh.flush()
-        started = time.perf_counter()
-        code = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env).returncode
-    print(f"  {' '.join(cmd[2:5])}: {time.perf_counter() - started:.0f} s (exit {code})", flush=True)
-    if code:
-        raise SystemExit(f"bench/spec_gpu.py: `{' '.join(cmd[2:])}` failed (exit {code}); see {log}")
+        running.append((cmd, log, fh, subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)))
+    failed = []
+    for cmd, log, fh, proc in running:
+        code = proc.wait()
+        fh.close()
+        print(f"  {' '.join(cmd[2:7])}: {time.perf_counter() - started:.0f} s (exit {code})", flush=True)
+        if code:
+            failed.append(f"`{' '.join(cmd[2:])}` failed (exit {code}); see {log}")
+    if failed:
+        raise SystemExit("bench/spec_gpu.py: " + "; ".join(failed))
 
 
 def train_target(args, sizes: Sizes, out: Path, log: Path) -> Path:
-    run_logged([sys.executable, "-m", "openk3", "train", "--preset", sizes.preset, "--device", args.device,
-                "--out", str(out), "--overwrite", "--no-progress", "--max-steps", str(sizes.train_steps),
-                "--batch-size", str(sizes.train_batch), "--seq-len", str(sizes.train_seq),
-                "--time-limit", str(sizes.train_seconds), "--eval-every", str(sizes.train_eval_every),
-                "--sample-tokens", "16"], log)
+    run_logged([([sys.executable, "-m", "openk3", "train", "--preset", sizes.preset, "--device", args.device,
+                  "--out", str(out), "--overwrite", "--no-progress", "--max-steps", str(sizes.train_steps),
+                  "--batch-size", str(sizes.train_batch), "--seq-len", str(sizes.train_seq),
+                  "--time-limit", str(sizes.train_seconds), "--eval-every", str(sizes.train_eval_every),
+                  "--sample-tokens", "16"], log)])
     return out
 
 
-def train_draft(args, sizes: Sizes, target: Path, loss: str, out: Path, log: Path) -> Path:
-    run_logged([sys.executable, "-m", "openk3", "draft", "--ckpt", str(target), "--loss", loss, "--device",
-                args.device, "--draft-tokens", str(args.k), "--out", str(out), "--overwrite", "--no-progress",
-                "--eval-every", "0", "--max-steps", str(sizes.draft_steps), "--batch-size", str(sizes.draft_batch),
-                "--seq-len", str(sizes.draft_seq), "--eval-prompts", str(sizes.draft_eval_prompts),
-                "--eval-tokens", str(sizes.draft_eval_tokens)], log)
-    return out
+def draft_command(args, sizes: Sizes, target: Path, loss: str, out: Path) -> list[str]:
+    return [sys.executable, "-m", "openk3", "draft", "--ckpt", str(target), "--loss", loss, "--device",
+            args.device, "--draft-tokens", str(args.k), "--out", str(out), "--overwrite", "--no-progress",
+            "--eval-every", "0", "--max-steps", str(sizes.draft_steps), "--batch-size", str(sizes.draft_batch),
+            "--seq-len", str(sizes.draft_seq), "--eval-prompts", str(sizes.draft_eval_prompts),
+            "--eval-tokens", str(sizes.draft_eval_tokens)]
 
 
 def summary(run_dir: Path) -> dict:
@@ -159,8 +166,12 @@ def build_runs(args, sizes: Sizes) -> tuple[Path, dict[str, Path]]:
         target = Path(draft_notes(resolve_checkpoint(args.drafts[0]))["ckpt"])
     else:
         target = train_target(args, sizes, work / "target", log)
-    runs = [Path(d) for d in args.drafts] if args.drafts else [
-        train_draft(args, sizes, target, loss, work / f"draft-{loss}", log) for loss in args.losses]
+    if args.drafts:
+        runs = [Path(d) for d in args.drafts]
+    else:  # the drafts side by side (each a small model on a frozen target: together about one's time on a GPU)
+        runs = [work / f"draft-{loss}" for loss in args.losses]
+        run_logged([(draft_command(args, sizes, target, loss, run), work / f"draft-{loss}.log")
+                    for loss, run in zip(args.losses, runs)])
     drafts = {}
     for run in runs:
         ckpt = resolve_checkpoint(run)
@@ -423,7 +434,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 2)[2],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="k3-tiny on the CPU at toy sizes (checks the script)")
-    ap.add_argument("--workdir", default=None, help="where the recipe writes its runs and recipe.log "
+    ap.add_argument("--workdir", default=None, help="where the recipe writes its runs and logs "
                     "(default runs/spec_gpu, runs/spec_gpu_smoke with --smoke)")
     ap.add_argument("--target", default=None, metavar="DIR",
                     help="an `openk3 train` run to reuse (no training; default with --drafts: the one they came from)")
