@@ -117,6 +117,10 @@ def test_kernel_refuses_bad_split_arguments():
         paged_mla_decode(q, pool, tables, rows, lens, 16, scale=1.0, num_splits=-1)
     with pytest.raises(ValueError, match="min_split"):
         paged_mla_decode(q, pool, tables, rows, lens, 16, scale=1.0, min_split=40)
+    with pytest.raises(ValueError, match="q must be"):
+        paged_mla_decode(q[0], pool, tables, rows, lens, 16, scale=1.0)
+    with pytest.raises(ValueError, match="sequences a launch"):
+        paged_mla_decode(q.expand(70000, -1, -1), pool, tables, rows, lens, 16, scale=1.0)
 
 
 def test_kernel_extreme_scores_and_more_heads_than_a_block():

@@ -14,7 +14,7 @@ Layout (R = kv_lora_rank, r = the 64-wide "rope" slice in K3, stored and used un
 Scores are scale * (q . [latent | k_slice]), softmax over the sequence's positions.
 
 fp32 pools take exact fp32 products (input_precision "ieee"; tf32 would cost 1e-3), 16-bit pools the tensor cores.
-The kernel splits the positions ("flash decoding"): program (n, split, row block) walks one contiguous share of
+The kernel splits the positions ("flash decoding"): program (row block, split, n) walks one contiguous share of
 sequence n with an online softmax for a block of its (query, head) rows, which share every latent tile it loads:
 T queries of a sequence read its past once, not T times. It writes its partial outputs and log-sum-exps; one more
 launch merges them (`combine_splits_triton`; reference `combine_splits`).
@@ -44,6 +44,7 @@ MIN_SPLIT = 256  # positions a split walks at least (a multiple of BLOCK_N)
 # a query's splits at most: one 262,144-token context at batch 1 took 215 us a layer at 64 splits (4,096 positions
 # walked by each program, latency-bound) and 130 us at 256 (H200, 2026-12-07, bench/decode_context.py)
 MAX_SPLITS = 512
+MAX_SEQUENCES = 65535  # sequences a launch (the grid's third axis)
 PROGRAMS_PER_PROCESSOR = 4
 COMBINE_R = 128  # latent columns a program of the split merge takes
 COMBINE_TILE = 8192  # elements of a split-merge program's [splits, heads, columns] tile at most
@@ -128,6 +129,8 @@ def paged_mla_decode(q: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, 
         raise ValueError(f"num_splits must be >= 0 (0: chosen by the op), got {num_splits}")
     if min_split < 1 or min_split % BLOCK_N:
         raise ValueError(f"min_split must be a positive multiple of {BLOCK_N}, got {min_split}")
+    if q.shape[0] > MAX_SEQUENCES:
+        raise ValueError(f"at most {MAX_SEQUENCES} sequences a launch (a grid axis), got {q.shape[0]}")
     single = q.dim() == 3
     out = paged_mla_attend(q.unsqueeze(1) if single else q, pool, tables, rows, lengths, latent_dim, scale,
                            num_splits, min_split, num_tokens)
@@ -159,7 +162,9 @@ def paged_mla_attend(q: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, 
     lse = torch.empty(N, splits, T * H, dtype=torch.float32, device=q.device)
     if N:
         real = num_tokens if num_tokens is not None else lengths  # (unread without HAS_REAL)
-        _paged_mla_decode_kernel[(N, splits, row_blocks)](
+        # a sequence's row blocks (and then its splits) launch next to each other: blocks reading the same latent
+        # tiles at the same time share them in L2
+        _paged_mla_decode_kernel[(row_blocks, splits, N)](
             q.contiguous(), pool, tables, rows.to(torch.int32), lengths.to(torch.int32), real.to(torch.int32), out,
             lse, scale, H, T, tables.stride(0), splits, P=pool.shape[1], R=R, RS=r,
             BLOCK_R=triton.next_power_of_2(R), BLOCK_RS=max(16, triton.next_power_of_2(max(r, 1))),
@@ -238,11 +243,11 @@ if triton is not None:
                                 BLOCK_R: tl.constexpr, BLOCK_RS: tl.constexpr, BLOCK_M: tl.constexpr,
                                 BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr, HAS_REAL: tl.constexpr,
                                 PREC: tl.constexpr):
-        """Sequence program_id(0), its share program_id(1) of the positions, its (query, head) rows [BLOCK_M] of
-        block program_id(2) (row i: query i // H, head i % H): partial outputs and log-sum-exps of those rows."""
-        n = tl.program_id(0)
+        """Sequence program_id(2), its share program_id(1) of the positions, its (query, head) rows [BLOCK_M] of
+        block program_id(0) (row i: query i // H, head i % H): partial outputs and log-sum-exps of those rows."""
+        n = tl.program_id(2)
         split = tl.program_id(1)
-        qr = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+        qr = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         D: tl.constexpr = R + RS
         first = tl.load(lengths + n)  # positions the sequence's first query attends
         tokens = tl.load(real + n) if HAS_REAL else T
