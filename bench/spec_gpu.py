@@ -10,16 +10,17 @@ accepted drafts per verification, and acceptance by context length with the pref
 
 1. The recipe (skipped for what --target / --drafts name): `openk3 train --preset k3-debug --device cuda` on the
    embedded corpus (the Python stdlib sources; --train-steps of 16 x 1024 tokens, 200 by default: past that it
-   overfits the corpus; --train-seconds guards the time; ~0.16 s a step on an H100 after the compile), then
+   overfits the corpus; --train-seconds guards the time; uncompiled: the compile cost more than it saved), then
    `openk3 draft --loss L` from it for each of --losses (lk, kl, hybrid; --draft-steps of 16 x 512 tokens, a
-   minute or two, side by side). All run as subprocesses, their output appended to WORKDIR/recipe.log (the target)
-   and WORKDIR/draft-L.log; the target's
-   held-out loss (its summary.json, and every 50 steps from its metrics.jsonl) and each draft's last training loss
-   and evaluated acceptance length go to the JSON ("recipe").
+   minute or two, side by side, while this script builds the plain engine of step 2). All run as subprocesses,
+   their output appended to WORKDIR/recipe.log (the target) and WORKDIR/draft-L.log; the target's held-out loss
+   (its summary.json, and every 50 steps from its metrics.jsonl) and each draft's last training loss and evaluated
+   acceptance length go to the JSON ("recipe").
 2. Throughput, in-process on `openk3.serve.engine.Engine` in bf16 as `openk3 serve` runs it (prefix cache off, so
    repeated prompts are prefilled alike): for --clients x --temperatures, C requests of 128 tokens from 128-token
    prompts cut from the corpus's held-out documents (`openk3.train.data`'s split: the target never trained on
-   them), one warm-up batch then one timed batch. Plain decoding (an engine without a draft) once; then
+   them), one warm-up batch then one timed batch. Plain decoding (an engine without a draft, timed once the drafts
+   have finished training) once; then
    one engine with K = --k drafts per round whose draft weights are swapped in place for each draft (the target is
    frozen in `openk3 draft`, so only the draft's fc and MTP layer differ; the captured graphs read the same
    tensors), timed with K fixed and with the dynamic policy (`openk3.serve.speculation.SpecPolicy` with the
@@ -48,6 +49,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -102,9 +104,9 @@ SMOKE = Sizes("k3-tiny", 3, 2, 64, 0, 0, 2, 2, 64, 2, 8,
 
 # ---- 1. the recipe ---------------------------------------------------------------------------------------------
 
-def run_logged(commands: list[tuple[list[str], Path]]) -> None:
-    """Run `openk3` commands side by side (the openk3 this script imports), each one's output appended to its log;
-    a failure ends the script with one line once all have ended."""
+def launch(commands: list[tuple[list[str], Path]]) -> Callable[[], None]:
+    """Start `openk3` commands side by side (the openk3 this script imports), each one's output appended to its log;
+    returns the wait for them all, which ends the script with one line if any failed."""
     src = str(Path(openk3.__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (src, os.environ.get("PYTHONPATH"))))}
     started, running = time.perf_counter(), []
@@ -113,23 +115,29 @@ def run_logged(commands: list[tuple[list[str], Path]]) -> None:
         fh.write(f"\n$ {' '.join(cmd)}\n")
         fh.flush()
         running.append((cmd, log, fh, subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)))
-    failed = []
-    for cmd, log, fh, proc in running:
-        code = proc.wait()
-        fh.close()
-        print(f"  {' '.join(cmd[2:7])}: {time.perf_counter() - started:.0f} s (exit {code})", flush=True)
-        if code:
-            failed.append(f"`{' '.join(cmd[2:])}` failed (exit {code}); see {log}")
-    if failed:
-        raise SystemExit("bench/spec_gpu.py: " + "; ".join(failed))
+
+    def wait() -> None:
+        failed = []
+        for cmd, log, fh, proc in running:
+            code = proc.wait()
+            fh.close()
+            print(f"  {' '.join(cmd[2:7])}: {time.perf_counter() - started:.0f} s (exit {code})", flush=True)
+            if code:
+                failed.append(f"`{' '.join(cmd[2:])}` failed (exit {code}); see {log}")
+        if failed:
+            raise SystemExit("bench/spec_gpu.py: " + "; ".join(failed))
+
+    return wait
 
 
 def train_target(args, sizes: Sizes, out: Path, log: Path) -> Path:
-    run_logged([([sys.executable, "-m", "openk3", "train", "--preset", sizes.preset, "--device", args.device,
-                  "--out", str(out), "--overwrite", "--no-progress", "--max-steps", str(sizes.train_steps),
-                  "--batch-size", str(sizes.train_batch), "--seq-len", str(sizes.train_seq),
-                  "--time-limit", str(sizes.train_seconds), "--eval-every", str(sizes.train_eval_every),
-                  "--sample-tokens", "16"], log)])
+    """`openk3 train` uncompiled: a 200-step run spent ~150 of its 245 s compiling (H100, log 97), ~0.3 s a step
+    eager against 0.16 compiled."""
+    launch([([sys.executable, "-m", "openk3", "train", "--preset", sizes.preset, "--device", args.device,
+              "--out", str(out), "--overwrite", "--no-progress", "--no-compile", "--max-steps", str(sizes.train_steps),
+              "--batch-size", str(sizes.train_batch), "--seq-len", str(sizes.train_seq),
+              "--time-limit", str(sizes.train_seconds), "--eval-every", str(sizes.train_eval_every),
+              "--sample-tokens", "16"], log)])()
     return out
 
 
@@ -155,8 +163,9 @@ def draft_notes(ckpt: Path) -> dict:
     return json.loads((ckpt / "draft.json").read_text())["training"]
 
 
-def build_runs(args, sizes: Sizes) -> tuple[Path, dict[str, Path]]:
-    """The target run directory and {loss: draft checkpoint}, trained where not given."""
+def build_runs(args, sizes: Sizes) -> tuple[Path, Callable[[], dict[str, Path]]]:
+    """The target run directory (trained first where not given), and the wait for {loss: draft checkpoint}: the
+    drafts to train are started and train while the caller goes on (it builds the plain engine meanwhile)."""
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
     log = work / "recipe.log"
@@ -167,11 +176,17 @@ def build_runs(args, sizes: Sizes) -> tuple[Path, dict[str, Path]]:
     else:
         target = train_target(args, sizes, work / "target", log)
     if args.drafts:
-        runs = [Path(d) for d in args.drafts]
+        runs, training = [Path(d) for d in args.drafts], (lambda: None)
     else:  # the drafts side by side (each a small model on a frozen target: together about one's time on a GPU)
         runs = [work / f"draft-{loss}" for loss in args.losses]
-        run_logged([(draft_command(args, sizes, target, loss, run), work / f"draft-{loss}.log")
-                    for loss, run in zip(args.losses, runs)])
+        training = launch([(draft_command(args, sizes, target, loss, run), work / f"draft-{loss}.log")
+                           for loss, run in zip(args.losses, runs)])
+    return target, lambda: draft_checkpoints(training, runs)
+
+
+def draft_checkpoints(training: Callable[[], None], runs: list[Path]) -> dict[str, Path]:
+    """{loss: checkpoint} of the draft runs, once `training` has waited for them."""
+    training()
     drafts = {}
     for run in runs:
         ckpt = resolve_checkpoint(run)
@@ -179,7 +194,7 @@ def build_runs(args, sizes: Sizes) -> tuple[Path, dict[str, Path]]:
         if loss in drafts:
             raise SystemExit(f"bench/spec_gpu.py: --drafts {drafts[loss]} and {ckpt} both hold a {loss} draft")
         drafts[loss] = ckpt
-    return target, drafts
+    return drafts
 
 
 def heldout_curve(run_dir: Path) -> list[list[float]]:
@@ -290,16 +305,13 @@ def timed(engine: Engine, prompts: list[list[int]], temperature: float, new_toke
 
 # ---- 2. throughput ---------------------------------------------------------------------------------------------
 
-def plain_rates(model, tokenizer, stream, args, sizes: Sizes) -> dict[tuple[int, float], float]:
-    engine = make_engine(model, tokenizer, args, clients=max(sizes.clients))
+def plain_rates(engine: Engine, stream, args, sizes: Sizes) -> dict[tuple[int, float], float]:
     rates = {}
     for clients in sizes.clients:
         for t in args.temperatures:
             rates[clients, t] = timed(engine, prompts_for(stream, clients, sizes.prompt_tokens), t,
                                       sizes.new_tokens)["tok_per_s"]
             print(f"plain, {clients} clients, temperature {t:g}: {rates[clients, t]:,.0f} tok/s", flush=True)
-    del engine
-    free_memory()
     return rates
 
 
@@ -482,21 +494,28 @@ def sizes_for(args) -> Sizes:
     return replace(base, **{k: v for k, v in flags.items() if v is not None})
 
 
-def measure(args, sizes: Sizes, drafts: dict[str, Path]) -> dict:
-    """Throughput rows and acceptance by context on the target (from the first draft's checkpoint, which holds it)."""
-    ckpt = next(iter(drafts.values()))
+def measure(args, sizes: Sizes, target: Path, drafts: Callable[[], dict[str, Path]]) -> tuple[dict, dict]:
+    """(the drafts' checkpoints, throughput rows and acceptance by context) on the target. The plain engine is built
+    (compiled, captured) while the drafts train and timed once they have ended."""
+    ckpt = resolve_checkpoint(target)
     dtype = torch.bfloat16 if args.device == "cuda" else None
     model, _ = load_model(ckpt, args.device, dtype)
     tokenizer = load_tokenizer(str(ckpt), model.config.vocab_size)
     stream = heldout_stream(tokenizer)
     print(f"held-out corpus: {len(stream):,} tokens", flush=True)
     result: dict = {"heldout_tokens": len(stream)}
-    if "throughput" in args.parts:
-        plain = plain_rates(model, tokenizer, stream, args, sizes)
-        result.update(spec_rows(model, tokenizer, stream, drafts, plain, args, sizes))
+    if "throughput" not in args.parts:
+        checkpoints = drafts()
+    else:
+        engine = make_engine(model, tokenizer, args, clients=max(sizes.clients))
+        checkpoints = drafts()
+        plain = plain_rates(engine, stream, args, sizes)
+        del engine
+        free_memory()
+        result.update(spec_rows(model, tokenizer, stream, checkpoints, plain, args, sizes))
     if "context" in args.parts:
-        result["acceptance_by_context"] = acceptance_by_context(model, tokenizer, stream, drafts, args, sizes)
-    return result
+        result["acceptance_by_context"] = acceptance_by_context(model, tokenizer, stream, checkpoints, args, sizes)
+    return checkpoints, result
 
 
 def main(argv=None) -> None:
@@ -508,12 +527,15 @@ def main(argv=None) -> None:
     sizes = sizes_for(args)
     torch.manual_seed(0)
     target, drafts = build_runs(args, sizes)
+    measured: dict = {}
+    if args.train_only:
+        checkpoints = drafts()
+    else:
+        checkpoints, measured = measure(args, sizes, target, drafts)
     result = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__,
               "date": time.strftime("%Y-%m-%d"), "preset": sizes.preset, "k": args.k, "new_tokens": sizes.new_tokens,
               "prompt_tokens": sizes.prompt_tokens, "compile_decode": args.device == "cuda" and not args.no_compile,
-              "smoke": args.smoke, "recipe": recipe_record(target, drafts)}
-    if not args.train_only:
-        result.update(measure(args, sizes, drafts))
+              "smoke": args.smoke, "recipe": recipe_record(target, checkpoints), **measured}
     out = Path(args.json)
     if args.update and out.is_file():
         result = {**json.loads(out.read_text()), **result}
