@@ -295,7 +295,8 @@ if triton is not None:
         part = (n * num_splits + split) * T * H + qr
         hm = qr < T * H
         # an empty split (past a short sequence's end) stores its lse only: the merge does not read its partial;
-        # split 0 always stores (a padding row's 0 is the output where one split leaves nothing to merge)
+        # split 0 always stores (a padding row's 0 is the output where one split leaves nothing to merge; the
+        # comparison is broadcast to the rows first: a scalar one in the mask fails under the interpreter)
         tl.store(out + part.to(tl.int64)[:, None] * R + cr[None, :], o,
                  mask=(hm & (live | ((tl.zeros([BLOCK_M], tl.int32) + split) == 0)))[:, None] & (cr[None, :] < R))
         tl.store(lse + part, tl.where(live, m + tl.log(tl.where(live, denom, 1.0)), float("-inf")), mask=hm)

@@ -443,11 +443,9 @@ class ModelRunner:
     def _set_spec_ids(self, ids: list[list[int]] | torch.Tensor, size: int, T: int) -> None:
         """The first T ids of each of `size` rows of a draft pass or verification: host lists, or a device tensor
         [n, T] (tokens drawn on the device that the host has not read: no synchronisation); padding rows 0."""
-        if isinstance(ids, torch.Tensor):
-            self.spec_ids[:len(ids), :T].copy_(ids)
-            self.spec_ids[len(ids):size, :T].zero_()
-        else:
-            self.spec_ids[:size, :T].copy_(to_device(ids + [[0] * T] * (size - len(ids)), self.device))
+        ids = ids if isinstance(ids, torch.Tensor) else to_device(ids, self.device)
+        self.spec_ids[:len(ids), :T].copy_(ids)
+        self.spec_ids[len(ids):size, :T].zero_()
 
     def draft_pass(self, prev: torch.Tensor, ids: list[list[int]] | torch.Tensor, slots: list[int],
                    starts: list[int], last: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
