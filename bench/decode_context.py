@@ -1,14 +1,16 @@
 """Decode and time to first token by context length, in one process on one GPU: where long contexts cost.
 
     python bench/decode_context.py [--preset k3-debug] [--contexts 256 8192 32768 61440] [--steps 32]
-                                   [--splits 16 64 128] [--json F]
+                                   [--splits 16 64 128] [--profile-ttft] [--json F]
 
 For each context length L: one request of L random tokens (greedy, ignore_eos) through `Engine.step` with the
-engine's GPU defaults: TTFT (submit to first token, synced), then over `--steps` steady decode steps step_ms (a whole
-`Engine.step`) and forward_ms (`ModelRunner.decode` alone, the CUDA-graph replay); host_ms is their difference. The
-same with the prefix cache off at the longest L. Then the paged MLA decode kernel alone on one layer's latents of L
-positions at each `--splits` count (batch 1 and 64), and a torch.profiler table of a few engine steps at the longest
-L. Prints tables and writes JSON. It explains bench/serve_gpu.py's long-context rows; it has no peer of its own.
+engine's GPU defaults: TTFT (submit to first token, synced), then over `--steps` steady decode steps step_ms (a
+whole `Engine.step`) and forward_ms (`ModelRunner.decode` alone, the CUDA-graph replay); host_ms is their
+difference; and the caching allocator's retries, cudaMalloc / cudaFree calls and device-wide syncs during the
+prefill. The same with the prefix cache off at the longest L (`--profile-ttft`: one more prefill of that length
+profiled, either way). Then the paged MLA decode kernel alone on one layer's latents of L positions at each
+`--splits` count (batch 1 and 64), and a torch.profiler table of a few engine steps at the longest L. Prints tables
+and writes JSON. It explains bench/serve_gpu.py's long-context rows; it has no peer of its own.
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from contextlib import nullcontext
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from openk3.config import get_preset
 from openk3.model import K3ForCausalLM
@@ -32,16 +36,42 @@ def sync() -> None:
     torch.cuda.synchronize()
 
 
-def context_run(engine: Engine, length: int, steps: int, vocab: int) -> dict:
-    gen = torch.Generator().manual_seed(length)
+ALLOCATOR_COUNTS = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")
+
+
+def allocator_counts() -> dict:
+    """The caching allocator's counters that cost device time: retries after a failed cudaMalloc (each frees the
+    cache and synchronizes), cudaMalloc / cudaFree calls, whole-device synchronizations."""
+    stats = torch.cuda.memory_stats()
+    return {name: stats.get(name, 0) for name in ALLOCATOR_COUNTS}
+
+
+def profile_tables(prof, rows: int = 12) -> str:
+    """The profiler's top device kernels and top host ops."""
+    averages = prof.key_averages()
+    return (averages.table(sort_by="self_cuda_time_total", row_limit=rows) + "\n"
+            + averages.table(sort_by="self_cpu_time_total", row_limit=rows))
+
+
+def context_run(engine: Engine, length: int, steps: int, vocab: int, profile_ttft: bool = False,
+                seed: int | None = None) -> dict:
+    """One request of `length` random tokens (seeded by `seed`, else by `length`): TTFT, the allocator's counts
+    during the prefill, then the steady decode step. With `profile_ttft` the prefill runs under torch.profiler (its
+    tables are printed; that TTFT includes the profiler's overhead)."""
+    gen = torch.Generator().manual_seed(length if seed is None else seed)
     params = SamplingParams(max_tokens=steps + 16, temperature=0.0, ignore_eos=True)
     sync()
-    start = time.perf_counter()
-    r = engine.add_request(torch.randint(0, vocab, (length,), generator=gen).tolist(), params)
-    while not r.output:
-        engine.step()
-    sync()
-    ttft = time.perf_counter() - start
+    before = allocator_counts()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) if profile_ttft else nullcontext() as prof:
+        start = time.perf_counter()
+        r = engine.add_request(torch.randint(0, vocab, (length,), generator=gen).tolist(), params)
+        while not r.output:
+            engine.step()
+        sync()
+        ttft = time.perf_counter() - start
+    if profile_ttft:
+        print(f"the prefill of {length} tokens under the profiler ({ttft:.3f} s):\n{profile_tables(prof)}", flush=True)
+    allocator = {name: count - before[name] for name, count in allocator_counts().items()}
     for _ in range(3):
         engine.step()
     sync()
@@ -58,7 +88,8 @@ def context_run(engine: Engine, length: int, steps: int, vocab: int) -> dict:
     engine.cancel(r.rid)
     engine.step()
     return {"context": length, "ttft_s": ttft, "step_ms": step_ms, "forward_ms": forward_ms,
-            "host_ms": step_ms - forward_ms, "tok_per_s": 1e3 / step_ms}
+            "host_ms": step_ms - forward_ms, "tok_per_s": 1e3 / step_ms, "ttft_allocator": allocator,
+            "ttft_profiled": profile_ttft}
 
 
 def kernel_times(model, length: int, splits: list[int], batch: int) -> dict:
@@ -84,6 +115,8 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, nargs="+", default=[256, 8192, 32768, 61440])
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--splits", type=int, nargs="+", default=[16, 64, 128])
+    ap.add_argument("--profile-ttft", action="store_true",
+                    help="also profile one more prefill at the longest context, prefix cache on and off")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -103,10 +136,12 @@ def main() -> None:
             row = context_run(engine, length, args.steps, vocab)
             rows.append(row)
             print(f"cache {cache} L={length}: ttft {row['ttft_s']:.3f} s, step {row['step_ms']:.2f} ms, "
-                  f"forward {row['forward_ms']:.2f} ms, host {row['host_ms']:.2f} ms", flush=True)
+                  f"forward {row['forward_ms']:.2f} ms, host {row['host_ms']:.2f} ms; during the prefill "
+                  f"{row['ttft_allocator']}", flush=True)
         result["cache_on" if cache else "cache_off"] = rows
+        if args.profile_ttft:  # a prompt of its own: no prefix-cache hit
+            rows.append(context_run(engine, args.contexts[-1], 4, vocab, profile_ttft=True, seed=2))
         if cache:
-            from torch.profiler import ProfilerActivity, profile
             gen = torch.Generator().manual_seed(1)
             r = engine.add_request(torch.randint(0, vocab, (args.contexts[-1],), generator=gen).tolist(),
                                    SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))

@@ -110,13 +110,13 @@ def test_the_distribution_applies_penalties_before_the_temperature():
 
 def test_top_k_and_top_p_reference():
     """sampling_probs' cuts against a plain sort: top-k keeps the k largest (ties kept), top-p the most likely
-    tokens until their mass reaches p (the one crossing it included)."""
+    tokens until their mass reaches p (the one crossing it included: the most likely token always)."""
     rng = random.Random(2)
     for _ in range(40):
         vocab = rng.randint(1, 40)
         logits = torch.randn(vocab, generator=torch.Generator().manual_seed(rng.randrange(1 << 30)))
         params = SamplingParams(temperature=rng.choice([0.5, 1.0]), top_k=rng.choice([0, 1, 3, 100]),
-                                top_p=rng.choice([1.0, 0.9, 0.3, 1e-6]))
+                                top_p=rng.choice([1.0, 0.9, 0.3, 1e-6, 1e-300]))  # 1e-300: 0 in fp32
         probs = sampling_probs(logits, params).double()
         scaled = [x / params.temperature for x in logits.tolist()]
         keep = set(range(vocab))

@@ -28,6 +28,7 @@ def server(o1_server):
 def test_models_health_and_metrics(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert httpx.get(f"{server}/health").json() == {"status": "ok"}
+    assert httpx.head(f"{server}/health").status_code == 200  # load balancers probe with HEAD
     text = httpx.get(f"{server}/metrics").text
     for name in ("requests_received_total", "generation_tokens_total", "queue_requests",
                  "prefix_cache_queried_tokens_total", "prefix_cache_hit_tokens_total", "engine_step_seconds_total",

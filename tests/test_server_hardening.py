@@ -139,7 +139,7 @@ def test_a_message_of_150k_text_parts_gets_its_413_fast_and_stalls_nobody(server
      "messages.0.content.0.text"),
     ("/v1/completions", b'{"model": "k3-tiny", "prompt": "a\xed\xa0\x80b"}', 400, None),  # a surrogate in UTF-8
     ("/v1/completions", b'{"model": "k3-tiny", "prompt": ' + b"[" * 3000 + b"]" * 3000 + b"}", 400, None),
-    ("/v1/completions", b'{"model": "k3-tiny", "prompt": ' + b"[" * 300 + b"]" * 300 + b"}", 400, "prompt"),
+    ("/v1/completions", b'{"model": "k3-tiny", "prompt": ' + b"[" * 300 + b"]" * 300 + b"}", 400, "prompt.0"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                               "max_completion_tokens": 0}, 400, "max_completion_tokens"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 0},
@@ -162,11 +162,27 @@ def test_a_message_of_150k_text_parts_gets_its_413_fast_and_stalls_nobody(server
     ("/v1/completions", {"model": MODEL, "prompt": []}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": [-1]}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": [10**6]}, 400, "prompt"),
-    ("/v1/completions", {"model": MODEL, "prompt": [[1, 2]]}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": [[1, 2]]}, 400, "prompt.0"),
     ("/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "model_extra": {"deep": [[[["fine"]]]]}}, 200, None),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
-     400, "messages.0.content"),
+     400, "messages.0.content.0.image_url"),
+    # a union's error comes from the member that matched furthest (the QA pass of 2026-12-07: "content: Input
+    # should be a valid string" for each of these)
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:,", "detail": "ultra"}}]}]}, 400,
+     "messages.0.content.0.image_url.detail"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "audio"}]}]},
+     400, "messages.0.content.0"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": None}]}, 400, "messages.0"),
+    # an assistant turn without content (OpenAI's, for one that carried tool calls) counts as empty
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "assistant", "content": None},
+                                                           {"role": "user", "content": "x"}], "max_tokens": 1},
+     200, None),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400,
+     "stream_options"),
+    # prompt + max_tokens past the context: refused, as OpenAI and vLLM refuse it (the reply was cut before)
+    ("/v1/completions", {"model": MODEL, "prompt": "x" * 4000, "max_tokens": 200}, 400, "max_tokens"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 0}, 400, "n"),
     # issue 46: OpenAI's limit of 4 is on the list of stop strings, not on the length of a single one
     ("/v1/completions", {"model": MODEL, "prompt": "x", "stop": "</answer>"}, 200, None),

@@ -301,3 +301,16 @@ def test_bad_images_get_a_400_naming_the_field_and_the_server_stays_up(server, u
     error = r.json()["error"]
     assert error["param"] == "messages.0.content.1.image_url.url" and reason in error["message"]
     assert httpx.get(f"{server}/health", timeout=10).json() == {"status": "ok"}
+
+
+def test_placeholder_ids_without_images_get_a_400_not_a_500(server):
+    """The QA pass of 2026-12-07: the API process checked placeholders only for requests with images, so a prompt
+    of placeholder ids reached the engine's process, which refused it: a 500 (a stream's "error" finish)."""
+    placeholder = get_preset("k3-tiny-vl").vision.image_token_id
+    for stream in (False, True):
+        body = {"model": MODEL, "prompt": [placeholder] * 4 + [65], "max_tokens": 2, "stream": stream}
+        r = httpx.post(f"{server}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "prompt" and f"id {placeholder}" in error["message"], error
+    assert httpx.get(f"{server}/health", timeout=10).json() == {"status": "ok"}

@@ -248,7 +248,9 @@ def sampling_probs(logits: torch.Tensor, params: SamplingParams | Sequence[Sampl
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
         probs = torch.softmax(sorted_logits, dim=-1)
         before = torch.cumsum(probs, dim=-1) - probs  # mass of the strictly more likely tokens
-        sorted_logits = sorted_logits.masked_fill(before >= top_p.unsqueeze(-1), float("-inf"))
+        cut = before >= top_p.unsqueeze(-1)
+        cut[:, 0] = False  # the most likely token stays, whatever top_p (one under fp32's smallest rounds to 0)
+        sorted_logits = sorted_logits.masked_fill(cut, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     return torch.softmax(logits, dim=-1)
 

@@ -3,7 +3,7 @@
 POST /v1/completions, POST /v1/chat/completions (the chat template of `openk3.tokenizer`; `image_url` content
 parts with inline data: URLs for a model with a vision tower, openk3.serve.vision), both with
 `stream: true` as server-sent events ending in `data: [DONE]`; GET /v1/models (its `input_modalities` hold "image"
-for a model with a vision tower); GET /health (200 once the engine runs); GET /metrics (Prometheus text,
+for a model with a vision tower); GET or HEAD /health (200 once the engine runs); GET /metrics (Prometheus text,
 openk3.serve.metrics); GET / (the chat page, static/chat.html: one self-contained file, nothing fetched from
 elsewhere, which its Content-Security-Policy enforces). `usage.prompt_tokens_details.cached_tokens` is the
 prefix-cache hit. A request with `n` choices becomes n engine requests (the first with the request's `seed`, the
@@ -95,7 +95,7 @@ def create_app(engine: Engine | LocalCore | ProcessCore, model_name: str,
     async def internal_error(_request: Request, exc: Exception) -> JSONResponse:
         return APIError(500, f"internal error: {type(exc).__name__}", kind="server_error").response()
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' probes
     async def health():
         if not state["ready"]:
             return JSONResponse({"status": "starting"}, status_code=503)
@@ -132,7 +132,7 @@ def create_app(engine: Engine | LocalCore | ProcessCore, model_name: str,
         try:  # stops encoding once the prompt cannot fit
             prompt = encode_chat(tokenizer, messages, limit=info.max_model_len)
         except PromptTooLong as exc:
-            raise APIError(413, str(exc), "messages", "context_length_exceeded") from None
+            raise APIError(413, f"{exc} (--max-model-len)", "messages", "context_length_exceeded") from None
         return body, prompt, images
 
     @app.post("/v1/completions")
@@ -149,7 +149,7 @@ def create_app(engine: Engine | LocalCore | ProcessCore, model_name: str,
 
     async def generate(request: Request, body: SamplingFields, prompt: list[int], arrival: float, chat: bool,
                        images: list | None = None):
-        params = sampling_params(body, info.max_model_len, info.vocab_limit)
+        params = sampling_params(body, info.max_model_len, info.vocab_limit, len(prompt))
         max_queue = info.max_queue
         if body.n > max_queue:  # its choices wait in the queue together: never admitted, so a 429 would mislead
             raise APIError(400, f"n={body.n} choices can never be queued: this server queues at most "
@@ -166,10 +166,8 @@ def create_app(engine: Engine | LocalCore | ProcessCore, model_name: str,
         except QueueFull as exc:
             cancel(rids)
             raise APIError(429, str(exc), code="queue_full", kind="rate_limit_error") from exc
-        except ValueError as exc:
-            too_long = len(prompt) >= info.max_model_len
-            raise APIError(413 if too_long else 400, str(exc), "messages" if chat else "prompt",
-                           "context_length_exceeded" if too_long else None) from exc
+        except ValueError as exc:  # token ids, images (the prompt's length is checked with the token limit)
+            raise APIError(400, str(exc), "messages" if chat else "prompt") from exc
         reply = Reply(rid, model_name, chat, body.n, body.include_usage, names, params.logprobs is not None)
         timer = metrics.timer(arrival, body.n)
         if body.stream:

@@ -73,7 +73,7 @@ from openk3.sampling import SamplingParams, request_rng, sample_tokens, token_lo
 from openk3.serve.capacity import Capacity, GiB, check_utilization, default_batched_tokens, fixed_capacity, gpu_capacity
 from openk3.serve.piecewise import run_to_end
 from openk3.serve.prefix_cache import PrefixCache, PrefixCacheConfig
-from openk3.serve.prompts import PromptImages, check_prompt
+from openk3.serve.prompts import check_prompt
 from openk3.serve.runner import ModelRunner
 from openk3.serve.scheduler import Request, RequestEvent, Scheduler, SchedulerConfig
 from openk3.serve.speculation import SpecPolicy
@@ -461,9 +461,7 @@ class Engine:
         prefilling them again. `images`: prepared images (openk3.images.PreparedImage) whose placeholder runs the
         prompt holds, in order. `every_token`: an event per token (a stream); False: only the first token's (its
         time to first token) and the last, which carries everything not yet sent (a reply sent whole)."""
-        check_prompt(prompt, self.max_model_len, self.model_config, images)
-        vision = self.model_config.vision
-        located = PromptImages.locate(list(prompt), vision.image_token_id, images or []) if vision is not None else None
+        located = check_prompt(prompt, self.max_model_len, self.model_config, images)
         number = next(self._ids)
         seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + number
         request = Request(rid=rid or f"req-{number}", prompt=list(prompt), params=params, on_event=on_event,

@@ -78,7 +78,8 @@ def image_keyed_tokens(tokens: Sequence[int], image_token_id: int, images: Seque
     for t in tokens:
         if t == image_token_id:
             if seen == len(owner):
-                raise ValueError(f"the prompt holds more image placeholders than its images' {len(owner)} tokens")
+                raise ValueError(f"the prompt holds more image placeholders (id {image_token_id}) than its images' "
+                                 f"{len(owner)} tokens: the id stands only where an image goes")
             t, seen = keys[owner[seen]], seen + 1
         out.append(int(t))
     if seen != len(owner):

@@ -12,8 +12,9 @@ from openk3.config import ModelConfig
 from openk3.serve.prefix_cache import image_keyed_tokens
 
 
-def check_prompt(prompt: list[int], max_model_len: int, cfg: ModelConfig, images: list | None) -> None:
-    """ValueError for a prompt no engine can take (what `Engine.add_request` refuses before queueing)."""
+def check_prompt(prompt: list[int], max_model_len: int, cfg: ModelConfig, images: list | None) -> PromptImages | None:
+    """ValueError for a prompt no engine can take (what `Engine.add_request` refuses before queueing); else, for a
+    model with a vision tower, the prompt's images located (placeholder ids without images are refused too)."""
     if not prompt:
         raise ValueError("the prompt is empty")
     if len(prompt) >= max_model_len:
@@ -22,8 +23,9 @@ def check_prompt(prompt: list[int], max_model_len: int, cfg: ModelConfig, images
         raise ValueError(f"token ids must be in [0, {cfg.vocab_size})")
     if images and cfg.vision is None:
         raise ValueError(f"the model {cfg.name!r} has no vision tower: it cannot take images")
-    if images:
-        PromptImages.locate(list(prompt), cfg.vision.image_token_id, images)  # ValueError: placeholders misplaced
+    if cfg.vision is None:
+        return None
+    return PromptImages.locate(list(prompt), cfg.vision.image_token_id, images or [])  # ValueError: misplaced
 
 
 @dataclass

@@ -21,13 +21,14 @@ import re
 from typing import Annotated, Any, ClassVar, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
 
 from openk3.sampling import LOGIT_BIAS_RANGE, PENALTY_RANGE, SamplingParams
 
 SEED_RANGE = (-(1 << 63), (1 << 63) - 1)  # int64, as OpenAI's `seed`
 MAX_CHOICES = 128  # OpenAI's limit on `n`
 MAX_STOPS = 4  # OpenAI's limit on `stop`
+DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's legacy completions default for max_tokens
 TOKEN_ID = re.compile(r"0|[1-9][0-9]{0,9}")  # a `logit_bias` key
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # json.loads pairs valid surrogates; what is left is not text
 SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # the only way one gets into strictly decoded UTF-8
@@ -112,9 +113,29 @@ class ImagePart(Strict):
     image_url: ImageURL
 
 
+def part_type(part: Any) -> str | None:
+    """The content part's class by its "type" (the union's tag; None: no known type)."""
+    kind = part.get("type") if isinstance(part, dict) else getattr(part, "type", None)
+    return {"text": "TextPart", "image_url": "ImagePart"}.get(kind) if isinstance(kind, str) else None
+
+
+# a part is checked against the member its "type" names only, so an error names that member's field
+ContentPart = Annotated[Annotated[TextPart, Tag("TextPart")] | Annotated[ImagePart, Tag("ImagePart")],
+                        Discriminator(part_type, custom_error_type="invalid_part_type",
+                                      custom_error_message="a content part's type must be 'text' or 'image_url'")]
+
+
 class Message(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart | ImagePart]  # parts in order: openk3.serve.vision.chat_messages
+    # parts in order: openk3.serve.vision.chat_messages; None (or absent) only in an assistant turn, as OpenAI
+    # allows for one that carried tool calls: it counts as empty
+    content: str | list[ContentPart] | None = None
+
+    @model_validator(mode="after")
+    def _content_given(self) -> Message:
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        return self
 
 
 class ChatBody(SamplingFields):
@@ -128,6 +149,13 @@ class ChatBody(SamplingFields):
 
     def logprob_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def reported_error(errors: list[dict]) -> dict:
+    """The validation error to report: the one deepest in the body (in a union, from the member that matched
+    furthest: a part's `image_url.detail`, not "content is not a string"), at equal depth one that is not a type
+    mismatch (a list of five stops is too long, not "not a string"), then the first."""
+    return max(errors, key=lambda e: ((param_of(e["loc"]) or "").count(".") + 1, not e["type"].endswith("_type")))
 
 
 def param_of(loc: tuple) -> str | None:
@@ -173,9 +201,11 @@ def parse_body(raw: bytes, model: type[SamplingFields], model_name: str) -> Any:
     try:
         body = model.model_validate(data)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        param = param_of(first["loc"])
-        raise APIError(400, f"{param}: {first['msg']}", param, "invalid_value") from None
+        error = reported_error(exc.errors())
+        param, message = param_of(error["loc"]), error["msg"].removeprefix("Value error, ")  # a validator's own words
+        raise APIError(400, f"{param}: {message}" if param else message, param, "invalid_value") from None
+    if body.stream_options is not None and not body.stream:
+        raise APIError(400, "stream_options is only allowed with stream: true", "stream_options", "invalid_value")
     if isinstance(body, ChatBody) and body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs", "invalid_value")
     if body.model != model_name:
@@ -198,13 +228,25 @@ def logit_bias(body: SamplingFields, vocab: int) -> dict[int, float]:
     return bias
 
 
-def sampling_params(body: SamplingFields, context: int, vocab: int) -> SamplingParams:
+def sampling_params(body: SamplingFields, context: int, vocab: int, prompt_tokens: int) -> SamplingParams:
     """The engine's parameters for the request's first choice (`n` choices differ only in their seed). The token
-    limit is max_completion_tokens, else max_tokens, else OpenAI's default of 16; `vocab`: the sampled ids."""
+    limit is max_completion_tokens, else max_tokens; without either, chat replies may fill the context after the
+    prompt (as OpenAI's and vLLM's), completions take OpenAI's legacy default of 16 (up to the context). A limit
+    that the prompt leaves no room for is refused (400), as OpenAI and vLLM refuse it, and a prompt that fills the
+    context (413). `vocab`: the sampled ids."""
     max_tokens, param = body.token_limit()
-    max_tokens = 16 if max_tokens is None else max_tokens
-    if not 1 <= max_tokens <= context:
+    room = context - prompt_tokens
+    if room < 1:
+        raise APIError(413, f"the prompt has {prompt_tokens} tokens; a sequence holds {context} (--max-model-len)",
+                       "messages" if isinstance(body, ChatBody) else "prompt", "context_length_exceeded")
+    if max_tokens is None:
+        max_tokens = room if isinstance(body, ChatBody) else min(DEFAULT_COMPLETION_TOKENS, room)
+    elif not 1 <= max_tokens <= context:
         raise APIError(400, f"{param} must be in [1, {context}], got {max_tokens}", param, "invalid_value")
+    elif max_tokens > room:
+        raise APIError(400, f"{param} {max_tokens} and the prompt's {prompt_tokens} tokens exceed the context of "
+                            f"{context} tokens (--max-model-len): at most {room} can follow this prompt", param,
+                       "context_length_exceeded")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                           seed=body.seed, stop=[s for s in stop if s], ignore_eos=body.ignore_eos,

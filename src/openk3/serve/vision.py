@@ -93,8 +93,8 @@ def chat_messages(body: ChatBody, cfg: ModelConfig,
     in prompt order."""
     messages, images = [], []
     for i, m in enumerate(body.messages):
-        if isinstance(m.content, str):
-            messages.append({"role": m.role, "content": m.content})
+        if m.content is None or isinstance(m.content, str):
+            messages.append({"role": m.role, "content": m.content or ""})
             continue
         parts: list = []
         for j, part in enumerate(m.content):
