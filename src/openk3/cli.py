@@ -3,13 +3,17 @@
 Each subcommand lives in its own module and registers itself with one function, `add_<name>_parser(subparsers)`,
 which adds its argparse parser and sets `func` (args -> exit code). To add a command, append its
 (module, function) to COMMANDS. Keep module-level imports of command modules light; import heavy things inside
-the command's function. A bad option (argparse) and a ValueError or FileNotFoundError from a command (an impossible
-config, a bad input or path) end it with a one-line error and exit code 2; set OPENK3_DEBUG=1 for the traceback.
+the command's function. A bad or unknown option (argparse, named with the command and the nearest real flag) and
+what a command raises for bad input end it with a one-line error and exit code 2: a ValueError (an impossible
+config, a bad input), an OSError (a path that is missing, not writable or of the wrong kind), a CheckpointError (a
+checkpoint that is incomplete or does not match) or a FloatingPointError (a run that diverged); Ctrl-C ends it with
+exit code 130. Set OPENK3_DEBUG=1 for the traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import sys
 from importlib import import_module
@@ -32,23 +36,44 @@ class CommandParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+    def refuse_unknown(self, extras: list[str]) -> NoReturn:
+        """Options this command does not have, each with the nearest flag it does have, if one is close."""
+        flags = [flag for action in self._actions for flag in action.option_strings]
+        named = []
+        for extra in extras:
+            near = difflib.get_close_matches(extra.split("=", 1)[0], flags, n=1, cutoff=0.6)
+            named.append(f"{extra} (did you mean {near[0]}?)" if near and extra.startswith("-") else extra)
+        self.error(f"unrecognized arguments: {' '.join(named)}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="openk3", description="The Kimi K3 system in Python.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=CommandParser)
     for module, register in COMMANDS:
         getattr(import_module(module), register)(sub)
+    for command_parser in sub.choices.values():
+        command_parser.set_defaults(command_parser=command_parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args, extras = build_parser().parse_known_args(argv)
+    if extras:  # named by the command's parser, not the top-level one (whose usage lists only the commands)
+        args.command_parser.refuse_unknown(extras)
+    from openk3.checkpoints import CheckpointError
+
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError) as err:  # bad configs, inputs and paths: the message names the field
+    except (ValueError, OSError, CheckpointError, FloatingPointError) as err:  # the message names the field
         if os.environ.get("OPENK3_DEBUG"):
             raise
         print(f"openk3 {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        if os.environ.get("OPENK3_DEBUG"):
+            raise
+        print(f"openk3 {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
