@@ -93,7 +93,7 @@ def test_draft_cli_help_bad_flags_and_a_reused_out(runs, tmp_path, capsys):
     assert main(["draft", "--ckpt", str(target_run), "--out", str(draft_run), "--no-progress"]) == 2
     assert "already holds a draft run" in capsys.readouterr().err
     assert main(["draft", "--ckpt", str(tmp_path / "missing"), "--out", str(tmp_path / "o")]) == 2
-    assert "neither a checkpoint" in capsys.readouterr().err
+    assert "missing does not exist" in capsys.readouterr().err
 
 
 def test_taps_are_validated(runs):

@@ -58,7 +58,8 @@ def verify_checkpoint(directory: str | Path) -> dict:
     """The manifest after checking every listed file's size and sha256; CheckpointError otherwise."""
     directory = Path(directory)
     if not directory.is_dir():
-        raise CheckpointError(f"checkpoint {directory} does not exist")
+        what = "is a file, not a checkpoint directory" if directory.exists() else "does not exist"
+        raise CheckpointError(f"checkpoint {directory} {what}")
     manifest_path = directory / MANIFEST
     if not manifest_path.is_file():
         raise CheckpointError(f"checkpoint {directory} is incomplete: no {MANIFEST} (was the save interrupted?)")
@@ -94,6 +95,10 @@ def latest_checkpoint(out_dir: str | Path) -> Path | None:
 def resolve_checkpoint(path: str | Path) -> Path:
     """A checkpoint directory, or a training --out directory (its latest complete checkpoint)."""
     path = Path(path)
+    if not path.is_dir():
+        if path.exists():
+            raise NotADirectoryError(f"{path} is a file, not a checkpoint or run directory")
+        raise FileNotFoundError(f"{path} does not exist")
     if (path / "config.json").is_file():
         return path
     latest = latest_checkpoint(path)

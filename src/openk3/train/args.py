@@ -80,8 +80,9 @@ class Bound:
     high: float = math.inf
 
     def problem(self, value: float) -> str | None:
-        ok = (value >= self.low if self.low_inclusive else value > self.low) and value <= self.high
-        if ok:  # NaN fails every comparison
+        if not math.isfinite(value):  # no setting means "unbounded" by inf: 0 is "off" where there is an off
+            return f"must be a finite number, got {value!r}"
+        if (value >= self.low if self.low_inclusive else value > self.low) and value <= self.high:
             return None
         low = f"at least {self.low:g}" if self.low_inclusive else f"greater than {self.low:g}"
         return f"must be {low}{'' if self.high == math.inf else f' and at most {self.high:g}'}, got {value!r}"

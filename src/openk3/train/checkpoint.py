@@ -9,9 +9,10 @@ A checkpoint is a directory `step-NNNNNN/`:
                                     state (python, numpy, torch CPU and CUDA; one entry per data-parallel rank)
   manifest.json                     size and sha256 of every file above; written last (openk3.checkpoints)
 Atomic: everything is written into a hidden temporary directory beside the target, each file fsynced, then the
-directory is renamed into place (and the parent fsynced). A process killed mid-save leaves only the temporary
-directory, which loading never picks up; the previous checkpoint is untouched. On load the manifest is checked
-first, so a truncated or altered file fails with a message naming it instead of a tensor error later.
+directory is renamed into place (and the parent fsynced; Ctrl-C waits for the renames). A process killed mid-save
+leaves only the temporary directory, which loading never picks up; the previous checkpoint is untouched. On load
+the manifest is checked first, so a truncated or altered file fails with a message naming it instead of a tensor
+error later.
 
 Safe to load: optimizer.pt and trainer.pt hold only tensors and plain Python types (RNG states are converted to
 tensors), and are read with torch.load(weights_only=True), which builds nothing else. Checkpoints of format 1
@@ -44,6 +45,7 @@ from openk3.config import ModelConfig
 from openk3.interop import config_from_json, load_pretrained, save_pretrained
 from openk3.interop.files import read_config
 from openk3.model import K3ForCausalLM
+from openk3.train.interrupt import interrupts_held
 
 
 def _fsync_dir(path: Path) -> None:
@@ -123,15 +125,21 @@ def save_checkpoint(out_dir: str | Path, step: int, cfg: ModelConfig, model_stat
         fsync_file(path)
     write_manifest(tmp, step)
     _fsync_dir(tmp)
-    if final.exists():  # re-saving the same step: move the old one aside first, drop it after the swap
-        old = out_dir / f".{final.name}.old-{os.getpid()}"
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old)
-    else:
-        os.replace(tmp, final)
-    _fsync_dir(out_dir)
+    publish(tmp, final)
     return final
+
+
+def publish(tmp: Path, final: Path) -> None:
+    """Rename the complete directory `tmp` to `final`. An earlier `final` (the same step saved again) is moved
+    aside first and dropped after the swap; Ctrl-C waits for the renames, so a checkpoint is always in place."""
+    old = final.with_name(f".{final.name}.old-{os.getpid()}")
+    with interrupts_held():
+        if final.exists():
+            os.replace(final, old)
+        os.replace(tmp, final)
+        _fsync_dir(final.parent)
+        if old.exists():
+            shutil.rmtree(old)
 
 
 # ---- load ------------------------------------------------------------------------------------------------------

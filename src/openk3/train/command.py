@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 
 from openk3.cli_options import ShowDefaults, add_kda_options
 from openk3.config import PRESETS
@@ -49,7 +50,8 @@ def add_train_parser(subparsers) -> None:
                    help="delete another run's files in --out (metrics, checkpoints, sample, plot) before starting")
     number("save_every", int, "checkpoint every N steps (0: only at the end)", metavar="N")
     number("eval_every", int, "held-out loss every N steps (0: only at the end)", metavar="N")
-    p.add_argument("--resume", default=None, metavar="CKPT_DIR", help="continue from a step-NNNNNN/ checkpoint")
+    p.add_argument("--resume", default=None, metavar="CKPT_DIR",
+                   help="continue from a step-NNNNNN/ checkpoint, or a run directory's latest")
     p.add_argument("--device", default=None, help="cpu / cuda (default: cuda when available)")
     number("threads", int, "torch threads on CPU (0: auto: all cores, or 1 when the machine is already busy)")
     p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16"],
@@ -112,5 +114,11 @@ def train_args(args: argparse.Namespace) -> TrainArgs:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    train(train_args(args))
+    from openk3.train.interrupt import Interrupted
+
+    try:
+        train(train_args(args))
+    except Interrupted as stop:  # Ctrl-C during the run (during set-up: openk3.cli says "interrupted")
+        print(f"openk3 train: {stop}", file=sys.stderr)
+        return 130
     return 0

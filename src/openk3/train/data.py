@@ -83,11 +83,11 @@ def load_documents(path: str | Path | None) -> list[Document]:
         raise FileNotFoundError(f"--data {path} does not exist")
     if path.is_file():
         if path.suffix == ".jsonl":
-            return _jsonl_documents(path, path.name)
+            return _holding_text(path, _jsonl_documents(path, path.name))
         text = _read_text(path)
         if text is None:
             raise ValueError(f"--data {path} is not a UTF-8 text file")
-        return [Document(path.name, text)]
+        return _holding_text(path, [Document(path.name, text)])
     docs = []
     for p in sorted(q for q in path.rglob("*") if q.is_file()):
         rel = p.relative_to(path)
@@ -99,6 +99,12 @@ def load_documents(path: str | Path | None) -> list[Document]:
             docs.append(Document(str(rel), text))
     if not docs:
         raise ValueError(f"--data {path}: no UTF-8 text files found")
+    return _holding_text(path, docs)
+
+
+def _holding_text(path: Path, docs: list[Document]) -> list[Document]:
+    if not any(d.text.strip() for d in docs):
+        raise ValueError(f"--data {path} holds no text; pass a file or directory with some")
     return docs
 
 
@@ -173,7 +179,8 @@ class PackedRows(NamedTuple):
 
 
 class BatchStream:
-    """Resumable random batches of non-overlapping windows of `seq_len + 1` tokens.
+    """Resumable random batches of non-overlapping windows of `seq_len + 1` tokens (an error names `shown`, e.g.
+    "--seq-len 32", where the user's setting is not `seq_len` itself).
 
     Each epoch is a permutation of all windows drawn from its own generator seeded by (seed, epoch), so the
     position (epoch, cursor) is the whole state: `state_dict` / `load_state_dict` resume exactly. `next()`
@@ -183,16 +190,17 @@ class BatchStream:
     """
 
     def __init__(self, tokens: torch.Tensor, seq_len: int, batch_size: int, seed: int,
-                 segments: torch.Tensor | None = None):
+                 segments: torch.Tensor | None = None, shown: str | None = None):
         if segments is not None and segments.shape != tokens.shape:
             raise ValueError(f"segments must match the tokens' shape {tuple(tokens.shape)}, got "
                              f"{tuple(segments.shape)}")
         self.tokens, self.seq_len, self.batch_size, self.seed = tokens, seq_len, batch_size, seed
         self.segments = segments
-        self.num_windows = (len(tokens) - 1) // seq_len
+        self.num_windows = max(0, (len(tokens) - 1) // seq_len)
         if self.num_windows < batch_size:
-            raise ValueError(f"{len(tokens)} training tokens give {self.num_windows} windows of seq_len={seq_len}, "
-                             f"fewer than batch_size={batch_size}; use more data or a smaller --seq-len/--batch-size")
+            raise ValueError(f"{len(tokens)} training tokens give {self.num_windows} windows at "
+                             f"{shown or f'--seq-len {seq_len}'}, fewer than --batch-size {batch_size}; use more data "
+                             "or a smaller --seq-len or --batch-size")
         self.epoch, self.cursor = 0, 0
         self._order = self._permutation(0)
 
@@ -233,10 +241,13 @@ class BatchStream:
         self._order = self._permutation(self.epoch)
 
 
-def heldout_windows(tokens: torch.Tensor, seq_len: int, max_windows: int) -> torch.Tensor:
-    """Fixed evaluation windows [n, seq_len + 1]: evenly spaced over the held-out stream, at most `max_windows`."""
+def heldout_windows(tokens: torch.Tensor, seq_len: int, max_windows: int, shown: str | None = None) -> torch.Tensor:
+    """Fixed evaluation windows [n, seq_len + 1]: evenly spaced over the held-out stream, at most `max_windows`
+    (`shown`: the setting an error names, as BatchStream's)."""
     n_total = (len(tokens) - 1) // seq_len
-    if n_total == 0:
-        raise ValueError(f"held-out split has {len(tokens)} tokens, fewer than one window of seq_len={seq_len}")
+    if n_total <= 0:
+        shown = shown or f"--seq-len {seq_len}"
+        raise ValueError(f"the held-out split has {len(tokens)} tokens, fewer than one window at {shown}; use more "
+                         f"data or a smaller {shown.split()[0]}")
     picks = torch.linspace(0, n_total - 1, min(n_total, max_windows)).round().long().unique()
     return torch.stack([tokens[int(w) * seq_len:int(w) * seq_len + seq_len + 1] for w in picks])

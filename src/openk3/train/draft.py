@@ -29,12 +29,15 @@ from pathlib import Path
 
 import torch
 
-from openk3.checkpoints import fsync_file, latest_checkpoint, resolve_checkpoint, step_dir_name, write_manifest
+from openk3.checkpoints import fsync_file, resolve_checkpoint, step_dir_name, write_manifest
 from openk3.draft.loss import DEFAULT_ETA, LOSSES, draft_loss
-from openk3.draft.model import EagleDraft, save_draft, tapped_hidden_states
+from openk3.draft.model import EagleDraft, has_draft, save_draft, tapped_hidden_states
 from openk3.draft.speculative import SpeculationStats, speculative_generate
 from openk3.sampling import SamplingParams
+from openk3.train.checkpoint import publish
 from openk3.train.data import BatchStream, heldout_windows, load_documents, train_and_heldout_streams
+from openk3.train.interrupt import Interrupted
+from openk3.train.preflight import check_kda_backend, checked_device
 from openk3.train.schedule import WSDSchedule
 
 STEP_DECAY = 0.8  # EAGLE-3: the loss of unrolled step i is weighted 0.8^i
@@ -68,15 +71,17 @@ class DraftArgs:
     def __post_init__(self) -> None:
         if self.loss not in LOSSES:
             raise ValueError(f"--loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
-        for name in ("max_steps", "draft_tokens", "batch_size", "seq_len", "eval_prompts", "eval_prompt_len",
-                     "eval_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
-        if self.eval_every < 0:
-            raise ValueError(f"--eval-every must be at least 0, got {self.eval_every}")
-        if not (self.lr > 0 and self.eta >= 0 and self.eval_temperature >= 0):
-            raise ValueError(f"--lr must be > 0, --eta and --eval-temperature >= 0; got {self.lr}, {self.eta}, "
-                             f"{self.eval_temperature}")
+        for name, low in (("max_steps", 1), ("draft_tokens", 1), ("batch_size", 1), ("seq_len", 2),
+                          ("eval_prompts", 1), ("eval_prompt_len", 2), ("eval_tokens", 1), ("eval_every", 0)):
+            if getattr(self, name) < low:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least {low}, got {getattr(self, name)}")
+        if self.seq_len < self.draft_tokens:
+            raise ValueError(f"--seq-len {self.seq_len} must be at least --draft-tokens {self.draft_tokens} (the last "
+                             "unrolled step predicts that many tokens ahead within a window)")
+        numbers = (self.lr, self.eta, self.eval_temperature)
+        if not (all(map(math.isfinite, numbers)) and self.lr > 0 and self.eta >= 0 and self.eval_temperature >= 0):
+            raise ValueError(f"--lr must be > 0, --eta and --eval-temperature >= 0, all finite; got {self.lr}, "
+                             f"{self.eta}, {self.eval_temperature}")
 
 
 def load_target(ckpt: Path, device: torch.device):
@@ -141,66 +146,110 @@ def save_draft_checkpoint(out: Path, step: int, model, draft: EagleDraft, tokeni
     for path in tmp.iterdir():
         fsync_file(path)
     write_manifest(tmp, step)
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+    publish(tmp, final)
     return final
 
 
+def check_apart(out: Path, source: Path, ckpt: Path) -> None:
+    """--out may not be the --ckpt run or checkpoint, lie inside it or hold it: the target stays untouched."""
+    mine = out.resolve()
+    for theirs in {source.resolve(), ckpt.resolve()}:
+        if mine == theirs or mine in theirs.parents or theirs in mine.parents:
+            latest = f" ({ckpt})" if ckpt != source else ""
+            raise ValueError(f"--out {out} overlaps --ckpt {source}{latest}; write the draft to a directory of its own")
+
+
+def _draft_metrics(path: Path) -> bool:
+    """Whether metrics.jsonl is a draft run's (its records have `alpha`), not a training run's."""
+    with path.open(encoding="utf-8", errors="replace") as f:
+        first = f.readline()
+    try:
+        return "alpha" in json.loads(first)
+    except (json.JSONDecodeError, TypeError):
+        return False
+
+
 def claim_out(out: Path, overwrite: bool) -> None:
-    found = [p for p in (out / "metrics.jsonl", latest_checkpoint(out)) if p is not None and p.exists()]
+    """Refuse an --out that holds a run's files: an earlier draft run's unless --overwrite (then deleted), any other
+    run's always (a training run's checkpoints are never deleted). An empty metrics.jsonl (a run that failed
+    before its first step) is no run."""
+    metrics = out / "metrics.jsonl"
+    found = ([metrics] if metrics.is_file() and metrics.stat().st_size else []) + sorted(
+        p for p in out.glob("step-*") if p.is_dir())
+    foreign = [p for p in found if not (_draft_metrics(p) if p == metrics else has_draft(p))]
+    names = ", ".join(p.name + ("/" if p.is_dir() else "") for p in (foreign or found)[:4]) + (
+        ", ..." if (foreign or found)[4:] else "")
+    if foreign:
+        raise ValueError(f"--out {out} holds a training run or other files that are not a draft's ({names}), "
+                         "which `openk3 draft` never replaces; choose another --out")
     if found and not overwrite:
-        raise ValueError(f"--out {out} already holds a draft run ({', '.join(p.name for p in found)}); choose "
-                         "another --out or pass --overwrite")
-    if found:
-        (out / "metrics.jsonl").unlink(missing_ok=True)
-        for step in out.glob("step-*"):
-            shutil.rmtree(step)
+        raise ValueError(f"--out {out} already holds a draft run ({names}); choose another --out or pass --overwrite")
+    for path in found:
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    (out / "summary.json").unlink(missing_ok=True)
 
 
 def train_draft(args: DraftArgs) -> dict:
+    """Load and check everything (target, data, --out) before writing, then fine-tune; Ctrl-C raises Interrupted."""
     from openk3.cli_options import cpu_threads
     from openk3.model import configure_kda
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = checked_device(args.device)
+    check_kda_backend(args.kda_backend, device)
     if device.type == "cpu":
         torch.set_num_threads(cpu_threads(args.threads))
     ckpt = resolve_checkpoint(args.ckpt)
     out = Path(args.out)
-    claim_out(out, args.overwrite)
+    check_apart(out, Path(args.ckpt), ckpt)
     torch.manual_seed(args.seed)
     model, tokenizer = load_target(ckpt, device)
+    if args.seq_len > model.config.max_seq_len:
+        raise ValueError(f"--seq-len {args.seq_len} exceeds the model's max_seq_len {model.config.max_seq_len}")
     configure_kda(model, backend=args.kda_backend)
     draft = EagleDraft(model, args.taps)
     params = draft.trainable_parameters()
     for p in params:
         p.requires_grad_(True)
-    optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    schedule = WSDSchedule.for_run(args.lr, args.max_steps)
-
     train_tokens, held_tokens = train_and_heldout_streams(load_documents(args.data), tokenizer)
-    stream = BatchStream(train_tokens, args.seq_len - 1, args.batch_size, args.seed)  # windows of seq_len tokens
-    prompts = heldout_windows(held_tokens, args.eval_prompt_len - 1, args.eval_prompts).to(device)
+    stream = BatchStream(train_tokens, args.seq_len - 1, args.batch_size, args.seed,  # windows of seq_len tokens
+                         shown=f"--seq-len {args.seq_len}")
+    prompts = heldout_windows(held_tokens, args.eval_prompt_len - 1, args.eval_prompts,
+                              shown=f"--eval-prompt-len {args.eval_prompt_len}").to(device)
+    claim_out(out, args.overwrite)
     n_params = sum(p.numel() for p in params)
     print(f"openk3 draft: {model.config.name} from {ckpt}, draft = fc + MTP layer ({n_params / 1e6:.2f}M trainable), "
           f"taps {list(draft.taps)}, loss={args.loss}, {args.max_steps} steps x {args.batch_size} x {args.seq_len} "
           f"tokens, {args.draft_tokens} draft tokens, device={device}, out={out}", flush=True)
-
-    def evaluate() -> dict:
-        started = time.perf_counter()
-        stats = acceptance(model, draft, prompts, args.eval_tokens, args.draft_tokens, args.eval_temperature,
-                           args.seed)
-        return {"accept_len": stats.accept_len, "accept_rate": stats.accept_rate, "verifications": stats.rounds,
-                "eval_seconds": time.perf_counter() - started}
-
     out.mkdir(parents=True, exist_ok=True)
-    bar = None
+    record = _fine_tune(args, model, draft, params, stream, prompts, out / "metrics.jsonl")
+    saved = save_draft_checkpoint(out, args.max_steps, model, draft, ckpt / "tokenizer.json",
+                                  {**asdict(args), "source": str(ckpt), "accept_len": record["accept_len"]})
+    summary = {"steps": args.max_steps, "loss": record["loss"], "accept_len": record["accept_len"],
+               "accept_rate": record["accept_rate"], "checkpoint": str(saved)}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"acceptance length {summary['accept_len']:.3f} at K = {args.draft_tokens} (accept rate "
+          f"{summary['accept_rate']:.3f}, temperature {args.eval_temperature:g}, {args.eval_prompts} held-out "
+          f"prompts); checkpoint: {saved}", flush=True)
+    return summary
+
+
+def _fine_tune(args: DraftArgs, model, draft: EagleDraft, params: list, stream: BatchStream, prompts: torch.Tensor,
+               metrics: Path) -> dict:
+    """The training steps, each a line of `metrics` (created with the first); returns the last record."""
+    device = prompts.device
+    optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    schedule = WSDSchedule.for_run(args.lr, args.max_steps)
+    bar = log = None
     if args.progress:
         from tqdm import tqdm
 
         bar = tqdm(total=args.max_steps, desc="draft", unit="step", dynamic_ncols=True)
     record: dict = {}
-    with (out / "metrics.jsonl").open("w") as log:
+    step = 0
+    try:
         for step in range(args.max_steps):
             for group in optimizer.param_groups:
                 group["lr"] = schedule(step)
@@ -216,21 +265,25 @@ def train_draft(args: DraftArgs) -> dict:
             if not math.isfinite(record["loss"]):
                 raise FloatingPointError(f"the draft loss became {record['loss']} at step {step + 1}; lower --lr")
             if (args.eval_every and (step + 1) % args.eval_every == 0) or step + 1 == args.max_steps:
-                record.update(evaluate())
+                record.update(_evaluate(args, model, draft, prompts))
+            log = log or metrics.open("w")
             log.write(json.dumps(record) + "\n")
             log.flush()
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{record['loss']:.3f}", alpha=f"{alphas[0]:.3f}")
-    if bar is not None:
-        bar.close()
-    tokenizer_file = ckpt / "tokenizer.json"
-    saved = save_draft_checkpoint(out, args.max_steps, model, draft, tokenizer_file,
-                                  {**asdict(args), "source": str(ckpt), "accept_len": record["accept_len"]})
-    summary = {"steps": args.max_steps, "loss": record["loss"], "accept_len": record["accept_len"],
-               "accept_rate": record["accept_rate"], "checkpoint": str(saved)}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    print(f"acceptance length {summary['accept_len']:.3f} at K = {args.draft_tokens} (accept rate "
-          f"{summary['accept_rate']:.3f}, temperature {args.eval_temperature:g}, {args.eval_prompts} held-out "
-          f"prompts); checkpoint: {saved}", flush=True)
-    return summary
+    except KeyboardInterrupt:
+        raise Interrupted(f"interrupted at step {step} of {args.max_steps}; the draft is saved at the end only, so "
+                          "nothing was saved") from None
+    finally:
+        for handle in (bar, log):
+            if handle is not None:
+                handle.close()
+    return record
+
+
+def _evaluate(args: DraftArgs, model, draft: EagleDraft, prompts: torch.Tensor) -> dict:
+    started = time.perf_counter()
+    stats = acceptance(model, draft, prompts, args.eval_tokens, args.draft_tokens, args.eval_temperature, args.seed)
+    return {"accept_len": stats.accept_len, "accept_rate": stats.accept_rate, "verifications": stats.rounds,
+            "eval_seconds": time.perf_counter() - started}

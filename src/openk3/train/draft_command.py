@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from openk3.cli_options import ShowDefaults, add_kda_options, int_at_least
 
@@ -44,12 +45,15 @@ def add_draft_parser(subparsers) -> None:
                         "2, L//2, L-3)")
     p.add_argument("--lr", type=float, default=1e-3, help="peak AdamW learning rate (WSD schedule)")
     p.add_argument("--batch-size", type=int_at_least(1), default=8, help="windows per step")
-    p.add_argument("--seq-len", type=int_at_least(1), default=128, help="tokens per window")
+    p.add_argument("--seq-len", type=int_at_least(2), default=128,
+                   help="tokens per window (at least --draft-tokens)")
     p.add_argument("--data", default=None, metavar="PATH",
                    help="text file, JSONL or directory (default: the Python stdlib sources, as `openk3 train`)")
     p.add_argument("--eval-every", type=int, default=50, metavar="N",
                    help="acceptance on held-out prompts every N steps (0: only at the end)")
     p.add_argument("--eval-prompts", type=int_at_least(1), default=8, help="held-out prompts per evaluation")
+    p.add_argument("--eval-prompt-len", type=int_at_least(2), default=64, metavar="N",
+                   help="tokens of each held-out prompt")
     p.add_argument("--eval-tokens", type=int_at_least(1), default=48, help="tokens generated from each prompt")
     p.add_argument("--eval-temperature", type=float, default=1.0,
                    help="sampling temperature of the evaluation (1: alpha is the acceptance probability; 0: greedy)")
@@ -64,12 +68,19 @@ def add_draft_parser(subparsers) -> None:
 
 def run_draft(args: argparse.Namespace) -> int:
     from openk3.train.draft import DraftArgs, train_draft
+    from openk3.train.interrupt import Interrupted
 
-    train_draft(DraftArgs(ckpt=args.ckpt, out=args.out, loss=args.loss, eta=args.eta, max_steps=args.max_steps,
-                          draft_tokens=args.draft_tokens, taps=args.taps, lr=args.lr, batch_size=args.batch_size,
-                          seq_len=args.seq_len, data=args.data, eval_every=args.eval_every,
-                          eval_prompts=args.eval_prompts, eval_tokens=args.eval_tokens,
-                          eval_temperature=args.eval_temperature, seed=args.seed, device=args.device,
-                          threads=args.threads, kda_backend=args.kda_backend, overwrite=args.overwrite,
-                          progress=not args.no_progress))
+    settings = DraftArgs(ckpt=args.ckpt, out=args.out, loss=args.loss, eta=args.eta, max_steps=args.max_steps,
+                         draft_tokens=args.draft_tokens, taps=args.taps, lr=args.lr, batch_size=args.batch_size,
+                         seq_len=args.seq_len, data=args.data, eval_every=args.eval_every,
+                         eval_prompts=args.eval_prompts, eval_prompt_len=args.eval_prompt_len,
+                         eval_tokens=args.eval_tokens,
+                         eval_temperature=args.eval_temperature, seed=args.seed, device=args.device,
+                         threads=args.threads, kda_backend=args.kda_backend, overwrite=args.overwrite,
+                         progress=not args.no_progress)
+    try:
+        train_draft(settings)
+    except Interrupted as stop:  # Ctrl-C during the steps (during set-up: openk3.cli says "interrupted")
+        print(f"openk3 draft: {stop}", file=sys.stderr)
+        return 130
     return 0

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from openk3.accounting import count_parameters, parameter_summary
-from openk3.checkpoints import CheckpointError, latest_checkpoint
+from openk3.checkpoints import CheckpointError, latest_checkpoint, resolve_checkpoint
 from openk3.cli_options import cpu_threads
 from openk3.config import ModelConfig, get_preset
 from openk3.draft.model import DRAFT_CONFIG
@@ -40,7 +40,7 @@ from openk3.parallel import ParallelDims, cp_lm_losses, parallelize
 from openk3.quant.qat import enable_qat
 from openk3.tokenizer import TextTokenizer, load_or_train
 from openk3.train import checkpoint as ckpt
-from openk3.train.args import DEFAULT_STEPS, TrainArgs, resolve_fast_path
+from openk3.train.args import DEFAULT_STEPS, TrainArgs, flag_name, resolve_fast_path
 from openk3.train.balance import RouterBalancer
 from openk3.train.data import (
     BatchStream,
@@ -65,8 +65,10 @@ from openk3.train.distributed import (
     mean_across,
 )
 from openk3.train.graphs import GraphedForwardBackward
+from openk3.train.interrupt import stopped_at
 from openk3.train.mfu import flops_per_token, peak_flops
 from openk3.train.optim import build_optimizer
+from openk3.train.preflight import check_host_memory, check_kda_backend, checked_device
 from openk3.train.queued import DeviceMark, QueuedStep
 from openk3.train.schedule import WSDSchedule
 from openk3.train.tensorboard import open_writer, write_scalars
@@ -78,6 +80,7 @@ SLOW_RUN_SECONDS = 600  # the default run's budget on 2 CPU cores: a longer proj
 SLOWDOWN_FACTOR = 1.5  # warn once more when the projected duration grows by this factor during the run
 IGNORE_INDEX = -100  # a label the losses do not count
 RUN_FILES = ("metrics.jsonl", "summary.json", "sample.txt", "loss.png", "tokenizer.json")  # besides step-*/
+RESUME_MUST_MATCH = ("optimizer",)  # settings the saved state is for (seq-len, batch and seed: BatchStream checks)
 
 
 def model_config(args: TrainArgs) -> ModelConfig:
@@ -94,16 +97,45 @@ def model_config(args: TrainArgs) -> ModelConfig:
     return cfg
 
 
-def resolve_device(args: TrainArgs, world: World) -> torch.device:
-    name = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda":  # set_device needs an index: this process's GPU under torchrun, else the current one
-        name = f"cuda:{world.local_rank if world.distributed else torch.cuda.current_device()}"
-    device = torch.device(name)
+def resolve_device(device: torch.device, world: World) -> torch.device:
+    """The checked --device (preflight.checked_device) with its index: set_device needs one (this process's GPU
+    under torchrun, else the current one)."""
     if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", world.local_rank if world.distributed else torch.cuda.current_device())
         torch.cuda.set_device(device)
     return device
 
 
+def resume_checkpoint(path: str) -> Path:
+    """--resume as a training checkpoint: a step-NNNNNN/ of `openk3 train`, or a run directory (its latest)."""
+    try:
+        found = resolve_checkpoint(path)
+    except OSError as err:
+        raise type(err)(f"--resume {err}") from None
+    if not (found / "trainer.pt").is_file():
+        raise ValueError(f"--resume {found} is not a training checkpoint (no trainer.pt); pass a step-NNNNNN/ "
+                         "directory of `openk3 train`, or its --out")
+    return found
+
+
+def check_resume(path: Path, trainer: dict, args: TrainArgs, processes: int) -> None:
+    """Refuse a checkpoint this run cannot continue: other settings its saved state depends on, or no step left."""
+    if trainer["world_size"] != processes:
+        raise CheckpointError(f"checkpoint {path} was saved by {trainer['world_size']} processes; resume "
+                              f"with the same number, under any --cp / --ep (this run has {processes})")
+    saved = trainer.get("args", {})
+    for name in RESUME_MUST_MATCH:
+        if name in saved and saved[name] != getattr(args, name):
+            raise ValueError(f"{flag_name(name)} {getattr(args, name)}: checkpoint {path} was trained with "
+                             f"{flag_name(name)} {saved[name]}; resume with the same")
+    step = trainer["step"]
+    if args.max_steps is not None and args.max_steps <= step:
+        raise ValueError(f"--max-steps {args.max_steps} is not past the checkpoint's step {step}; pass more steps "
+                         "to train further")
+    if args.max_steps is None and trainer["schedule"]["total_steps"] <= step:
+        raise ValueError(f"--resume {path}: its run ended at step {step}; pass --max-steps above {step} to train "
+                         "further")
 
 
 def autocast_dtype(args: TrainArgs, device: torch.device) -> torch.dtype | None:
@@ -204,8 +236,9 @@ def run_files(out: Path) -> list[Path]:
     """What a training run leaves in its --out directory (metrics, summary, sample, plot, tokenizer, checkpoints)."""
     if not out.is_dir():
         return []
-    return [out / name for name in RUN_FILES if (out / name).exists()] + sorted(
-        p for p in out.glob("step-*") if p.is_dir())
+    files = [out / name for name in RUN_FILES if (out / name).exists()]
+    files = [p for p in files if p.name != "metrics.jsonl" or p.stat().st_size]  # empty: a run that failed at once
+    return files + sorted(p for p in out.glob("step-*") if p.is_dir())
 
 
 def claim_out_dir(out: Path, resume: str | None, overwrite: bool, delete: bool) -> None:
@@ -246,17 +279,25 @@ class Trainer:
         args = self.args = replace(args, batch_size=args.batch_size or self.DEFAULT_BATCH)
         self.created = time.perf_counter()  # the time limit counts from here: setup is part of the run
         self.out = Path(args.out)
-        device_name = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        self.world = init_world("cuda" if device_name.startswith("cuda") else "cpu")
-        claim_out_dir(self.out, args.resume, args.overwrite, delete=self.world.is_main)
-        self.device = resolve_device(args, self.world)
+        device = checked_device(args.device)
+        self.world = init_world(device.type)
+        self.device = resolve_device(device, self.world)
         resolve_fast_path(args.compile, args.cuda_graphs, self.device.type, self.world.size)  # refusals, early
-        if self.device.type == "cpu":
-            torch.set_num_threads(cpu_threads(args.threads, self.world.size))
+        check_kda_backend(args.kda_backend, self.device)
         self.amp = autocast_dtype(args, self.device)
         self.dims = ParallelDims(self.world.size, args.cp, args.ep)
         self.dims.check_batch(args.batch_size)
         self.cfg = model_config(args)
+        if self.device.type == "cpu":
+            check_host_memory(self.cfg, args.preset)
+        self.last_checkpoint = self._resumed = None
+        if args.resume:  # loaded and checked before anything in --out changes
+            args = self.args = replace(args, resume=str(resume_checkpoint(args.resume)))
+            self._resumed = ckpt.load_checkpoint(args.resume, self.cfg)
+            check_resume(Path(args.resume), self._resumed["trainer"], args, self.world.size)
+        claim_out_dir(self.out, args.resume, args.overwrite, delete=self.world.is_main)
+        if self.device.type == "cpu":
+            torch.set_num_threads(cpu_threads(args.threads, self.world.size))
         self._seed(args.seed)
         self._setup_data()
         fast = resolve_fast_path(args.compile, args.cuda_graphs, self.device.type, self.world.size,
@@ -284,8 +325,8 @@ class Trainer:
                                             args.decay_frac)
         self.step = 0
         self.steps_queued = 0  # by this process (the first ones compile)
-        if args.resume:
-            self._resume(args.resume)
+        if self._resumed is not None:
+            self._resume(Path(args.resume))
         self.requested_steps = self.schedule.total_steps
         self._recent: deque[float] = deque(maxlen=FIT_WINDOW)
         self._announced_fit = False
@@ -325,17 +366,15 @@ class Trainer:
         self.unigram = unigram_cross_entropy(train_tokens, targets.flatten(), self.cfg.vocab_size)
         self.train_tokens = len(train_tokens)
 
-    def _resume(self, path: str) -> None:
-        state = ckpt.load_checkpoint(path, self.cfg)
+    def _resume(self, path: Path) -> None:
+        state, self._resumed = self._resumed, None  # the state dicts are dropped once loaded
         load_full_state(self.model, self.optimizer, state["model"], state["optimizer"])
         trainer = state["trainer"]
-        if trainer["world_size"] != self.world.size:
-            raise CheckpointError(f"checkpoint {path} was saved by {trainer['world_size']} processes; resume "
-                                  f"with the same number, under any --cp / --ep (this run has {self.world.size})")
         self.balancer.load_state_dict(trainer["balance_bias"])
         self.stream.load_state_dict(trainer["data"])
         ckpt.set_rng_state(trainer["rng"][self.world.rank])
         self.step = trainer["step"]
+        self.last_checkpoint = path
         if self.args.max_steps is None:  # continue the saved schedule (it may have been fitted to a time limit)
             self.schedule = WSDSchedule(**trainer["schedule"])
 
@@ -356,8 +395,8 @@ class Trainer:
             self.out.mkdir(parents=True, exist_ok=True)
             tok_file = self.out / "tokenizer.json"
             self.tokenizer.save(tok_file)
-            path = ckpt.save_checkpoint(self.out, self.step, self.cfg, model_state, optim_state, trainer_state,
-                                        tok_file)
+            path = self.last_checkpoint = ckpt.save_checkpoint(self.out, self.step, self.cfg, model_state,
+                                                               optim_state, trainer_state, tok_file)
         barrier(self.world)
         return path
 
@@ -486,47 +525,53 @@ class Trainer:
             yield self._read(waiting)
 
     def run(self) -> dict:
+        """Train to the schedule's end and close the run; Ctrl-C raises an Interrupted naming the last checkpoint."""
+        try:
+            return self._run()
+        except KeyboardInterrupt:
+            raise stopped_at(self.step, self.last_checkpoint) from None
+
+    def _run(self) -> dict:
         args, world = self.args, self.world
         if world.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
             self._announce()
         metrics_path = self.out / "metrics.jsonl"
         history = self._metrics_history(metrics_path) if world.is_main else []
-        bar = self._progress()
         started = time.perf_counter()
-        log = metrics_path.open("a") if world.is_main else None
-        board = open_writer(args.tensorboard, self.step) if args.tensorboard and world.is_main else None
-        last_eval = None
-        last = time.perf_counter()
-        for record in self.steps(bar):
-            step = record["step"]  # the run has queued no step past it when it evaluates or saves (`steps`)
-            if args.eval_every and (step % args.eval_every == 0 or step == self.schedule.total_steps):
-                last_eval = record["eval_loss"] = self._heldout()
-            if not math.isfinite(record["loss"]):
-                raise FloatingPointError(f"loss became {record['loss']} at step {step}; lower --lr")
-            if log is not None:
-                log.write(json.dumps(record) + "\n")
-                log.flush()
-                history.append(record)
-            if board is not None:
-                write_scalars(board, record)
-            if bar is not None:
-                bar.update(1)
-                mfu = {"mfu": f"{record['mfu']:.1%}"} if "mfu" in record else {}
-                bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}", **mfu)
-            if args.save_every and step % args.save_every == 0 and step < self.schedule.total_steps:
-                self.save()
-            now = time.perf_counter()
-            self._recent.append(now - last)
-            last = now
-            self._fit_time_limit(bar)
-            self._watch_pace(bar)
-        if bar is not None:
-            bar.close()
-        if log is not None:
-            log.close()
-        if board is not None:
-            board.close()
+        last_eval = log = board = None
+        bar = self._progress()
+        try:
+            board = open_writer(args.tensorboard, self.step) if args.tensorboard and world.is_main else None
+            last = time.perf_counter()
+            for record in self.steps(bar):
+                step = record["step"]  # the run has queued no step past it when it evaluates or saves (`steps`)
+                if args.eval_every and (step % args.eval_every == 0 or step == self.schedule.total_steps):
+                    last_eval = record["eval_loss"] = self._heldout()
+                if not math.isfinite(record["loss"]):
+                    raise FloatingPointError(f"loss became {record['loss']} at step {step}; lower --lr")
+                if world.is_main:  # metrics.jsonl appears with its first line: a run that fails first leaves none
+                    log = log or metrics_path.open("a")
+                    log.write(json.dumps(record) + "\n")
+                    log.flush()
+                    history.append(record)
+                if board is not None:
+                    write_scalars(board, record)
+                if bar is not None:
+                    bar.update(1)
+                    mfu = {"mfu": f"{record['mfu']:.1%}"} if "mfu" in record else {}
+                    bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}", **mfu)
+                if args.save_every and step % args.save_every == 0 and step < self.schedule.total_steps:
+                    self.save()
+                now = time.perf_counter()
+                self._recent.append(now - last)
+                last = now
+                self._fit_time_limit(bar)
+                self._watch_pace(bar)
+        finally:
+            for handle in (bar, log, board):
+                if handle is not None:
+                    handle.close()
         if last_eval is None:
             last_eval = self._heldout()
         saved = self.save()

@@ -16,7 +16,10 @@ def open_writer(log_dir: str, resume_step: int = 0):
     except ImportError as err:
         raise ImportError("--tensorboard needs the tensorboard package: pip install 'openk3[tensorboard]' (or "
                           "pip install tensorboard)") from err
-    return SummaryWriter(log_dir=log_dir, purge_step=resume_step + 1 if resume_step else None)
+    try:
+        return SummaryWriter(log_dir=log_dir, purge_step=resume_step + 1 if resume_step else None)
+    except OSError as err:
+        raise type(err)(f"--tensorboard {log_dir}: {err.strerror or err}") from None
 
 
 def write_scalars(writer, record: dict) -> None:
