@@ -58,8 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args, extras = build_parser().parse_known_args(argv)
+    command_parser = vars(args).pop("command_parser")  # not an option: the args go on (pickled, to `serve`'s engine)
     if extras:  # named by the command's parser, not the top-level one (whose usage lists only the commands)
-        args.command_parser.refuse_unknown(extras)
+        command_parser.refuse_unknown(extras)
     from openk3.checkpoints import CheckpointError
 
     try:

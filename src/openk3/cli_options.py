@@ -8,6 +8,7 @@ OPENK3_KDA_BACKEND (auto | recurrent | chunked | triton) is the default of --kda
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -27,15 +28,19 @@ def add_kda_options(parser: argparse.ArgumentParser) -> None:
 
 
 class ShowDefaults(argparse.HelpFormatter):
-    """An argparse formatter: every option's help ends with its default, except flags that are off and options
-    without one (train, draft)."""
+    """An argparse formatter: every option's help ends with its default, except flags that are off, options without
+    one and help that states its default already."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
         unset = action.default is None or action.default is False or action.default is argparse.SUPPRESS
-        if not unset and action.option_strings and "%(default)" not in text:
+        if not unset and action.option_strings and "default" not in text.lower():
             text += " (default: %(default)s)"
         return text
+
+
+class ShowDefaultsRaw(ShowDefaults, argparse.RawDescriptionHelpFormatter):
+    """ShowDefaults with the description printed as written (serve's, with its example commands)."""
 
 
 def int_at_least(low: int):
@@ -50,6 +55,52 @@ def int_at_least(low: int):
         return value
 
     return parse
+
+
+def float_in(low: float, high: float = math.inf, *, open_low: bool = False):
+    """An argparse `type`: a finite number in [low, high] ((low, high] when `open_low`)."""
+    if high < math.inf:
+        allowed = f"in {'(' if open_low else '['}{low:g}, {high:g}]"
+    else:
+        allowed = f"{'above' if open_low else 'at least'} {low:g}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number {allowed}, got {text!r}") from None
+        if not (math.isfinite(value) and (value > low if open_low else value >= low) and value <= high):
+            raise argparse.ArgumentTypeError(f"must be {allowed}, got {text}")
+        return value
+
+    return parse
+
+
+def resolve_device(name: str | None):
+    """--device: cpu, cuda or cuda:N; None: cuda when available. ValueError naming the flag for a device that this
+    machine or torch build lacks, before any model loads."""
+    import torch
+
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {name}: openk3 runs on cpu or cuda (cuda:N for one GPU)")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: this machine or torch build has no CUDA GPU; use --device cpu")
+    if device.index is not None and device.type == "cuda" and device.index >= torch.cuda.device_count():
+        raise ValueError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA GPUs")
+    return device
+
+
+def check_triton(device, flag: str, value: str) -> None:
+    """`flag triton` (--kda-backend, serve's --kernels) needs a CUDA device: Triton has no CPU driver."""
+    if value == "triton" and device.type != "cuda":
+        raise ValueError(f"{flag} triton needs a CUDA device (Triton has no CPU driver); use {flag} auto on "
+                         f"{device.type}")
 
 
 def cpu_threads(requested: int, processes: int = 1) -> int:

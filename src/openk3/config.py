@@ -2,13 +2,18 @@
 
 A config is data. `ModelConfig.validate()` runs once at construction and raises ValueError naming the field
 and the allowed values for anything impossible. `from_dict` / `to_dict` give a JSON round trip (used for
-checkpoints and `--config FILE` overrides); unknown keys are an error, not silently ignored.
+checkpoints and `--config FILE` overrides, `with_config_file`); unknown keys and values of the wrong type are an
+error naming the field, not silently ignored.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import types
+import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 ACTIVATIONS = ("situ", "swiglu")
@@ -229,6 +234,8 @@ class ModelConfig:
 
     def with_overrides(self, overrides: dict[str, Any]) -> ModelConfig:
         """A new config with fields replaced; nested sections (kda/mla/moe/vision) merge key by key."""
+        if not isinstance(overrides, dict):
+            raise ValueError(f"config overrides must be a JSON object of fields, got {overrides!r}")
         merged = self.to_dict()
         for key, value in overrides.items():
             if isinstance(value, dict) and isinstance(merged.get(key), dict):
@@ -237,13 +244,51 @@ class ModelConfig:
                 merged[key] = value
         return ModelConfig.from_dict(merged)
 
+    def with_config_file(self, path: str | Path) -> ModelConfig:
+        """`with_overrides` from `--config FILE` (a JSON object); a ValueError names the file and the field."""
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"--config {path} does not exist")
+        try:
+            overrides = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"--config {path} is not valid JSON ({exc})") from None
+        try:
+            return self.with_overrides(overrides)
+        except ValueError as exc:
+            raise ValueError(f"--config {path}: {exc}") from None
+
 
 def _build(cls, d: dict[str, Any], prefix: str = ""):
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(d) - names)
     if unknown:
         raise ValueError(f"unknown config field(s) {[prefix + u for u in unknown]}; allowed: {sorted(names)}")
+    hints = typing.get_type_hints(cls)
+    for name, value in d.items():
+        if not _has_type(value, hints[name]):
+            raise ValueError(f"config field {prefix + name!r} must be {_type_words(hints[name])}, got {value!r}")
     return cls(**d)
+
+
+def _has_type(value: Any, hint: Any) -> bool:
+    """Whether a JSON value fits a field's annotation (an int is a float; a bool is not a number)."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return any(_has_type(value, h) for h in typing.get_args(hint))
+    if typing.get_origin(hint) is tuple:
+        return isinstance(value, (list, tuple)) and all(_has_type(v, typing.get_args(hint)[0]) for v in value)
+    if hint in (int, float):
+        return isinstance(value, (int, hint)) and not isinstance(value, bool)
+    return isinstance(value, hint)
+
+
+def _type_words(hint: Any) -> str:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " or ".join(_type_words(h) for h in typing.get_args(hint))
+    if typing.get_origin(hint) is tuple:
+        return f"a list of {_type_words(typing.get_args(hint)[0]).removeprefix('an ').removeprefix('a ')}s"
+    words = {int: "an integer", float: "a number", bool: "true or false", str: "a string", type(None): "null"}
+    return words.get(hint, "an object of its fields")
 
 
 # ---- presets -------------------------------------------------------------------------------------------------

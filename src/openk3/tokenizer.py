@@ -68,7 +68,10 @@ class TextTokenizer:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"tokenizer file {path} does not exist")
-        return cls(Tokenizer.from_file(str(path)))
+        try:
+            return cls(Tokenizer.from_file(str(path)))
+        except Exception as exc:  # the tokenizers library raises a bare Exception for a file it cannot parse
+            raise ValueError(f"{path} is not a tokenizer.json (the tokenizers library read: {exc})") from None
 
     @property
     def vocab_size(self) -> int:

@@ -18,15 +18,25 @@ Triton kernels over its paged latent cache and KDA state pool, captures the deco
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import ipaddress
 import logging
+import os
 import re
+import signal
 import socket
 import sys
 from pathlib import Path
 
-from openk3.cli_options import add_kda_options, int_at_least
+from openk3.cli_options import (
+    ShowDefaultsRaw,
+    add_kda_options,
+    check_triton,
+    float_in,
+    int_at_least,
+    resolve_device,
+)
 from openk3.serve.capacity import CPU_BATCHED_TOKENS, GPU_BATCHED_TOKENS
 from openk3.serve.speculation import DEFAULT_K
 
@@ -45,7 +55,7 @@ def build_engine(args: argparse.Namespace):
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = resolve_device(args.device)
     dtype = serving_dtype(args.dtype, device)
     if args.ckpt:  # straight onto the device, shard by shard; MXFP4-stored experts stay packed unless told
         from openk3.checkpoints import resolve_checkpoint
@@ -162,13 +172,53 @@ def ready_line(sock: socket.socket, name: str, description: str) -> str:
     return f"openk3 serve: ready at {url} (model {name!r} {description}); chat page at {url.removesuffix('/v1')}/"
 
 
+def check_options(args: argparse.Namespace) -> None:
+    """What the flags must agree on, checked before the model loads (ValueError naming the flag)."""
+    device = resolve_device(args.device)
+    check_triton(device, "--kernels", args.kernels)
+    check_triton(device, "--kda-backend", args.kda_backend)
+    if args.page_size is not None:
+        hash_block = args.hash_block or default_hash_block(args)
+        if args.page_size % hash_block:
+            raise ValueError(f"--page-size {args.page_size} must be a multiple of the hash block ({hash_block}, "
+                             "--hash-block)")
+    if args.disk_cache_dir is not None:
+        if not args.host_cache_mb:
+            raise ValueError("--disk-cache-dir needs a host tier above it: set --host-cache-mb too")
+        try:
+            os.makedirs(args.disk_cache_dir, exist_ok=True)
+        except OSError as exc:
+            raise ValueError(f"--disk-cache-dir {args.disk_cache_dir}: cannot use it as a directory "
+                             f"({exc.strerror})") from None
+
+
+def default_hash_block(args: argparse.Namespace) -> int:
+    """The hash block the engine picks for the context (--max-model-len, else the model's), read from the preset
+    or the checkpoint's config.json."""
+    from openk3.serve.engine import default_block_sizes
+
+    context = args.max_model_len
+    if context is None and args.ckpt:
+        from openk3.checkpoints import resolve_checkpoint
+        from openk3.interop import config_from_json
+        from openk3.interop.files import read_config
+
+        context = config_from_json(read_config(resolve_checkpoint(args.ckpt)))[0].max_seq_len
+    elif context is None:
+        from openk3.config import get_preset
+
+        context = get_preset(args.preset).max_seq_len
+    return default_block_sizes(context)[0]
+
+
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from openk3.serve.api import create_app
-    from openk3.serve.core import keep_startup_objects
+    from openk3.serve.core import keep_startup_objects, release_startup_objects
     from openk3.serve.vision import RemoteImages
 
+    check_options(args)
     sock = listen_socket(args.host, args.port)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.engine_process:
@@ -186,22 +236,27 @@ def run_serve(args: argparse.Namespace) -> int:
             if not self.should_exit:
                 print(ready_line(sock, name, description), flush=True)
 
+        @contextlib.contextmanager
+        def capture_signals(self):
+            """uvicorn's, without raising the signal again after the graceful shutdown: SIGINT and SIGTERM are
+            how the server is stopped, so it exits with status 0 (not a KeyboardInterrupt, not status -15)."""
+            handlers = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in handlers.items():
+                    signal.signal(sig, handler)
+
     remote = RemoteImages() if args.allow_remote_images else None
     config = uvicorn.Config(create_app(core, name, remote), host=args.host, port=args.port, log_level=args.log_level)
     keep_startup_objects()
-    Server(config).run(sockets=[sock])
-    return 0
-
-
-def memory_fraction(value: str) -> float:
-    """An argparse `type`: a fraction in (0, 1] (argparse names the flag in the error)."""
     try:
-        fraction = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {value!r}") from None
-    if not 0 < fraction <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
-    return fraction
+        Server(config).run(sockets=[sock])
+    finally:
+        if args.engine_process:
+            core.stop()  # (the app's shutdown has stopped it, unless uvicorn was forced out by a second Ctrl-C)
+        release_startup_objects()
+    return 0
 
 
 def speculative_drafts(value: str) -> int | str:
@@ -236,17 +291,17 @@ def listen_host(value: str) -> str:
 
 def add_serve_parser(subparsers) -> None:
     p = subparsers.add_parser("serve", help="OpenAI-compatible server with the K3 hybrid prefix cache",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                              usage=argparse.SUPPRESS)  # a bad flag gets one line: "openk3 serve: error: ..."
+                              description=__doc__, formatter_class=ShowDefaultsRaw)
     source = p.add_mutually_exclusive_group()
     source.add_argument("--preset", default="k3-tiny", help="random-init model of this preset (default k3-tiny)")
     source.add_argument("--ckpt", help="checkpoint directory (or a training run directory: its latest)")
     p.add_argument("--model-name", help="the name clients pass as `model` (default: preset or checkpoint dir)")
     p.add_argument("--host", type=listen_host, default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=tcp_port, default=8000, help="TCP port (default 8000; 0: a free one)")
-    p.add_argument("--seed", type=int, default=0, help="random-init weights and default sampling seeds")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the random-init weights and of the requests that set none")
     p.add_argument("--device", default=None, help="cpu / cuda (default: cuda when available)")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--threads", type=int_at_least(0), default=0, help="torch CPU threads (0: as many as torch picks)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="weights and caches (auto: bfloat16 on a GPU, as built or stored on a CPU)")
     p.add_argument("--quantization", choices=["none", "mxfp4"], default=None,
@@ -254,39 +309,43 @@ def add_serve_parser(subparsers) -> None:
                         "the expert GEMMs); none: plain. Default: as stored (an MXFP4 checkpoint stays packed, a "
                         "preset is plain)")
     p.add_argument("--no-prefix-cache", action="store_true", help="disable the hybrid prefix cache")
-    p.add_argument("--hash-block", type=int, default=None, help="tokens per hash block h (default: by context)")
-    p.add_argument("--page-size", type=int, default=None, help="tokens per physical page P (default 12 h)")
-    p.add_argument("--checkpoint-every", type=int, default=None,
+    p.add_argument("--hash-block", type=int_at_least(1), default=None,
+                   help="tokens per hash block h (default: by context)")
+    p.add_argument("--page-size", type=int_at_least(1), default=None,
+                   help="tokens per physical page P, a multiple of h (default 12 h)")
+    p.add_argument("--checkpoint-every", type=int_at_least(1), default=None,
                    help="hash blocks between KDA checkpoints during prefill (default: 1, every boundary, on CPU; "
                         "512 tokens on a GPU)")
-    p.add_argument("--prefill-chunk-blocks", type=int, default=None,
+    p.add_argument("--prefill-chunk-blocks", type=int_at_least(1), default=None,
                    help="hash blocks per prefill forward at most (checkpoints inside it are taken in the same pass; "
                         "default 12 on CPU, 16384 tokens on a GPU)")
-    p.add_argument("--cache-mb", type=float, default=None,
-                   help="prefix cache device tier (MiB; default: a fifth of the cache memory on a GPU, 256 on CPU)")
-    p.add_argument("--host-cache-mb", type=float, default=0, help="prefix cache host tier (MiB, 0: off)")
-    p.add_argument("--disk-cache-dir", default=None, help="prefix cache disk tier directory (needs a host tier)")
-    p.add_argument("--disk-cache-mb", type=float, default=1024, help="prefix cache disk tier (MiB)")
+    p.add_argument("--cache-mb", type=float_in(0, open_low=True), default=None,
+                   help="prefix cache device tier (MiB; default: a fifth of the cache memory on a GPU, 256 on CPU; "
+                        "--no-prefix-cache turns the cache off)")
+    p.add_argument("--host-cache-mb", type=float_in(0), default=0, help="prefix cache host tier (MiB, 0: off)")
+    p.add_argument("--disk-cache-dir", default=None,
+                   help="prefix cache disk tier directory (created if missing; needs --host-cache-mb)")
+    p.add_argument("--disk-cache-mb", type=float_in(0), default=1024, help="prefix cache disk tier (MiB)")
     p.add_argument("--max-num-seqs", "--max-running", dest="max_num_seqs", type=int_at_least(1), default=128,
                    help="sequences running (decoded together) at most; also the largest CUDA-graph batch "
                         "(default 128)")
     p.add_argument("--max-model-len", type=int_at_least(2), default=None, metavar="N",
                    help="tokens of one sequence (prompt + reply) at most (default: the model's max_seq_len; the "
                         "MLA layers are NoPE, so a longer context only needs memory)")
-    p.add_argument("--gpu-memory-utilization", type=memory_fraction, default=0.9, metavar="F",
+    p.add_argument("--gpu-memory-utilization", type=float_in(0, 1, open_low=True), default=0.9, metavar="F",
                    help="fraction of the GPU's memory for weights, activations and the caches: the latent cache "
                         "gets what is left (default 0.9)")
-    p.add_argument("--max-queue", type=int, default=1024, help="waiting requests before 429s")
+    p.add_argument("--max-queue", type=int_at_least(1), default=1024, help="waiting requests before 429s")
     p.add_argument("--max-num-batched-tokens", "--prefill-tokens", dest="max_num_batched_tokens",
                    type=int_at_least(1), default=None, metavar="N",
                    help="prompt tokens prefilled per engine step, beside the decode batch: lower keeps decoding "
                         "smoother while long prompts arrive, higher gives a faster first token (default "
                         f"{CPU_BATCHED_TOKENS} on CPU, {GPU_BATCHED_TOKENS} on a GPU)")
-    p.add_argument("--kv-pages", type=int, default=None,
+    p.add_argument("--kv-pages", type=int_at_least(2), default=None,
                    help="physical pages of the MLA latent pool (default: from memory on a GPU, see "
                         "--gpu-memory-utilization; a fixed 131,072 tokens plus the cache on CPU)")
     p.add_argument("--kernels", default="auto", choices=["auto", "triton", "torch"],
-                   help="decode kernels: triton (the GPU path), torch (the reference); auto: by device")
+                   help="decode kernels: triton (the GPU path, CUDA only), torch (the reference); auto: by device")
     p.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly on a GPU (no CUDA graphs)")
     p.add_argument("--no-compile", action="store_true",
                    help="capture the decode step without torch.compile (faster start-up, slower decode)")
@@ -312,6 +371,7 @@ def add_serve_parser(subparsers) -> None:
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine in a process of its own (the default), so that the HTTP server's Python work "
                         "overlaps the engine's steps instead of taking turns with them on one GIL")
-    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
+                   help="the server's and the engine's log records from this level up")
     add_kda_options(p)
     p.set_defaults(func=run_serve)

@@ -18,9 +18,11 @@ import argparse
 import gc
 import logging
 import multiprocessing
+import signal
 import threading
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from openk3.config import ModelConfig
@@ -115,13 +117,17 @@ class ProcessCore:
         parent, child = ctx.Pipe()
         process = ctx.Process(target=engine_process_main, args=(args, child, build, describe), name="openk3-engine",
                               daemon=True)
-        process.start()
+        with signals_ignored():
+            process.start()
         child.close()
         try:
             message = parent.recv()
         except EOFError:
             process.join(5)
             raise ValueError(f"the engine process exited while starting (exit code {process.exitcode})") from None
+        except BaseException:  # Ctrl-C while it starts: it ignores signals, so it is ended here
+            process.kill()
+            raise
         if message[0] == "failed":
             process.join(30)
             raise ValueError(message[1])
@@ -188,6 +194,8 @@ class ProcessCore:
         return self.process.is_alive()
 
     def stop(self) -> None:
+        if self._stopping:
+            return
         self._stopping = True
         try:
             self._send(("stop",))
@@ -197,6 +205,24 @@ class ProcessCore:
         if self.process.is_alive():
             self.process.kill()
         self.conn.close()
+        log.info("the engine process stopped (exit code %s)", self.process.exitcode)
+
+
+@contextmanager
+def signals_ignored():
+    """SIGINT and SIGTERM ignored meanwhile, in this process and in a child started meanwhile, which keeps them
+    ignored: Ctrl-C in a terminal, or a supervisor's SIGTERM, reaches the whole process group, and it is the API's
+    process that stops the engine process (`ProcessCore.stop`, or its pipe closing). Off the main thread (where
+    Python cannot set handlers) it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
 
 
 def _event_in_sink(_event: RequestEvent) -> None:
@@ -214,6 +240,13 @@ def keep_startup_objects() -> None:
     gc.freeze()
 
 
+def release_startup_objects() -> None:
+    """Undo `keep_startup_objects` before the process exits: frozen objects are never collected at exit, and
+    triton's nanobind extension (which torch imports) then prints some 600 lines of "nanobind: leaked ..." for its
+    objects among them."""
+    gc.unfreeze()
+
+
 def engine_process_main(args: argparse.Namespace, conn, build: Callable, describe: Callable[..., str]) -> None:
     """The engine process: build the engine, then run steps, taking requests and cancellations between them and
     sending each step's events with a metrics snapshot. Ends when the API says stop or its pipe closes."""
@@ -228,8 +261,16 @@ def engine_process_main(args: argparse.Namespace, conn, build: Callable, describ
         conn.send(("failed", str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__))
         return
     keep_startup_objects()
-    tokenizer_dir = str(resolve_checkpoint(args.ckpt)) if args.ckpt else None
-    conn.send(("ready", CoreInfo.of(engine, tokenizer_dir, describe(engine)), name, engine.snapshot()))
+    try:
+        tokenizer_dir = str(resolve_checkpoint(args.ckpt)) if args.ckpt else None
+        conn.send(("ready", CoreInfo.of(engine, tokenizer_dir, describe(engine)), name, engine.snapshot()))
+        run_engine(engine, conn)
+    finally:
+        release_startup_objects()
+
+
+def run_engine(engine, conn) -> None:
+    """The engine process's loop, until the API says stop or its pipe closes."""
     requests = {}
 
     def sink(pairs) -> None:

@@ -86,10 +86,7 @@ RESUME_MUST_MATCH = ("optimizer",)  # settings the saved state is for (seq-len, 
 def model_config(args: TrainArgs) -> ModelConfig:
     cfg = get_preset(args.preset)
     if args.config:
-        path = Path(args.config)
-        if not path.is_file():
-            raise FileNotFoundError(f"--config {path} does not exist")
-        cfg = cfg.with_overrides(json.loads(path.read_text()))
+        cfg = cfg.with_config_file(args.config)
     if args.overrides:
         cfg = cfg.with_overrides(args.overrides)
     if args.seq_len > cfg.max_seq_len:
