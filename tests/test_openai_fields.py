@@ -251,7 +251,7 @@ def test_unused_values_of_unsupported_fields_and_unknown_fields_are_accepted(ser
 
 @pytest.mark.parametrize("path, fields, param", [
     (COMPLETIONS, {"stop": ["a", "b", "c", "d", "e"]}, "stop"),
-    (COMPLETIONS, {"stop": ["a", 1]}, "stop"),
+    (COMPLETIONS, {"stop": ["a", 1]}, "stop.1"),  # the element at fault
     (COMPLETIONS, {"n": 0}, "n"),
     (COMPLETIONS, {"logprobs": 6}, "logprobs"),
     (COMPLETIONS, {"logprobs": True}, "logprobs"),

@@ -126,8 +126,8 @@ class PrefixCacheConfig:
             raise ValueError(f"page_size ({self.page_size}) must be a positive multiple of hash_block "
                              f"({self.hash_block})")
         if self.page_bytes < 1 or self.device_bytes < self.page_bytes:
-            raise ValueError(f"device_bytes ({self.device_bytes}) must hold at least one page "
-                             f"(page_bytes={self.page_bytes})")
+            raise ValueError(f"the prefix cache's device tier (--cache-mb, device_bytes {self.device_bytes}) must "
+                             f"hold at least one page of {self.page_bytes} bytes ({self.page_bytes / 2**20:.2f} MiB)")
         if self.disk_dir is not None and self.host_bytes <= 0:
             raise ValueError("the disk tier sits below the host tier: set host_bytes > 0 to use disk_dir")
 
