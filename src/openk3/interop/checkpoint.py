@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from openk3.checkpoints import latest_checkpoint
+from openk3.checkpoints import MANIFEST, latest_checkpoint
 from openk3.config import ModelConfig
 from openk3.interop.configs import config_from_hub, config_from_k3, config_to_hub, config_to_k3
 from openk3.interop.files import (
@@ -87,6 +87,14 @@ def plan_checkpoint(path: str | Path, dtype: torch.dtype | None = None) -> Check
     return CheckpointPlan(cfg, layout, mxfp4, model, plan, names)
 
 
+def checkpoint_path(path: str | Path) -> Path:
+    """A checkpoint directory as given, or for a training run directory (no config.json, step-*/ checkpoints) its
+    latest complete checkpoint."""
+    if not (Path(path) / CONFIG_NAME).is_file() and (latest := latest_checkpoint(path)) is not None:
+        return latest
+    return Path(path)
+
+
 def load_pretrained(path: str | Path, dtype: torch.dtype | None = None) -> K3ForCausalLM:
     """Build the model a checkpoint directory describes and load its weights; returned in eval mode.
 
@@ -97,8 +105,7 @@ def load_pretrained(path: str | Path, dtype: torch.dtype | None = None) -> K3For
     `quantization_config` whose format openk3 does not read (naming it). `path` may also be a training run
     directory (`openk3 train --out`): its latest complete checkpoint is read, as the CLI commands do.
     `openk3.interop.device_load` loads straight onto a GPU instead (and can keep MXFP4 experts packed)."""
-    if not (Path(path) / CONFIG_NAME).is_file() and (latest := latest_checkpoint(path)) is not None:
-        path = latest
+    path = checkpoint_path(path)
     p = plan_checkpoint(path, dtype)
     with TensorReader(path) as files:
         reader = PackedExpertsReader(files) if p.mxfp4 else files
@@ -127,6 +134,10 @@ def save_pretrained(model: K3ForCausalLM, path: str | Path, layout: str = "k3",
     """Write config.json and the weights. layout "k3" (default; openk3's own format, any config) or "hub"
     (Kimi Linear, readable by transformers' KimiLinearForCausalLM; ValueError for K3-only configs).
     max_shard_bytes splits the weights into shards with an index, as HF does for large models.
+    `path` is created if absent; in an existing directory config.json and the weight files of an earlier save are
+    replaced (a stale index or shard is removed, as HF's save_pretrained does) and other files are left alone. A
+    training checkpoint (`step-NNNNNN/`, its files listed in a manifest) or a training run directory is refused,
+    as a file is: writing there would corrupt the checkpoint or shadow the run's latest one.
     quantization "mxfp4" writes the routed experts MXFP4-packed as the released K3 files are (the rest as is)
     with the matching `quantization_config`; None (default) writes the weights as the model holds them (for a
     model under QAT, the full-precision master weights)."""
@@ -134,6 +145,14 @@ def save_pretrained(model: K3ForCausalLM, path: str | Path, layout: str = "k3",
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if quantization not in (None, *QUANTIZATIONS):
         raise ValueError(f"quantization must be None or one of {QUANTIZATIONS}, got {quantization!r}")
+    if not isinstance(getattr(model, "config", None), ModelConfig):
+        raise TypeError(f"model must be an openk3 K3ForCausalLM (with a ModelConfig .config), got "
+                        f"{type(model).__name__}")
+    if max_shard_bytes is not None and (isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int)
+                                        or max_shard_bytes < 1):
+        raise ValueError(f"max_shard_bytes must be None or a positive integer, got {max_shard_bytes!r}")
+    path = Path(path)
+    check_save_dir(path)
     cfg = model.config
     config = config_to_k3(cfg) if layout == "k3" else config_to_hub(cfg)
     state = model.state_dict()
@@ -141,7 +160,18 @@ def save_pretrained(model: K3ForCausalLM, path: str | Path, layout: str = "k3",
     if quantization is not None:
         tensors = pack_experts(tensors)
         config["quantization_config"] = quantization_config(tensors)
-    path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     write_config(path, config)
     write_tensors(path, tensors, max_shard_bytes=max_shard_bytes)
+
+
+def check_save_dir(path: Path) -> None:
+    """save_pretrained's target: refused when it is a file, a training checkpoint or a training run directory."""
+    if path.exists() and not path.is_dir():
+        raise NotADirectoryError(f"save_pretrained: {str(path)!r} is a file; give a directory")
+    if (path / MANIFEST).is_file():
+        raise ValueError(f"save_pretrained: {str(path)!r} is a training checkpoint ({MANIFEST} lists its files); "
+                         "writing into it would corrupt it: choose a new directory")
+    if path.is_dir() and latest_checkpoint(path) is not None:
+        raise ValueError(f"save_pretrained: {str(path)!r} is a training run (it holds step-*/ checkpoints); a "
+                         "config.json there would shadow its latest checkpoint: choose a new directory")

@@ -22,6 +22,7 @@ anything the target family cannot express). Layer lists in `linear_attn_config` 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from openk3.config import KDAConfig, MLAConfig, ModelConfig, MoEConfig, VisionConfig
@@ -29,14 +30,28 @@ from openk3.config import KDAConfig, MLAConfig, ModelConfig, MoEConfig, VisionCo
 _MISSING = object()
 
 
-def _pick(d: dict[str, Any], *names: str, default: Any = _MISSING) -> Any:
-    """The first of `names` present in d (HF configs spell some fields two ways), else default."""
+def _pick(d: dict[str, Any], *names: str, default: Any = _MISSING, kind: type | None = None) -> Any:
+    """The first of `names` present in d (HF configs spell some fields two ways), else default; with `kind` (int or
+    float) converted to it, a ValueError naming the field for a value that is not such a number (a string, a bool,
+    a fractional or non-finite number where an integer belongs)."""
     for name in names:
         if name in d:
-            return d[name]
+            if kind is None or (d[name] is None and default is not _MISSING):  # null: as if absent
+                return d[name] if kind is None else default
+            return _number(d[name], name, kind)
     if default is _MISSING:
         raise ValueError(f"config.json lacks required field {names[0]!r}")
-    return default
+    return default if kind is None or default is None else _number(default, names[0], kind)
+
+
+def _number(value: Any, field: str, kind: type) -> Any:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if kind is int:
+        ok = ok and float(value).is_integer()
+    if not ok:
+        raise ValueError(f"config field {field!r} must be {'an integer' if kind is int else 'a number'}, "
+                         f"got {value!r}")
+    return kind(value)
 
 
 def _require(ok: bool, field: str, message: str) -> None:
@@ -68,7 +83,7 @@ def _first_k_dense(d: dict[str, Any], num_layers: int) -> int:
     _require(d.get("moe_layer_freq", 1) in (1, None), "moe_layer_freq", "only 1 (every layer after the dense prefix "
              f"is MoE) is supported, got {d.get('moe_layer_freq')!r}")
     if d.get("mlp_layer_types") is None:
-        return int(d.get("first_k_dense_replace", 1))
+        return _pick(d, "first_k_dense_replace", default=1, kind=int)
     types = list(d["mlp_layer_types"])
     k = types.count("dense")
     _require(types == ["dense"] * k + ["sparse"] * (num_layers - k), "mlp_layer_types",
@@ -77,7 +92,8 @@ def _first_k_dense(d: dict[str, Any], num_layers: int) -> int:
 
 
 def _moe(d: dict[str, Any], k3: bool) -> MoEConfig | None:
-    num_experts = int(_pick(d, "num_experts", "num_local_experts") or 0)
+    raw = _pick(d, "num_experts", "num_local_experts")
+    num_experts = 0 if raw is None else _number(raw, "num_experts", int)
     if num_experts == 0:  # openk3 writes 0 for a model without MoE layers
         return None
     n_group = int(_pick(d, "num_expert_group", "n_group", default=1) or 1)
@@ -90,13 +106,13 @@ def _moe(d: dict[str, Any], k3: bool) -> MoEConfig | None:
     latent = d.get("routed_expert_hidden_size") if k3 else None
     return MoEConfig(
         num_experts=num_experts,
-        top_k=int(_pick(d, "num_experts_per_token", "num_experts_per_tok")),
-        expert_hidden=int(_pick(d, "moe_intermediate_size")),
-        num_shared_experts=int(_pick(d, "num_shared_experts", "n_shared_experts", default=1)),
-        latent_dim=None if latent is None else int(latent),
+        top_k=_pick(d, "num_experts_per_token", "num_experts_per_tok", kind=int),
+        expert_hidden=_pick(d, "moe_intermediate_size", kind=int),
+        num_shared_experts=_pick(d, "num_shared_experts", "n_shared_experts", default=1, kind=int),
+        latent_dim=None if latent is None else _number(latent, "routed_expert_hidden_size", int),
         latent_norm=bool(d.get("latent_moe_use_norm", False)) if k3 else False,
         # absent: transformers' KimiLinearConfig default 2.446 (hub); K3's route scale 1.0 (SPEC §5)
-        routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0 if k3 else 2.446)),
+        routed_scaling_factor=_pick(d, "routed_scaling_factor", default=1.0 if k3 else 2.446, kind=float),
         renormalize=bool(_pick(d, "moe_renormalize", "norm_topk_prob", default=True)),
     )
 
@@ -109,9 +125,9 @@ def _activation(d: dict[str, Any]) -> str:
 
 def _common(d: dict[str, Any], k3: bool) -> dict[str, Any]:
     """Fields both families spell the same way."""
-    num_layers = int(_pick(d, "num_hidden_layers"))
-    hidden = int(_pick(d, "hidden_size"))
-    heads = int(_pick(d, "num_attention_heads"))
+    num_layers = _pick(d, "num_hidden_layers", kind=int)
+    hidden = _pick(d, "hidden_size", kind=int)
+    heads = _pick(d, "num_attention_heads", kind=int)
     kv_heads = d.get("num_key_value_heads")
     _require(kv_heads in (None, heads), "num_key_value_heads",
              f"MLA uses one K/V per head; must equal num_attention_heads={heads}, got {kv_heads}")
@@ -119,20 +135,21 @@ def _common(d: dict[str, Any], k3: bool) -> dict[str, Any]:
     _require(d.get("mla_use_nope", True) is not False, "mla_use_nope", "openk3's MLA is NoPE only (SPEC §3)")
     lac = d.get("linear_attn_config") or {}
     kda = KDAConfig(
-        num_heads=int(_pick(lac, "num_heads", default=_pick(d, "linear_num_heads", default=32))),
-        head_dim=int(_pick(lac, "head_dim", default=_pick(d, "linear_head_dim", default=128))),
-        conv_kernel=int(_pick(lac, "short_conv_kernel_size", default=_pick(d, "linear_conv_kernel_dim", default=4))),
+        num_heads=_pick(lac, "num_heads", default=_pick(d, "linear_num_heads", default=32, kind=int), kind=int),
+        head_dim=_pick(lac, "head_dim", default=_pick(d, "linear_head_dim", default=128, kind=int), kind=int),
+        conv_kernel=_pick(lac, "short_conv_kernel_size",
+                          default=_pick(d, "linear_conv_kernel_dim", default=4, kind=int), kind=int),
     )
     mla = MLAConfig(
         num_heads=heads,
-        q_lora_rank=None if d.get("q_lora_rank") is None else int(d["q_lora_rank"]),
-        kv_lora_rank=int(_pick(d, "kv_lora_rank")),
-        qk_nope_head_dim=int(_pick(d, "qk_nope_head_dim")),
-        qk_rope_head_dim=int(_pick(d, "qk_rope_head_dim")),
-        v_head_dim=int(_pick(d, "v_head_dim")),
+        q_lora_rank=_pick(d, "q_lora_rank", default=None, kind=int),
+        kv_lora_rank=_pick(d, "kv_lora_rank", kind=int),
+        qk_nope_head_dim=_pick(d, "qk_nope_head_dim", kind=int),
+        qk_rope_head_dim=_pick(d, "qk_rope_head_dim", kind=int),
+        v_head_dim=_pick(d, "v_head_dim", kind=int),
     )
     return dict(
-        vocab_size=int(_pick(d, "vocab_size")),
+        vocab_size=_pick(d, "vocab_size", kind=int),
         hidden_size=hidden,
         num_layers=num_layers,
         mla_layers=_mla_layers(d, num_layers),
@@ -140,12 +157,12 @@ def _common(d: dict[str, Any], k3: bool) -> dict[str, Any]:
         mla=mla,
         moe=_moe(d, k3),
         first_k_dense=_first_k_dense(d, num_layers),
-        dense_hidden=int(_pick(d, "intermediate_size")),
+        dense_hidden=_pick(d, "intermediate_size", kind=int),
         activation=_activation(d),
-        rms_eps=float(d.get("rms_norm_eps", 1e-5)),
+        rms_eps=_pick(d, "rms_norm_eps", default=1e-5, kind=float),
         tie_embeddings=bool(d.get("tie_word_embeddings", False)),
-        max_seq_len=int(_pick(d, "max_position_embeddings", "model_max_length", default=4096)),
-        init_std=float(d.get("initializer_range", 0.02)),
+        max_seq_len=_pick(d, "max_position_embeddings", "model_max_length", default=4096, kind=int),
+        init_std=_pick(d, "initializer_range", default=0.02, kind=float),
     )
 
 
@@ -170,7 +187,7 @@ def _vision(d: dict[str, Any], text_hidden: int) -> VisionConfig | None:
     merge = list(v.get("merge_kernel_size", [2, 2]))
     _require(len(merge) == 2 and merge[0] == merge[1], "vision_config.merge_kernel_size",
              f"must be a square [m, m], got {merge}")
-    width, heads = int(_pick(v, "vt_hidden_size")), int(_pick(v, "vt_num_attention_heads"))
+    width, heads = _pick(v, "vt_hidden_size", kind=int), _pick(v, "vt_num_attention_heads", kind=int)
     qkv = int(v.get("qkv_hidden_size") or width)
     _require(qkv % heads == 0, "vision_config.qkv_hidden_size", f"{qkv} must divide into {heads} heads")
     _require(v.get("mm_hidden_size", width) in (None, width), "vision_config.mm_hidden_size",
@@ -179,12 +196,13 @@ def _vision(d: dict[str, Any], text_hidden: int) -> VisionConfig | None:
              f"must equal the text hidden_size={text_hidden}")
     extra = v.get("openk3") or {}
     return VisionConfig(
-        num_layers=int(_pick(v, "vt_num_hidden_layers")), hidden_size=width, num_heads=heads, head_dim=qkv // heads,
-        intermediate_size=int(_pick(v, "vt_intermediate_size")), patch_size=int(v.get("patch_size", 14)),
-        merge_size=int(merge[0]), pos_emb_size=int(size),
+        num_layers=_pick(v, "vt_num_hidden_layers", kind=int), hidden_size=width, num_heads=heads,
+        head_dim=qkv // heads, intermediate_size=_pick(v, "vt_intermediate_size", kind=int),
+        patch_size=int(v.get("patch_size", 14)), merge_size=int(merge[0]), pos_emb_size=int(size),
         pos_emb_interpolation=str(v.get("pos_emb_interpolation_mode", "bilinear")),
-        rope_theta=float(extra.get("rope_theta", 10000.0)), norm_eps=float(extra.get("norm_eps", 1e-5)),
-        projector_eps=float(v.get("projector_ln_eps", 1e-5)),
+        rope_theta=_pick(extra, "rope_theta", default=10000.0, kind=float),
+        norm_eps=_pick(extra, "norm_eps", default=1e-5, kind=float),
+        projector_eps=_pick(v, "projector_ln_eps", default=1e-5, kind=float),
         image_token_id=int(_pick(d, "media_placeholder_token_id", default=v.get("media_placeholder_token_id", 163605))),
         max_pixels=int(extra.get("max_pixels", VisionConfig.max_pixels)),
     )
@@ -224,19 +242,19 @@ def config_from_k3(d: dict[str, Any]) -> ModelConfig:
     lac = t.get("linear_attn_config") or {}
     extra = t.get("openk3") or {}
     fields["kda"].gate = extra.get("kda_gate", "k3")
-    fields["kda"].gate_lower_bound = float(lac.get("gate_lower_bound", -5.0))
+    fields["kda"].gate_lower_bound = _pick(lac, "gate_lower_bound", default=-5.0, kind=float)
     fields["kda"].output_gate = "full" if lac.get("use_full_rank_gate", True) else "lowrank"
     fields["kda"].fused_conv = bool(extra.get("kda_fused_conv", False))
     fields["mla"].output_gate = bool(t.get("mla_use_output_gate", True))
     fields["mla"].output_norm = bool(extra.get("mla_output_norm", False))
-    fields["mla"].norm_eps = float(extra.get("mla_norm_eps", 1e-6))
+    fields["mla"].norm_eps = _pick(extra, "mla_norm_eps", default=1e-6, kind=float)
     block = t.get("attn_res_block_size")
     return ModelConfig(
         name=str(extra.get("name", "k3")),
-        situ_beta_gate=float(t.get("activation_situ_beta", 4.0)),
-        situ_beta_up=float(t.get("activation_situ_linear_beta", 25.0)),
-        attn_res_block_size=None if block is None else int(block),
-        mtp_layers=int(t.get("num_nextn_predict_layers", 0) or 0),
+        situ_beta_gate=_pick(t, "activation_situ_beta", default=4.0, kind=float),
+        situ_beta_up=_pick(t, "activation_situ_linear_beta", default=25.0, kind=float),
+        attn_res_block_size=None if block is None else _number(block, "attn_res_block_size", int),
+        mtp_layers=_pick(t, "num_nextn_predict_layers", default=0, kind=int),
         vision=_vision(d, fields["hidden_size"]),
         **fields,
     )

@@ -23,7 +23,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from openk3.interop.checkpoint import CheckpointPlan, finish_loading, plan_checkpoint
+from openk3.interop.checkpoint import CheckpointPlan, checkpoint_path, finish_loading, plan_checkpoint
 from openk3.interop.files import weight_map
 from openk3.model import K3ForCausalLM
 from openk3.model.moe import Experts
@@ -134,6 +134,7 @@ def load_to_device(path: str | Path, device: torch.device | str, dtype: torch.dt
     any weight is read (packed: whether the experts will be kept MXFP4), e.g. to check that the weights fit."""
     device = torch.device(device)
     start = time.perf_counter()
+    path = checkpoint_path(path)  # a training run directory: its latest checkpoint, as load_pretrained reads
     p = plan_checkpoint(path, dtype)
     check_quantization(quantization, p.cfg.moe is not None, p.cfg.name)
     keep_packed = p.mxfp4 and quantization != "none"

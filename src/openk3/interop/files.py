@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 CONFIG_NAME = "config.json"
@@ -23,11 +24,26 @@ SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.
                       "U8": torch.uint8, "I8": torch.int8, "I32": torch.int32, "I64": torch.int64, "BOOL": torch.bool}
 
 
+SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+
 def read_config(path: str | Path) -> dict[str, Any]:
-    file = Path(path) / CONFIG_NAME
+    """config.json of a checkpoint directory as a dict; a ValueError saying what is wrong otherwise: the path does
+    not exist or is a file, it has no config.json, or that is not a JSON object (naming the file)."""
+    path = Path(path)
+    if not path.is_dir():
+        what = "is a file, not a checkpoint directory" if path.exists() else "does not exist"
+        raise ValueError(f"no {CONFIG_NAME}: checkpoint directory {str(path)!r} {what}")
+    file = path / CONFIG_NAME
     if not file.is_file():
         raise ValueError(f"no {CONFIG_NAME} in checkpoint directory {str(path)!r}")
-    return json.loads(file.read_text())
+    try:
+        config = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{file} is not valid JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{file} must hold a JSON object, got {type(config).__name__}")
+    return config
 
 
 def write_config(path: str | Path, config: dict[str, Any]) -> None:
@@ -39,15 +55,32 @@ def weight_map(path: str | Path) -> dict[str, Path]:
     path = Path(path)
     index = path / INDEX_NAME
     if index.is_file():
-        return {key: path / name for key, name in json.loads(index.read_text())["weight_map"].items()}
+        try:
+            where = {key: path / name for key, name in json.loads(index.read_text())["weight_map"].items()}
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"{index} is not a safetensors index (a JSON object with a 'weight_map'): "
+                             f"{type(exc).__name__}: {exc}") from None
+        missing = sorted({file.name for file in where.values() if not file.is_file()})
+        if missing:
+            raise FileNotFoundError(f"checkpoint {str(path)!r} lacks {len(missing)} of the shards its {INDEX_NAME} "
+                                    f"lists: {', '.join(missing)}")
+        return where
     files = [path / SINGLE_NAME] if (path / SINGLE_NAME).is_file() else sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors in checkpoint directory {str(path)!r}")
     out: dict[str, Path] = {}
     for file in files:
-        with safe_open(file, "pt") as f:
+        with open_safetensors(file) as f:
             out.update(dict.fromkeys(f.keys(), file))
     return out
+
+
+def open_safetensors(file: Path):
+    """safe_open, with a file that is not readable safetensors (truncated, corrupted) a ValueError naming it."""
+    try:
+        return safe_open(file, "pt")
+    except SafetensorError as exc:
+        raise ValueError(f"{file} is not a readable safetensors file (truncated or corrupted?): {exc}") from None
 
 
 class TensorReader:
@@ -57,7 +90,7 @@ class TensorReader:
     def __init__(self, path: str | Path):
         self._where = weight_map(path)
         self._stack = ExitStack()
-        self._files = {file: self._stack.enter_context(safe_open(file, "pt")) for file in set(self._where.values())}
+        self._files = {file: self._stack.enter_context(open_safetensors(file)) for file in set(self._where.values())}
 
     def __enter__(self) -> TensorReader:
         return self
@@ -103,6 +136,7 @@ def write_tensors(path: str | Path, tensors: dict[str, torch.Tensor], max_shard_
         size += nbytes
     if len(shards) == 1:
         save_safetensors(shards[0], path / SINGLE_NAME, metadata={"format": "pt"})
+        remove_stale_weights(path, {SINGLE_NAME})
         return
     weight_map = {}
     for i, shard in enumerate(shards):
@@ -112,6 +146,17 @@ def write_tensors(path: str | Path, tensors: dict[str, torch.Tensor], max_shard_
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (path / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    remove_stale_weights(path, {INDEX_NAME, *weight_map.values()})
+
+
+def remove_stale_weights(path: Path, written: set[str]) -> None:
+    """Remove the weight files of an earlier save into `path` that this one did not write (as HF's save_pretrained
+    does): a `model.safetensors.index.json` left beside a new single file would be read instead of it, and a
+    single file or shards of another count would linger. Only these file names are touched."""
+    for file in path.iterdir():
+        stale = file.name in (SINGLE_NAME, INDEX_NAME) or SHARD_NAME.fullmatch(file.name)
+        if stale and file.name not in written and file.is_file():
+            file.unlink()
 
 
 def check_tensor_set(expected: dict[str, tuple[int, ...]], found: dict[str, tuple[int, ...]], where: str) -> None:

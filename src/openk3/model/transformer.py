@@ -4,6 +4,7 @@ projector whose image tokens replace the image placeholders of the input (SPEC Â
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -19,6 +20,37 @@ from openk3.model.kda import KimiDeltaAttention
 from openk3.model.mla import GatedMLA
 from openk3.model.moe import GLUMLP, MoE, TopkRouter
 from openk3.model.vision import ImageBatch, MMProjector, VisionTower
+
+
+def is_int_at_least(value, low: int) -> bool:
+    """An integer (a Python, NumPy or 0-d integer tensor one; not a bool) >= low."""
+    if isinstance(value, bool):
+        return False
+    try:
+        return operator.index(value) >= low
+    except TypeError:
+        return False
+
+
+def check_input_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
+    """TypeError / ValueError naming `input_ids` for what the embedding would fail on deep inside (or, on a GPU,
+    with a device-side assert): not an integer tensor, not [B, T], empty. Ids outside [0, vocab_size) are refused
+    for a CPU tensor; on another device reading them back would cost a synchronisation per forward (and break CUDA
+    graph capture), so there they are the caller's to check."""
+    if not isinstance(input_ids, torch.Tensor):
+        raise TypeError(f"input_ids must be a torch.Tensor of token ids [batch, tokens], got "
+                        f"{type(input_ids).__name__}")
+    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+        raise TypeError(f"input_ids must hold integer token ids (torch.long), got dtype {input_ids.dtype}")
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [batch, tokens] (2-D), got shape {list(input_ids.shape)}")
+    if input_ids.numel() == 0:
+        raise ValueError(f"input_ids is empty (shape {list(input_ids.shape)}); pass at least one token per sequence")
+    if input_ids.device.type == "cpu" and not torch.compiler.is_compiling():
+        low, high = int(input_ids.min()), int(input_ids.max())
+        if low < 0 or high >= vocab_size:
+            bad = low if low < 0 else high
+            raise ValueError(f"input_ids holds token id {bad}, outside the model's vocabulary [0, {vocab_size})")
 
 
 class DecoderLayer(nn.Module):
@@ -193,6 +225,9 @@ class K3ForCausalLM(nn.Module):
 
     def new_cache(self, batch_size: int, capacity: int = 0) -> HybridCache:
         """An empty decode cache for `batch_size` sequences on this model's device and dtype."""
+        for name, value, low in (("batch_size", batch_size, 1), ("capacity", capacity, 0)):
+            if not is_int_at_least(value, low):
+                raise ValueError(f"new_cache: {name} must be an integer >= {low}, got {value!r}")
         p = self.model.embed_tokens.weight
         return HybridCache.empty(self.config, batch_size, device=p.device, dtype=p.dtype, capacity=capacity)
 
@@ -205,6 +240,9 @@ class K3ForCausalLM(nn.Module):
         document boundaries of a packed batch (openk3.model.documents; no cache): every token mixer works within
         each document, the MTP blocks too (an MTP position whose target lies in the next document is computed
         all the same; the loss leaves it out, openk3.train.loop.lm_losses)."""
+        check_input_ids(input_ids, self.config.vocab_size)
+        if not is_int_at_least(logits_to_keep, 0):
+            raise ValueError(f"logits_to_keep must be an integer >= 0 (0: every position), got {logits_to_keep!r}")
         B, T = input_ids.shape
         if cache is not None and cache.batch_size != B:
             raise ValueError(f"cache holds {cache.batch_size} sequences but input_ids has batch size {B}")
