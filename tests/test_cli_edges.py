@@ -248,3 +248,15 @@ def test_serve_stops_cleanly_on_a_signal_to_its_process_group(sig):
     for bad in ("Traceback", "leaked", "ERROR"):
         assert bad not in output, output[-4000:]
 
+
+
+def test_generate_refuses_a_tokenizer_larger_than_the_vocabulary(tmp_path, capsys):
+    """Its ids past the embedding table failed inside the model (on a GPU: a device-side assert)."""
+    path = tmp_path / "small-vocab"
+    path.mkdir()
+    tokenizer = train_bpe(["x y z " * 50, "hello world " * 50], 300)
+    tokenizer.save(path / "tokenizer.json")
+    vocab = tokenizer.vocab_size - 1
+    write_config(path, config_to_k3(get_preset("k3-tiny").with_overrides({"vocab_size": vocab})))
+    err = error_of(["generate", "--ckpt", str(path), "--prompt", "x"], capsys)
+    assert f"has {tokenizer.vocab_size} ids, the model's vocabulary {vocab}" in err

@@ -52,7 +52,11 @@ def run_generate(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"{ckpt} has no tokenizer.json; pass --tokenizer PATH")
     tok = TextTokenizer.from_file(args.tokenizer or ckpt / "tokenizer.json")
     prompt = tok.encode(args.prompt)
-    check_context(len(prompt), args.max_new_tokens, config_from_json(read_config(ckpt))[0].max_seq_len)
+    cfg = config_from_json(read_config(ckpt))[0]
+    if tok.vocab_size > cfg.vocab_size:  # its ids past the embedding table would fail inside the model
+        raise ValueError(f"the tokenizer ({args.tokenizer or ckpt / 'tokenizer.json'}) has {tok.vocab_size} ids, "
+                         f"the model's vocabulary {cfg.vocab_size}: pass the tokenizer it was trained with")
+    check_context(len(prompt), args.max_new_tokens, cfg.max_seq_len)
     if device.type == "cpu":
         torch.set_num_threads(cpu_threads(args.threads))
     model = load_pretrained(ckpt).to(device)
