@@ -92,8 +92,8 @@ def test_startup_errors(monkeypatch):
     with pytest.raises(ValueError, match=r"^--quantization mxfp4 keeps routed MoE experts packed, but model "
                                          r"'dense-tiny' has none \(config field 'moe' is None\)$"):
         build_model(dense, "cpu", quantization="mxfp4")
-    with pytest.raises(ValueError, match=r"^--quantization must be one of none, mxfp4 \(or unset: as stored\), "
-                                         r"got 'int4'$"):
+    with pytest.raises(ValueError, match=r"^quantization \(--quantization\) must be one of none, mxfp4 \(or unset: "
+                                         r"as stored\), got 'int4'$"):
         build_model(dense, "cpu", quantization="int4")
     monkeypatch.setattr(build, "free_bytes", lambda device: 3 << 20)
     with pytest.raises(ValueError, match=r"^the weights do not fit: they need 11\.\d MiB and cpu has 3\.0 MiB free "

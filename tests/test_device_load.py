@@ -107,7 +107,7 @@ def test_fit_check_runs_before_any_weight_is_read(checkpoints, monkeypatch):
 
 
 def test_errors(checkpoints, tmp_path):
-    with pytest.raises(ValueError, match="--quantization must be one of"):
+    with pytest.raises(ValueError, match=r"quantization \(--quantization\) must be one of"):
         load_to_device(checkpoints["k3-tied", None], "cpu", quantization="fp8")
     dense = get_preset("k3-tiny").with_overrides({"name": "dense-tiny", "moe": None})
     save_pretrained(random_model(dense, seed=1), tmp_path)

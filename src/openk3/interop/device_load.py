@@ -35,10 +35,11 @@ _PAIR = ("_packed", "_scale")  # an MXFP4 weight's file tensors: name + suffix (
 
 
 def check_quantization(quantization: str | None, has_experts: bool, model_name: str) -> None:
-    """ValueError naming the flag when its value is not one of QUANTIZATIONS or when MXFP4 has no experts."""
+    """ValueError naming the argument (and its flag) when its value is not one of QUANTIZATIONS or when MXFP4 has
+    no experts."""
     if quantization not in (None, *QUANTIZATIONS):
-        raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)} (or unset: as stored), got "
-                         f"{quantization!r}")
+        raise ValueError(f"quantization (--quantization) must be one of {', '.join(QUANTIZATIONS)} (or unset: as "
+                         f"stored), got {quantization!r}")
     if quantization == "mxfp4" and not has_experts:
         raise no_experts(model_name)
 
