@@ -260,3 +260,19 @@ def test_generate_refuses_a_tokenizer_larger_than_the_vocabulary(tmp_path, capsy
     write_config(path, config_to_k3(get_preset("k3-tiny").with_overrides({"vocab_size": vocab})))
     err = error_of(["generate", "--ckpt", str(path), "--prompt", "x"], capsys)
     assert f"has {tokenizer.vocab_size} ids, the model's vocabulary {vocab}" in err
+
+
+def test_serving_a_checkpoint_without_its_tokenizer_warns(tmp_path, capsys):
+    """save_pretrained writes no tokenizer.json: such a checkpoint is served byte by byte, which is wrong text for a
+    model trained with a tokenizer, so the start-up says so; a random-init preset (no checkpoint) does not."""
+    from openk3.cli import build_parser
+    from openk3.interop import save_pretrained
+    from openk3.model import K3ForCausalLM
+    from openk3.serve.command import build_engine
+
+    save_pretrained(K3ForCausalLM(get_preset("k3-tiny")), tmp_path / "bare")
+    for source, warned in ((["--ckpt", str(tmp_path / "bare")], True), (["--preset", "k3-tiny"], False)):
+        build_engine(build_parser().parse_args(["serve", *source, "--threads", "1"]))
+        err = capsys.readouterr().err
+        assert ("has no tokenizer.json, so text is read and written byte by byte (ids 0-259 of the model's 4096)"
+                in err) is warned, err

@@ -8,7 +8,8 @@ the capacity (latent-cache tokens, sequences, the longest sequence) and the pref
 port are checked (and the socket bound) before the model loads.
 
 The tokenizer is the checkpoint's tokenizer.json when it has one, else the byte-level fallback
-(`openk3.tokenizer`). The prefix cache's hash block / page default to K3's ratio scaled to the context
+(`openk3.tokenizer`; a warning for a checkpoint whose vocabulary is larger: it was likely trained with one).
+The prefix cache's hash block / page default to K3's ratio scaled to the context
 (h=16, P=192 for toy contexts; h=512, P=6144 at 1M). On a GPU the engine serves bf16 by default, decodes with
 Triton kernels over its paged latent cache and KDA state pool, captures the decode step as CUDA graphs at start-up
 (the time is printed), and sizes the latent cache from the memory left after the weights
@@ -50,7 +51,7 @@ def build_engine(args: argparse.Namespace):
     from openk3.model import configure_kda
     from openk3.serve.engine import Engine, EngineConfig
     from openk3.serve.scheduler import SchedulerConfig
-    from openk3.tokenizer import load_tokenizer
+    from openk3.tokenizer import ByteTokenizer, load_tokenizer
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -69,6 +70,10 @@ def build_engine(args: argparse.Namespace):
     print(f"openk3 serve: {report.line()}", file=sys.stderr, flush=True)
     configure_kda(model, backend=args.kda_backend)
     tokenizer = load_tokenizer(ckpt_dir, model.config.vocab_size)
+    if ckpt_dir is not None and isinstance(tokenizer, ByteTokenizer) and model.config.vocab_size > tokenizer.vocab_size:
+        print(f"openk3 serve: warning: {ckpt_dir} has no tokenizer.json, so text is read and written byte by byte "
+              f"(ids 0-{tokenizer.vocab_size - 1} of the model's {model.config.vocab_size}); a model trained with a "
+              "tokenizer needs its tokenizer.json beside the weights", file=sys.stderr, flush=True)
     draft, speculative = None, args.speculative
     if speculative is None:  # the default: auto when the checkpoint holds a draft, else off
         from openk3.draft import has_draft
