@@ -55,7 +55,9 @@ def decode_image(data: bytes, max_input_pixels: int = MAX_INPUT_PIXELS) -> Image
     decode, or a canvas of more than max_input_pixels (checked from the header, before decoding)."""
     try:
         image = Image.open(io.BytesIO(data))
-    except (UnidentifiedImageError, OSError) as exc:
+    except UnidentifiedImageError:  # its message names Pillow's file object, nothing of the user's
+        raise ImageError("not a readable image (not a PNG, JPEG or WebP file)") from None
+    except OSError as exc:
         raise ImageError(f"not a readable image ({exc})") from None
     except Image.DecompressionBombError:
         raise ImageError(f"the image declares more than {max_input_pixels} pixels") from None
