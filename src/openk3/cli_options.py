@@ -76,9 +76,9 @@ def float_in(low: float, high: float = math.inf, *, open_low: bool = False):
     return parse
 
 
-def resolve_device(name: str | None):
-    """--device: cpu, cuda or cuda:N; None: cuda when available. ValueError naming the flag for a device that this
-    machine or torch build lacks, before any model loads."""
+def parse_device(name: str | None, verb: str = "runs"):
+    """--device as a torch.device (None: cuda when available, else cpu); ValueError naming the flag for anything but
+    cpu, cuda or cuda:N. `verb`: what openk3 does there, for the message ("runs", "trains")."""
     import torch
 
     if name is None:
@@ -88,7 +88,16 @@ def resolve_device(name: str | None):
     except RuntimeError:
         device = None
     if device is None or device.type not in ("cpu", "cuda"):
-        raise ValueError(f"--device {name}: openk3 runs on cpu or cuda (cuda:N for one GPU)")
+        raise ValueError(f"--device {name}: openk3 {verb} on cpu or cuda (cuda:N for one GPU of several)")
+    return device
+
+
+def resolve_device(name: str | None):
+    """--device: cpu, cuda or cuda:N; None: cuda when available. ValueError naming the flag for a device that this
+    machine or torch build lacks, before any model loads."""
+    import torch
+
+    device = parse_device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {name}: this machine or torch build has no CUDA GPU; use --device cpu")
     if device.index is not None and device.type == "cuda" and device.index >= torch.cuda.device_count():

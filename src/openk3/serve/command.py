@@ -19,13 +19,11 @@ Triton kernels over its paged latent cache and KDA state pool, captures the deco
 from __future__ import annotations
 
 import argparse
-import contextlib
 import errno
 import ipaddress
 import logging
 import os
 import re
-import signal
 import socket
 import sys
 from pathlib import Path
@@ -220,7 +218,7 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from openk3.serve.api import create_app
-    from openk3.serve.core import keep_startup_objects, release_startup_objects
+    from openk3.serve.core import keep_startup_objects, release_startup_objects, stop_signals_handled_by
     from openk3.serve.vision import RemoteImages
 
     check_options(args)
@@ -241,16 +239,10 @@ def run_serve(args: argparse.Namespace) -> int:
             if not self.should_exit:
                 print(ready_line(sock, name, description), flush=True)
 
-        @contextlib.contextmanager
         def capture_signals(self):
             """uvicorn's, without raising the signal again after the graceful shutdown: SIGINT and SIGTERM are
             how the server is stopped, so it exits with status 0 (not a KeyboardInterrupt, not status -15)."""
-            handlers = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
-            try:
-                yield
-            finally:
-                for sig, handler in handlers.items():
-                    signal.signal(sig, handler)
+            return stop_signals_handled_by(self.handle_exit)
 
     remote = RemoteImages() if args.allow_remote_images else None
     config = uvicorn.Config(create_app(core, name, remote), host=args.host, port=args.port, log_level=args.log_level)

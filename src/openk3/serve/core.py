@@ -209,20 +209,25 @@ class ProcessCore:
 
 
 @contextmanager
-def signals_ignored():
-    """SIGINT and SIGTERM ignored meanwhile, in this process and in a child started meanwhile, which keeps them
-    ignored: Ctrl-C in a terminal, or a supervisor's SIGTERM, reaches the whole process group, and it is the API's
-    process that stops the engine process (`ProcessCore.stop`, or its pipe closing). Off the main thread (where
-    Python cannot set handlers) it does nothing."""
+def stop_signals_handled_by(handler):
+    """SIGINT and SIGTERM handled by `handler` meanwhile, the previous handlers restored after. Off the main thread
+    (where Python cannot set handlers) it does nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
+        for sig, restored in previous.items():
+            signal.signal(sig, restored)
+
+
+def signals_ignored():
+    """SIGINT and SIGTERM ignored meanwhile, in this process and in a child started meanwhile, which keeps them
+    ignored: Ctrl-C in a terminal, or a supervisor's SIGTERM, reaches the whole process group, and it is the API's
+    process that stops the engine process (`ProcessCore.stop`, or its pipe closing)."""
+    return stop_signals_handled_by(signal.SIG_IGN)
 
 
 def _event_in_sink(_event: RequestEvent) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from openk3.accounting import count_parameters
+from openk3.cli_options import parse_device
 from openk3.config import ModelConfig
 
 TRAIN_BYTES_PER_PARAMETER = 16  # fp32 weight, gradient and two optimizer-state tensors (AdamW's moments)
@@ -17,15 +18,9 @@ GIB = 1 << 30
 
 
 def checked_device(name: str | None) -> torch.device:
-    """--device as a torch.device (unset: cuda when a device is visible, else cpu)."""
-    if name is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        device = None
-    if device is None or device.type not in ("cpu", "cuda"):
-        raise ValueError(f"--device {name}: openk3 trains on cpu or cuda (cuda:N for one GPU of several)")
+    """--device as a torch.device (unset: cuda when a device is visible, else cpu), with the reason a CUDA one is
+    unusable: no CUDA in the build, no device visible, an index past them."""
+    device = parse_device(name, "trains")
     if device.type == "cuda":
         if not torch.backends.cuda.is_built():
             raise ValueError(f"--device {name}: this torch build has no CUDA; use --device cpu or install a CUDA "
