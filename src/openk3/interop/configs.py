@@ -36,9 +36,12 @@ def _pick(d: dict[str, Any], *names: str, default: Any = _MISSING, kind: type | 
     a fractional or non-finite number where an integer belongs)."""
     for name in names:
         if name in d:
-            if kind is None or (d[name] is None and default is not _MISSING):  # null: as if absent
-                return d[name] if kind is None else default
-            return _number(d[name], name, kind)
+            value = d[name]
+            if kind is None:
+                return value
+            if value is None and default is not _MISSING:  # null: as if absent
+                return default
+            return _number(value, name, kind)
     if default is _MISSING:
         raise ValueError(f"config.json lacks required field {names[0]!r}")
     return default if kind is None or default is None else _number(default, names[0], kind)
