@@ -123,6 +123,16 @@ def test_draft_refuses_non_finite_numbers():
             DraftArgs(ckpt="x", **{name: math.inf})
 
 
+def test_a_learning_rate_past_any_working_one_is_refused(capsys):
+    """1e300 is finite but overflowed fp32 inside the optimizer step (a traceback at step 1)."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--lr", "1e300"])
+    assert exit_.value.code == 2
+    assert "argument --lr: must be greater than 0 and at most 100, got 1e+300" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"--lr must be in \(0, 100\]"):
+        DraftArgs(ckpt="x", lr=1e300)
+
+
 # ---- 4. --resume ------------------------------------------------------------------------------------------------
 
 def test_resume_takes_a_run_directory_as_its_latest_checkpoint(run, monkeypatch):

@@ -88,8 +88,11 @@ class Bound:
         return f"must be {low}{'' if self.high == math.inf else f' and at most {self.high:g}'}, got {value!r}"
 
 
+MAX_LR = 100.0  # far past any working rate; 1e300 overflowed fp32 inside the optimizer step
+
 BOUNDS = {
-    "seq_len": Bound(1), "batch_size": Bound(1), "max_steps": Bound(1), "lr": Bound(0, low_inclusive=False),
+    "seq_len": Bound(1), "batch_size": Bound(1), "max_steps": Bound(1),
+    "lr": Bound(0, low_inclusive=False, high=MAX_LR),
     "weight_decay": Bound(0), "warmup_frac": Bound(0, high=1), "decay_frac": Bound(0, high=1),
     "grad_clip": Bound(0, low_inclusive=False), "save_every": Bound(0), "eval_every": Bound(0),
     "eval_windows": Bound(1), "threads": Bound(0), "balance_gamma": Bound(0), "mtp_weight": Bound(0),

@@ -34,6 +34,7 @@ from openk3.draft.loss import DEFAULT_ETA, LOSSES, draft_loss
 from openk3.draft.model import EagleDraft, has_draft, save_draft, tapped_hidden_states
 from openk3.draft.speculative import SpeculationStats, speculative_generate
 from openk3.sampling import SamplingParams
+from openk3.train.args import MAX_LR
 from openk3.train.checkpoint import publish
 from openk3.train.data import BatchStream, heldout_windows, load_documents, train_and_heldout_streams
 from openk3.train.interrupt import Interrupted
@@ -79,9 +80,10 @@ class DraftArgs:
             raise ValueError(f"--seq-len {self.seq_len} must be at least --draft-tokens {self.draft_tokens} (the last "
                              "unrolled step predicts that many tokens ahead within a window)")
         numbers = (self.lr, self.eta, self.eval_temperature)
-        if not (all(map(math.isfinite, numbers)) and self.lr > 0 and self.eta >= 0 and self.eval_temperature >= 0):
-            raise ValueError(f"--lr must be > 0, --eta and --eval-temperature >= 0, all finite; got {self.lr}, "
-                             f"{self.eta}, {self.eval_temperature}")
+        if not (all(map(math.isfinite, numbers)) and 0 < self.lr <= MAX_LR and self.eta >= 0
+                and self.eval_temperature >= 0):
+            raise ValueError(f"--lr must be in (0, {MAX_LR:g}], --eta and --eval-temperature >= 0, all finite; got "
+                             f"{self.lr}, {self.eta}, {self.eval_temperature}")
 
 
 def load_target(ckpt: Path, device: torch.device):
