@@ -236,6 +236,10 @@ def prompts_for(stream: list[int], clients: int, length: int) -> list[list[int]]
 
 # ---- engines ---------------------------------------------------------------------------------------------------
 
+# of the device's memory for each engine: the plain engine is built while both drafts train in processes of their
+# own, and `openk3 serve`'s 0.9 left them nothing (each draft run stopped out of memory on an H100, log 120)
+ENGINE_MEMORY_SHARE = 0.45
+
 def make_engine(model, tokenizer, args, draft=None, clients: int = 2, prefix_cache: bool = False,
                 max_model_len: int | None = None) -> Engine:
     """An engine as `openk3 serve` builds one (bf16 weights, CUDA graphs, compiled steps unless --no-compile); with a
@@ -244,6 +248,7 @@ def make_engine(model, tokenizer, args, draft=None, clients: int = 2, prefix_cac
     k = args.k if draft is not None else 0
     config = EngineConfig(prefix_cache=prefix_cache, speculative=k, auto_speculation=bool(k),
                           compile_decode=gpu and not args.no_compile, max_model_len=max_model_len,
+                          gpu_memory_utilization=ENGINE_MEMORY_SHARE,
                           scheduler=SchedulerConfig(max_running=max(clients, 2)))  # `openk3 serve`'s prefill budget
     started = time.perf_counter()
     engine = Engine(model, tokenizer, config, draft=draft)
