@@ -15,6 +15,7 @@ from openk3.interop import load_pretrained
 from openk3.train.shapes import (
     ATTRIBUTES,
     IGNORE,
+    UNK,
     AttributePrior,
     SceneStream,
     caption_tokenizer,
@@ -59,6 +60,7 @@ def test_batches_pack_images_of_several_sizes_and_score_only_the_caption():
         assert scored == tok.encode(s.caption) + [tok.eos_id]
         start = int((targets != IGNORE).nonzero()[0])
         assert row[start + 1:start + 5].tolist() == scored[:4]  # teacher forcing: the input is the previous word
+        assert tok.special_id(UNK) not in row.tolist()  # every prompt token, chat roles included, is a word
 
 
 def test_text_only_baseline_is_chance():
