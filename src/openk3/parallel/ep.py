@@ -30,6 +30,7 @@ from openk3.ops.moe import Routing, grouped_glu_mlp
 from openk3.ops.norms import acc_dtype
 from openk3.parallel.comm import all_gather_padded, exchange
 from openk3.parallel.planner import PLANNERS, EPPlan
+from openk3.quant.qat import FakeQuantExperts
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,8 @@ def _slot_weights(gate_up: torch.Tensor, down: torch.Tensor, received: torch.Ten
 
 def ep_experts_forward(experts: Experts, ep: ExpertParallel, x: torch.Tensor, routing: Routing) -> torch.Tensor:
     """`Experts.forward` over the group (module docstring): x [N, Din] -> [N, Dout]."""
+    if isinstance(experts, FakeQuantExperts):  # --qat: what the class's forward, replaced here, would apply
+        x = experts.quantized_input(x)
     N, K = routing.indices.shape
     E, R, rank = experts.num_experts, ep.size, ep.rank
     m = E // R
@@ -157,8 +160,8 @@ def shard_experts(experts: Experts, ep: ExpertParallel) -> None:
     if E % ep.size:
         raise ValueError(f"moe.num_experts={E} must be divisible by the expert-parallel size (--ep {ep.size})")
     own = ep.own(E)
-    experts.gate_up_proj = torch.nn.Parameter(experts.gate_up_proj.detach()[own].clone())
-    experts.down_proj = torch.nn.Parameter(experts.down_proj.detach()[own].clone())
+    for name in ("gate_up_proj", "down_proj"):  # the registered masters (under QAT the attributes are quantized)
+        setattr(experts, name, torch.nn.Parameter(experts._parameters[name].detach()[own].clone()))
     experts.expert_parallel = ep
     experts.forward = partial(ep_experts_forward, experts, ep)
 

@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from openk3.model.moe import Experts
 from openk3.quant.mx import BLOCK, fake_quant_mxfp4, fake_quant_mxfp8
@@ -51,6 +52,13 @@ class QuantizedOutput:
         return mxfp8_ste(self.act(gate, up))
 
 
+def _quantized_weight(w: torch.Tensor) -> torch.Tensor:
+    """The fake-quantized view of an experts weight, except the FSDP2 shard (a DTensor) outside the forward: FSDP
+    reads the attribute to find its sharded parameter (and optimizer state and checkpoints are keyed by it); in the
+    forward it holds the unsharded tensor, which is quantized."""
+    return w if isinstance(w, DTensor) else mxfp4_ste(w)
+
+
 class FakeQuantExperts(Experts):
     """Experts whose forward runs on MXFP4 weights and MXFP8 inputs (straight-through); made by `enable_qat`.
     The parameters `gate_up_proj` and `down_proj` stay the fp32 masters in `_parameters`."""
@@ -59,14 +67,19 @@ class FakeQuantExperts(Experts):
 
     @property
     def gate_up_proj(self) -> torch.Tensor:
-        return mxfp4_ste(self._parameters["gate_up_proj"])
+        return _quantized_weight(self._parameters["gate_up_proj"])
 
     @property
     def down_proj(self) -> torch.Tensor:
-        return mxfp4_ste(self._parameters["down_proj"])
+        return _quantized_weight(self._parameters["down_proj"])
+
+    def quantized_input(self, x: torch.Tensor) -> torch.Tensor:
+        """The experts' input as they compute on it: MXFP8 fake-quantized (unless weights only). Expert parallel
+        (openk3.parallel.ep), whose forward replaces this class's, applies it too."""
+        return mxfp8_ste(x) if self.quantize_activations else x
 
     def forward(self, x, routing):
-        return super().forward(mxfp8_ste(x) if self.quantize_activations else x, routing)
+        return super().forward(self.quantized_input(x), routing)
 
 
 def enable_qat(model: nn.Module, fmt: str = "mxfp4", activations: bool = True) -> int:
