@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from openk3.accounting import count_parameters, parameter_summary
-from openk3.checkpoints import CheckpointError, latest_checkpoint, resolve_checkpoint
+from openk3.checkpoints import CheckpointError, latest_checkpoint, resolve_checkpoint, step_dir_name
 from openk3.cli_options import cpu_threads
 from openk3.config import ModelConfig, get_preset
 from openk3.draft.model import DRAFT_CONFIG
@@ -376,8 +376,9 @@ class Trainer:
             self.schedule = WSDSchedule(**trainer["schedule"])
 
     # ---- checkpoints -----------------------------------------------------------------------------------------
-    def save(self) -> Path | None:
-        """Collective: every rank contributes its shards and RNG state; rank 0 writes."""
+    def save(self) -> Path:
+        """Collective: every rank contributes its shards and RNG state; rank 0 writes. Every rank returns (and
+        remembers, for an interruption's message) the path once the checkpoint is in place."""
         model_state = full_model_state(self.model)
         optim_state = full_optimizer_state(self.model, self.optimizer)
         rng = [ckpt.rng_state()]
@@ -392,10 +393,11 @@ class Trainer:
             self.out.mkdir(parents=True, exist_ok=True)
             tok_file = self.out / "tokenizer.json"
             self.tokenizer.save(tok_file)
-            path = self.last_checkpoint = ckpt.save_checkpoint(self.out, self.step, self.cfg, model_state,
-                                                               optim_state, trainer_state, tok_file)
+            path = ckpt.save_checkpoint(self.out, self.step, self.cfg, model_state, optim_state, trainer_state,
+                                        tok_file)
         barrier(self.world)
-        return path
+        self.last_checkpoint = path or self.out / step_dir_name(self.step)
+        return self.last_checkpoint
 
     # ---- what the data decides (openk3.train.vision_loop.CaptionTrainer overrides these) -------------------------
     BASELINE = "unigram baseline"  # the plot's name for self.unigram
