@@ -46,10 +46,17 @@ class ParallelDims:
     def dp(self) -> int:
         return self.world // self.cp
 
-    def check_batch(self, batch_size: int) -> None:
+    def check_batch(self, batch_size: int, seq_len: int | None = None) -> None:
+        """The global batch splits over the data-parallel ranks, and each index's stream of windows (seq_len
+        tokens each) over its context-parallel ranks, every one holding at least one token."""
         if batch_size % self.dp:
             raise ValueError(f"--batch-size {batch_size} (global) must divide by the {self.dp} data-parallel ranks "
                              f"({self.world} processes / --cp {self.cp})")
+        tokens = batch_size // self.dp * (seq_len or self.cp)
+        if tokens < self.cp:
+            raise ValueError(f"--cp {self.cp}: each data-parallel index's {batch_size // self.dp} window(s) of "
+                             f"--seq-len {seq_len} hold {tokens} token(s), fewer than its {self.cp} context-parallel "
+                             "ranks; raise --seq-len or --batch-size")
 
 
 @dataclass

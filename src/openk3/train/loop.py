@@ -283,7 +283,7 @@ class Trainer:
         check_kda_backend(args.kda_backend, self.device)
         self.amp = autocast_dtype(args, self.device)
         self.dims = ParallelDims(self.world.size, args.cp, args.ep)
-        self.dims.check_batch(args.batch_size)
+        self.dims.check_batch(args.batch_size, args.seq_len)
         self.cfg = model_config(args)
         if self.device.type == "cpu":
             check_host_memory(self.cfg, args.preset)
