@@ -4,9 +4,15 @@
   saved": only rank 0, which writes it, remembered the path).
 - --cp with fewer tokens per data-parallel index than context-parallel ranks fails at start naming --cp (it
   failed at the first step: "1 tokens cannot be split over 2 context-parallel ranks").
+- Settings that no rank can run with fail at start on every rank with the same one line, not on rank 0 alone
+  with the others dying in their next collective ("Connection closed by peer", a traceback burying the line):
+  a --tokenizer that is no tokenizer.json (read by rank 0 alone), an --out that is a file (found by rank 0
+  alone, at its first write, after the model was built, as "[Errno 17] File exists").
 """
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +22,8 @@ from openk3.parallel import ParallelDims
 from openk3.train.interrupt import Interrupted
 from openk3.train.loop import Trainer
 from train_tiny import make_corpus, tiny_args
+
+DEADLINE_S = 120
 
 
 def _interrupted(rank, world, out, data, cache):
@@ -46,3 +54,21 @@ def test_cp_needs_a_token_on_every_rank():
         ParallelDims(2, cp=2).check_batch(1, seq_len=1)
     ParallelDims(2, cp=2).check_batch(1, seq_len=2)
     ParallelDims(4, cp=2).check_batch(4, seq_len=1)  # 2 windows of one token per data-parallel index
+
+
+@pytest.mark.parametrize("setting", ["tokenizer", "out"])
+def test_a_bad_file_fails_with_one_line_on_every_rank(tmp_path, setting):
+    bad = tmp_path / "bad.json"
+    bad.write_text("garbage{")
+    data = make_corpus(tmp_path / "data")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(OPENK3_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
+    paths = {"tokenizer": ["--tokenizer", str(bad), "--out", str(tmp_path / "run")], "out": ["--out", str(bad)]}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "openk3",
+           "train", "--data", str(data), "--max-steps", "1", "--seq-len", "16", "--batch-size", "2", "--threads", "1",
+           "--no-progress", *paths[setting]]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=DEADLINE_S)
+    assert done.returncode != 0
+    errors = [line for line in done.stderr.splitlines() if line.startswith("openk3 train: error:")]
+    assert len(errors) == 2 and errors[0] == errors[1] and str(bad) in errors[0], done.stderr[-3000:]
+    assert "[rank" not in done.stderr, done.stderr[-3000:]  # no rank's traceback

@@ -242,6 +242,8 @@ def claim_out_dir(out: Path, resume: str | None, overwrite: bool, delete: bool) 
     """Refuse to start a run in a directory that holds another run's files, so a typo loses nothing: continuing
     it is --resume from one of its checkpoints, replacing it is --overwrite (its run files are deleted first, by
     the process with `delete`; other files in the directory are left alone)."""
+    if out.exists() and not out.is_dir():  # checked by every rank, before anything is built or written
+        raise ValueError(f"--out {out} is a file; pass a directory (new, or a run to --resume or --overwrite)")
     found = run_files(out)
     if not found or (resume is not None and Path(resume).resolve().parent == out.resolve()):
         return
@@ -343,6 +345,8 @@ class Trainer:
         resume_tok = Path(args.resume) / "tokenizer.json" if args.resume else None
         if resume_tok is not None and resume_tok.is_file():
             self.tokenizer = TextTokenizer.from_file(resume_tok)
+        elif args.tokenizer:  # every rank reads the user's file: one that fails, fails on all of them alike
+            self.tokenizer = load_or_train([], self.cfg.vocab_size, args.tokenizer)
         else:
             train_docs = split_documents(docs)[0]
             if self.world.is_main:  # train (or find) the tokenizer once; the others read the cache
