@@ -8,8 +8,11 @@
   with the others dying in their next collective ("Connection closed by peer", a traceback burying the line):
   a --tokenizer that is no tokenizer.json (read by rank 0 alone), an --out that is a file (found by rank 0
   alone, at its first write, after the model was built, as "[Errno 17] File exists").
+- Rank 0 failing to write a checkpoint (a full disk) stops every rank with its error (the others went on into
+  their next collective).
 """
 
+import errno
 import os
 import subprocess
 import sys
@@ -19,6 +22,7 @@ import pytest
 
 from distributed_spawn import run_ranks
 from openk3.parallel import ParallelDims
+from openk3.train import checkpoint
 from openk3.train.interrupt import Interrupted
 from openk3.train.loop import Trainer
 from train_tiny import make_corpus, tiny_args
@@ -47,6 +51,24 @@ def _interrupted(rank, world, out, data, cache):
 def test_ctrl_c_names_the_saved_checkpoint_on_every_rank(tmp_path):
     data = make_corpus(tmp_path / "data")
     run_ranks(_interrupted, 2, str(tmp_path / "out"), str(data), str(tmp_path / "cache"))
+
+
+def _disk_full(rank, world, out, data, cache):
+    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank), OPENK3_CACHE=cache)
+    trainer = Trainer(tiny_args(Path(out), Path(data), max_steps=4, save_every=2, eval_every=0))
+
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), out)
+
+    if rank == 0:
+        checkpoint.save_checkpoint = no_space
+    with pytest.raises(OSError, match=f"No space left on device: '{out}'"):
+        trainer.run()
+
+
+def test_a_failed_save_stops_every_rank_with_its_error(tmp_path):
+    data = make_corpus(tmp_path / "data")
+    run_ranks(_disk_full, 2, str(tmp_path / "out"), str(data), str(tmp_path / "cache"), collective_s=20)
 
 
 def test_cp_needs_a_token_on_every_rank():

@@ -65,6 +65,20 @@ def barrier(world: World) -> None:
         dist.barrier()
 
 
+def raise_from_main(world: World, error: Exception | None) -> None:
+    """Collective, a barrier too: `error`, rank 0's failure in work that rank 0 alone does (writing a checkpoint),
+    raised on every rank as the same type with the same message. Otherwise the other ranks would fail in their next
+    collective when rank 0 exits ("Connection closed by peer"), a traceback instead of the one line."""
+    if world.distributed:
+        box = [None if error is None else (type(error), str(error))]
+        dist.broadcast_object_list(box, src=0)
+        if error is None and box[0] is not None:
+            kind, message = box[0]
+            error = kind(message)
+    if error is not None:
+        raise error
+
+
 def mean_across(world: World, value: float, device: torch.device) -> float:
     if not world.distributed:
         return value

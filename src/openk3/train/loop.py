@@ -63,6 +63,7 @@ from openk3.train.distributed import (
     init_world,
     load_full_state,
     mean_across,
+    raise_from_main,
 )
 from openk3.train.graphs import GraphedForwardBackward
 from openk3.train.interrupt import stopped_at
@@ -389,18 +390,20 @@ class Trainer:
         if self.world.distributed:
             rng = [None] * self.world.size
             torch.distributed.all_gather_object(rng, ckpt.rng_state())
-        path = None
+        error = None
         if self.world.is_main:
             trainer_state = {"data": self.stream.state_dict(), "balance_bias": self.balancer.state_dict(),
                              "schedule": self.schedule.state_dict(), "rng": rng, "world_size": self.world.size,
                              "args": asdict(self.args)}
-            self.out.mkdir(parents=True, exist_ok=True)
-            tok_file = self.out / "tokenizer.json"
-            self.tokenizer.save(tok_file)
-            path = ckpt.save_checkpoint(self.out, self.step, self.cfg, model_state, optim_state, trainer_state,
-                                        tok_file)
-        barrier(self.world)
-        self.last_checkpoint = path or self.out / step_dir_name(self.step)
+            try:
+                self.out.mkdir(parents=True, exist_ok=True)
+                tok_file = self.out / "tokenizer.json"
+                self.tokenizer.save(tok_file)
+                ckpt.save_checkpoint(self.out, self.step, self.cfg, model_state, optim_state, trainer_state, tok_file)
+            except OSError as err:  # a full disk, a directory gone read-only: every rank stops with this line
+                error = err
+        raise_from_main(self.world, error)  # the barrier: the checkpoint is in place when the ranks go on
+        self.last_checkpoint = self.out / step_dir_name(self.step)
         return self.last_checkpoint
 
     # ---- what the data decides (openk3.train.vision_loop.CaptionTrainer overrides these) -------------------------
