@@ -7,7 +7,8 @@
 - Settings that no rank can run with fail at start on every rank with the same one line, not on rank 0 alone
   with the others dying in their next collective ("Connection closed by peer", a traceback burying the line):
   a --tokenizer that is no tokenizer.json (read by rank 0 alone), an --out that is a file (found by rank 0
-  alone, at its first write, after the model was built, as "[Errno 17] File exists").
+  alone, at its first write, after the model was built, as "[Errno 17] File exists"), a tokenizer cache that
+  cannot be written (rank 0 trains the tokenizer while the others wait).
 - Rank 0 failing to write a checkpoint (a full disk) stops every rank with its error (the others went on into
   their next collective).
 """
@@ -78,14 +79,17 @@ def test_cp_needs_a_token_on_every_rank():
     ParallelDims(4, cp=2).check_batch(4, seq_len=1)  # 2 windows of one token per data-parallel index
 
 
-@pytest.mark.parametrize("setting", ["tokenizer", "out"])
+@pytest.mark.parametrize("setting", ["tokenizer", "out", "cache"])
 def test_a_bad_file_fails_with_one_line_on_every_rank(tmp_path, setting):
     bad = tmp_path / "bad.json"
     bad.write_text("garbage{")
     data = make_corpus(tmp_path / "data")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(OPENK3_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
-    paths = {"tokenizer": ["--tokenizer", str(bad), "--out", str(tmp_path / "run")], "out": ["--out", str(bad)]}
+    paths = {"tokenizer": ["--tokenizer", str(bad), "--out", str(tmp_path / "run")], "out": ["--out", str(bad)],
+             "cache": ["--out", str(tmp_path / "run")]}
+    if setting == "cache":  # $OPENK3_CACHE a file: training the tokenizer on rank 0 cannot store it
+        env["OPENK3_CACHE"] = str(bad)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "openk3",
            "train", "--data", str(data), "--max-steps", "1", "--seq-len", "16", "--batch-size", "2", "--threads", "1",
            "--no-progress", *paths[setting]]

@@ -55,7 +55,6 @@ from openk3.train.data import (
 from openk3.train.distributed import (
     World,
     average_across,
-    barrier,
     clip_grad_norm,
     close_world,
     full_model_state,
@@ -350,9 +349,13 @@ class Trainer:
             self.tokenizer = load_or_train([], self.cfg.vocab_size, args.tokenizer)
         else:
             train_docs = split_documents(docs)[0]
+            error = None
             if self.world.is_main:  # train (or find) the tokenizer once; the others read the cache
-                self.tokenizer = load_or_train([d.text for d in train_docs], self.cfg.vocab_size, args.tokenizer)
-            barrier(self.world)
+                try:
+                    self.tokenizer = load_or_train([d.text for d in train_docs], self.cfg.vocab_size, args.tokenizer)
+                except OSError as err:  # an unwritable cache: every rank stops with this line
+                    error = err
+            raise_from_main(self.world, error)
             if not self.world.is_main:
                 self.tokenizer = load_or_train([d.text for d in train_docs], self.cfg.vocab_size, args.tokenizer)
         (train_tokens, train_segments), (held_tokens, held_segments) = train_and_heldout_documents(docs,
