@@ -16,7 +16,7 @@ import torch
 
 from openk3.checkpoints import CheckpointError, latest_checkpoint, sha256_file, verify_checkpoint
 from openk3.config import get_preset
-from openk3.train.checkpoint import load_checkpoint
+from openk3.train.checkpoint import load_checkpoint, save_checkpoint
 from openk3.train.command import train
 from openk3.train.loop import Trainer
 from train_tiny import TINY, make_corpus, one_thread, tiny_args
@@ -211,3 +211,7 @@ def test_sigkill_during_save_leaves_the_previous_checkpoint_loadable(tmp_path):
     assert latest_checkpoint(tmp_path) == tmp_path / "step-000001"
     state = load_checkpoint(tmp_path / "step-000001", CFG)
     assert state["trainer"]["step"] == 1 and "model.embed_tokens.weight" in state["model"]
+    # the next save (here: the resumed run's) removes the dead process's temporary directory, a model's worth
+    save_checkpoint(tmp_path, 2, CFG, state["model"], state["optimizer"], state["trainer"], tmp_path / "tok.json")
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".step-")]
+    assert latest_checkpoint(tmp_path) == tmp_path / "step-000002"

@@ -112,6 +112,7 @@ def save_checkpoint(out_dir: str | Path, step: int, cfg: ModelConfig, model_stat
     """Write `out_dir/step-NNNNNN` atomically and return its path (call on one rank only)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    remove_abandoned(out_dir)
     final = out_dir / step_dir_name(step)
     tmp = out_dir / f".{final.name}.tmp-{os.getpid()}"
     if tmp.exists():
@@ -127,6 +128,25 @@ def save_checkpoint(out_dir: str | Path, step: int, cfg: ModelConfig, model_stat
     _fsync_dir(tmp)
     publish(tmp, final)
     return final
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # someone else's process: alive
+        pass
+    return True
+
+
+def remove_abandoned(out_dir: Path) -> None:
+    """Delete the temporary directories of saves whose process is gone (killed mid-save: SIGKILL, SIGTERM under
+    torchrun): each holds a whole model and optimizer state that nothing will ever read."""
+    for path in out_dir.glob(".step-*"):
+        stem, _, pid = path.name.rpartition("-")
+        if path.is_dir() and stem.endswith((".tmp", ".old")) and pid.isdigit() and not _running(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def publish(tmp: Path, final: Path) -> None:
