@@ -16,7 +16,7 @@ import torch
 
 from openk3.checkpoints import CheckpointError, latest_checkpoint, sha256_file, verify_checkpoint
 from openk3.config import get_preset
-from openk3.train.checkpoint import load_checkpoint, save_checkpoint
+from openk3.train.checkpoint import load_checkpoint, remove_abandoned, save_checkpoint
 from openk3.train.command import train
 from openk3.train.loop import Trainer
 from train_tiny import TINY, make_corpus, one_thread, tiny_args
@@ -215,3 +215,17 @@ def test_sigkill_during_save_leaves_the_previous_checkpoint_loadable(tmp_path):
     save_checkpoint(tmp_path, 2, CFG, state["model"], state["optimizer"], state["trainer"], tmp_path / "tok.json")
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".step-")]
     assert latest_checkpoint(tmp_path) == tmp_path / "step-000002"
+
+
+def test_a_step_moved_aside_stays_until_its_step_is_in_place_again(tmp_path):
+    """Killed between publish's two renames, a step saved again exists only as its .old directory: the next save's
+    clean-up keeps it; once the step is in place again, the .old copy goes."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(dead.stdout)  # a process that has exited
+    aside = tmp_path / f".step-000003.old-{pid}"
+    (aside / "model").mkdir(parents=True)
+    remove_abandoned(tmp_path)
+    assert aside.is_dir()
+    (tmp_path / "step-000003").mkdir()
+    remove_abandoned(tmp_path)
+    assert not aside.exists()

@@ -142,11 +142,16 @@ def _running(pid: int) -> bool:
 
 def remove_abandoned(out_dir: Path) -> None:
     """Delete the temporary directories of saves whose process is gone (killed mid-save: SIGKILL, SIGTERM under
-    torchrun): each holds a whole model and optimizer state that nothing will ever read."""
+    torchrun): each holds a whole model and optimizer state that nothing will ever read. A step moved aside by
+    `publish` (.old) goes only once its step is in place again: killed between publish's two renames, it is that
+    step's only published copy."""
     for path in out_dir.glob(".step-*"):
         stem, _, pid = path.name.rpartition("-")
-        if path.is_dir() and stem.endswith((".tmp", ".old")) and pid.isdigit() and not _running(int(pid)):
-            shutil.rmtree(path, ignore_errors=True)
+        if not (path.is_dir() and stem.endswith((".tmp", ".old")) and pid.isdigit()) or _running(int(pid)):
+            continue
+        if stem.endswith(".old") and not (out_dir / stem[1:-len(".old")]).is_dir():
+            continue
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def publish(tmp: Path, final: Path) -> None:
