@@ -249,14 +249,19 @@ class ModelConfig:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"--config {path} does not exist")
-        try:
-            overrides = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ValueError(f"--config {path} is not valid JSON ({exc})") from None
+        overrides = read_json(path, f"--config {path}")
         try:
             return self.with_overrides(overrides)
         except ValueError as exc:
             raise ValueError(f"--config {path}: {exc}") from None
+
+
+def read_json(file: Path, name: str) -> Any:
+    """The JSON value in `file`; a ValueError naming it as `name` when it is not JSON (or not text)."""
+    try:
+        return json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{name} is not valid JSON ({exc})") from None
 
 
 def _build(cls, d: dict[str, Any], prefix: str = ""):

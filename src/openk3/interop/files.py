@@ -17,6 +17,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from openk3.config import read_json
+
 CONFIG_NAME = "config.json"
 SINGLE_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -37,10 +39,7 @@ def read_config(path: str | Path) -> dict[str, Any]:
     file = path / CONFIG_NAME
     if not file.is_file():
         raise ValueError(f"no {CONFIG_NAME} in checkpoint directory {str(path)!r}")
-    try:
-        config = json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{file} is not valid JSON: {exc}") from None
+    config = read_json(file, str(file))
     if not isinstance(config, dict):
         raise ValueError(f"{file} must hold a JSON object, got {type(config).__name__}")
     return config
