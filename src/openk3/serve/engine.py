@@ -192,7 +192,8 @@ class EngineConfig:
     prefill_forwards_per_step: int | None = None
     # while sequences decode, a prefill forward the prefill graphs replay (text, no draft) of N tokens (B x T) runs
     # over ceil(N / this) steps, its pieces (a few token mixers each) spread evenly with a decode step between them:
-    # its stall of the decoding sequences is split as well. None: 2048 on a GPU; 0: off (a forward in one step)
+    # its stall of the decoding sequences is split as well. None: GPU_PREFILL_SPLIT_TOKENS on a GPU; 0: off (a
+    # forward in one step)
     prefill_split_tokens: int | None = None
     seed: int = 0
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
