@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from openk3.config import ModelConfig
 from openk3.sampling import SamplingParams
@@ -277,6 +277,10 @@ def engine_process_main(args: argparse.Namespace, conn, build: Callable, describ
 def run_engine(engine, conn) -> None:
     """The engine process's loop, until the API says stop or its pipe closes."""
     requests = {}
+    # the API's process keeps the queue limit (`ProcessCore.add_request`, waiting and running counted together): a
+    # burst it took may all wait here until a step admits it, and a refusal here would fail it with a 500, not a 429
+    sched = engine.scheduler.config
+    engine.scheduler.config = replace(sched, max_queue=sched.max_queue + sched.max_running)
 
     def sink(pairs) -> None:
         events = [event for _, event in pairs]

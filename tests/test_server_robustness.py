@@ -1,0 +1,59 @@
+"""Awkward but legal traffic against a real `openk3 serve` process (its engine in a process of its own, the default),
+driven by the official openai client: bursts past the queue, and admissions into a latent-page pool that is full.
+
+The server is small on purpose: --max-queue 2 and --max-num-seqs 4 (6 requests held at once), and 5 latent pages
+of 192 tokens (--kv-pages 6, the null page included) with --max-model-len 512."""
+
+import threading
+
+import openai
+import pytest
+
+from serve_process import metric, serve_process
+
+MODEL = "k3-tiny"
+HELD = 2 + 4  # --max-queue + --max-num-seqs
+
+
+@pytest.fixture(scope="module")
+def server():
+    with serve_process("--preset", MODEL, "--max-queue", "2", "--max-num-seqs", "4", "--kv-pages", "6",
+                       "--max-model-len", "512") as (url, _):
+        yield url
+
+
+def stream_to_end(stream) -> tuple[str, str]:
+    text, reason = "", None
+    for chunk in stream:
+        text += chunk.choices[0].text
+        reason = chunk.choices[0].finish_reason or reason
+    return text, reason
+
+
+def test_a_burst_past_the_queue_gets_429s_and_every_accepted_request_its_reply(server, client):
+    """A burst reaches the engine process before a step admits any of it: the engine's own queue (2) refused what
+    the API had taken (it counts 2 waiting + 4 running), and those requests ended with a 500 / finish_reason
+    "error". Now all 6 are served, the next ones get OpenAI's 429, and the server serves normally after."""
+    kw = dict(model=MODEL, max_tokens=40, temperature=0, extra_body={"ignore_eos": True})
+    streams, barrier = [None] * HELD, threading.Barrier(HELD)
+
+    def open_stream(i):
+        barrier.wait()
+        streams[i] = client.completions.create(prompt=f"burst {i}: tell me a story", stream=True, **kw)
+
+    threads = [threading.Thread(target=open_stream, args=(i,)) for i in range(HELD)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for _ in range(2):  # the 6 are held until their 40 tokens are out
+        with pytest.raises(openai.RateLimitError) as refused:
+            client.completions.create(prompt="one too many", **kw)
+        error = refused.value.body
+        assert error["type"] == "rate_limit_error" and error["code"] == "queue_full" and error["message"], error
+    replies = [stream_to_end(s) for s in streams]
+    assert [reason for _, reason in replies] == ["length"] * HELD
+    alone = client.completions.create(prompt="burst 0: tell me a story", **kw)
+    assert alone.choices[0].text == replies[0][0] and alone.usage.completion_tokens == 40
+    assert metric(server, 'requests_finished_total{reason="error"}') == 0
+
