@@ -6,6 +6,7 @@ of 192 tokens (--kv-pages 6, the null page included) with --max-model-len 512.""
 
 import threading
 
+import httpx
 import openai
 import pytest
 
@@ -57,3 +58,22 @@ def test_a_burst_past_the_queue_gets_429s_and_every_accepted_request_its_reply(s
     assert alone.choices[0].text == replies[0][0] and alone.usage.completion_tokens == 40
     assert metric(server, 'requests_finished_total{reason="error"}') == 0
 
+
+def test_a_prefix_hit_that_needs_a_page_copy_waits_for_room_instead_of_failing(server, client):
+    """Request A's 220-token prompt and 24 tokens are cached in 2 pages; B and C run on the 3 free ones. D sends A's
+    prompt again: its 208-token hit ends inside A's second page, which holds A's later blocks too, so admission
+    copies that page; admission counted the 2 cached pages as room for D but not the copy, and D failed with a 500
+    ("no free latent page for the copy of a partly hit page"). Now D waits until B or C leaves, and gets A's
+    reply from the hit."""
+    prompt = "the shared prompt " * 12 + "abcd"
+    kw = dict(model=MODEL, temperature=0, extra_body={"ignore_eos": True})
+    a = client.completions.create(prompt=prompt, max_tokens=24, **kw)
+    assert a.usage.prompt_tokens == 220
+    running = [client.completions.create(prompt=p, max_tokens=60, stream=True, **kw) for p in ("b" * 300, "c" * 100)]
+    firsts = [next(iter(s)) for s in running]  # both decode now, within their pages
+    assert all(f.choices[0].finish_reason is None for f in firsts)
+    d = client.completions.create(prompt=prompt, max_tokens=24, **kw)
+    assert d.choices[0].text == a.choices[0].text and d.usage.prompt_tokens_details.cached_tokens == 208
+    assert [stream_to_end(s)[1] for s in running] == ["length", "length"]
+    assert metric(server, 'requests_finished_total{reason="error"}') == 0
+    assert httpx.get(f"{server}/health", timeout=10).json() == {"status": "ok"}

@@ -727,14 +727,17 @@ class Engine:
 
     def _fits(self) -> Callable[[Request], bool]:
         """Admission's memory check for one step: a request fits while its prefill's pages (those of the earlier
-        admissions of the step counted) leave a watermark of the pool free or evictable."""
+        admissions of the step counted) leave a watermark of the pool free or evictable. With the prefix cache a
+        request may need one page more: a hit ending inside a page it cannot write on takes a copy of that page at
+        admission (`_start`), while the hit's pages, evictable before, stay locked."""
         available = self.pages.num_free + self._evictable_pages() - self.pages.num_pages // 100
         if not self.states.num_free:
             return lambda r: False
+        copy = int(self.prefix_cache is not None)
 
         def fits(r: Request) -> bool:
             nonlocal available
-            need = -(-(r.prefill_len + 1) // self.page_size)
+            need = -(-(r.prefill_len + 1) // self.page_size) + copy
             available -= need
             return available >= 0
 
