@@ -197,6 +197,14 @@ def test_serve_disk_cache_dir_must_be_a_directory(tmp_path, capsys):
     assert f"--disk-cache-dir {file}: cannot use it as a directory" in err
 
 
+@pytest.mark.parametrize("name, message", [("missing", "missing does not exist"),
+                                           ("empty", "empty is neither a checkpoint (no config.json) nor a run")])
+def test_serve_checks_the_checkpoint_before_the_engine_process_starts(tmp_path, capfd, name, message):
+    """A --ckpt that is no checkpoint is one line (capfd: the engine process would log a traceback to fd 2)."""
+    (tmp_path / "empty").mkdir()
+    assert message in error_of(["serve", "--port", "0", "--ckpt", str(tmp_path / name)], capfd)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine or torch build without CUDA")
 @pytest.mark.parametrize("flags, message", [
     (["--kernels", "triton"], "--kernels triton needs a CUDA device (Triton has no CPU driver); use --kernels auto"),

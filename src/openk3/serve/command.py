@@ -177,6 +177,10 @@ def ready_line(sock: socket.socket, name: str, description: str) -> str:
 
 def check_options(args: argparse.Namespace) -> None:
     """What the flags must agree on, checked before the model loads (ValueError naming the flag)."""
+    if args.ckpt:  # a missing or empty --ckpt is one line here, not a failed engine process's traceback
+        from openk3.checkpoints import resolve_checkpoint
+
+        resolve_checkpoint(args.ckpt)
     device = resolve_device(args.device)
     check_triton(device, "--kernels", args.kernels)
     check_triton(device, "--kda-backend", args.kda_backend)
