@@ -23,10 +23,11 @@ import tempfile
 import time
 
 
-def compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int, bin_dir: str) -> tuple[str, int, int]:
+def compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int, bin_dir: str,
+                 num_stages: int | None = None) -> tuple[str, int, int]:
     """SASS text, registers and spill (stack) bytes of `fn` (a Triton or Gluon kernel) compiled for sm_90 with the
-    given argument types and constexprs (integer and pointer arguments assumed divisible by 16, as Triton
-    specializes real launches)."""
+    given argument types, constexprs and launch options (integer and pointer arguments assumed divisible by 16, as
+    Triton specializes real launches)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
@@ -39,7 +40,8 @@ def compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int, bin_dir:
     if fn.is_gluon():
         from triton.experimental.gluon._runtime import GluonASTSource as source
     kernel = compile(source(fn=fn, signature=sig, constexprs=fixed, attrs=aligned),
-                     target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+                     target=GPUTarget("cuda", 90, 32),
+                     options={"num_warps": num_warps, **({} if num_stages is None else {"num_stages": num_stages})})
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(kernel.asm["cubin"])
         cubin.flush()

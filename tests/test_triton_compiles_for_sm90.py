@@ -18,7 +18,9 @@ os.environ.pop("TRITON_INTERPRET", None)
 sys.path.insert(0, {str(BENCH)!r})
 import triton
 from sass_loops import compile_sm90, main_loop
+import triton.language as tl
 from openk3.ops import gluon_mxfp4, paged_mla, triton_combine, triton_routing, triton_sampling
+from openk3.ops.kda.triton import one_pass
 bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 cases = {{
     "sample cut": (triton_sampling._sample_cut_kernel, dict(logits_ptr="*fp32", params_ptr="*fp64", out_ptr="*i64",
@@ -42,6 +44,16 @@ out = {{}}
 for name, (fn, types, constexprs, warps) in cases.items():
     sass, registers, spill = compile_sm90(fn, types, constexprs, warps, bin_dir)
     out[name] = dict(registers=registers, spill=spill, loop=dict(main_loop(sass)))
+kda = {{n: "*bf16" for n in ("q", "k", "v", "g", "beta", "o")}}
+kda.update({{n: "*fp32" for n in ("A_log", "dt_bias", "h0", "ht", "ckpt")}}, cu="*i32", chunk_off="*i32", scale="fp32",
+           N="i32", H="i32")
+for hier in (False, True):
+    for BV in (32, 64):  # the launches kda_one_pass_fwd makes: one pipeline stage, ONE_PASS_WARPS
+        constexprs = dict(ckpt_slot=None, K=128, V=128, BT=16, BK=128, BS=32, BV=BV, HAS_H0=True, STORE_FINAL=True,
+                          PREC="tf32", DT=tl.bfloat16, ACT=1, G_MIN=-5.0, G_FLOOR=-110.0 if hier else -5.0, HIER=hier)
+        _, registers, spill = compile_sm90(one_pass._one_pass_kernel, kda, constexprs, one_pass.ONE_PASS_WARPS,
+                                           bin_dir, num_stages=1)
+        out[f"kda one pass, hier {{hier}}, {{BV}} columns"] = dict(registers=registers, spill=spill)
 print(json.dumps(out))
 """
 
@@ -51,7 +63,8 @@ def test_kernels_compile_for_sm90_without_spills():
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert set(result) == {"sample cut", "split merge, all at once", "split merge, walked", "routing", "moe combine",
-                           *(f"gluon mxfp4 tiles, {rows} rows" for rows in (16, 32, 64, 128))}
+                           *(f"gluon mxfp4 tiles, {rows} rows" for rows in (16, 32, 64, 128)),
+                           *(f"kda one pass, hier {hier}, {bv} columns" for hier in (False, True) for bv in (32, 64))}
     assert all(r["registers"] > 0 and r["spill"] == 0 for r in result.values()), result
     for rows in (16, 32, 64, 128):
         loop = result[f"gluon mxfp4 tiles, {rows} rows"]["loop"]
