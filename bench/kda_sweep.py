@@ -2,7 +2,8 @@
 
 T in {1,15,63,64,65,1000,4096}, K,V in {64,128} (and 96), heads 1..32, batch 1..4, ragged cu_seqlens, extreme
 gates and betas, with and without initial state; outputs, final states and all gradients, bf16 and fp32
-inputs; tolerances from shared/DESIGN.md (relative RMS). Prints one line per case and a summary.
+inputs, and the one-pass forward's outputs and final states (`o1`, `ht1`: ops/kda/triton/one_pass.py);
+tolerances from shared/DESIGN.md (relative RMS). Prints one line per case and a summary.
     python bench/kda_sweep.py [--quick] [--budget S] [--activations]
     python bench/kda_sweep.py --gates [--json PATH]     gate floor and unbounded gates, fla side by side
 
@@ -26,6 +27,9 @@ import torch.nn.functional as F
 
 from openk3.ops.kda import kda_chunked, kda_recurrent
 from openk3.ops.kda.triton import kda_triton
+from openk3.ops.kda.triton.chunk_fwd import gate_spec
+from openk3.ops.kda.triton.layout import chunk_layout
+from openk3.ops.kda.triton.one_pass import kda_one_pass_fwd
 
 TOL = {torch.bfloat16: dict(o=5e-3, ht=5e-3, grad=8e-3, gate=2e-2), torch.float32: dict(o=1e-3, ht=1e-3,
                                                                                           grad=2e-3, gate=4e-3)}
@@ -63,10 +67,20 @@ def check(B, T, H, K, V, dtype, gate="mix", beta_mode="mix", h0=True, ragged=Non
     torch.autograd.backward([ro, rht], [do, dht])
     tol = TOL[dtype]
     errs = {"o": (rel(o, ro), tol["o"]), "ht": (rel(ht, rht), tol["ht"])}
+    o1, ht1 = one_pass(q, k, v, g, beta, s0, cu)
+    errs.update(o1=(rel(o1, ro.reshape(o1.shape)), tol["o"]), ht1=(rel(ht1, rht), tol["ht"]))
     for name, a, b in zip(["dq", "dk", "dv", "dg", "dbeta", "dh0"], xs, ys):
         errs[name] = (rel(a.grad, b.grad), tol["gate"] if name in ("dg", "dbeta") else tol["grad"])
     ok = all(e <= t for e, t in errs.values())
     return ok, {n: e for n, (e, _) in errs.items()}
+
+
+def one_pass(q, k, v, g, beta, s0, cu):
+    """The one-pass forward (no gate floor declared: the any-gate mode, as `check`'s kda_triton call): o, ht."""
+    B, T, H, K = q.shape
+    flat = [x.reshape(B * T, *x.shape[2:]).contiguous() for x in (q, k, v, g, beta)]
+    o, ht, _ = kda_one_pass_fwd(*flat, K**-0.5, s0, True, chunk_layout(B, T, cu, q.device), gate_spec(None))
+    return o, ht
 
 
 def cases(quick):
