@@ -2,8 +2,10 @@
 driven by the official openai client: bursts past the queue, and admissions into a latent-page pool that is full.
 
 The server is small on purpose: --max-queue 2 and --max-num-seqs 4 (6 requests held at once), and 5 latent pages
-of 192 tokens (--kv-pages 6, the null page included) with --max-model-len 512."""
+of 192 tokens (--kv-pages 6, the null page included) with --max-model-len 512; `one_sequence_server`'s pool holds
+one sequence of --max-model-len 512 tokens (3 pages)."""
 
+import contextlib
 import threading
 
 import httpx
@@ -77,3 +79,25 @@ def test_a_prefix_hit_that_needs_a_page_copy_waits_for_room_instead_of_failing(s
     assert [stream_to_end(s)[1] for s in running] == ["length", "length"]
     assert metric(server, 'requests_finished_total{reason="error"}') == 0
     assert httpx.get(f"{server}/health", timeout=10).json() == {"status": "ok"}
+
+
+@pytest.fixture(scope="module")
+def one_sequence_server():
+    with serve_process("--preset", MODEL, "--kv-pages", "4", "--max-model-len", "512") as (url, _):
+        yield url
+
+
+def test_an_admission_that_fails_gives_back_the_pages_of_its_hit(one_sequence_server):
+    """A's 420-token prompt and 40 tokens fill the 3 pages of a pool that holds one sequence. D's 416-token hit spans
+    all 3 and ends inside the last, which holds A's later blocks too: its copy finds no page and D fails. Admission
+    had taken a reference to each hit page before the copy, and the failure left them held: the cache could evict
+    none of them, and every later request that needed the pool failed too. Now they are given back."""
+    client = openai.OpenAI(base_url=f"{one_sequence_server}/v1", api_key="unused", max_retries=0, timeout=120)
+    kw = dict(model=MODEL, temperature=0, extra_body={"ignore_eos": True})
+    prompt = ("a long shared prompt " * 20)[:420]
+    client.completions.create(prompt=prompt, max_tokens=40, **kw)
+    with contextlib.suppress(openai.InternalServerError):  # (the copy still needs a fourth page)
+        client.completions.create(prompt=prompt, max_tokens=40, **kw)
+    for fill in "ef":  # 511 tokens each: the whole pool
+        r = client.completions.create(prompt=fill * 500, max_tokens=11, **kw)
+        assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 11

@@ -757,7 +757,6 @@ class Engine:
         r.slot = self.states.alloc()
         if r.slot is None:
             raise PoolExhausted("no free KDA state slot")
-        pages: list[int] = []
         if self.prefix_cache is not None:
             r.lease = self.prefix_cache.acquire(self._cache_tokens(r), max_hit=r.prefill_len - 1)
             hit = r.lease.hit_tokens
@@ -765,6 +764,7 @@ class Engine:
                 pages = list(r.lease.hit_pages)
                 for pid in pages:
                     self.pages.retain(pid)
+                self.tables.set(r.slot, pages)  # (a failure from here on releases them with the slot)
                 partial = hit % self.page_size
                 if partial and not r.lease.owns_tail:  # copy-on-write: the hit's part of a page others write
                     own = self._alloc_page()
@@ -772,14 +772,13 @@ class Engine:
                         raise PoolExhausted("no free latent page for the copy of a partly hit page")
                     self.pages.copy_prefix(pages[-1], own, partial)
                     self.pages.release(pages[-1])
-                    pages[-1] = own
+                    self.tables.replace_last(r.slot, own)
                 self.states.load(r.slot, r.lease.hit_checkpoint)
                 if self.draft is not None and r.lease.hit_checkpoint.get("feature") is not None:
                     self.features[r] = r.lease.hit_checkpoint["feature"].unsqueeze(0)
                 r.fed = hit
                 if not r.preemptions:  # (what usage reports: the prompt's hit at its first admission)
                     r.cached_tokens = hit
-        self.tables.set(r.slot, pages)
 
     def _release_resources(self, r: Request) -> None:
         self.features.pop(r, None)
