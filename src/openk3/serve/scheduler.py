@@ -126,7 +126,7 @@ class Scheduler:
             leader = self.waiting[0].after
             if leader is not None and leader.finish_reason is None and leader.prefilling:
                 break  # it would prefill the prompt its leader is about to put in the prefix cache
-            if self.running and not fits(self.waiting[0]):
+            if not fits(self.waiting[0]) and self.running:  # (asked first: it counts what each admission takes)
                 break
             request = self.waiting.popleft()
             self.running.append(request)
