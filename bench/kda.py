@@ -222,10 +222,10 @@ def gate_modes(name, B, T, H, cu, results):
 
 def stages(name, B, T, H, cu, tune=False):
     """Time each launch of ours alone: forward (prepare, state pass), backward (prepare, reverse pass, intra),
-    pre-activated and fused; the one-pass forward (ops/kda/triton/one_pass.py) beside the two-kernel one, its
-    outputs checked against them first; KCP's transition at width V + K (the full forward on [v | 0] against the
-    state-only pass); with `tune`, warps per kernel, the intra backward's pipeline stages and register cap, the
-    reverse pass's V block and the one-pass forward's V block and warps."""
+    pre-activated and fused; the one-pass forward (ops/kda/triton/one_pass.py), alone and after the pair kernel,
+    beside the two-kernel one, its outputs checked against them first; KCP's transition at width V + K (the full
+    forward on [v | 0] against the state-only pass); with `tune`, warps per kernel, the intra backward's pipeline
+    stages and register cap, the reverse pass's V block and the one-pass forward's V block and warps."""
     from openk3.ops.kda.triton import chunk_bwd, chunk_fwd, one_pass
     from openk3.ops.kda.triton.layout import chunk_layout
 
@@ -261,19 +261,23 @@ def stages(name, B, T, H, cu, tune=False):
     row["state pass"] = row["fwd total"] - row["prepare"]
     one = lambda *xs, act=gate, **launch: one_pass.kda_one_pass_fwd(*xs, scale, None, False, lay, act, **launch)[0]
     for label, xs, spec in (("", (q, k, v, g, beta), gate), (" fused", raw, act)):
-        expected, got = fwd(*xs, act=spec)[0].float(), one(*xs, act=spec).float()
-        row[f"one-pass fwd{label} rel err"] = ((got - expected).norm() / expected.norm()).item()
-        row[f"one-pass fwd{label}"] = ms(lambda xs=xs, spec=spec: one(*xs, act=spec))
+        expected = fwd(*xs, act=spec)[0].float()
+        for mode, pairs in (("one-pass", False), ("pairs + one-pass", True)):
+            got = one(*xs, act=spec, pair_kernel=pairs).float()
+            row[f"{mode} fwd{label} rel err"] = ((got - expected).norm() / expected.norm()).item()
+            row[f"{mode} fwd{label}"] = ms(lambda xs=xs, spec=spec, pairs=pairs: one(*xs, act=spec, pair_kernel=pairs))
     row.update(transition(activate(r), cu_t))
     print({a: (round(b, 4) if isinstance(b, float) else b) for a, b in row.items()}, flush=True)
     if not tune:
         return
     for bv in (32, 64):
         print(f"  reverse pass BV={bv}: {ms(lambda bv=bv: rev(bv)):.4f}", flush=True)
-    for bv in (32, 64, 128):
-        for nw in (4, 8):
-            t_one = ms(lambda bv=bv, nw=nw: one(*raw, act=act, block_v=bv, num_warps=nw))
-            print(f"  one-pass fwd fused BV={bv} warps={nw}: {t_one:.4f}", flush=True)
+    for pairs in (False, True):
+        for bv in (32, 64, 128):
+            for nw in (4, 8):
+                t_one = ms(lambda bv=bv, nw=nw, pairs=pairs: one(*raw, act=act, pair_kernel=pairs, block_v=bv,
+                                                                 num_warps=nw))
+                print(f"  one-pass fwd fused, pair kernel {pairs}, BV={bv} warps={nw}: {t_one:.4f}", flush=True)
     default = dict(chunk_fwd.WARPS)
     for kernel, options in (("prepare", (4,)), ("state", (8,)), ("intra_bwd", (4, 8)), ("state_bwd", (2, 8))):
         for nw in options:

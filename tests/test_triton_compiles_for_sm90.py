@@ -47,13 +47,15 @@ for name, (fn, types, constexprs, warps) in cases.items():
 kda = {{n: "*bf16" for n in ("q", "k", "v", "g", "beta", "o")}}
 kda.update({{n: "*fp32" for n in ("A_log", "dt_bias", "h0", "ht", "ckpt")}}, cu="*i32", chunk_off="*i32", scale="fp32",
            N="i32", H="i32")
-for hier in (False, True):
-    for BV in (32, 64):  # the launches kda_one_pass_fwd makes: one pipeline stage, ONE_PASS_WARPS
-        constexprs = dict(ckpt_slot=None, K=128, V=128, BT=16, BK=128, BS=32, BV=BV, HAS_H0=True, STORE_FINAL=True,
-                          PREC="tf32", DT=tl.bfloat16, ACT=1, G_MIN=-5.0, G_FLOOR=-110.0 if hier else -5.0, HIER=hier)
-        _, registers, spill = compile_sm90(one_pass._one_pass_kernel, kda, constexprs, one_pass.ONE_PASS_WARPS,
-                                           bin_dir, num_stages=1)
-        out[f"kda one pass, hier {{hier}}, {{BV}} columns"] = dict(registers=registers, spill=spill)
+kda.update({{n: "*fp32" for n in ("PT", "RN")}}, AQK="*bf16")
+for hier, BV, given in ((False, 32, False), (False, 64, False), (True, 32, False), (True, 64, False), (True, 64, True)):
+    # the launches kda_one_pass_fwd makes: one pipeline stage, ONE_PASS_WARPS
+    constexprs = dict(ckpt_slot=None, K=128, V=128, BT=16, BK=128, BS=32, BV=BV, HAS_H0=True, STORE_FINAL=True,
+                      PREC="tf32", DT=tl.bfloat16, ACT=1, G_MIN=-5.0, G_FLOOR=-110.0 if hier else -5.0, HIER=hier,
+                      PAIRS_GIVEN=given)
+    _, registers, spill = compile_sm90(one_pass._one_pass_kernel, kda, constexprs, one_pass.ONE_PASS_WARPS, bin_dir,
+                                       num_stages=1)
+    out[f"kda one pass, hier {{hier}}, {{BV}} columns, pairs given {{given}}"] = dict(registers=registers, spill=spill)
 print(json.dumps(out))
 """
 
@@ -64,7 +66,9 @@ def test_kernels_compile_for_sm90_without_spills():
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert set(result) == {"sample cut", "split merge, all at once", "split merge, walked", "routing", "moe combine",
                            *(f"gluon mxfp4 tiles, {rows} rows" for rows in (16, 32, 64, 128)),
-                           *(f"kda one pass, hier {hier}, {bv} columns" for hier in (False, True) for bv in (32, 64))}
+                           *(f"kda one pass, hier {hier}, {bv} columns, pairs given {given}"
+                             for hier, bv, given in ((False, 32, False), (False, 64, False), (True, 32, False),
+                                                     (True, 64, False), (True, 64, True)))}
     assert all(r["registers"] > 0 and r["spill"] == 0 for r in result.values()), result
     for rows in (16, 32, 64, 128):
         loop = result[f"gluon mxfp4 tiles, {rows} rows"]["loop"]

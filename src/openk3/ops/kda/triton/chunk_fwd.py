@@ -175,11 +175,13 @@ def _prepare_kernel(q, k, v, g, beta, A_log, dt_bias, sched, W, U, QG, KG, AQK, 
                     H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                     BS: tl.constexpr, PREC: tl.constexpr,
                     ACT: tl.constexpr, G_MIN: tl.constexpr, G_FLOOR: tl.constexpr, HIER: tl.constexpr,
-                    STORE_U: tl.constexpr, WITH_Q: tl.constexpr, STORE_PAIRS: tl.constexpr):
+                    STORE_U: tl.constexpr, WITH_Q: tl.constexpr, STORE_PAIRS: tl.constexpr,
+                    STORE_TERMS: tl.constexpr = True):
     """The state-independent terms of one chunk, BS channels at a time: everything is per channel except
     the two products over K (accumulated) and T, so slices keep the register tiles small. Without WITH_Q the
     q-side terms (Aqk, Qd: only the outputs need them) are neither computed nor stored, and q is not read. With
-    STORE_PAIRS, P and T go to PT and the rows' inverse norms to RN (`pair_terms`: the backward's)."""
+    STORE_PAIRS, P and T go to PT and the rows' inverse norms to RN (`pair_terms`: the backward's). Without
+    STORE_TERMS the first pass alone runs (Aqk and the pairs: `prepare_pairs`)."""
     c, h, t0, t1 = scheduled_chunk(sched, H)
     rows = t0 + tl.arange(0, BT)
     rmask = rows < t1
@@ -222,23 +224,24 @@ def _prepare_kernel(q, k, v, g, beta, A_log, dt_bias, sched, W, U, QG, KG, AQK, 
         norm = norm_offsets(rows, h, H)
         tl.store(RN + norm, rq, mask=rmask)
         tl.store(RN + norm + 1, rk, mask=rmask)
-    Tb = Tm * b[None, :]  # T Diag(beta)
-    # pass 2 reloads each slice (cache hits) and writes its terms
-    for c0 in range(0, K, BS):
-        qq, kk, _, G, GC, _ = load_slice(q, k, g, A_log, dt_bias, rows, rmask, h, H, K, BT, BS, c0, ACT, G_MIN,
-                                         G_FLOOR, WITH_Q)
-        kk = kk * rk[:, None]
-        eG = tl.exp(G)
-        if WITH_Q:
-            _store_rows(QG, qq * (scale * rq)[:, None] * eG, rows, rmask, H, h, K, BS, c0)
-        _store_rows(KG, kk * tl.exp(GC[None, :] - G), rows, rmask, H, h, K, BS, c0)
-        _store_rows(W, tl.dot(Tb, kk * eG, input_precision=PREC), rows, rmask, H, h, K, BS, c0)
-        cols = c0 + tl.arange(0, BS)
-        tl.store(GCX + (c * H + h) * K + cols, tl.exp(GC), mask=cols < K)
-    if STORE_U:
-        for c0 in range(0, V, BS):
-            vv = _load_rows(v, rows, rmask, H, h, V, BS, c0)
-            _store_rows(U, tl.dot(Tb, vv, input_precision=PREC), rows, rmask, H, h, V, BS, c0)
+    if STORE_TERMS:
+        Tb = Tm * b[None, :]  # T Diag(beta)
+        # pass 2 reloads each slice (cache hits) and writes its terms
+        for c0 in range(0, K, BS):
+            qq, kk, _, G, GC, _ = load_slice(q, k, g, A_log, dt_bias, rows, rmask, h, H, K, BT, BS, c0, ACT, G_MIN,
+                                             G_FLOOR, WITH_Q)
+            kk = kk * rk[:, None]
+            eG = tl.exp(G)
+            if WITH_Q:
+                _store_rows(QG, qq * (scale * rq)[:, None] * eG, rows, rmask, H, h, K, BS, c0)
+            _store_rows(KG, kk * tl.exp(GC[None, :] - G), rows, rmask, H, h, K, BS, c0)
+            _store_rows(W, tl.dot(Tb, kk * eG, input_precision=PREC), rows, rmask, H, h, K, BS, c0)
+            cols = c0 + tl.arange(0, BS)
+            tl.store(GCX + (c * H + h) * K + cols, tl.exp(GC), mask=cols < K)
+        if STORE_U:
+            for c0 in range(0, V, BS):
+                vv = _load_rows(v, rows, rmask, H, h, V, BS, c0)
+                _store_rows(U, tl.dot(Tb, vv, input_precision=PREC), rows, rmask, H, h, V, BS, c0)
 
 
 @triton.jit
@@ -373,12 +376,17 @@ def gate_spec(floor: float | None, A_log=None, dt_bias=None, kimi: bool = False,
     return GateSpec(clamp, hier, A_log, dt_bias, kimi, float(g_min))
 
 
+def term_dtype(q: torch.Tensor) -> torch.dtype:
+    """The torch dtype of the stored chunk terms (`dot_dtype`)."""
+    return {tl.float32: torch.float32, tl.bfloat16: torch.bfloat16, tl.float16: torch.float16}[
+        dot_dtype(q.dtype, q.device)]
+
+
 def chunk_terms(q, v, n_chunks: int, with_u=True, with_q=True):
     """Empty W, U, QG, KG, AQK, GC for the prepare kernel (U None without `with_u`, QG and AQK None without
     `with_q`); q sets their shape and precision (k stands in for it without `with_q`)."""
     T, H, K = q.shape
-    torch_dtypes = {tl.float32: torch.float32, tl.bfloat16: torch.bfloat16, tl.float16: torch.float16}
-    dt = torch_dtypes[dot_dtype(q.dtype, q.device)]
+    dt = term_dtype(q)
     W, KG = (torch.empty(T, H, K, dtype=dt, device=q.device) for _ in range(2))
     QG = torch.empty(T, H, K, dtype=dt, device=q.device) if with_q else None
     U = torch.empty(T, H, v.shape[-1], dtype=dt, device=q.device) if with_u else None
@@ -415,6 +423,22 @@ def prepare(q, k, v, g, beta, scale: float, lay: ChunkLayout, gate: GateSpec, wi
             STORE_PAIRS=pairs is not None, num_warps=WARPS["prepare"], maxnreg=PREPARE_MAX_REGISTERS,
             **gate.kernel_args(q))
     return terms
+
+
+def prepare_pairs(q, k, g, beta, scale: float, lay: ChunkLayout, gate: GateSpec):
+    """The prepare kernel's first pass alone, on flat [T,H,*] inputs: Aqk [T,H,BT] (the terms' dtype) and
+    `pair_terms`' PT (P and T = (I + A)^-1 a chunk and head) and RN (the rows' inverse norms), the small terms
+    from which the one-pass chain forms the rest in registers (`one_pass.kda_one_pass_fwd(pair_kernel=True)`)."""
+    T, H, K = q.shape
+    AQK = torch.empty(T, H, CHUNK, dtype=term_dtype(q), device=q.device)
+    PT, RN = pair_terms(q, lay.n_chunks)
+    if lay.n_chunks:
+        _prepare_kernel[(lay.n_chunks * H,)](
+            q, k, q, g, beta, sched=lay.schedule, W=AQK, U=AQK, QG=AQK, KG=AQK, AQK=AQK, GCX=PT, PT=PT, RN=RN,
+            scale=scale, H=H, K=K, V=K, BT=CHUNK, BS=slice_width(K, K), PREC=precision(q.dtype), STORE_U=False,
+            WITH_Q=True, STORE_PAIRS=True, STORE_TERMS=False, num_warps=WARPS["prepare"],
+            maxnreg=PREPARE_MAX_REGISTERS, **gate.kernel_args(q))
+    return AQK, PT, RN
 
 
 def state_pass(terms, v, dtype, initial_state, output_final_state, lay: ChunkLayout, save_pv,

@@ -31,8 +31,11 @@ from openk3.ops.kda.triton.chunk_fwd import (
     inverse_norm,
     load_beta,
     load_slice,
+    norm_offsets,
     pair_factors,
+    pair_offsets,
     precision,
+    prepare_pairs,
     slice_width,
     state_block,
     wy_inverse,
@@ -45,15 +48,16 @@ ONE_PASS_WARPS = 8
 
 
 @triton.jit(do_not_specialize=["N"])
-def _one_pass_kernel(q, k, v, g, beta, A_log, dt_bias, h0, ht, ckpt_slot, ckpt, o, cu, chunk_off, scale,
-                     N, H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr,
-                     BV: tl.constexpr, HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, PREC: tl.constexpr,
-                     DT: tl.constexpr, ACT: tl.constexpr, G_MIN: tl.constexpr, G_FLOOR: tl.constexpr,
-                     HIER: tl.constexpr):
+def _one_pass_kernel(q, k, v, g, beta, A_log, dt_bias, h0, ht, ckpt_slot, ckpt, o, cu, chunk_off, AQK, PT, RN,
+                     scale, N, H, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                     BS: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr,
+                     PREC: tl.constexpr, DT: tl.constexpr, ACT: tl.constexpr, G_MIN: tl.constexpr,
+                     G_FLOOR: tl.constexpr, HIER: tl.constexpr, PAIRS_GIVEN: tl.constexpr):
     """The chain of one (sequence, head, block of BV columns of V and S): per chunk the prepare kernel's two passes
     over the channels (the pair products BS channels at a time, then the decayed q and k over all BK >= K), then
-    the state pass's step."""
-    n, h, bos, eos, _first, ck, cv, smask, s_offs, S = chain_start(h0, cu, chunk_off, H, K, V, BK, BV, HAS_H0)
+    the state pass's step. With PAIRS_GIVEN the first pass is `prepare_pairs`' (T, Aqk and the row norms read
+    from AQK, PT, RN)."""
+    n, h, bos, eos, first, ck, cv, smask, s_offs, S = chain_start(h0, cu, chunk_off, H, K, V, BK, BV, HAS_H0)
     n_chunks = tl.cdiv(eos - bos, BT)
     dt = DT
     tt = tl.arange(0, BT)
@@ -67,29 +71,36 @@ def _one_pass_kernel(q, k, v, g, beta, A_log, dt_bias, h0, ht, ckpt_slot, ckpt, 
             if slot >= 0:
                 tl.store(ckpt + ((slot * N + n) * H + h).to(tl.int64) * K * V + s_offs, S, mask=smask)
         b = load_beta(beta, rows, rmask, h, H, ACT)
-        # pass 1, the prepare kernel's: the pair products over K, BS channels at a time (small fp32 tiles; raw q, k
-        # under ACT, rescaled by the row norms after)
-        P = tl.zeros([BT, BT], dtype=tl.float32)
-        Aqk = tl.zeros([BT, BT], dtype=tl.float32)
-        qk = tl.zeros([BT], dtype=tl.float32)
-        sq_q = tl.zeros([BT], dtype=tl.float32)
-        sq_k = tl.zeros([BT], dtype=tl.float32)
-        for k0 in range(0, K, BS):
-            qq, kk, gg, G, _, _ = load_slice(q, k, g, A_log, dt_bias, rows, rmask, h, H, K, BT, BS, k0, ACT, G_MIN,
-                                             G_FLOOR)
-            for lv in tl.static_range(4 if HIER else 1):
-                fi, fj, pairs = pair_factors(gg, G, lv, i, j, BT, BS, HIER)
-                Ki = kk * fj
-                P += tl.where(pairs, tl.dot(kk * fi, tl.trans(Ki), input_precision=PREC), 0.0)
-                Aqk += tl.where(pairs, tl.dot(qq * fi, tl.trans(Ki), input_precision=PREC), 0.0)
-            qk += tl.sum(qq * kk, axis=1)
-            sq_q += tl.sum(qq * qq, axis=1)
-            sq_k += tl.sum(kk * kk, axis=1)
-        rq = inverse_norm(sq_q, ACT)
-        rk = inverse_norm(sq_k, ACT)
-        P = P * rk[:, None] * rk[None, :]
-        Aqk = ((Aqk + tl.where(i == j, qk[:, None], 0.0)) * (scale * rq)[:, None] * rk[None, :]).to(dt)
-        Tb = wy_inverse(P, b, i, j, PREC) * b[None, :]  # T Diag(beta)
+        if PAIRS_GIVEN:
+            Tb = tl.load(PT + pair_offsets(first + c, h, H, i, j, BT) + BT * BT) * b[None, :]  # T Diag(beta)
+            Aqk = tl.load(AQK + (rows[:, None] * H + h) * BT + j, mask=rmask[:, None], other=0.0).to(dt)
+            norm = norm_offsets(rows, h, H)
+            rq = tl.load(RN + norm, mask=rmask, other=1.0)
+            rk = tl.load(RN + norm + 1, mask=rmask, other=1.0)
+        else:
+            # pass 1, the prepare kernel's: the pair products over K, BS channels at a time (small fp32 tiles; raw
+            # q, k under ACT, rescaled by the row norms after)
+            P = tl.zeros([BT, BT], dtype=tl.float32)
+            Aqk = tl.zeros([BT, BT], dtype=tl.float32)
+            qk = tl.zeros([BT], dtype=tl.float32)
+            sq_q = tl.zeros([BT], dtype=tl.float32)
+            sq_k = tl.zeros([BT], dtype=tl.float32)
+            for k0 in range(0, K, BS):
+                qq, kk, gg, G, _, _ = load_slice(q, k, g, A_log, dt_bias, rows, rmask, h, H, K, BT, BS, k0, ACT,
+                                                 G_MIN, G_FLOOR)
+                for lv in tl.static_range(4 if HIER else 1):
+                    fi, fj, pairs = pair_factors(gg, G, lv, i, j, BT, BS, HIER)
+                    Ki = kk * fj
+                    P += tl.where(pairs, tl.dot(kk * fi, tl.trans(Ki), input_precision=PREC), 0.0)
+                    Aqk += tl.where(pairs, tl.dot(qq * fi, tl.trans(Ki), input_precision=PREC), 0.0)
+                qk += tl.sum(qq * kk, axis=1)
+                sq_q += tl.sum(qq * qq, axis=1)
+                sq_k += tl.sum(kk * kk, axis=1)
+            rq = inverse_norm(sq_q, ACT)
+            rk = inverse_norm(sq_k, ACT)
+            P = P * rk[:, None] * rk[None, :]
+            Aqk = ((Aqk + tl.where(i == j, qk[:, None], 0.0)) * (scale * rq)[:, None] * rk[None, :]).to(dt)
+            Tb = wy_inverse(P, b, i, j, PREC) * b[None, :]  # T Diag(beta)
         # pass 2: the chunk's decayed q and k over all channels (cache hits), in the operands' dtype
         qq, kk, _, G, GC, _ = load_slice(q, k, g, A_log, dt_bias, rows, rmask, h, H, K, BT, BK, 0, ACT, G_MIN,
                                          G_FLOOR)
@@ -111,11 +122,13 @@ def _one_pass_kernel(q, k, v, g, beta, A_log, dt_bias, h0, ht, ckpt_slot, ckpt, 
 
 
 def kda_one_pass_fwd(q, k, v, g, beta, scale: float, initial_state, output_final_state: bool, lay: ChunkLayout,
-                     gate: GateSpec, checkpoints: tuple[torch.Tensor, int] | None = None, block_v: int | None = None,
-                     num_warps: int | None = None):
+                     gate: GateSpec, checkpoints: tuple[torch.Tensor, int] | None = None, pair_kernel: bool = False,
+                     block_v: int | None = None, num_warps: int | None = None):
     """Flat [T,H,*] forward in one kernel, as `chunk_fwd.chunk_kda_fwd` without saving for backward: returns o
     (v's dtype), the final state (fp32 [N,H,K,V] or None) and, with `checkpoints` = (slot per chunk, number of
-    slots), the fp32 states before the chunks that have a slot ([slots, N, H, K, V], else None). `block_v`
+    slots), the fp32 states before the chunks that have a slot ([slots, N, H, K, V], else None). With
+    `pair_kernel` the chunks' first pass runs before, token-parallel (`chunk_fwd.prepare_pairs`: T, Aqk and the
+    row norms through memory, 0.6 KB a chunk and head), and the chains read it instead of forming it. `block_v`
     (default: the state pass's, `chunk_fwd.state_block`) and `num_warps` (default ONE_PASS_WARPS) set the
     launch (for a benchmark's sweep)."""
     T, H, K = q.shape
@@ -128,10 +141,11 @@ def kda_one_pass_fwd(q, k, v, g, beta, scale: float, initial_state, output_final
         slots, n_slots = checkpoints
         ckpt = torch.empty(n_slots, N, H, K, V, dtype=torch.float32, device=v.device)
     BV = block_v or state_block(N, H, V)
+    AQK, PT, RN = prepare_pairs(q, k, g, beta, scale, lay, gate) if pair_kernel else (o, o, o)
     _one_pass_kernel[(N, H, triton.cdiv(V, BV))](
         q, k, v, g, beta, h0=initial_state, ht=ht, ckpt_slot=slots, ckpt=ckpt, o=o, cu=lay.cu_seqlens,
-        chunk_off=lay.chunk_offsets, scale=scale, N=N, H=H, K=K, V=V, BT=CHUNK, BK=_pow2(K), BS=slice_width(K, V),
-        BV=BV, HAS_H0=initial_state is not None, STORE_FINAL=output_final_state, PREC=precision(q.dtype),
-        DT=dot_dtype(q.dtype, v.device), num_warps=num_warps or ONE_PASS_WARPS, num_stages=1,
-        **gate.kernel_args(q))
+        chunk_off=lay.chunk_offsets, AQK=AQK, PT=PT, RN=RN, scale=scale, N=N, H=H, K=K, V=V, BT=CHUNK, BK=_pow2(K),
+        BS=slice_width(K, V), BV=BV, HAS_H0=initial_state is not None, STORE_FINAL=output_final_state,
+        PREC=precision(q.dtype), DT=dot_dtype(q.dtype, v.device), PAIRS_GIVEN=pair_kernel,
+        num_warps=num_warps or ONE_PASS_WARPS, num_stages=1, **gate.kernel_args(q))
     return o, ht, ckpt
