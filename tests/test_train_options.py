@@ -131,3 +131,11 @@ def test_tensorboard_event_files_hold_the_metrics(tmp_path, monkeypatch, capsys)
         for step, value in by_step.items():
             assert got[step] == pytest.approx(value, rel=1e-6), (tag, step)  # stored as fp32
 
+
+
+def test_the_first_line_names_the_threads_with_the_device(tmp_path, capsys):
+    """`device=cpu (1 thread)`, next to the device (a QAT note came between them), and no "1 threads"."""
+    trainer = Trainer(tiny_args(tmp_path / "run", make_corpus(tmp_path / "data"), device="cpu"))
+    with one_thread():
+        trainer._announce()
+    assert "device=cpu (1 thread), processes=1" in capsys.readouterr().out

@@ -672,13 +672,17 @@ class Trainer:
             print(message, flush=True)
 
     # ---- output ----------------------------------------------------------------------------------------------
+    def _device_words(self) -> str:
+        """The device as the first line names it: cpu with its thread count ("cpu (1 thread)"), else as is."""
+        n = torch.get_num_threads()
+        return f"{self.device} ({n} thread{'s' if n > 1 else ''})" if self.device.type == "cpu" else str(self.device)
+
     def _announce(self) -> None:
         print(f"openk3 train: {self.cfg.name} ({parameter_summary(count_parameters(self.cfg))}), "
               f"{self.train_tokens:,} training tokens, "
               f"{self.schedule.total_steps} steps x {self.args.batch_size} x {self.args.seq_len} tokens, "
-              f"optimizer={self.args.optimizer}, balance={self.args.balance}, device={self.device}"
-              f"{f', qat={self.args.qat} (checkpoints hold the full-precision weights)' if self.args.qat else ''}"
-              f"{f' ({torch.get_num_threads()} threads)' if self.device.type == 'cpu' else ''}, "
+              f"optimizer={self.args.optimizer}, balance={self.args.balance}, device={self._device_words()}"
+              f"{f', qat={self.args.qat} (checkpoints hold the full-precision weights)' if self.args.qat else ''}, "
               f"processes={self.world.size}, packing={self.packing}"
               f"{', compiled' if self.args.compile else ''}{', CUDA graphs' if self.args.cuda_graphs else ''}, "
               f"out={self.out}", flush=True)

@@ -162,8 +162,7 @@ class CaptionTrainer(Trainer):
     def _announce(self) -> None:
         print(f"openk3 train: {self.cfg.name} ({parameter_summary(count_parameters(self.cfg))}) on "
               f"the shapes task, {self.schedule.total_steps} steps x {self.args.batch_size} captioned images, "
-              f"{HELD_OUT_SCENES} held-out scenes, optimizer={self.args.optimizer}, device={self.device}"
-              f"{f' ({torch.get_num_threads()} threads)' if self.device.type == 'cpu' else ''}, "
+              f"{HELD_OUT_SCENES} held-out scenes, optimizer={self.args.optimizer}, device={self._device_words()}, "
               f"processes={self.world.size}, out={self.out}", flush=True)
 
     def _report(self, summary: dict, sample: str) -> None:
