@@ -82,7 +82,8 @@ def add_train_parser(subparsers) -> None:
     number("mtp_weight", float, "weight of the multi-token-prediction loss")
     p.add_argument("--qat", default=None, choices=QAT_FORMATS,
                    help="quantization-aware training: the routed experts run on fake-quantized MXFP4 weights and "
-                        "MXFP8 inputs (straight-through gradients); checkpoints keep the full-precision weights")
+                        "MXFP8 inputs (straight-through gradients); checkpoints keep the full-precision weights "
+                        "(default: off)")
     number("time_limit", float, "opt-in wall-time budget of the whole run: the step count shrinks to fit it and "
                                 "the WSD decay moves with it, so the model depends on the machine's speed "
                                 "(0: off, the run keeps its steps)", metavar="SECONDS")
