@@ -114,7 +114,7 @@ class Sequence:
 
 def alloc(cache, pool) -> int:
     pid = pool.alloc()
-    while pid is None and cache.evict(pool.page_bytes):
+    while pid is None and cache.evict_page():
         pid = pool.alloc()
     assert pid is not None, "the test pool is sized so that running sequences always fit"
     return pid

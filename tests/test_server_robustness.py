@@ -5,7 +5,6 @@ The server is small on purpose: --max-queue 2 and --max-num-seqs 4 (6 requests h
 of 192 tokens (--kv-pages 6, the null page included) with --max-model-len 512; `one_sequence_server`'s pool holds
 one sequence of --max-model-len 512 tokens (3 pages)."""
 
-import contextlib
 import threading
 
 import httpx
@@ -87,20 +86,22 @@ def one_sequence_server():
         yield url
 
 
-def test_an_admission_that_fails_gives_back_the_pages_of_its_hit(one_sequence_server):
+def test_a_hit_whose_page_copy_finds_no_page_takes_the_hit_up_to_that_page(one_sequence_server):
     """A's 420-token prompt and 40 tokens fill the 3 pages of a pool that holds one sequence. D's 416-token hit spans
-    all 3 and ends inside the last, which holds A's later blocks too: its copy finds no page and D fails. Admission
-    had taken a reference to each hit page before the copy, and the failure left them held: the cache could evict
-    none of them, and every later request that needed the pool failed too. Now they are given back."""
+    all 3 and ends inside the last, which holds A's later blocks too: its copy finds no page. D then takes the hit up
+    to that page's start (384 tokens, nothing to copy) and prefills the rest into the page the cache gives up: the
+    same text as A. (It had failed with a 500, and until 1601916 its hit's pages stayed held, failing every later
+    request that needed the pool.)"""
     client = openai.OpenAI(base_url=f"{one_sequence_server}/v1", api_key="unused", max_retries=0, timeout=120)
     kw = dict(model=MODEL, temperature=0, extra_body={"ignore_eos": True})
     prompt = ("a long shared prompt " * 20)[:420]
-    client.completions.create(prompt=prompt, max_tokens=40, **kw)
-    with contextlib.suppress(openai.InternalServerError):  # (the copy still needs a fourth page)
-        client.completions.create(prompt=prompt, max_tokens=40, **kw)
+    a = client.completions.create(prompt=prompt, max_tokens=40, **kw)
+    d = client.completions.create(prompt=prompt, max_tokens=40, **kw)
+    assert d.choices[0].text == a.choices[0].text and d.usage.prompt_tokens_details.cached_tokens == 384
     for fill in "ef":  # 511 tokens each: the whole pool
         r = client.completions.create(prompt=fill * 500, max_tokens=11, **kw)
         assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 11
+    assert metric(one_sequence_server, 'requests_finished_total{reason="error"}') == 0
 
 
 def test_admission_counts_the_pages_of_the_first_request_admitted_with_nothing_running():

@@ -683,7 +683,7 @@ class Engine:
     def _alloc_page(self) -> int | None:
         """A free physical page, evicting unlocked prefix-cache pages when the pool is full; None if none is left."""
         pid = self.pages.alloc()
-        while pid is None and self.prefix_cache is not None and self.prefix_cache.evict(self.pages.page_bytes):
+        while pid is None and self.prefix_cache is not None and self.prefix_cache.evict_page():
             pid = self.pages.alloc()
         return pid
 
@@ -758,27 +758,42 @@ class Engine:
         if r.slot is None:
             raise PoolExhausted("no free KDA state slot")
         if self.prefix_cache is not None:
-            r.lease = self.prefix_cache.acquire(self._cache_tokens(r), max_hit=r.prefill_len - 1)
+            self._take_hit(r, r.prefill_len - 1)
+
+    def _take_hit(self, r: Request, max_hit: int) -> None:
+        """Admission's prefix hit of at most `max_hit` tokens: its pages shared into the request's table, a copy of
+        the last one where the hit ends inside a page it cannot write on, and its KDA checkpoint loaded. Where no
+        page is left for that copy, the hit up to that page's start instead (none to copy): a shorter hit, not a
+        failed request."""
+        tokens = self._cache_tokens(r)
+        while True:
+            r.lease = self.prefix_cache.acquire(tokens, max_hit=max_hit)
             hit = r.lease.hit_tokens
-            if hit:
-                pages = list(r.lease.hit_pages)
-                for pid in pages:
-                    self.pages.retain(pid)
-                self.tables.set(r.slot, pages)  # (a failure from here on releases them with the slot)
-                partial = hit % self.page_size
-                if partial and not r.lease.owns_tail:  # copy-on-write: the hit's part of a page others write
-                    own = self._alloc_page()
-                    if own is None:
-                        raise PoolExhausted("no free latent page for the copy of a partly hit page")
-                    self.pages.copy_prefix(pages[-1], own, partial)
-                    self.pages.release(pages[-1])
-                    self.tables.replace_last(r.slot, own)
-                self.states.load(r.slot, r.lease.hit_checkpoint)
-                if self.draft is not None and r.lease.hit_checkpoint.get("feature") is not None:
-                    self.features[r] = r.lease.hit_checkpoint["feature"].unsqueeze(0)
-                r.fed = hit
-                if not r.preemptions:  # (what usage reports: the prompt's hit at its first admission)
-                    r.cached_tokens = hit
+            if not hit:
+                return
+            pages = list(r.lease.hit_pages)
+            for pid in pages:
+                self.pages.retain(pid)
+            self.tables.set(r.slot, pages)  # (a failure from here on releases them with the slot)
+            partial = hit % self.page_size
+            if not partial or r.lease.owns_tail:
+                break
+            own = self._alloc_page()  # copy-on-write: the hit's part of a page others write
+            if own is not None:
+                self.pages.copy_prefix(pages[-1], own, partial)
+                self.pages.release(pages[-1])
+                self.tables.replace_last(r.slot, own)
+                break
+            for pid in self.tables.clear(r.slot):
+                self.pages.release(pid)
+            self.prefix_cache.release(r.lease)
+            max_hit = hit - partial
+        self.states.load(r.slot, r.lease.hit_checkpoint)
+        if self.draft is not None and r.lease.hit_checkpoint.get("feature") is not None:
+            self.features[r] = r.lease.hit_checkpoint["feature"].unsqueeze(0)
+        r.fed = hit
+        if not r.preemptions:  # (what usage reports: the prompt's hit at its first admission)
+            r.cached_tokens = hit
 
     def _release_resources(self, r: Request) -> None:
         self.features.pop(r, None)

@@ -339,6 +339,12 @@ class PrefixCache:
         """Free `nbytes` of the device tier now (same policy as under pressure)."""
         return self._make_room(DEVICE, self.capacity(DEVICE) - self.used[DEVICE] + nbytes)
 
+    def evict_page(self) -> bool:
+        """Give up the device tier's least recently used page that nothing locks (moved to a lower tier, or
+        discarded with what depends on it): what a full page pool needs. `evict` may free bytes by dropping
+        checkpoints instead, which frees no page. False if every page is locked."""
+        return self._evict_one_page(DEVICE)
+
     # ---- internals: pages and locks ----------------------------------------------------------------------
     def _deepest_checkpoint(self, chain: list[HashEntry], within: int) -> int:
         for depth in range(within, 0, -1):
