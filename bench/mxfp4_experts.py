@@ -30,6 +30,7 @@ import argparse
 import functools
 import itertools
 import json
+import os
 import time
 from pathlib import Path
 from unittest.mock import patch
@@ -173,6 +174,9 @@ def main() -> None:
                              "choice) for the batches of at most 64 tokens")
     args = parser.parse_args()
     device = torch.device(args.device)
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        parser.error("--device cpu runs the kernels under Triton's interpreter (Triton has no CPU driver): run it as "
+                     "TRITON_INTERPRET=1 python bench/mxfp4_experts.py --device cpu --tiny")
     moe = get_preset("kimi-linear-48b").moe
     shape = (16, 4, 64, 32) if args.tiny else (moe.num_experts, moe.top_k, 2304, moe.expert_hidden)
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

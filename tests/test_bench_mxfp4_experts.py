@@ -22,3 +22,11 @@ def test_every_format_runs_and_matches_the_bf16_experts():
     rows = re.findall(r"^(\S+)\s+tokens\s+5\s.*rel err (\S+)$", run.stdout, flags=re.M)
     assert {name for name, _ in rows} == FORMATS and len(rows) == len(FORMATS), run.stdout
     assert all(float(err) < 2e-2 for _, err in rows), rows
+
+
+def test_the_cpu_run_without_the_interpreter_is_one_line_naming_it():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, str(BENCH / "mxfp4_experts.py"), "--device", "cpu", "--tiny"],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr[-2000:]
+    assert "run it as TRITON_INTERPRET=1 python bench/mxfp4_experts.py --device cpu --tiny" in run.stderr

@@ -17,3 +17,11 @@ def test_every_case_runs_and_the_kernel_draws_the_sorts_tokens():
     rows = re.findall(r"^\| 300 \| (\d+) \|(?: [\d,.]+ \|){4} (\d+)/(\d+) \|$", run.stdout, flags=re.M)
     assert [batch for batch, _, _ in rows] == ["1", "3"], run.stdout
     assert all(same == total for _, same, total in rows), run.stdout
+
+
+def test_the_cpu_run_without_the_interpreter_is_one_line_naming_it():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, str(BENCH / "sampling.py"), "--device", "cpu", "--tiny"],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr[-2000:]
+    assert "run it as TRITON_INTERPRET=1 python bench/sampling.py --device cpu --tiny" in run.stderr
