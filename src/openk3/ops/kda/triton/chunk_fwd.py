@@ -267,6 +267,16 @@ def chain_start(state, cu, chunk_off, H, K: tl.constexpr, V: tl.constexpr, BK: t
     return n, h, bos, eos, c0, ck, cv, smask, s_offs, S
 
 
+@triton.jit
+def store_checkpoint(ckpt_slot, ckpt, c, n, h, N, H, K: tl.constexpr, V: tl.constexpr, S, s_offs, smask):
+    """The fp32 state S before chunk c (after c * BT tokens) into its slot of ckpt, where chunk c has one
+    (`chunk.checkpoint_slots`: -1 for none; ckpt_slot None: no checkpoints)."""
+    if ckpt_slot is not None:
+        slot = tl.load(ckpt_slot + c)
+        if slot >= 0:
+            tl.store(ckpt + ((slot * N + n) * H + h).to(tl.int64) * K * V + s_offs, S, mask=smask)
+
+
 @triton.jit(do_not_specialize=["N"])  # one compile for every batch size (a serving engine meets them all)
 def _state_fwd_kernel(W, U, QG, KG, AQK, GCX, h0, ht, pvs, ckpt_slot, ckpt, o, cu, chunk_off,
                       N, H, K: tl.constexpr, V: tl.constexpr, VU: tl.constexpr, BT: tl.constexpr,
@@ -283,10 +293,7 @@ def _state_fwd_kernel(W, U, QG, KG, AQK, GCX, h0, ht, pvs, ckpt_slot, ckpt, o, c
     for c in range(n_chunks):
         rows = bos + c * BT + tt
         rmask = rows < eos
-        if ckpt_slot is not None:  # an fp32 checkpoint of the state after c * BT tokens
-            slot = tl.load(ckpt_slot + c)
-            if slot >= 0:
-                tl.store(ckpt + ((slot * N + n) * H + h).to(tl.int64) * K * V + s_offs, S, mask=smask)
+        store_checkpoint(ckpt_slot, ckpt, c, n, h, N, H, K, V, S, s_offs, smask)
         xk = (rows[:, None] * H + h) * K + ck[None, :]
         mk = rmask[:, None] & (ck[None, :] < K)
         w = tl.load(W + xk, mask=mk, other=0.0).to(dt)

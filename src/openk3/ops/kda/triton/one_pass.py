@@ -38,6 +38,7 @@ from openk3.ops.kda.triton.chunk_fwd import (
     prepare_pairs,
     slice_width,
     state_block,
+    store_checkpoint,
     wy_inverse,
 )
 from openk3.ops.kda.triton.layout import CHUNK, ChunkLayout
@@ -66,10 +67,7 @@ def _one_pass_kernel(q, k, v, g, beta, A_log, dt_bias, h0, ht, ckpt_slot, ckpt, 
     for c in range(n_chunks):
         rows = bos + c * BT + tt
         rmask = rows < eos
-        if ckpt_slot is not None:  # an fp32 checkpoint of the state after c * BT tokens
-            slot = tl.load(ckpt_slot + c)
-            if slot >= 0:
-                tl.store(ckpt + ((slot * N + n) * H + h).to(tl.int64) * K * V + s_offs, S, mask=smask)
+        store_checkpoint(ckpt_slot, ckpt, c, n, h, N, H, K, V, S, s_offs, smask)
         b = load_beta(beta, rows, rmask, h, H, ACT)
         if PAIRS_GIVEN:
             Tb = tl.load(PT + pair_offsets(first + c, h, H, i, j, BT) + BT * BT) * b[None, :]  # T Diag(beta)
