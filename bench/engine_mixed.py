@@ -32,6 +32,7 @@ import os
 import pstats
 import random
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -224,6 +225,12 @@ def run(engine: Engine, args: argparse.Namespace, vocab: int, seed: int = 0) -> 
             "mean_step_ms": statistics.fmean(s["wall_s"] for s in steps) * 1e3}
 
 
+def default_json(smoke: bool) -> str:
+    """bench/engine_mixed.json; a --smoke run's in the temp directory (toy figures never over the GPU's)."""
+    return os.path.join(tempfile.gettempdir() if smoke else os.path.dirname(os.path.abspath(__file__)),
+                        "engine_mixed.json")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default=None, help="model preset (default k3-debug; k3-tiny with --smoke)")
@@ -244,8 +251,11 @@ def main() -> None:
                     help="first time prefill forwards of B x T tokens (GPU): wall and launch ms")
     ap.add_argument("--profile", action="store_true", help="cProfile the first run: top functions by own time")
     ap.add_argument("--smoke", action="store_true", help="on the CPU at toy sizes")
-    ap.add_argument("--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "engine_mixed.json"))
+    ap.add_argument("--json", default=None,
+                    help="where the runs are kept, by label (default bench/engine_mixed.json; under --smoke the "
+                         "temp directory's)")
     args = ap.parse_args()
+    args.json = args.json or default_json(args.smoke)
     sizes = dict(preset="k3-tiny", rate=8.0, requests=8, prompt="100:600", reply="4:12") if args.smoke else \
         dict(preset="k3-debug", rate=12.0, requests=96, prompt="1000:11000", reply="32:256")
     for key, value in sizes.items():

@@ -17,7 +17,7 @@ first three (compilation and allocator warm-up). The result goes under the key -
 file (other keys kept: by default bench/train_gpu.json, beside bench/train.py's rows): one row per run with
 `gpus`, `tokens_per_s`, `tokens_per_s_per_gpu`, `loss_max_abs_diff_vs_1gpu` (over all steps), and the scaling
 efficiency (per-GPU rate with N GPUs over the 1-GPU rate). `--smoke` runs the same on the CPU (gloo, k3-tiny,
-4 steps) to check the script.
+4 steps) to check the script, its JSON in the temp directory unless --json says where.
 """
 
 from __future__ import annotations
@@ -87,6 +87,11 @@ def run(args: argparse.Namespace, gpus: int, workdir: Path, layout: str) -> dict
             "wall_s": time.perf_counter() - started}
 
 
+def default_json(smoke: bool) -> str:
+    """bench/train_gpu.json; a --smoke run's in the temp directory (toy figures never over the GPU's)."""
+    return str(Path(tempfile.gettempdir() if smoke else Path(__file__).resolve().parent) / "train_gpu.json")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gpus", type=int, default=2, help="processes (GPUs) of the parallel runs")
@@ -103,10 +108,12 @@ def main() -> None:
                          "3e-3 k3-debug's loss spikes, and a 2-GPU run went to NaN at step 15 (bench/RESULTS.md)")
     ap.add_argument("--timeout", type=float, default=480.0, help="seconds each run may take")
     ap.add_argument("--smoke", action="store_true", help="the same on the CPU (gloo) at toy sizes")
-    ap.add_argument("--json", default=str(Path(__file__).resolve().parent / "train_gpu.json"),
-                    help="JSON file whose --key key gets the result (the file's other keys are kept)")
+    ap.add_argument("--json", default=None,
+                    help="JSON file whose --key key gets the result (the file's other keys are kept; default "
+                         "bench/train_gpu.json, under --smoke the temp directory's)")
     ap.add_argument("--key", default="fsdp", help="the JSON key of this result (default fsdp)")
     args = ap.parse_args()
+    args.json = args.json or default_json(args.smoke)
     for layout in args.layouts:
         try:
             layout_args(layout, args.gpus)

@@ -42,6 +42,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from datetime import timedelta
 
@@ -331,10 +332,15 @@ def run_checks(cfg, args, rank: int, world: int, device: torch.device) -> list[d
     return rows
 
 
+def default_json(name: str, smoke: bool) -> str:
+    """bench/NAME; a --smoke run's in the temp directory (toy figures never over the GPU's)."""
+    return os.path.join(tempfile.gettempdir() if smoke else os.path.dirname(os.path.abspath(__file__)), name)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="JSON path (default bench/parallel.json; bench/parallel_shared_gpu.json with "
-                                      "--shared-gpu)")
+                                      "--shared-gpu; under --smoke the temp directory's)")
     parser.add_argument("--tokens", type=int, nargs="+",
                         help="KCP document lengths (default 131072 262144); with --exchange tokens per rank "
                              "(default 65536 131072)")
@@ -357,7 +363,7 @@ def main() -> None:
     if args.out is None:
         name = "kcp_exchange.json" if args.exchange else "parallel_shared_gpu.json" if args.shared_gpu else \
             "parallel.json"
-        args.out = os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
+        args.out = default_json(name, args.smoke)
     if args.tokens is None:
         args.tokens = [65536, 131072] if args.exchange else [131072, 262144]
     if not args.smoke and not torch.cuda.is_available():

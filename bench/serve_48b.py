@@ -31,7 +31,7 @@ import torch
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
-from serve_gpu import Server  # noqa: E402  (bench/serve_gpu.py: `openk3 serve` as a child process)
+from serve_gpu import Server, default_json  # noqa: E402  (bench/serve_gpu.py: `openk3 serve` as a child process)
 from serve_load import run_load  # noqa: E402
 
 GiB = 1 << 30
@@ -96,8 +96,11 @@ def main() -> None:
                     help="concurrent requests of the 8k / 1k workload per format (default 128 256)")
     ap.add_argument("--smoke", action="store_true", help="on the CPU with k3-tiny at toy sizes")
     ap.add_argument("--server-log", default=None, help="keep each server's log at PATH.FORMAT")
-    ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", str(BENCH)), "serve_48b.json"))
+    ap.add_argument("--json", default=None,
+                    help="the results (default $OUT/serve_48b.json, else bench/serve_48b.json; under --smoke the "
+                         "temp directory's)")
     args = ap.parse_args()
+    args.json = args.json or default_json("serve_48b.json", args.smoke)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a `timeout` stops the servers too
     if not args.smoke and not torch.cuda.is_available():
         sys.exit("bench/serve_48b.py: error: needs a CUDA GPU (torch sees none); --smoke runs it on the CPU")

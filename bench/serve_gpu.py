@@ -314,6 +314,11 @@ def sync(device: str) -> None:
 PARTS = {"server": default_server, "many": many_server, "long": long_server, "peer": peer_half}
 
 
+def default_json(name: str, smoke: bool) -> str:
+    """$OUT/NAME, else bench/NAME; a --smoke run's in the temp directory (toy figures never over the GPU's)."""
+    return os.path.join(os.environ.get("OUT") or (tempfile.gettempdir() if smoke else str(BENCH)), name)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default=None, help="model preset (default k3-debug; k3-tiny with --smoke)")
@@ -326,9 +331,11 @@ def main() -> None:
     ap.add_argument("--server-flags", default="", metavar="FLAGS",
                     help="more `openk3 serve` flags for every server, one string (e.g. '--short-prefill 256'): "
                          "an A/B against the defaults")
-    out_dir = os.environ.get("OUT", str(BENCH))
-    ap.add_argument("--json", default=os.path.join(out_dir, "serve_gpu.json"))
+    ap.add_argument("--json", default=None,
+                    help="the results (default $OUT/serve_gpu.json, else bench/serve_gpu.json; under --smoke the "
+                         "temp directory's)")
     args = ap.parse_args()
+    args.json = args.json or default_json("serve_gpu.json", args.smoke)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a `timeout` stops the servers too (Server.__exit__)
     if not args.smoke and not torch.cuda.is_available():
         sys.exit("bench/serve_gpu.py: error: needs a CUDA GPU (torch sees none); --smoke runs it on the CPU")

@@ -36,7 +36,8 @@ accepted drafts per verification, and acceptance by context length with the pref
    one request at a time with the --context-loss draft and K fixed; each step's verifications are counted in the
    bucket of the request's context length (0-16k, 16-64k, 64k+), once with the prefix cache on (each turn hits the
    one before) and once off.
-Prints the tables and writes JSON (--json; default $OUT/spec_gpu.json when $OUT is set, else bench/spec_gpu.json).
+Prints the tables and writes JSON (--json; default $OUT/spec_gpu.json when $OUT is set, else bench/spec_gpu.json;
+--smoke: the temp directory's).
 Split over calls, the runs under --workdir (default runs/spec_gpu) must still be there for --target / --drafts.
 """
 
@@ -48,6 +49,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -443,8 +445,9 @@ def print_tables(result: dict) -> None:
                   f"{fmt(off['accepted_per_verify'])} |")
 
 
-def default_json() -> str:
-    return os.path.join(os.environ["OUT"], "spec_gpu.json") if os.environ.get("OUT") else "bench/spec_gpu.json"
+def default_json(smoke: bool) -> str:
+    """$OUT/spec_gpu.json, else bench/spec_gpu.json, or the temp directory's for a --smoke run (toy figures)."""
+    return os.path.join(os.environ.get("OUT") or (tempfile.gettempdir() if smoke else "bench"), "spec_gpu.json")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -473,7 +476,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--context-loss", default="lk", choices=LOSSES, help="the draft of the context trace")
     ap.add_argument("--no-compile", action="store_true",
                     help="engines' steps uncompiled (still CUDA graphs): faster start, slower steps")
-    ap.add_argument("--json", default=None, help="output (default $OUT/spec_gpu.json, else bench/spec_gpu.json)")
+    ap.add_argument("--json", default=None, help="output (default $OUT/spec_gpu.json, else bench/spec_gpu.json; "
+                                                 "under --smoke the temp directory's)")
     ap.add_argument("--update", action="store_true",
                     help="keep what an earlier run wrote to --json and this one did not measure (a split run: "
                          "--parts throughput, then --parts context --update)")
@@ -487,7 +491,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"--train-seconds must be >= 0, got {args.train_seconds}")
     args.device = "cpu" if args.smoke else "cuda"
     args.workdir = args.workdir or ("runs/spec_gpu_smoke" if args.smoke else "runs/spec_gpu")
-    args.json = args.json or default_json()
+    args.json = args.json or default_json(args.smoke)
     return args
 
 
