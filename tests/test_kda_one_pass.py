@@ -51,9 +51,10 @@ def recurrence(q, k, v, g, beta, h0, cu):
     return o.reshape(-1, *o.shape[2:]), ht
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("T, gate_min, h0, block_v", [(1, -5.0, True, None), (17, None, False, None),
-                                                      (40, -5.0, False, 16), (33, None, True, 32)])
+@pytest.mark.parametrize("T, gate_min, h0, block_v, dtype", [(1, -5.0, True, None, torch.bfloat16),
+                                                             (17, None, False, None, torch.float32),
+                                                             (40, -5.0, False, 16, torch.bfloat16),
+                                                             (33, None, True, 32, torch.float32)])
 def test_one_pass_matches_recurrence_and_two_kernels(T, gate_min, h0, block_v, dtype, pair_kernel):
     """Dense batches in both gate modes (bounded: K3's floor; any gate: no floor), with and without an initial
     state, V = 48 in one block, three, or a full and a partial one."""
