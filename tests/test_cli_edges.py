@@ -87,6 +87,15 @@ def test_config_file_errors_name_the_flag_and_the_file(tmp_path, text, message):
 
 # ---- generate --------------------------------------------------------------------------------------------------
 
+def test_serve_names_a_weights_file_the_engine_process_cannot_open(tmp_path, capfd):
+    """An OSError while the engine process builds the model (here the weights file is a directory) is one line
+    naming the file, as the CLI's own input errors are (it logged a traceback)."""
+    write_config(tmp_path, config_to_k3(get_preset("k3-tiny")))
+    (tmp_path / "model.safetensors").mkdir()
+    err = error_of(["serve", "--port", "0", "--ckpt", str(tmp_path)], capfd)
+    assert f"{tmp_path / 'model.safetensors'} cannot be opened" in err
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine or torch build without CUDA")
 @pytest.mark.parametrize("flags, message", [
     (["--device", "cuda"], "--device cuda: this machine or torch build has no CUDA GPU; use --device cpu"),

@@ -26,6 +26,11 @@ class CheckpointError(RuntimeError):
     """A checkpoint that is missing, incomplete, corrupted, or does not match this run."""
 
 
+# what a command raises for bad input, said in one line (`openk3.cli`, and the server's engine process at start-up):
+# an impossible config or input, a path missing or of the wrong kind, a checkpoint that does not fit, a diverged run
+INPUT_ERRORS = (ValueError, OSError, CheckpointError, FloatingPointError)
+
+
 def step_dir_name(step: int) -> str:
     return f"step-{step:06d}"
 

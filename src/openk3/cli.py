@@ -61,11 +61,11 @@ def main(argv: list[str] | None = None) -> int:
     command_parser = vars(args).pop("command_parser")  # not an option: the args go on (pickled, to `serve`'s engine)
     if extras:  # named by the command's parser, not the top-level one (whose usage lists only the commands)
         command_parser.refuse_unknown(extras)
-    from openk3.checkpoints import CheckpointError
+    from openk3.checkpoints import INPUT_ERRORS
 
     try:
         return int(args.func(args) or 0)
-    except (ValueError, OSError, CheckpointError, FloatingPointError) as err:  # the message names the field
+    except INPUT_ERRORS as err:  # the message names the field
         if os.environ.get("OPENK3_DEBUG"):
             raise
         print(f"openk3 {args.command}: error: {err}", file=sys.stderr)

@@ -75,11 +75,14 @@ def weight_map(path: str | Path) -> dict[str, Path]:
 
 
 def open_safetensors(file: Path):
-    """safe_open, with a file that is not readable safetensors (truncated, corrupted) a ValueError naming it."""
+    """safe_open, with a file that is not readable safetensors (truncated, corrupted) a ValueError naming it, and
+    one that cannot be opened (a directory, no permission) an OSError naming it."""
     try:
         return safe_open(file, "pt")
     except SafetensorError as exc:
         raise ValueError(f"{file} is not a readable safetensors file (truncated or corrupted?): {exc}") from None
+    except OSError as exc:
+        raise OSError(f"{file} cannot be opened: {exc.strerror or exc}") from None
 
 
 class TensorReader:

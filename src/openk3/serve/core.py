@@ -255,13 +255,13 @@ def release_startup_objects() -> None:
 def engine_process_main(args: argparse.Namespace, conn, build: Callable, describe: Callable[..., str]) -> None:
     """The engine process: build the engine, then run steps, taking requests and cancellations between them and
     sending each step's events with a metrics snapshot. Ends when the API says stop or its pipe closes."""
-    from openk3.checkpoints import resolve_checkpoint
+    from openk3.checkpoints import INPUT_ERRORS, resolve_checkpoint
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         engine, name = build(args)
     except Exception as exc:  # any failure to build is the server's one-line start-up error
-        if not isinstance(exc, ValueError):  # not a bad flag or input (out of memory, a bug): the traceback is logged
+        if not isinstance(exc, INPUT_ERRORS):  # not a bad flag or input (out of memory, a bug): the traceback is logged
             log.exception("the engine failed to start")
         conn.send(("failed", str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__))
         return
