@@ -195,8 +195,10 @@ def main() -> None:
               f"{res['ideal_tokens']:>6} {share:>8.1%} {res['prefilled_tokens']:>9} {res['ttft_mean_s']:>9.3f} "
               f"{res['ttft_p50_s']:>6.3f} {res['ttft_p90_s']:>6.3f} {res['throughput_tok_s']:>7.1f} "
               f"{res['wall_s']:>6.1f}")
-    ratio = k3["reused_tokens"] / max(1, base["reused_tokens"])
-    print(f"k3 reuses {k3['reused_tokens'] / max(1, k3['ideal_tokens']):.1%} of ideal and {ratio:.2f}x the baseline; "
+    ratio = k3["reused_tokens"] / base["reused_tokens"] if base["reused_tokens"] else None  # None: the baseline none
+    versus = (f"{ratio:.2f}x the baseline's tokens" if ratio is not None
+              else f"{k3['reused_tokens']} tokens where the baseline reused none")
+    print(f"k3 reuses {k3['reused_tokens'] / max(1, k3['ideal_tokens']):.1%} of ideal, {versus}; "
           f"greedy outputs identical across policies: {identical}")
     print("reused per turn  k3:", per_turn(k3, "reused", args.turns), " baseline:",
           per_turn(base, "reused", args.turns), " ideal:", per_turn(k3, "ideal", args.turns))
