@@ -1,6 +1,7 @@
 """The serving engine on a GPU (skipped without one): its default overlapped decode (each step queued, sampling
 included, before the host reads the previous step's tokens; openk3.serve.engine `Engine._decode`) replays CUDA
-graphs fed from the device and gives the synchronous engine's greedy and seeded replies."""
+graphs fed from the device and gives the synchronous engine's greedy and seeded replies; the prefix cache's KDA
+checkpoints come out of memory reserved at start-up, not from cudaMalloc calls during prefills."""
 
 import pytest
 import torch
@@ -39,3 +40,24 @@ def test_overlapped_decode_on_the_gpu_gives_the_synchronous_replies():
     model = randomize(K3ForCausalLM(CONFIGS["k3-tiny"]()), seed=5).to("cuda", torch.bfloat16).eval()
     assert replies(model, overlap=True) == replies(model, overlap=False)
 
+
+
+@torch.no_grad()
+def test_prefill_checkpoints_take_no_new_device_memory():
+    """A prompt checkpointed at many offsets (every hash block here) allocates its checkpoints from the segment the
+    engine reserved for the prefix cache's device tier: no cudaMalloc during the prefill."""
+    torch.manual_seed(0)
+    model = randomize(K3ForCausalLM(CONFIGS["k3-tiny"]()), seed=5).to("cuda", torch.bfloat16).eval()
+    engine = Engine(model, ByteTokenizer(), EngineConfig(compile_decode=False, kv_pages=64, cache_bytes=64 << 20,
+                                                         checkpoint_every=1, hash_block=16))
+    prompt = list(range(1, 400))
+    first = engine.add_request(prompt, SamplingParams(max_tokens=2, ignore_eos=True))
+    while engine.has_work():  # the same shapes as the second request's: what they allocate is cached after this
+        engine.step()
+    mallocs = torch.cuda.memory_stats()["num_device_alloc"]
+    second = engine.add_request(prompt[::-1], SamplingParams(max_tokens=2, ignore_eos=True))
+    while engine.has_work():
+        engine.step()
+    assert first.finish_reason == second.finish_reason == "length"
+    assert engine.prefix_cache.stats.inserted_blocks >= 2 * (len(prompt) // 16)  # both prompts' blocks checkpointed
+    assert torch.cuda.memory_stats()["num_device_alloc"] == mallocs

@@ -402,6 +402,11 @@ class Engine:
             device_bytes=self.capacity.cache_bytes, host_bytes=config.host_cache_bytes,
             disk_dir=config.disk_cache_dir, disk_bytes=config.disk_cache_bytes, device=str(device),
         ), store=self.pages) if config.prefix_cache else None
+        if gpu and self.prefix_cache is not None:
+            # the device tier's KDA checkpoints (k3-debug: 4.7 MiB each, one every 512 prompt tokens) are carved out
+            # of one segment the caching allocator keeps from now on: allocated as prefills went, each had been a
+            # cudaMalloc of its own (~500 for a 256k-token prompt)
+            torch.empty(self.capacity.cache_bytes, dtype=torch.uint8, device=device)
         self.scheduler = Scheduler(sched)
         self.metrics = EngineMetrics()
         self.phases = StepPhases()
