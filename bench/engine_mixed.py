@@ -32,7 +32,6 @@ import os
 import pstats
 import random
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 
@@ -44,6 +43,7 @@ from openk3.sampling import SamplingParams
 from openk3.serve.engine import Engine, EngineConfig
 from openk3.serve.scheduler import SchedulerConfig
 from openk3.tokenizer import ByteTokenizer
+from outputs import default_json  # bench/outputs.py (the script's folder is on sys.path)
 
 
 def span(text: str) -> tuple[int, int]:
@@ -225,12 +225,6 @@ def run(engine: Engine, args: argparse.Namespace, vocab: int, seed: int = 0) -> 
             "mean_step_ms": statistics.fmean(s["wall_s"] for s in steps) * 1e3}
 
 
-def default_json(smoke: bool) -> str:
-    """bench/engine_mixed.json; a --smoke run's in the temp directory (toy figures never over the GPU's)."""
-    return os.path.join(tempfile.gettempdir() if smoke else os.path.dirname(os.path.abspath(__file__)),
-                        "engine_mixed.json")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default=None, help="model preset (default k3-debug; k3-tiny with --smoke)")
@@ -255,7 +249,7 @@ def main() -> None:
                     help="where the runs are kept, by label (default bench/engine_mixed.json; under --smoke the "
                          "temp directory's)")
     args = ap.parse_args()
-    args.json = args.json or default_json(args.smoke)
+    args.json = args.json or default_json("engine_mixed.json", args.smoke)
     sizes = dict(preset="k3-tiny", rate=8.0, requests=8, prompt="100:600", reply="4:12") if args.smoke else \
         dict(preset="k3-debug", rate=12.0, requests=96, prompt="1000:11000", reply="32:256")
     for key, value in sizes.items():

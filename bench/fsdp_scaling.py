@@ -32,6 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from outputs import default_json  # bench/outputs.py (the script's folder is on sys.path)
+
 WARMUP_STEPS = 3
 
 
@@ -87,11 +89,6 @@ def run(args: argparse.Namespace, gpus: int, workdir: Path, layout: str) -> dict
             "wall_s": time.perf_counter() - started}
 
 
-def default_json(smoke: bool) -> str:
-    """bench/train_gpu.json; a --smoke run's in the temp directory (toy figures never over the GPU's)."""
-    return str(Path(tempfile.gettempdir() if smoke else Path(__file__).resolve().parent) / "train_gpu.json")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gpus", type=int, default=2, help="processes (GPUs) of the parallel runs")
@@ -113,7 +110,7 @@ def main() -> None:
                          "bench/train_gpu.json, under --smoke the temp directory's)")
     ap.add_argument("--key", default="fsdp", help="the JSON key of this result (default fsdp)")
     args = ap.parse_args()
-    args.json = args.json or default_json(args.smoke)
+    args.json = args.json or default_json("train_gpu.json", args.smoke)
     for layout in args.layouts:
         try:
             layout_args(layout, args.gpus)

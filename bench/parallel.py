@@ -42,7 +42,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from datetime import timedelta
 
@@ -58,6 +57,7 @@ from openk3.parallel.ep import ExpertParallel, local_experts, shard_experts
 from openk3.parallel.kcp import kda_layer_forward
 from openk3.parallel.layout import SequenceSplit
 from openk3.parallel.mla import mla_layer_forward
+from outputs import default_json  # bench/outputs.py (the script's folder is on sys.path)
 
 
 def timed(step, iters: int, warmup: int, device: torch.device) -> float:
@@ -330,11 +330,6 @@ def run_checks(cfg, args, rank: int, world: int, device: torch.device) -> list[d
         worst = max(errors[key] for key in ("output", "input_grad", "param_grad"))
         rows.append({"check": what, **errors, "tol": args.check_tol, "ok": worst <= args.check_tol})
     return rows
-
-
-def default_json(name: str, smoke: bool) -> str:
-    """bench/NAME; a --smoke run's in the temp directory (toy figures never over the GPU's)."""
-    return os.path.join(tempfile.gettempdir() if smoke else os.path.dirname(os.path.abspath(__file__)), name)
 
 
 def main() -> None:

@@ -48,6 +48,7 @@ import torch
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 from openk3.config import get_preset  # noqa: E402
+from outputs import default_json  # noqa: E402  (bench/outputs.py)
 from serve_load import run_load  # noqa: E402  (bench/serve_load.py)
 
 TEXT = dict(prompt_len="60:200", temperature=0.8, top_p=0.95, tokenizer="bytes")
@@ -312,11 +313,6 @@ def sync(device: str) -> None:
 
 
 PARTS = {"server": default_server, "many": many_server, "long": long_server, "peer": peer_half}
-
-
-def default_json(name: str, smoke: bool) -> str:
-    """$OUT/NAME, else bench/NAME; a --smoke run's in the temp directory (toy figures never over the GPU's)."""
-    return os.path.join(os.environ.get("OUT") or (tempfile.gettempdir() if smoke else str(BENCH)), name)
 
 
 def main() -> None:

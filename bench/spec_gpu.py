@@ -49,7 +49,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -68,6 +67,7 @@ from openk3.serve.scheduler import SchedulerConfig
 from openk3.serve.speculation import SpecPolicy
 from openk3.tokenizer import load_tokenizer
 from openk3.train.data import load_documents, train_and_heldout_streams
+from outputs import default_json  # bench/outputs.py (the script's folder is on sys.path)
 
 LOSSES = ("lk", "kl", "hybrid")
 BUCKETS = ((0, 16_384, "0-16k"), (16_384, 65_536, "16-64k"), (65_536, None, "64k+"))
@@ -445,11 +445,6 @@ def print_tables(result: dict) -> None:
                   f"{fmt(off['accepted_per_verify'])} |")
 
 
-def default_json(smoke: bool) -> str:
-    """$OUT/spec_gpu.json, else bench/spec_gpu.json, or the temp directory's for a --smoke run (toy figures)."""
-    return os.path.join(os.environ.get("OUT") or (tempfile.gettempdir() if smoke else "bench"), "spec_gpu.json")
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 2)[2],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -491,7 +486,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"--train-seconds must be >= 0, got {args.train_seconds}")
     args.device = "cpu" if args.smoke else "cuda"
     args.workdir = args.workdir or ("runs/spec_gpu_smoke" if args.smoke else "runs/spec_gpu")
-    args.json = args.json or default_json(args.smoke)
+    args.json = args.json or default_json("spec_gpu.json", args.smoke)
     return args
 
 
