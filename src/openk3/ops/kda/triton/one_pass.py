@@ -28,12 +28,11 @@ from openk3.ops.kda.triton.chunk_fwd import (
     _pow2,
     chain_start,
     dot_dtype,
-    inverse_norm,
     load_beta,
     load_slice,
     norm_offsets,
-    pair_factors,
     pair_offsets,
+    pair_products,
     precision,
     prepare_pairs,
     slice_width,
@@ -75,29 +74,10 @@ def _one_pass_kernel(q, k, v, g, beta, A_log, dt_bias, h0, ht, ckpt_slot, ckpt, 
             norm = norm_offsets(rows, h, H)
             rq = tl.load(RN + norm, mask=rmask, other=1.0)
             rk = tl.load(RN + norm + 1, mask=rmask, other=1.0)
-        else:
-            # pass 1, the prepare kernel's: the pair products over K, BS channels at a time (small fp32 tiles; raw
-            # q, k under ACT, rescaled by the row norms after)
-            P = tl.zeros([BT, BT], dtype=tl.float32)
-            Aqk = tl.zeros([BT, BT], dtype=tl.float32)
-            qk = tl.zeros([BT], dtype=tl.float32)
-            sq_q = tl.zeros([BT], dtype=tl.float32)
-            sq_k = tl.zeros([BT], dtype=tl.float32)
-            for k0 in range(0, K, BS):
-                qq, kk, gg, G, _, _ = load_slice(q, k, g, A_log, dt_bias, rows, rmask, h, H, K, BT, BS, k0, ACT,
-                                                 G_MIN, G_FLOOR)
-                for lv in tl.static_range(4 if HIER else 1):
-                    fi, fj, pairs = pair_factors(gg, G, lv, i, j, BT, BS, HIER)
-                    Ki = kk * fj
-                    P += tl.where(pairs, tl.dot(kk * fi, tl.trans(Ki), input_precision=PREC), 0.0)
-                    Aqk += tl.where(pairs, tl.dot(qq * fi, tl.trans(Ki), input_precision=PREC), 0.0)
-                qk += tl.sum(qq * kk, axis=1)
-                sq_q += tl.sum(qq * qq, axis=1)
-                sq_k += tl.sum(kk * kk, axis=1)
-            rq = inverse_norm(sq_q, ACT)
-            rk = inverse_norm(sq_k, ACT)
-            P = P * rk[:, None] * rk[None, :]
-            Aqk = ((Aqk + tl.where(i == j, qk[:, None], 0.0)) * (scale * rq)[:, None] * rk[None, :]).to(dt)
+        else:  # the prepare kernel's first pass (small fp32 slices of the channels)
+            P, Aqk, rq, rk = pair_products(q, k, g, A_log, dt_bias, rows, rmask, h, H, scale, K, BT, BS, PREC, ACT,
+                                           G_MIN, G_FLOOR, HIER, True)
+            Aqk = Aqk.to(dt)
             Tb = wy_inverse(P, b, i, j, PREC) * b[None, :]  # T Diag(beta)
         # pass 2: the chunk's decayed q and k over all channels (cache hits), in the operands' dtype
         qq, kk, _, G, GC, _ = load_slice(q, k, g, A_log, dt_bias, rows, rmask, h, H, K, BT, BK, 0, ACT, G_MIN,
