@@ -75,16 +75,18 @@ def table(results: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--steps", type=int, default=200, help="training steps of each run")
+    parser.add_argument("--seq-len", type=int, default=64, help="tokens a sequence")
+    parser.add_argument("--batch-size", type=int, default=8, help="sequences a step")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: the trainer's auto choice)")
+    parser.add_argument("--json", type=Path, default=HERE / "quant.json", help="the results")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         results = {name: run_one(name, args.steps, args.seq_len, args.batch_size, args.threads, Path(tmp))
                    for name in RUNS}
-    (HERE / "quant.json").write_text(json.dumps(results, indent=1))
+    args.json.write_text(json.dumps(results, indent=1))
     print(table(results))
 
 

@@ -697,7 +697,7 @@ def cpu(args: argparse.Namespace) -> dict:
               "openk3": {"step_s": t_ours, "tokens_per_s": tokens / t_ours},
               "transformers": {"step_s": t_theirs, "tokens_per_s": tokens / t_theirs},
               "speedup": t_theirs / t_ours}
-    (HERE / "train_cpu.json").write_text(json.dumps(result, indent=1))
+    args.json.write_text(json.dumps(result, indent=1))
     print(f"{result['env']}\nlogits relative error {rel:.1e}\n\n| implementation | train step (s, best of "
           f"{args.steps}) | tokens/s |\n|---|---|---|")
     print(f"| openk3 (chunked KDA) | {t_ours:.3f} | {tokens / t_ours:,.0f} |")
@@ -733,11 +733,13 @@ def main() -> None:
     o = step_arguments(sub.add_parser("optim"))
     o.add_argument("--rounds", type=int, default=3, help="training-step timings per optimizer, alternated")
     o.add_argument("--preset", default="k3-debug")
-    c = sub.add_parser("cpu")
-    c.add_argument("--steps", type=int, default=3)
-    c.add_argument("--batch-size", type=int, default=2)
-    c.add_argument("--seq-len", type=int, default=256)
-    c.add_argument("--threads", type=int, default=None)
+    c = sub.add_parser("cpu", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       help="one training step, openk3 against transformers' KimiLinearForCausalLM")
+    c.add_argument("--steps", type=int, default=3, help="timed steps of each implementation (the best is kept)")
+    c.add_argument("--batch-size", type=int, default=2, help="sequences a step")
+    c.add_argument("--seq-len", type=int, default=256, help="tokens a sequence")
+    c.add_argument("--threads", type=int, default=None, help="torch threads (None: torch's own choice)")
+    c.add_argument("--json", type=Path, default=HERE / "train_cpu.json", help="the results")
     args = parser.parse_args()
     if getattr(args, "smoke", False):
         global DEVICE
