@@ -10,7 +10,7 @@ import sys
 from openk3.accounting import cache_bytes, count_parameters, expert_bytes
 from openk3.accounting import short_count as _num
 from openk3.cli_options import ShowDefaults, int_at_least
-from openk3.config import ModelConfig, get_preset
+from openk3.config import PRESETS, ModelConfig, get_preset
 
 
 def _bytes(n: float) -> str:
@@ -78,8 +78,7 @@ def add_info_parser(subparsers) -> argparse.ArgumentParser:
         description="Print total / activated parameters, a per-component breakdown and the decode-cache size.",
         formatter_class=ShowDefaults,
     )
-    p.add_argument("--preset", default="k3-tiny", help="model preset (k3, k3-debug, k3-tiny, k3-tiny-vl, "
-                   "kimi-linear-48b)")
+    p.add_argument("--preset", default="k3-tiny", help=f"model preset: {', '.join(sorted(PRESETS))}")
     p.add_argument("--json", action="store_true", help="also print the report as JSON on the last line")
     p.add_argument("--context", type=int_at_least(1), default=1 << 20,
                    help="context length (tokens) for the per-sequence cache size")

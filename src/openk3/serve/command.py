@@ -36,6 +36,7 @@ from openk3.cli_options import (
     int_at_least,
     resolve_device,
 )
+from openk3.config import PRESETS
 from openk3.serve.capacity import CPU_BATCHED_TOKENS, GPU_BATCHED_TOKENS
 from openk3.serve.speculation import DEFAULT_K
 
@@ -294,7 +295,8 @@ def add_serve_parser(subparsers) -> None:
     p = subparsers.add_parser("serve", help="OpenAI-compatible server with the K3 hybrid prefix cache",
                               description=__doc__, formatter_class=ShowDefaultsRaw)
     source = p.add_mutually_exclusive_group()
-    source.add_argument("--preset", default="k3-tiny", help="random-init model of this preset (default k3-tiny)")
+    source.add_argument("--preset", default="k3-tiny",
+                        help=f"random-init model of this preset: {', '.join(sorted(PRESETS))} (default k3-tiny)")
     source.add_argument("--ckpt", help="checkpoint directory (or a training run directory: its latest)")
     p.add_argument("--model-name", help="the name clients pass as `model` (default: preset or checkpoint dir)")
     p.add_argument("--host", type=listen_host, default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
