@@ -12,9 +12,11 @@ busy. This form computes, per chunk, in registers:
 
 the state-pass recurrence with U - W S formed from the chunk's inputs (one product with S over K, then the
 [BT, BT] one with T Diag(beta)). Every V block of a chain repeats the chunk's intra terms (they depend on q, k, g,
-beta only). Same gate modes, fused activations, initial and final states, checkpoints and varlen layout as the
-two-kernel forward; it saves nothing for a backward. Not yet the path `kda_triton` takes: which shapes it wins
-is for `bench/kda.py --stages` to measure on a GPU.
+beta only). With `pair_kernel=True` the prepare kernel's first pass runs before, token-parallel
+(`chunk_fwd.prepare_pairs`: T, Aqk and the row norms, 0.6 KB a chunk and head through memory), and the chains
+form only the decayed q, k and the state step. Same gate modes, fused activations, initial and final states,
+checkpoints and varlen layout as the two-kernel forward; it saves nothing for a backward. Not yet the path
+`kda_triton` takes: which shapes each mode wins is for `bench/kda.py --stages` to measure on a GPU.
 """
 
 from __future__ import annotations
