@@ -37,13 +37,13 @@ from collections.abc import Callable
 
 import torch
 
+from common import default_json  # bench/common.py (the script's folder is on sys.path)
 from openk3.config import get_preset
 from openk3.model import K3ForCausalLM
 from openk3.sampling import SamplingParams
 from openk3.serve.engine import Engine, EngineConfig
 from openk3.serve.scheduler import SchedulerConfig
 from openk3.tokenizer import ByteTokenizer
-from outputs import default_json  # bench/outputs.py (the script's folder is on sys.path)
 
 
 def span(text: str) -> tuple[int, int]:

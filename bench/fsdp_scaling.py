@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from outputs import default_json  # bench/outputs.py (the script's folder is on sys.path)
+from common import default_json  # bench/common.py (the script's folder is on sys.path)
 
 WARMUP_STEPS = 3
 

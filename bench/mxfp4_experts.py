@@ -30,13 +30,13 @@ import argparse
 import functools
 import itertools
 import json
-import os
 import time
 from pathlib import Path
 from unittest.mock import patch
 
 import torch
 
+from common import require_interpreter  # bench/common.py (the script's folder is on sys.path)
 from openk3.config import get_preset
 from openk3.ops import gluon_mxfp4, triton_experts_common
 from openk3.ops.activations import glu_activation
@@ -174,9 +174,7 @@ def main() -> None:
                              "choice) for the batches of at most 64 tokens")
     args = parser.parse_args()
     device = torch.device(args.device)
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        parser.error("--device cpu runs the kernels under Triton's interpreter (Triton has no CPU driver): run it as "
-                     "TRITON_INTERPRET=1 python bench/mxfp4_experts.py --device cpu --tiny")
+    require_interpreter(parser, args.device, "mxfp4_experts.py")
     moe = get_preset("kimi-linear-48b").moe
     shape = (16, 4, 64, 32) if args.tiny else (moe.num_experts, moe.top_k, 2304, moe.expert_hidden)
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 from dataclasses import dataclass
 
 import torch
 
+from common import require_interpreter  # bench/common.py (the script's folder is on sys.path)
 from openk3.config import get_preset
 from openk3.ops.paged_mla import paged_mla_decode
 
@@ -111,9 +111,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench/paged_mla.py: needs a CUDA GPU (--device cpu --tiny runs it under the interpreter)")
-    if args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        ap.error("--device cpu runs the kernels under Triton's interpreter (Triton has no CPU driver): run it as "
-                 "TRITON_INTERPRET=1 python bench/paged_mla.py --device cpu --tiny")
+    require_interpreter(ap, args.device, "paged_mla.py")
     sizes, device = (TINY if args.tiny else GPU), args.device
     args.preset = args.preset or ("k3-tiny" if args.tiny else "k3-debug")
     mc, gen = get_preset(args.preset).mla, torch.Generator().manual_seed(0)

@@ -48,6 +48,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from common import default_json  # bench/common.py (the script's folder is on sys.path)
 from openk3.config import get_preset
 from openk3.model.kda import KimiDeltaAttention
 from openk3.model.mla import GatedMLA
@@ -57,7 +58,6 @@ from openk3.parallel.ep import ExpertParallel, local_experts, shard_experts
 from openk3.parallel.kcp import kda_layer_forward
 from openk3.parallel.layout import SequenceSplit
 from openk3.parallel.mla import mla_layer_forward
-from outputs import default_json  # bench/outputs.py (the script's folder is on sys.path)
 
 
 def timed(step, iters: int, warmup: int, device: torch.device) -> float:

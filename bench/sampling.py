@@ -21,13 +21,13 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import random
 import time
 from pathlib import Path
 
 import torch
 
+from common import require_interpreter  # bench/common.py (the script's folder is on sys.path)
 from openk3 import sampling
 from openk3.sampling import SamplingParams, sample_tokens
 
@@ -65,9 +65,7 @@ def main() -> None:
     parser.add_argument("--json", default=str(HERE / "sampling.json"))
     args = parser.parse_args()
     device = torch.device(args.device)
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        parser.error("--device cpu runs the kernels under Triton's interpreter (Triton has no CPU driver): run it as "
-                     "TRITON_INTERPRET=1 python bench/sampling.py --device cpu --tiny")
+    require_interpreter(parser, args.device, "sampling.py")
     vocabs, batches, reps = ([300], [1, 3], 1) if args.tiny else (args.vocab, args.batches, 20)
     if device.type == "cpu" and not args.tiny:
         parser.error("the kernels need a CUDA device (or --device cpu --tiny under TRITON_INTERPRET=1)")

@@ -47,8 +47,8 @@ import torch
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
+from common import default_json  # noqa: E402  (bench/common.py)
 from openk3.config import get_preset  # noqa: E402
-from outputs import default_json  # noqa: E402  (bench/outputs.py)
 from serve_load import run_load  # noqa: E402  (bench/serve_load.py)
 
 TEXT = dict(prompt_len="60:200", temperature=0.8, top_p=0.95, tokenizer="bytes")

@@ -57,6 +57,7 @@ from pathlib import Path
 import torch
 
 import openk3
+from common import default_json  # bench/common.py (the script's folder is on sys.path)
 from openk3.build import load_model
 from openk3.checkpoints import resolve_checkpoint
 from openk3.draft import has_draft, load_draft
@@ -67,7 +68,6 @@ from openk3.serve.scheduler import SchedulerConfig
 from openk3.serve.speculation import SpecPolicy
 from openk3.tokenizer import load_tokenizer
 from openk3.train.data import load_documents, train_and_heldout_streams
-from outputs import default_json  # bench/outputs.py (the script's folder is on sys.path)
 
 LOSSES = ("lk", "kl", "hybrid")
 BUCKETS = ((0, 16_384, "0-16k"), (16_384, 65_536, "16-64k"), (65_536, None, "64k+"))

@@ -1,6 +1,7 @@
 """Shared by the benchmark tests: a bench/ script run end to end as its own process."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,3 +15,12 @@ def run_bench(script: str, *args: str, out: Path, env: dict | None = None) -> tu
                          text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(out.read_text()), run.stdout
+
+
+def assert_cpu_run_names_the_interpreter(script: str) -> None:
+    """`python bench/SCRIPT --device cpu --tiny` without TRITON_INTERPRET=1: exit 2, one line saying how to run it."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, str(BENCH_DIR / script), "--device", "cpu", "--tiny"], capture_output=True,
+                         text=True, timeout=120, env=env)
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr[-2000:]
+    assert f"run it as TRITON_INTERPRET=1 python bench/{script} --device cpu --tiny" in run.stderr

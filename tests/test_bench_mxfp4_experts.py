@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from bench_run import assert_cpu_run_names_the_interpreter
+
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 FORMATS = {"bf16", "mxfp4", "mxfp4-rows", "mxfp4-tiles", "mxfp4-scaled", "mxfp4-expand", "mxfp4-rows-triton",
            "mxfp4-tiles-triton", "mxfp4-tiles-no-gluon"}
@@ -25,8 +27,4 @@ def test_every_format_runs_and_matches_the_bf16_experts():
 
 
 def test_the_cpu_run_without_the_interpreter_is_one_line_naming_it():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, str(BENCH / "mxfp4_experts.py"), "--device", "cpu", "--tiny"],
-                         capture_output=True, text=True, timeout=120, env=env)
-    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr[-2000:]
-    assert "run it as TRITON_INTERPRET=1 python bench/mxfp4_experts.py --device cpu --tiny" in run.stderr
+    assert_cpu_run_names_the_interpreter("mxfp4_experts.py")

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from bench_run import assert_cpu_run_names_the_interpreter
+
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
@@ -27,8 +29,4 @@ def test_every_row_runs_and_is_checked_against_its_peer(tmp_path):
 
 
 def test_the_cpu_run_without_the_interpreter_is_one_line_naming_it():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, str(BENCH / "paged_mla.py"), "--device", "cpu", "--tiny"],
-                         capture_output=True, text=True, timeout=120, env=env)
-    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr[-2000:]
-    assert "run it as TRITON_INTERPRET=1 python bench/paged_mla.py --device cpu --tiny" in run.stderr
+    assert_cpu_run_names_the_interpreter("paged_mla.py")

@@ -18,7 +18,7 @@ BENCH = Path(__file__).resolve().parents[1] / "bench"
 def load(name):
     spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(BENCH))  # the scripts import their neighbours (bench/outputs.py), as when run
+    sys.path.insert(0, str(BENCH))  # the scripts import their neighbours (bench/common.py), as when run
     try:
         spec.loader.exec_module(module)
     finally:

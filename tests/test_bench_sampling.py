@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from bench_run import assert_cpu_run_names_the_interpreter
+
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
@@ -20,8 +22,4 @@ def test_every_case_runs_and_the_kernel_draws_the_sorts_tokens():
 
 
 def test_the_cpu_run_without_the_interpreter_is_one_line_naming_it():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, str(BENCH / "sampling.py"), "--device", "cpu", "--tiny"],
-                         capture_output=True, text=True, timeout=120, env=env)
-    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr[-2000:]
-    assert "run it as TRITON_INTERPRET=1 python bench/sampling.py --device cpu --tiny" in run.stderr
+    assert_cpu_run_names_the_interpreter("sampling.py")

@@ -23,15 +23,15 @@ def bench_module(name: str, monkeypatch):
 @pytest.mark.parametrize("script", ["engine_mixed", "serve_gpu", "serve_48b", "spec_gpu", "fsdp_scaling", "parallel"])
 def test_every_gpu_benchmark_takes_the_shared_default(monkeypatch, script):
     module = bench_module(script, monkeypatch)
-    import outputs  # bench/outputs.py, as the scripts import it
+    import common  # bench/common.py, as the scripts import it
 
-    assert module.default_json is outputs.default_json
+    assert module.default_json is common.default_json
 
 
 def test_a_smoke_run_writes_its_json_outside_bench(monkeypatch):
     """Without $OUT: a --smoke run's JSON in the temp directory, a real run's in bench/; with it, both there."""
     monkeypatch.delenv("OUT", raising=False)
-    default_json = bench_module("outputs", monkeypatch).default_json
+    default_json = bench_module("common", monkeypatch).default_json
     assert Path(default_json("x.json", smoke=True)) == Path(tempfile.gettempdir()) / "x.json"
     assert Path(default_json("x.json")) == BENCH / "x.json"
     monkeypatch.setenv("OUT", "/out")
